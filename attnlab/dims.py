@@ -1,0 +1,21 @@
+"""The dimension key used in names throughout attnlab.
+
+Arrays carry their shape as a suffix built from these letters, and einsum strings use the
+same letters, so ``q_BTNH`` is read "queries, [batch, query length, q-heads, head dim]".
+
+====  ======================================================================
+B     batch
+T     query length (the tokens being processed now)
+S     key / value length (the source, or the whole KV cache)
+D     model width (d_model)
+N     number of query heads
+K     number of key/value heads (K divides N; K == N is MHA, K == 1 is MQA)
+G     query heads per key/value head (G = N // K)
+H     head dimension
+F     feed-forward hidden width
+V     vocabulary size
+L     number of layers
+====  ======================================================================
+
+Masks are boolean and broadcastable to ``[B, N|1, T, S]``; ``True`` means *may attend*.
+"""

@@ -1,0 +1,135 @@
+"""Scaled dot-product attention as a pure function.
+
+Conventions (see ``attnlab.dims``): ``q_BTNH``, ``k_BSKH``, ``v_BSKH`` with K dividing N
+(MHA when K == N, GQA when 1 < K < N, MQA when K == 1). Masks are boolean, broadcastable to
+``[B, N|1, T, S]``, True = may attend. ``bias`` is added to the logits and broadcastable to
+``[B, N|1, T, S]``. The softmax always runs in float32. A query row whose keys are all masked
+gets an all-zero output and all-zero weights, with finite gradients.
+
+Implementations, all behind one signature:
+
+* ``"reference"``: a readable einsum version, the one every other path is checked against.
+* ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")``.
+* ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only).
+* ``"auto"``: ``jax.nn.dot_product_attention`` choosing for itself.
+
+``return_weights=True`` always runs the reference path, since the fused kernels do not
+materialise the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto")
+
+# Finite stand-in for -inf: keeps softmax and its gradient free of NaN on masked rows.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _check_shapes(q_BTNH, k_BSKH, v_BSKH):
+    if q_BTNH.ndim != 4 or k_BSKH.ndim != 4 or v_BSKH.ndim != 4:
+        raise ValueError(
+            "dot_product_attention expects q [B, T, N, H] and k, v [B, S, K, H]; got shapes "
+            f"q={q_BTNH.shape}, k={k_BSKH.shape}, v={v_BSKH.shape}"
+        )
+    if k_BSKH.shape != v_BSKH.shape:
+        raise ValueError(f"k and v must have the same shape, got {k_BSKH.shape} and {v_BSKH.shape}")
+    n, k = q_BTNH.shape[2], k_BSKH.shape[2]
+    if n % k:
+        raise ValueError(f"the number of q heads N={n} must be a multiple of kv heads K={k}")
+    if q_BTNH.shape[-1] != k_BSKH.shape[-1]:
+        raise ValueError(f"head dims differ: q H={q_BTNH.shape[-1]}, k H={k_BSKH.shape[-1]}")
+
+
+def _to_BKGTS(x, B, K, G, T, S):
+    """Broadcasts a [B|1, N|1, T|1, S|1] mask or bias to [B, K, G, T, S]."""
+    x = jnp.asarray(x)
+    if x.ndim != 4:
+        raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got shape {x.shape}")
+    if x.shape[1] == 1:
+        x = x[:, :, None]  # [B, 1, 1, T, S]
+    else:
+        x = x.reshape(x.shape[0], K, G, x.shape[2], x.shape[3])
+    return jnp.broadcast_to(x, (B, K, G, T, S))
+
+
+def reference_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None,
+                        logits_fn=None):
+    """Einsum attention; returns ``(out_BTNH, weights_BNTS)``.
+
+    ``logits_fn``, if given, maps the float32 logits ``[B, K, G, T, S]`` (already scaled and
+    biased) to new logits before masking: the hook for score variants such as soft-capping.
+    """
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    G = N // K
+    scale = H**-0.5 if scale is None else scale
+    q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+    logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+                              preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        logits_BKGTS = logits_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+    if logits_fn is not None:
+        logits_BKGTS = logits_fn(logits_BKGTS)
+    if mask is not None:
+        mask_BKGTS = _to_BKGTS(mask, B, K, G, T, S).astype(bool)
+        logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS, _MASK_VALUE)
+    weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+    if mask is not None:
+        # A fully masked row would otherwise be uniform over masked keys: zero it.
+        weights_BKGTS = jnp.where(mask_BKGTS, weights_BKGTS, 0.0)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+    return out_BTKGH.reshape(B, T, N, H), weights_BKGTS.reshape(B, N, T, S)
+
+
+def _fused_attention(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, implementation):
+    B, T, N, _ = q_BTNH.shape
+    S = k_BSKH.shape[1]
+    impl = None if implementation == "auto" else implementation
+    if mask is not None:
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), (B, mask.shape[1], T, S))
+    if bias is not None:
+        bias = jnp.broadcast_to(jnp.asarray(bias), (B, bias.shape[1], T, S)).astype(q_BTNH.dtype)
+    out_BTNH = jax.nn.dot_product_attention(
+        q_BTNH, k_BSKH, v_BSKH, bias=bias, mask=mask, scale=scale, implementation=impl
+    )
+    if mask is not None:
+        # jax.nn gives fully masked rows a uniform average of v; attnlab's contract is zeros.
+        any_BNT = jnp.broadcast_to(mask.any(-1), (B, N, T)) if mask.shape[1] == 1 else mask.any(-1)
+        out_BTNH = out_BTNH * jnp.transpose(any_BNT, (0, 2, 1))[..., None].astype(out_BTNH.dtype)
+    return out_BTNH
+
+
+def dot_product_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None,
+                          return_weights=False, implementation="reference",
+                          logits_fn: Callable | None = None):
+    """Scaled dot-product attention.
+
+    Args:
+      q_BTNH, k_BSKH, v_BSKH: queries, keys, values; K must divide N.
+      mask: boolean, broadcastable to [B, N|1, T, S]; True = may attend.
+      bias: added to the logits, broadcastable to [B, N|1, T, S] (ALiBi, relative bias).
+      scale: logit scale; defaults to 1/sqrt(H).
+      return_weights: also return the attention weights [B, N, T, S] (float32).
+      implementation: one of ``IMPLEMENTATIONS``.
+      logits_fn: optional map of the logits (reference path only), for score variants.
+
+    Returns:
+      ``out_BTNH``, or ``(out_BTNH, weights_BNTS)`` when ``return_weights``.
+    """
+    _check_shapes(q_BTNH, k_BSKH, v_BSKH)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
+        )
+    if return_weights or implementation == "reference" or logits_fn is not None:
+        out_BTNH, weights_BNTS = reference_attention(
+            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, logits_fn=logits_fn
+        )
+        return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
+    return _fused_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale,
+                            implementation=implementation)

@@ -1,0 +1,108 @@
+"""Position encodings as pure functions of explicit positions.
+
+* ``sinusoidal``: the 2017 table, PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(...).
+  ``layout="split"`` puts all sines first then all cosines (Marian, fairseq).
+* RoPE: ``apply_rope(x_BTNH, positions_BT)`` rotates pairs (i, i + H/2): the half-split
+  layout used by Llama, Mistral and Qwen.
+* ALiBi: ``alibi_slopes(N)`` and ``alibi_bias`` (``-slope * |q_pos - k_pos|``).
+* T5 relative position bias: ``relative_position_bucket`` and ``relative_position_bias``.
+
+Learned absolute positions are parameters, so they live in ``attnlab.nn``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def sinusoidal(num_positions, d, *, base=10000.0, layout="interleaved", dtype=jnp.float32):
+    """[num_positions, d] sinusoidal table (computed in float64 with NumPy, then cast)."""
+    if d % 2:
+        raise ValueError(f"sinusoidal positions need an even width, got d={d}")
+    if layout not in ("interleaved", "split"):
+        raise ValueError(f"layout={layout!r}: use 'interleaved' (2017) or 'split' (sin | cos)")
+    pos = np.arange(num_positions, dtype=np.float64)[:, None]
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)[None, :]
+    angles = pos * inv
+    table = np.empty((num_positions, d), np.float64)
+    if layout == "interleaved":
+        table[:, 0::2], table[:, 1::2] = np.sin(angles), np.cos(angles)
+    else:
+        table[:, : d // 2], table[:, d // 2 :] = np.sin(angles), np.cos(angles)
+    return jnp.asarray(table, dtype)
+
+
+def rope_inv_frequencies(head_dim, theta=10000.0):
+    """[H/2] inverse frequencies theta^(-2i/H)."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def apply_rope(x_BTNH, positions_BT, *, theta=10000.0):
+    """Rotates ``x`` by its positions (half-split layout); computed in float32."""
+    H = x_BTNH.shape[-1]
+    angles_BTh = jnp.asarray(positions_BT, jnp.float32)[..., None] * rope_inv_frequencies(H, theta)
+    sin_BT1h = jnp.sin(angles_BTh)[:, :, None, :]
+    cos_BT1h = jnp.cos(angles_BTh)[:, :, None, :]
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = x[..., : H // 2], x[..., H // 2 :]
+    out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], -1)
+    return out.astype(x_BTNH.dtype)
+
+
+def alibi_slopes(num_heads):
+    """[N] ALiBi head slopes (geometric; the paper's interpolation when N is not 2^k)."""
+
+    def power_of_two(n):
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return jnp.asarray(slopes, jnp.float32)
+
+
+def alibi_bias(slopes_N, q_positions_BT, k_positions_BS):
+    """[B, N, T, S] ALiBi bias ``-slope * |q_pos - k_pos|``."""
+    q = jnp.asarray(q_positions_BT)[:, None, :, None]
+    k = jnp.asarray(k_positions_BS)[:, None, None, :]
+    return -slopes_N[None, :, None, None] * jnp.abs(q - k).astype(jnp.float32)
+
+
+def relative_position_bucket(relative_position, *, bidirectional=True, num_buckets=32,
+                             max_distance=128):
+    """T5's bucketing of ``k_pos - q_pos``: exact for small distances, log-spaced beyond."""
+    rel = jnp.asarray(relative_position)
+    bucket = jnp.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (rel > 0).astype(rel.dtype) * num_buckets
+        rel = jnp.abs(rel)
+    else:
+        rel = -jnp.minimum(rel, 0)
+    max_exact = num_buckets // 2
+    is_small = rel < max_exact
+    rel_f = jnp.maximum(rel, 1).astype(jnp.float32)
+    large = max_exact + (
+        jnp.log(rel_f / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).astype(rel.dtype)
+    large = jnp.minimum(large, num_buckets - 1)
+    return bucket + jnp.where(is_small, rel, large)
+
+
+def relative_position_bias(table_XN, q_positions_BT, k_positions_BS, *, bidirectional=True,
+                           max_distance=128):
+    """[B, N, T, S] bias gathered from a learned ``[num_buckets, N]`` table."""
+    rel_BTS = (jnp.asarray(k_positions_BS)[:, None, :] - jnp.asarray(q_positions_BT)[:, :, None])
+    buckets_BTS = relative_position_bucket(
+        rel_BTS, bidirectional=bidirectional, num_buckets=table_XN.shape[0],
+        max_distance=max_distance,
+    )
+    return jnp.transpose(table_XN[buckets_BTS], (0, 3, 1, 2))

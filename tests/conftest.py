@@ -1,0 +1,23 @@
+"""Strict JAX for the whole suite, and the location of the shared fixtures."""
+
+import os
+import pathlib
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_default_matmul_precision", "highest")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture
+def shared_dir():
+    """``../shared`` beside the checkout; tests that need it skip when it is absent."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is absent (only development checkouts have ../shared)")
+    return SHARED
