@@ -1,0 +1,24 @@
+"""attnlab: transformer attention research in JAX and Flax NNX.
+
+``attnlab.ops`` holds pure functions, ``attnlab.nn`` the NNX modules and architectures,
+``attnlab.config`` the validated ``ModelConfig``.
+"""
+
+from attnlab import ops
+from attnlab.config import ModelConfig
+from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
+from attnlab.nn import build_model, count_params
+from attnlab.variants import attention_variants, register_attention
+
+__all__ = [
+    "KVCache",
+    "ModelConfig",
+    "attention_variants",
+    "build_model",
+    "count_params",
+    "init_cache",
+    "kv_cache_bytes",
+    "ops",
+    "register_attention",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,206 @@
+"""Typed, frozen, validated model configuration.
+
+One ``ModelConfig`` describes all three architectures (``arch``): a decoder-only language
+model, an encoder-only masked language model and the 2017 encoder-decoder. Every
+architectural choice is a field; ``validate`` (run on construction) rejects inconsistent
+values with a ``ValueError`` that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from attnlab.ops.activations import FFN_KINDS
+from attnlab.ops.attention import IMPLEMENTATIONS
+from attnlab.variants import attention_variants
+
+ARCHS = ("decoder", "encoder", "encoder_decoder")
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
+NORMS = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("pre", "post")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """All architectural choices of an attnlab model.
+
+    Sizes: ``n_kv_heads`` defaults to ``n_heads`` (MHA; fewer gives GQA, 1 gives MQA),
+    ``head_dim`` to ``d_model // n_heads`` and ``d_ff`` to ``4 * d_model``.
+    """
+
+    arch: str = "decoder"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_decoder_layers: int | None = None  # encoder_decoder only; defaults to n_layers
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    max_len: int = 256  # longest sequence the positions (and a KV cache) may reach
+
+    position: str = "learned"
+    position_offset: int = 0  # learned tables whose row 0 is position -offset (BART: 2)
+    sinusoidal_layout: str = "interleaved"  # or "split" (all sines, then all cosines)
+    rope_theta: float = 10000.0
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_placement: str = "pre"
+    norm_bias: bool = True  # LayerNorm with a bias (ignored by rmsnorm)
+    final_norm: bool | None = None  # defaults to True for pre-norm, False for post-norm
+    embedding_norm: bool = False  # a norm right after the embeddings (BERT, BART)
+    qk_norm: bool = False  # RMS-normalise q and k per head (Qwen3)
+
+    ffn: str = "gelu"
+    attn_bias: bool = False  # biases on the q/k/v projections
+    out_bias: bool = False  # bias on the attention output projection
+    ffn_bias: bool = False
+
+    tie_embeddings: bool = True
+    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model)
+    logits_bias: bool = False  # a learned bias on the output logits
+    logits_scale: float = 1.0  # multiplies the final hidden state before the output head
+    type_vocab_size: int = 0  # token-type (segment) embeddings, BERT-style; 0 = none
+    mlm_transform: bool = True  # encoder: dense -> activation -> norm before the MLM head
+
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    causal: bool = True  # decoder self-attention is causal; False only for ablations
+    sliding_window: int | None = None
+    attn_scale: float | None = None  # logit scale; defaults to head_dim ** -0.5
+    attention_impl: str = "xla"
+    attention_fn: str = "softmax"  # a name from attnlab.nn.attention_variants()
+
+    dtype: str = "float32"  # activation / compute dtype
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+    pad_id: int = 0
+
+    def __post_init__(self):
+        validate(self)
+
+    # Derived sizes -----------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_layers if self.n_decoder_layers is None else self.n_decoder_layers
+
+    @property
+    def use_final_norm(self) -> bool:
+        return self.norm_placement == "pre" if self.final_norm is None else self.final_norm
+
+    @property
+    def scale(self) -> float:
+        return self.head_size**-0.5 if self.attn_scale is None else self.attn_scale
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(
+                f"ModelConfig has no field(s) {unknown}; valid fields are {sorted(names)}"
+            )
+        return cls(**values)
+
+
+def _fail(field, value, fix):
+    raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {fix}")
+
+
+def _choice(cfg, field, options):
+    value = getattr(cfg, field)
+    if value not in options:
+        _fail(field, value, f"use one of {list(options)}")
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Raises ``ValueError`` naming the offending field and the fix."""
+    for field in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(field, value, "must be a positive integer")
+    for field in ("n_decoder_layers", "n_kv_heads", "head_dim", "d_ff", "sliding_window"):
+        value = getattr(cfg, field)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            _fail(field, value, "must be a positive integer, or None for the default")
+    _choice(cfg, "arch", ARCHS)
+    _choice(cfg, "position", POSITIONS)
+    _choice(cfg, "norm", NORMS)
+    _choice(cfg, "norm_placement", NORM_PLACEMENTS)
+    _choice(cfg, "ffn", FFN_KINDS)
+    _choice(cfg, "attention_impl", IMPLEMENTATIONS)
+    _choice(cfg, "dtype", DTYPES)
+    _choice(cfg, "param_dtype", DTYPES)
+    _choice(cfg, "sinusoidal_layout", ("interleaved", "split"))
+    if cfg.attention_fn not in attention_variants():
+        _fail(
+            "attention_fn",
+            cfg.attention_fn,
+            f"register it with attnlab.nn.register_attention first; known: "
+            f"{sorted(attention_variants())}",
+        )
+    if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
+        _fail(
+            "d_model",
+            cfg.d_model,
+            f"d_model must be divisible by n_heads={cfg.n_heads}, or set head_dim explicitly",
+        )
+    if cfg.n_heads % cfg.kv_heads:
+        _fail(
+            "n_kv_heads",
+            cfg.n_kv_heads,
+            f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads (use a divisor of it)",
+        )
+    if cfg.position == "rope" and cfg.head_size % 2:
+        _fail("head_dim", cfg.head_size, "RoPE rotates pairs, so the head dim must be even")
+    if cfg.position == "sinusoidal" and cfg.d_model % 2:
+        _fail("d_model", cfg.d_model, "sinusoidal positions need an even d_model")
+    if cfg.rope_theta <= 0:
+        _fail("rope_theta", cfg.rope_theta, "must be positive")
+    if cfg.position_offset < 0:
+        _fail("position_offset", cfg.position_offset, "must be >= 0")
+    if cfg.relative_buckets < 2 or cfg.relative_max_distance < 1:
+        _fail(
+            "relative_buckets",
+            cfg.relative_buckets,
+            "need relative_buckets >= 2 and relative_max_distance >= 1",
+        )
+    for field in ("dropout", "attention_dropout"):
+        value = getattr(cfg, field)
+        if not 0.0 <= value < 1.0:
+            _fail(field, value, "a dropout rate must lie in [0, 1)")
+    if cfg.norm_eps <= 0:
+        _fail("norm_eps", cfg.norm_eps, "must be positive")
+    if cfg.init_std <= 0:
+        _fail("init_std", cfg.init_std, "must be positive")
+    if not 0 <= cfg.pad_id < cfg.vocab_size:
+        _fail("pad_id", cfg.pad_id, f"must be a token id in [0, vocab_size={cfg.vocab_size})")
+    if cfg.type_vocab_size < 0:
+        _fail("type_vocab_size", cfg.type_vocab_size, "must be >= 0 (0 = no token types)")
+    if cfg.arch != "decoder" and not cfg.causal:
+        _fail("causal", cfg.causal, "only decoder-only models take causal=False (an ablation)")
+    if cfg.arch == "encoder" and cfg.sliding_window is not None:
+        _fail("sliding_window", cfg.sliding_window, "sliding windows are causal: decoders only")

@@ -1,0 +1,148 @@
+"""Small parameter-owning modules: norms, embeddings, positions, feed-forward, dropout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attnlab import ops
+from attnlab.config import ModelConfig
+
+
+def normal(rngs: nnx.Rngs, shape, std, dtype):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.dtype(dtype)))
+
+
+def dropout(x, rate: float, key):
+    """Inverted dropout; the identity when ``key`` is None (evaluation) or ``rate`` is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def fold(key, *data):
+    """``fold_in`` along a path of integers; None stays None (deterministic)."""
+    if key is None:
+        return None
+    for d in data:
+        key = jax.random.fold_in(key, d)
+    return key
+
+
+def add_bias(x, b):
+    """``x + b`` with ``b`` broadcast over x's leading axes (explicit rank)."""
+    b = b.astype(x.dtype)
+    return x + b.reshape((1,) * (x.ndim - b.ndim) + b.shape)
+
+
+class Norm(nnx.Module):
+    """LayerNorm or RMSNorm over the last axis, as configured."""
+
+    def __init__(self, cfg: ModelConfig, dim: int, *, rngs: nnx.Rngs, kind: str | None = None):
+        del rngs
+        self.kind = kind or cfg.norm
+        self.eps = cfg.norm_eps
+        self.scale_D = nnx.Param(jnp.ones((dim,), jnp.dtype(cfg.param_dtype)))
+        self.bias_D = (
+            nnx.Param(jnp.zeros((dim,), jnp.dtype(cfg.param_dtype)))
+            if self.kind == "layernorm" and cfg.norm_bias
+            else None
+        )
+
+    def __call__(self, x):
+        if self.kind == "rmsnorm":
+            return ops.rms_norm(x, self.scale_D[...], eps=self.eps)
+        bias = None if self.bias_D is None else self.bias_D[...]
+        return ops.layer_norm(x, self.scale_D[...], bias, eps=self.eps)
+
+
+class Embed(nnx.Module):
+    """Token embedding ``[V, D]``; ``attend`` gives tied output logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding_VD = normal(
+            rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, cfg.param_dtype
+        )
+
+    def __call__(self, ids_BT):
+        return jnp.take(self.embedding_VD[...], ids_BT, axis=0)
+
+    def attend(self, x_BTD):
+        return jnp.einsum(
+            "BTD,VD->BTV",
+            x_BTD,
+            self.embedding_VD[...].astype(x_BTD.dtype),
+            preferred_element_type=jnp.float32,
+        )
+
+
+class LearnedPositions(nnx.Module):
+    """A learned table of ``max_len + offset`` absolute positions."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.offset = cfg.position_offset
+        self.table_PD = normal(
+            rngs, (cfg.max_len + cfg.position_offset, cfg.d_model), cfg.init_std, cfg.param_dtype
+        )
+
+    def __call__(self, positions_BT):
+        return jnp.take(self.table_PD[...], positions_BT + self.offset, axis=0)
+
+
+class RelativeBias(nnx.Module):
+    """T5's learned bucketed relative-position bias, one table per stack."""
+
+    def __init__(self, cfg: ModelConfig, *, bidirectional: bool, rngs: nnx.Rngs):
+        self.bidirectional = bidirectional
+        self.max_distance = cfg.relative_max_distance
+        self.table_XN = normal(
+            rngs, (cfg.relative_buckets, cfg.n_heads), cfg.init_std, cfg.param_dtype
+        )
+
+    def __call__(self, q_positions_BT, k_positions_BS):
+        return ops.relative_position_bias(
+            self.table_XN[...],
+            q_positions_BT,
+            k_positions_BS,
+            bidirectional=self.bidirectional,
+            max_distance=self.max_distance,
+        )
+
+
+class FeedForward(nnx.Module):
+    """Position-wise FFN, plain (ReLU, GELU) or gated (SwiGLU, GeGLU)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.ffn_dim
+        out_std = cfg.init_std / (2 * max(cfg.n_layers, 1)) ** 0.5
+        self.kind = cfg.ffn
+        self.rate = cfg.dropout
+        self.w_in_DF = normal(rngs, (D, F), cfg.init_std, cfg.param_dtype)
+        self.w_gate_DF = (
+            normal(rngs, (D, F), cfg.init_std, cfg.param_dtype)
+            if ops.activations.is_gated(cfg.ffn)
+            else None
+        )
+        self.w_out_FD = normal(rngs, (F, D), out_std, cfg.param_dtype)
+        zeros = lambda n: nnx.Param(jnp.zeros((n,), jnp.dtype(cfg.param_dtype)))
+        self.b_in_F = zeros(F) if cfg.ffn_bias else None
+        self.b_out_D = zeros(D) if cfg.ffn_bias else None
+
+    def __call__(self, x_BTD, *, key=None):
+        dt = x_BTD.dtype
+        get = lambda p: None if p is None else p[...].astype(dt)
+        act = ops.activations.activation(self.kind)
+        h_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, get(self.w_in_DF))
+        if self.b_in_F is not None:
+            h_BTF = add_bias(h_BTF, self.b_in_F[...])
+        if self.w_gate_DF is not None:
+            h_BTF = act(jnp.einsum("BTD,DF->BTF", x_BTD, get(self.w_gate_DF))) * h_BTF
+        else:
+            h_BTF = act(h_BTF)
+        h_BTF = dropout(h_BTF, self.rate, key)
+        out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, get(self.w_out_FD))
+        if self.b_out_D is not None:
+            out_BTD = add_bias(out_BTD, self.b_out_D[...])
+        return out_BTD

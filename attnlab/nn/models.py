@@ -1,0 +1,299 @@
+"""The three architectures, all built from one ``ModelConfig``.
+
+* ``DecoderLM``: GPT-style decoder-only language model (causal self-attention).
+* ``EncoderMLM``: BERT-style encoder with a masked-language-model head.
+* ``EncoderDecoder``: the 2017 Transformer (encoder; decoder with masked self-attention and
+  cross-attention).
+
+Each returns a ``ModelOutput`` pytree. Decoders take an optional ``KVCache`` and return the
+updated one; nothing is stored on the module between calls.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from attnlab import ops
+from attnlab.config import ModelConfig
+from attnlab.kv_cache import KVCache
+from attnlab.nn.blocks import Stack
+from attnlab.nn.layers import Embed, Norm, add_bias, fold, normal
+
+
+@struct.dataclass
+class ModelOutput:
+    logits: jax.Array  # [B, T, V] float32
+    cache: KVCache | None = None
+    weights: tuple | None = None  # per layer: {"self": [B,N,T,S], "cross": ...}
+    hidden: jax.Array | None = None  # [B, T, D] last hidden state
+
+
+def _default_positions(B, T):
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
+
+
+class _LMHead(nnx.Module):
+    """Tied or untied output projection with optional logit bias and hidden scaling."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.scale = cfg.logits_scale
+        self.head_DV = (
+            None
+            if cfg.tie_embeddings
+            else normal(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, cfg.param_dtype)
+        )
+        self.bias_V = (
+            nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.dtype(cfg.param_dtype)))
+            if cfg.logits_bias
+            else None
+        )
+
+    def __call__(self, x_BTD, embed: Embed):
+        if self.scale != 1.0:
+            x_BTD = x_BTD * self.scale
+        if self.head_DV is None:
+            logits_BTV = embed.attend(x_BTD)
+        else:
+            logits_BTV = jnp.einsum(
+                "BTD,DV->BTV",
+                x_BTD,
+                self.head_DV[...].astype(x_BTD.dtype),
+                preferred_element_type=jnp.float32,
+            )
+        if self.bias_V is not None:
+            logits_BTV = add_bias(logits_BTV, self.bias_V[...].astype(jnp.float32))
+        return logits_BTV.astype(jnp.float32)
+
+
+class _Embedder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.tokens = Embed(cfg, rngs=rngs)
+
+    def __call__(self, ids_BT):
+        x_BTD = self.tokens(ids_BT).astype(jnp.dtype(self.cfg.dtype))
+        return x_BTD * (self.cfg.d_model**0.5) if self.cfg.embed_scale else x_BTD
+
+
+class DecoderLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _Embedder(cfg, rngs=rngs)
+        self.decoder = Stack(cfg, cfg.n_layers, causal=cfg.causal, cross=False, rngs=rngs)
+        self.head = _LMHead(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens_BT,
+        *,
+        positions_BT=None,
+        valid_BT=None,
+        segment_ids_BT=None,
+        cache: KVCache | None = None,
+        key=None,
+        return_weights=False,
+    ) -> ModelOutput:
+        """Logits for ``tokens``; with ``cache``, the tokens follow what the cache holds.
+
+        ``valid_BT`` marks real tokens (keys elsewhere are masked); ``segment_ids_BT`` packs
+        several documents into one row (attention stays within a segment).
+        """
+        B, T = tokens_BT.shape
+        start_B = None if cache is None else cache.lengths
+        if positions_BT is None:
+            positions_BT = (
+                _default_positions(B, T)
+                if cache is None
+                else start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+            )
+        x_BTD, new_kv, _, weights = self.decoder(
+            self.embed(tokens_BT),
+            positions_BT=positions_BT,
+            valid_BS=valid_BT,
+            segment_ids_BT=segment_ids_BT,
+            cache=None if cache is None else list(zip(cache.k, cache.v, strict=True)),
+            cache_start_B=start_B,
+            key=key,
+            return_weights=return_weights,
+        )
+        new_cache = None
+        if cache is not None:
+            new_cache = cache.replace(
+                k=tuple(k for k, _ in new_kv),
+                v=tuple(v for _, v in new_kv),
+                lengths=cache.lengths + T,
+            )
+        return ModelOutput(self.head(x_BTD, self.embed.tokens), new_cache, weights, x_BTD)
+
+
+class EncoderMLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _Embedder(cfg, rngs=rngs)
+        self.token_types = (
+            normal(rngs, (cfg.type_vocab_size, cfg.d_model), cfg.init_std, cfg.param_dtype)
+            if cfg.type_vocab_size
+            else None
+        )
+        self.encoder = Stack(cfg, cfg.n_layers, causal=False, cross=False, rngs=rngs)
+        if cfg.mlm_transform:
+            self.transform_DD = normal(
+                rngs, (cfg.d_model, cfg.d_model), cfg.init_std, cfg.param_dtype
+            )
+            self.transform_bias_D = nnx.Param(jnp.zeros((cfg.d_model,), jnp.dtype(cfg.param_dtype)))
+            self.transform_norm = Norm(cfg, cfg.d_model, rngs=rngs)
+        else:
+            self.transform_DD = self.transform_bias_D = self.transform_norm = None
+        self.head = _LMHead(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens_BT,
+        *,
+        valid_BT=None,
+        token_types_BT=None,
+        positions_BT=None,
+        key=None,
+        return_weights=False,
+    ) -> ModelOutput:
+        """MLM logits and the encoder's last hidden state (``hidden``)."""
+        B, T = tokens_BT.shape
+        x_BTD = self.embed(tokens_BT)
+        if self.token_types is not None:
+            types_BT = jnp.zeros_like(tokens_BT) if token_types_BT is None else token_types_BT
+            x_BTD = x_BTD + jnp.take(self.token_types[...], types_BT, axis=0).astype(x_BTD.dtype)
+        positions_BT = _default_positions(B, T) if positions_BT is None else positions_BT
+        hidden_BTD, _, _, weights = self.encoder(
+            x_BTD,
+            positions_BT=positions_BT,
+            valid_BS=valid_BT,
+            key=key,
+            return_weights=return_weights,
+        )
+        h_BTD = hidden_BTD
+        if self.transform_DD is not None:
+            kind = self.cfg.ffn if self.cfg.ffn in ops.activations.ACTIVATIONS else "gelu"
+            h_BTD = jnp.einsum("BTD,DE->BTE", h_BTD, self.transform_DD[...].astype(h_BTD.dtype))
+            h_BTD = ops.activations.activation(kind)(add_bias(h_BTD, self.transform_bias_D[...]))
+            h_BTD = self.transform_norm(h_BTD)
+        return ModelOutput(self.head(h_BTD, self.embed.tokens), None, weights, hidden_BTD)
+
+
+class EncoderDecoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _Embedder(cfg, rngs=rngs)  # shared by encoder, decoder and (tied) head
+        self.encoder = Stack(cfg, cfg.n_layers, causal=False, cross=False, rngs=rngs)
+        self.decoder = Stack(cfg, cfg.decoder_layers, causal=True, cross=True, rngs=rngs)
+        self.head = _LMHead(cfg, rngs=rngs)
+
+    def encode(self, src_BS, *, src_valid_BS=None, key=None, return_weights=False):
+        """Encoder output ``[B, S, D]`` (and per-layer weights when asked)."""
+        B, S = src_BS.shape
+        enc_BSD, _, _, weights = self.encoder(
+            self.embed(src_BS),
+            positions_BT=_default_positions(B, S),
+            valid_BS=src_valid_BS,
+            key=key,
+            return_weights=return_weights,
+        )
+        return (enc_BSD, weights) if return_weights else enc_BSD
+
+    def init_cross_cache(self, cache: KVCache, enc_BSD, src_valid_BS=None) -> KVCache:
+        """Computes every decoder layer's cross-attention keys/values once, into the cache."""
+        B, S, _ = enc_BSD.shape
+        src_valid_BS = jnp.ones((B, S), bool) if src_valid_BS is None else src_valid_BS
+        kvs = [layer.cross_attn.project_kv(enc_BSD) for layer in self.decoder.layers]
+        dt = cache.k[0].dtype
+        return cache.replace(
+            cross_k=tuple(k.astype(dt) for k, _ in kvs),
+            cross_v=tuple(v.astype(dt) for _, v in kvs),
+            src_valid=src_valid_BS.astype(bool),
+        )
+
+    def decode(
+        self,
+        tgt_BT,
+        *,
+        enc_BSD=None,
+        src_valid_BS=None,
+        positions_BT=None,
+        cache: KVCache | None = None,
+        key=None,
+        return_weights=False,
+    ) -> ModelOutput:
+        """Decoder logits. With a cache from ``init_cross_cache``, ``enc_BSD`` is not needed."""
+        B, T = tgt_BT.shape
+        start_B = None if cache is None else cache.lengths
+        if positions_BT is None:
+            positions_BT = (
+                _default_positions(B, T)
+                if cache is None
+                else start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+            )
+        cross_cache = None
+        if cache is not None and cache.cross_k is not None:
+            cross_cache = list(zip(cache.cross_k, cache.cross_v, strict=True))
+            src_valid_BS = cache.src_valid
+        elif enc_BSD is None:
+            raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
+        x_BTD, new_kv, _, weights = self.decoder(
+            self.embed(tgt_BT),
+            positions_BT=positions_BT,
+            enc_BSD=enc_BSD,
+            enc_valid_BS=src_valid_BS,
+            cache=None if cache is None else list(zip(cache.k, cache.v, strict=True)),
+            cross_cache=cross_cache,
+            cache_start_B=start_B,
+            key=key,
+            return_weights=return_weights,
+        )
+        new_cache = None
+        if cache is not None:
+            new_cache = cache.replace(
+                k=tuple(k for k, _ in new_kv),
+                v=tuple(v for _, v in new_kv),
+                lengths=cache.lengths + T,
+            )
+        return ModelOutput(self.head(x_BTD, self.embed.tokens), new_cache, weights, x_BTD)
+
+    def __call__(
+        self, src_BS, tgt_BT, *, src_valid_BS=None, key=None, return_weights=False
+    ) -> ModelOutput:
+        enc = self.encode(
+            src_BS, src_valid_BS=src_valid_BS, key=fold(key, 0), return_weights=return_weights
+        )
+        enc_BSD, enc_weights = enc if return_weights else (enc, None)
+        out = self.decode(
+            tgt_BT,
+            enc_BSD=enc_BSD,
+            src_valid_BS=src_valid_BS,
+            key=fold(key, 1),
+            return_weights=return_weights,
+        )
+        if return_weights:
+            out = out.replace(weights={"encoder": enc_weights, "decoder": out.weights})
+        return out
+
+
+ARCHITECTURES = {"decoder": DecoderLM, "encoder": EncoderMLM, "encoder_decoder": EncoderDecoder}
+
+
+def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None):
+    """The architecture ``cfg.arch`` with freshly initialised parameters."""
+    return ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(seed) if rngs is None else rngs)
+
+
+def count_params(cfg) -> int:
+    """Number of parameters, from shapes alone (nothing is allocated).
+
+    Accepts a ``ModelConfig``, or a Hugging Face ``config.json`` (path or dict).
+    """
+    from attnlab.hf_config import as_model_config
+
+    cfg = as_model_config(cfg)
+    abstract = nnx.eval_shape(lambda: build_model(cfg))
+    params = nnx.state(abstract, nnx.Param)
+    return int(sum(x.size for x in jax.tree.leaves(params)))
