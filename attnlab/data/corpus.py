@@ -1,0 +1,87 @@
+"""Text corpora: a file on disk, or the embedded default built from Python's standard library.
+
+The embedded corpus needs no download and exists wherever Python does: the standard library's
+own ``.py`` files, in sorted order of their relative POSIX paths, skipping third-party
+packages, test suites, a few large tool packages, machine-specific build files and anything
+that is not UTF-8. Its exact content therefore depends on the Python version, not the machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import sysconfig
+
+import numpy as np
+
+DEFAULT_MAX_CHARS = 2_000_000
+
+# Directory names skipped anywhere below the standard library root.
+_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+)
+_SEPARATOR = "\n\n\n"
+
+
+def load_text(path) -> str:
+    """Read a UTF-8 text file, with an error that says what to do when it is missing."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"data.path: no such file {str(path)!r}; leave data.path empty to use the embedded "
+            "corpus (the Python standard library's source)"
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def _skipped(rel: pathlib.PurePosixPath) -> bool:
+    parts = rel.parts
+    if any(p in _SKIP_DIRS or p.startswith("config-") for p in parts[:-1]):
+        return True
+    return parts[-1].startswith("_sysconfigdata")  # build paths of this machine
+
+
+def stdlib_source_files() -> list[str]:
+    """Relative POSIX paths of the standard library files used by ``stdlib_corpus``, sorted."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                rel = pathlib.PurePosixPath(
+                    pathlib.Path(dirpath, name).relative_to(root).as_posix()
+                )
+                if not _skipped(rel):
+                    found.append(rel.as_posix())
+    return sorted(found)
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_corpus(max_chars: int | None = DEFAULT_MAX_CHARS) -> str:
+    """The embedded corpus: standard library sources joined by blank lines, cut at max_chars."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    pieces, total = [], 0
+    for rel in stdlib_source_files():
+        try:
+            text = (root / rel).read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        pieces.append(text + _SEPARATOR)
+        total += len(pieces[-1])
+        if max_chars is not None and total >= max_chars:
+            break
+    corpus = "".join(pieces)
+    if not corpus:
+        raise RuntimeError(f"no standard library sources found under {root}")
+    return corpus if max_chars is None else corpus[:max_chars]
+
+
+def split_train_val(ids, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): the first ``1 - val_fraction`` of the stream, then the last part."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    ids = np.asarray(ids)
+    n_train = int(len(ids) * (1.0 - val_fraction))
+    return ids[:n_train], ids[n_train:]
