@@ -1,0 +1,253 @@
+"""Save, restore and resume training state with orbax.
+
+A run's ``workdir`` holds one directory per saved step::
+
+    <workdir>/<step>/state/      the state pytree (orbax StandardSave, OCDBT + zarr)
+    <workdir>/<step>/metadata/   a small JSON dict saved beside it (e.g. the config)
+
+``Checkpointer`` wraps ``orbax.checkpoint.CheckpointManager``; it serialises nothing itself.
+
+Atomicity. On a local filesystem orbax writes step ``N`` into ``<workdir>/N.orbax-checkpoint-tmp``
+(orbax 0.12.8 puts no timestamp in that name), writes ``commit_success.txt`` into it, and only
+then renames it to ``<workdir>/N``. Directories with the ``-tmp`` suffix are
+never listed as steps, so a save killed half way leaves a directory that ``latest_step`` ignores
+and ``restore`` never reads; the next save of that step removes it and starts afresh. ``save``
+waits for orbax to finish (``wait_until_finished``), so once it returns the step is final.
+
+Errors. Restoring checks the stored tree (paths, shapes, dtypes, read from orbax's metadata)
+against the target first. A mismatch, a missing step or an unreadable (truncated, garbled,
+incomplete) checkpoint raises ``CheckpointError`` naming the directory and step; nothing on
+disk is deleted or rewritten by a failed restore.
+
+Preemption. ``PreemptionGuard`` turns SIGTERM and SIGINT into a flag that the training loop
+polls once per step::
+
+    with Checkpointer(workdir) as ckpt, PreemptionGuard() as guard:
+        for step in range(start, num_steps):
+            state = train_step(state, next(batches))
+            if guard.requested or step % save_every == 0:
+                ckpt.save(step, state, metadata=config_dict)
+            if guard.requested:
+                break  # the checkpoint is durable; leave with exit code 0
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_STATE = "state"
+_METADATA = "metadata"
+_FIX = (
+    "The checkpoint was written by a different model config; "
+    "use a new --workdir or the original config."
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, or does not match what the caller expects."""
+
+
+class Checkpointer:
+    """Keeps the last ``max_to_keep`` checkpoints of a training state pytree in ``directory``."""
+
+    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3):
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1, got {max_to_keep}")
+        self.directory = pathlib.Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            item_handlers={
+                _STATE: ocp.StandardCheckpointHandler(),
+                _METADATA: ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Writes ``state`` (and ``metadata``) as ``step``; returns whether anything was written.
+
+        A step that already exists is never overwritten. Without ``force``, a step at or below
+        the latest one is skipped as well; ``force`` writes it anyway (e.g. after resuming
+        from an older step). Retention then drops the earliest-written steps.
+        """
+        step = int(step)
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(
+            **{
+                _STATE: ocp.args.StandardSave(state),
+                _METADATA: ocp.args.JsonSave(dict(metadata or {})),
+            }
+        )
+        saved = self._manager.save(step, args=args, force=force)
+        self._manager.wait_until_finished()
+        return bool(saved)
+
+    def latest_step(self) -> int | None:
+        """The newest finalised step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """All finalised steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def restore(self, target: Any, step: int | None = None) -> Any:
+        """Restores ``step`` (default: the latest) into the structure of ``target``.
+
+        ``target`` is a pytree whose leaves are arrays or ``jax.ShapeDtypeStruct``; leaves
+        come back as ``jax.Array`` on the target's sharding, or on the default device.
+        """
+        step = self._resolve(step)
+        where = self._where(step)
+        try:
+            stored = self._manager.metadata(step).item_metadata[_STATE]
+            stored = ocp.tree.to_flat_dict(stored.tree)
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot read the tree metadata of {where}: {e}{self._hint(step)}"
+            ) from e
+        abstract = jax.tree.map(_abstract_leaf, target)
+        _check_matches(stored, ocp.tree.to_flat_dict(abstract), where)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+            )
+        except Exception as e:
+            raise CheckpointError(f"cannot restore {where}: {e}{self._hint(step)}") from e
+        return restored[_STATE]
+
+    def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON dict saved with ``step`` (default: the latest)."""
+        step = self._resolve(step)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
+            )
+        except Exception as e:
+            raise CheckpointError(f"cannot read the metadata of {self._where(step)}: {e}") from e
+        return dict(restored[_METADATA] or {})
+
+    def close(self) -> None:
+        """Waits for outstanding work and releases orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _where(self, step: int) -> str:
+        return f"checkpoint step {step} in {self.directory}"
+
+    def _hint(self, step: int) -> str:
+        older = [s for s in self.all_steps() if s < step]
+        return (
+            f". The directory was left as it is; restore(..., step=...) reads an older step "
+            f"(available: {older})."
+            if older
+            else ". The directory was left as it is."
+        )
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no finalised checkpoint in {self.directory}")
+            return steps[-1]
+        if int(step) not in steps:
+            raise CheckpointError(
+                f"no finalised checkpoint for step {step} in {self.directory} "
+                f"(available steps: {steps})"
+            )
+        return int(step)
+
+
+def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:
+    if not hasattr(leaf, "dtype"):
+        raise TypeError(f"restore targets need array-like leaves; got {type(leaf).__name__}")
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+
+def _describe(shape: Iterable[int], dtype: Any) -> str:
+    return f"shape {tuple(shape)} {np.dtype(dtype).name}"
+
+
+def _check_matches(
+    stored: dict[tuple, Any], expected: dict[tuple, jax.ShapeDtypeStruct], where: str
+) -> None:
+    """Raises CheckpointError at the first leaf whose path, shape or dtype differs."""
+    for path, want in expected.items():
+        name = "/".join(map(str, path))
+        want_desc = _describe(want.shape, want.dtype)
+        if path not in stored:
+            raise CheckpointError(
+                f"{where} does not match the restore target: leaf '{name}' is absent from the "
+                f"checkpoint (expected {want_desc}). {_FIX}"
+            )
+        have = stored[path]
+        if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
+            raise CheckpointError(
+                f"{where} does not match the restore target: leaf '{name}' is stored with "
+                f"{_describe(have.shape, have.dtype)} but the target expects {want_desc}. {_FIX}"
+            )
+    for path, have in stored.items():
+        if path not in expected:
+            name = "/".join(map(str, path))
+            raise CheckpointError(
+                f"{where} does not match the restore target: leaf '{name}' "
+                f"({_describe(have.shape, have.dtype)}) is in the checkpoint but not in the "
+                f"target. {_FIX}"
+            )
+
+
+class PreemptionGuard:
+    """Turns SIGTERM/SIGINT into a flag while active; restores the previous handlers on exit.
+
+    The handlers only record the signal, so the training loop decides when to stop: it polls
+    ``requested`` once per step, saves a checkpoint and returns normally (see the module
+    docstring). Enter it from the main thread, as Python only installs handlers there.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)):
+        self._signals = tuple(signals)
+        self._previous: dict[signal.Signals, Any] = {}
+        self.signal_name: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        """True once one of the signals has arrived."""
+        return self.signal_name is not None
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> PreemptionGuard:
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, previous in self._previous.items():
+            # None means the handler was installed outside Python; the default is the best
+            # approximation available.
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
