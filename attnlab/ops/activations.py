@@ -59,8 +59,9 @@ def activation(kind):
     raise ValueError(f"unknown FFN kind {kind!r}; use one of {FFN_KINDS}")
 
 
-def feed_forward(x_BTD, w_in_DF, w_out_FD, *, kind="gelu", w_gate_DF=None, b_in_F=None,
-                 b_out_D=None):
+def feed_forward(
+    x_BTD, w_in_DF, w_out_FD, *, kind="gelu", w_gate_DF=None, b_in_F=None, b_out_D=None
+):
     """A position-wise FFN: out = act(x W_in + b_in) W_out + b_out, or the gated form."""
     act = activation(kind)
     h_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w_in_DF)

@@ -57,8 +57,9 @@ def _to_BKGTS(x, B, K, G, T, S):
     return jnp.broadcast_to(x, (B, K, G, T, S))
 
 
-def reference_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None,
-                        logits_fn=None):
+def reference_attention(
+    q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None, logits_fn=None
+):
     """Einsum attention; returns ``(out_BTNH, weights_BNTS)``.
 
     ``logits_fn``, if given, maps the float32 logits ``[B, K, G, T, S]`` (already scaled and
@@ -69,8 +70,9 @@ def reference_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=N
     G = N // K
     scale = H**-0.5 if scale is None else scale
     q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
-    logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
-                              preferred_element_type=jnp.float32) * scale
+    logits_BKGTS = (
+        jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
+    )
     if bias is not None:
         logits_BKGTS = logits_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
     if logits_fn is not None:
@@ -104,9 +106,18 @@ def _fused_attention(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, implementatio
     return out_BTNH
 
 
-def dot_product_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None,
-                          return_weights=False, implementation="reference",
-                          logits_fn: Callable | None = None):
+def dot_product_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    mask=None,
+    bias=None,
+    scale=None,
+    return_weights=False,
+    implementation="reference",
+    logits_fn: Callable | None = None,
+):
     """Scaled dot-product attention.
 
     Args:
@@ -131,5 +142,6 @@ def dot_product_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale
             q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, logits_fn=logits_fn
         )
         return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
-    return _fused_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale,
-                            implementation=implementation)
+    return _fused_attention(
+        q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, implementation=implementation
+    )

@@ -92,5 +92,6 @@ def combine(*masks):
     for m in masks:
         if m is None:
             continue
-        out = jnp.asarray(m, bool) if out is None else out & m
+        m = jnp.asarray(m, bool)
+        out = m if out is None else out & m
     return out

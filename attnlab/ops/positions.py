@@ -45,7 +45,8 @@ def rope_inv_frequencies(head_dim, theta=10000.0):
 def apply_rope(x_BTNH, positions_BT, *, theta=10000.0):
     """Rotates ``x`` by its positions (half-split layout); computed in float32."""
     H = x_BTNH.shape[-1]
-    angles_BTh = jnp.asarray(positions_BT, jnp.float32)[..., None] * rope_inv_frequencies(H, theta)
+    inv_h = rope_inv_frequencies(H, theta)
+    angles_BTh = jnp.asarray(positions_BT, jnp.float32)[..., None] * inv_h[None, None, :]
     sin_BT1h = jnp.sin(angles_BTh)[:, :, None, :]
     cos_BT1h = jnp.cos(angles_BTh)[:, :, None, :]
     x = x_BTNH.astype(jnp.float32)
@@ -76,8 +77,9 @@ def alibi_bias(slopes_N, q_positions_BT, k_positions_BS):
     return -slopes_N[None, :, None, None] * jnp.abs(q - k).astype(jnp.float32)
 
 
-def relative_position_bucket(relative_position, *, bidirectional=True, num_buckets=32,
-                             max_distance=128):
+def relative_position_bucket(
+    relative_position, *, bidirectional=True, num_buckets=32, max_distance=128
+):
     """T5's bucketing of ``k_pos - q_pos``: exact for small distances, log-spaced beyond."""
     rel = jnp.asarray(relative_position)
     bucket = jnp.zeros_like(rel)
@@ -97,12 +99,15 @@ def relative_position_bucket(relative_position, *, bidirectional=True, num_bucke
     return bucket + jnp.where(is_small, rel, large)
 
 
-def relative_position_bias(table_XN, q_positions_BT, k_positions_BS, *, bidirectional=True,
-                           max_distance=128):
+def relative_position_bias(
+    table_XN, q_positions_BT, k_positions_BS, *, bidirectional=True, max_distance=128
+):
     """[B, N, T, S] bias gathered from a learned ``[num_buckets, N]`` table."""
-    rel_BTS = (jnp.asarray(k_positions_BS)[:, None, :] - jnp.asarray(q_positions_BT)[:, :, None])
+    rel_BTS = jnp.asarray(k_positions_BS)[:, None, :] - jnp.asarray(q_positions_BT)[:, :, None]
     buckets_BTS = relative_position_bucket(
-        rel_BTS, bidirectional=bidirectional, num_buckets=table_XN.shape[0],
+        rel_BTS,
+        bidirectional=bidirectional,
+        num_buckets=table_XN.shape[0],
         max_distance=max_distance,
     )
     return jnp.transpose(table_XN[buckets_BTS], (0, 3, 1, 2))

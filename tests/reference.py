@@ -1,0 +1,232 @@
+"""Float64 NumPy ground truth for ``attnlab.ops``, written from the published formulas.
+
+Nothing here imports jax or attnlab: every function is a direct transcription of the maths
+(often as an explicit loop), so a test comparing an op against it checks the op against the
+formula rather than against itself. Inputs are converted to float64; outputs are float64.
+Names follow ``attnlab.dims``; masks are True = may attend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _f64(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+
+def attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None):
+    """softmax(scale * q k^T + bias, masked) v, with grouped kv heads.
+
+    Query head ``n`` reads kv head ``n // G`` (``G = N // K``). ``mask`` and ``bias`` are
+    broadcast to ``[B, N, T, S]``. A query row with no allowed key gets all-zero weights and
+    an all-zero output. Returns ``(out_BTNH, weights_BNTS)``.
+    """
+    q_BTNH, k_BSKH, v_BSKH = _f64(q_BTNH), _f64(k_BSKH), _f64(v_BSKH)
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    assert N % K == 0, (N, K)
+    G = N // K
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    k_BSNH = np.repeat(k_BSKH, G, axis=2)
+    v_BSNH = np.repeat(v_BSKH, G, axis=2)
+    logits_BNTS = np.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH) * scale
+    if bias is not None:
+        logits_BNTS = logits_BNTS + np.broadcast_to(_f64(bias), (B, N, T, S))
+    if mask is None:
+        mask_BNTS = np.ones((B, N, T, S), dtype=bool)
+    else:
+        mask_BNTS = np.broadcast_to(np.asarray(mask, dtype=bool), (B, N, T, S))
+    weights_BNTS = np.zeros((B, N, T, S))
+    for b in range(B):
+        for n in range(N):
+            for t in range(T):
+                allowed = mask_BNTS[b, n, t]
+                if not allowed.any():
+                    continue
+                row = logits_BNTS[b, n, t, allowed]
+                e = np.exp(row - row.max())
+                weights_BNTS[b, n, t, allowed] = e / e.sum()
+    out_BTNH = np.einsum("BNTS,BSNH->BTNH", weights_BNTS, v_BSNH)
+    return out_BTNH, weights_BNTS
+
+
+# --------------------------------------------------------------------------------------------
+# Positions
+# --------------------------------------------------------------------------------------------
+
+
+def sinusoidal(num_positions, d, *, base=10000.0, layout="interleaved"):
+    """PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)).
+
+    ``layout="split"`` stores column ``i`` of the sines at ``i`` and of the cosines at
+    ``d/2 + i`` instead of interleaving them.
+    """
+    table = np.zeros((num_positions, d))
+    for p in range(num_positions):
+        for i in range(d // 2):
+            angle = p / base ** (2 * i / d)
+            if layout == "interleaved":
+                table[p, 2 * i], table[p, 2 * i + 1] = math.sin(angle), math.cos(angle)
+            else:
+                table[p, i], table[p, d // 2 + i] = math.sin(angle), math.cos(angle)
+    return table
+
+
+def rope_inv_frequencies(head_dim, theta=10000.0):
+    """theta^(-2i/H) for i = 0 .. H/2 - 1."""
+    return np.array([theta ** (-2.0 * i / head_dim) for i in range(head_dim // 2)])
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x_BTNH, positions_BT, *, theta=10000.0):
+    """x * cos + rotate_half(x) * sin, angles repeated over both halves of the head dim."""
+    x_BTNH = _f64(x_BTNH)
+    H = x_BTNH.shape[-1]
+    angles_BTh = _f64(positions_BT)[:, :, None] * rope_inv_frequencies(H, theta)[None, None, :]
+    angles_BTH = np.concatenate([angles_BTh, angles_BTh], axis=-1)
+    cos_BT1H = np.cos(angles_BTH)[:, :, None, :]
+    sin_BT1H = np.sin(angles_BTH)[:, :, None, :]
+    return x_BTNH * cos_BT1H + _rotate_half(x_BTNH) * sin_BT1H
+
+
+def alibi_slopes(num_heads):
+    """Head h (1-based) of n = 2^k heads has slope 2^(-8h/n).
+
+    Otherwise take the 2^floor(log2 n) slopes, then every other slope of the 2 * 2^floor(...)
+    sequence until there are n.
+    """
+
+    def geometric(n):
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    n_pow = 1
+    while n_pow * 2 <= num_heads:
+        n_pow *= 2
+    if n_pow == num_heads:
+        return np.array(geometric(num_heads))
+    extra = geometric(2 * n_pow)[0::2][: num_heads - n_pow]
+    return np.array(geometric(n_pow) + extra)
+
+
+def alibi_bias(slopes_N, q_positions_BT, k_positions_BS):
+    """bias[b, n, t, s] = -slope[n] * |q_pos[b, t] - k_pos[b, s]|."""
+    slopes_N = _f64(slopes_N)
+    q_BT, k_BS = np.asarray(q_positions_BT), np.asarray(k_positions_BS)
+    B, T = q_BT.shape
+    S = k_BS.shape[1]
+    out = np.zeros((B, len(slopes_N), T, S))
+    for b in range(B):
+        for n in range(len(slopes_N)):
+            for t in range(T):
+                for s in range(S):
+                    out[b, n, t, s] = -slopes_N[n] * abs(int(q_BT[b, t]) - int(k_BS[b, s]))
+    return out
+
+
+def relative_position_bucket_scalar(rel, *, bidirectional=True, num_buckets=32, max_distance=128):
+    """T5's bucket of one relative position ``rel = k_pos - q_pos``.
+
+    Bidirectional: half the buckets for keys after the query (rel > 0), half for the rest.
+    In each half, distances below ``max_exact = half / 2`` get their own bucket; larger ones
+    are spaced logarithmically up to ``max_distance`` and clipped into the last bucket.
+    Unidirectional: keys after the query all count as distance 0.
+    """
+    rel = int(rel)
+    if bidirectional:
+        n = num_buckets // 2
+        offset = n if rel > 0 else 0
+        distance = abs(rel)
+    else:
+        n = num_buckets
+        offset = 0
+        distance = max(-rel, 0)
+    max_exact = n // 2
+    if distance < max_exact:
+        return offset + distance
+    log_ratio = math.log(distance / max_exact) / math.log(max_distance / max_exact)
+    return offset + min(n - 1, max_exact + int(log_ratio * (n - max_exact)))
+
+
+def relative_position_bucket(relative_position, **kwargs):
+    rel = np.asarray(relative_position)
+    flat = [relative_position_bucket_scalar(r, **kwargs) for r in rel.reshape(-1)]
+    return np.array(flat, dtype=np.int64).reshape(rel.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Norms and activations
+# --------------------------------------------------------------------------------------------
+
+
+def layer_norm(x, scale=None, bias=None, *, eps=1e-5):
+    x = _f64(x)
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps)
+    if scale is not None:
+        y = y * _f64(scale)
+    if bias is not None:
+        y = y + _f64(bias)
+    return y
+
+
+def rms_norm(x, scale=None, *, eps=1e-6):
+    x = _f64(x)
+    y = x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * _f64(scale)
+    return y
+
+
+def relu(x):
+    return np.maximum(_f64(x), 0.0)
+
+
+def gelu(x):
+    """x * Phi(x), Phi the standard normal CDF, via math.erf."""
+    x = _f64(x)
+    phi = np.vectorize(lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0))))(x)
+    return x * phi
+
+
+def gelu_tanh(x):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    x = _f64(x)
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def silu(x):
+    x = _f64(x)
+    return x / (1.0 + np.exp(-x))
+
+
+ACTIVATIONS = {"relu": relu, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu}
+GATED = {"swiglu": silu, "geglu": gelu, "geglu_tanh": gelu_tanh}
+
+
+def feed_forward(x_BTD, w_in_DF, w_out_FD, *, kind, w_gate_DF=None, b_in_F=None, b_out_D=None):
+    """act(x W_in + b_in) W_out + b_out; gated kinds: (act(x W_gate) * (x W_in + b_in)) W_out."""
+    x_BTD = _f64(x_BTD)
+    h_BTF = x_BTD @ _f64(w_in_DF)
+    if b_in_F is not None:
+        h_BTF = h_BTF + _f64(b_in_F)
+    if kind in GATED:
+        h_BTF = GATED[kind](x_BTD @ _f64(w_gate_DF)) * h_BTF
+    else:
+        h_BTF = ACTIVATIONS[kind](h_BTF)
+    out_BTD = h_BTF @ _f64(w_out_FD)
+    if b_out_D is not None:
+        out_BTD = out_BTD + _f64(b_out_D)
+    return out_BTD
