@@ -1,0 +1,128 @@
+"""The ``attnlab`` command: train, eval, plot, sample.
+
+attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
+attnlab eval --workdir DIR
+attnlab plot DIR [DIR ...] [--out loss.png]
+attnlab sample --workdir DIR --prompt "..." --max-new-tokens N [--temperature T ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+
+def _train(args, overrides):
+    from attnlab import experiment, train
+
+    cfg = experiment.load_config(args.config, overrides)
+    record = train.train(cfg, args.workdir, progress=not args.no_progress)
+    print(json.dumps(record))
+
+
+def _eval(args, overrides):
+    from attnlab import train
+
+    print(json.dumps(train.evaluate(args.workdir)))
+
+
+def _plot(args, overrides):
+    from attnlab import viz
+
+    out = args.out or str(pathlib.Path(args.dirs[0]) / "loss.png")
+    viz.save_loss_curves(args.dirs, out)
+    print(out)
+
+
+def _sample(args, overrides):
+    from attnlab import decode, train
+
+    cfg, trainer, task, params, step = train.load_run(args.workdir)
+    model = trainer.model(params)
+    common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if trainer.mcfg.arch == "encoder_decoder":
+        if args.source is None:
+            raise SystemExit('this run is an encoder-decoder model: pass --source "..."')
+        src = task.encode(args.source)
+        result = decode.generate_seq2seq(
+            model,
+            src[None, :],
+            args.max_new_tokens,
+            start_id=task.bos_id,
+            eos_id=task.eos_id,
+            pad_id=task.pad_id,
+            **common,
+        )
+        print(task.decode(result.tokens[0]))
+        return
+    if trainer.mcfg.arch != "decoder":
+        raise SystemExit("sampling needs a decoder-only or encoder-decoder run")
+    ids = task.encode(args.prompt)
+    result = decode.generate(
+        model,
+        ids[None, :],
+        args.max_new_tokens,
+        eos_id=getattr(task, "eos_id", None) if task.tokenizer is None else None,
+        **common,
+    )
+    print(args.prompt + task.decode(result.tokens[0]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="attnlab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train (or resume) an experiment in a work directory")
+    t.add_argument(
+        "--config", required=True, help="experiments/NAME.py[:variant] or a saved DIR/config.json"
+    )
+    t.add_argument("--workdir", required=True)
+    t.add_argument("--no-progress", action="store_true", help="plain log lines only")
+    t.set_defaults(fn=_train, overrides=True)
+
+    e = sub.add_parser("eval", help="evaluate the latest checkpoint on the validation split")
+    e.add_argument("--workdir", required=True)
+    e.set_defaults(fn=_eval)
+
+    pl = sub.add_parser("plot", help="PNG of train/eval loss curves of one or more runs")
+    pl.add_argument("dirs", nargs="+")
+    pl.add_argument("--out", default=None, help="output PNG (default: FIRST_DIR/loss.png)")
+    pl.set_defaults(fn=_plot)
+
+    s = sub.add_parser("sample", help="sample from the latest checkpoint of a run")
+    s.add_argument("--workdir", required=True)
+    s.add_argument("--prompt", default="")
+    s.add_argument("--source", default=None, help="source text for encoder-decoder runs")
+    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_sample)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if a.startswith("--config.")]
+    unknown = [a for a in extra if not a.startswith("--config.")]
+    if unknown or (overrides and not getattr(args, "overrides", False)):
+        parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
+    from attnlab.experiment import ExperimentError
+
+    try:
+        args.fn(args, overrides)
+    except (ExperimentError, FileNotFoundError) as e:
+        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Experiment configs: one Python file per experiment, typed, validated, overridable.
+
+An experiment file defines ``get_config(variant=None) -> ml_collections.ConfigDict`` built on
+``base_config()``; ``variant="tiny"`` (``--config experiments/NAME.py:tiny``) gives its tiny
+CPU twin. Values are overridden with dotted flags in the ml_collections style::
+
+    attnlab train --config experiments/char_lm.py --config.model.n_layers=4 --workdir runs/x
+
+Every experiment has these groups: ``model`` (the ``ModelConfig`` fields), ``data``
+(``attnlab.data.make_task`` fields), ``optim``, ``train``, ``eval``, ``checkpoint``. Field types
+are locked: an override of the wrong type, an unknown key or an invalid value is an
+``ExperimentError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import types
+import typing
+
+from ml_collections import config_dict
+
+from attnlab.config import ModelConfig
+from attnlab.data.tasks import TASK_KINDS
+
+ConfigDict = config_dict.ConfigDict
+
+
+class ExperimentError(ValueError):
+    """An experiment config that cannot run; the message names the key and the fix."""
+
+
+def _model_defaults() -> ConfigDict:
+    cfg = ConfigDict()
+    hints = typing.get_type_hints(ModelConfig)
+    for field in dataclasses.fields(ModelConfig):
+        value = field.default
+        if value is None:  # Optional field: lock its type, keep it unset
+            args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
+            value = config_dict.placeholder(args[0])
+        setattr(cfg, field.name, value)
+    return cfg
+
+
+def base_config() -> ConfigDict:
+    """Every key an experiment accepts, with defaults."""
+    c = ConfigDict()
+    c.name = "experiment"
+    c.model = _model_defaults()
+    c.data = ConfigDict(
+        dict(
+            kind="text",
+            path="",
+            tokenizer="char",
+            seq_len=128,
+            val_fraction=0.1,
+            num_symbols=16,
+            min_len=1,
+            max_len=0,
+            mask_rate=0.15,
+            max_chars=2_000_000,
+        )
+    )
+    c.optim = ConfigDict(
+        dict(
+            learning_rate=1e-3,
+            warmup_steps=100,
+            schedule="cosine",
+            min_lr_ratio=0.1,
+            b1=0.9,
+            b2=0.99,
+            eps=1e-8,
+            weight_decay=0.1,
+            decay_embeddings=False,
+            clip_norm=1.0,
+            grad_accum_steps=1,
+        )
+    )
+    c.train = ConfigDict(dict(steps=1000, batch_size=32, seed=0, log_every_steps=10))
+    c.eval = ConfigDict(
+        dict(
+            every_steps=200,
+            batches=8,
+            batch_size=32,
+            sample_tokens=200,
+            sample_prompt="",
+            sample_temperature=0.8,
+        )
+    )
+    c.checkpoint = ConfigDict(dict(every_steps=500, max_to_keep=3))
+    return c
+
+
+def model_config(cfg: ConfigDict) -> ModelConfig:
+    """The ``ModelConfig`` of an experiment; invalid values name ``model.<field>``."""
+    try:
+        return ModelConfig(**cfg.model.to_dict())
+    except ValueError as e:
+        raise ExperimentError(str(e).replace("ModelConfig.", "model.")) from None
+
+
+def _require(ok, key, value, fix):
+    if not ok:
+        raise ExperimentError(f"{key}={value!r} is invalid: {fix}")
+
+
+def validate(cfg: ConfigDict) -> ModelConfig:
+    """Checks every group; returns the validated ``ModelConfig``."""
+    for group in ("model", "data", "optim", "train", "eval", "checkpoint"):
+        _require(
+            group in cfg,
+            group,
+            None,
+            f"the config has no '{group}' group; build it on attnlab.experiment.base_config()",
+        )
+    t, o, e, k, d = cfg.train, cfg.optim, cfg.eval, cfg.checkpoint, cfg.data
+    for key, value in [
+        ("train.steps", t.steps),
+        ("train.batch_size", t.batch_size),
+        ("train.log_every_steps", t.log_every_steps),
+        ("eval.every_steps", e.every_steps),
+        ("eval.batch_size", e.batch_size),
+        ("checkpoint.every_steps", k.every_steps),
+        ("checkpoint.max_to_keep", k.max_to_keep),
+        ("data.seq_len", d.seq_len),
+        ("optim.grad_accum_steps", o.grad_accum_steps),
+    ]:
+        _require(value > 0, key, value, "must be a positive integer")
+    _require(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+    _require(e.batches >= 0, "eval.batches", e.batches, "must be >= 0 (0 disables evaluation)")
+    _require(o.learning_rate > 0, "optim.learning_rate", o.learning_rate, "must be positive")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(
+        o.schedule in ("cosine", "constant", "linear"),
+        "optim.schedule",
+        o.schedule,
+        "use 'cosine', 'linear' or 'constant'",
+    )
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    _require(o.clip_norm >= 0, "optim.clip_norm", o.clip_norm, "must be >= 0 (0 disables)")
+    _require(
+        t.batch_size % o.grad_accum_steps == 0,
+        "optim.grad_accum_steps",
+        o.grad_accum_steps,
+        f"must divide train.batch_size={t.batch_size}",
+    )
+    _require(d.kind in TASK_KINDS, "data.kind", d.kind, f"use one of {list(TASK_KINDS)}")
+    mcfg = model_config(cfg)
+    arch_for = {
+        "seq2seq_reverse": "encoder_decoder",
+        "addition": "encoder_decoder",
+        "mlm": "encoder",
+        "mlm_text": "encoder",
+    }
+    want = arch_for.get(d.kind, "decoder")
+    _require(
+        mcfg.arch == want,
+        "model.arch",
+        mcfg.arch,
+        f"data.kind={d.kind!r} trains a {want!r} model; set --config.model.arch={want}",
+    )
+    _require(
+        d.seq_len <= mcfg.max_len,
+        "data.seq_len",
+        d.seq_len,
+        f"exceeds model.max_len={mcfg.max_len}; raise model.max_len or shorten data.seq_len",
+    )
+    return mcfg
+
+
+def _load_python(path: pathlib.Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"attnlab_experiment_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ExperimentError(f"{path} defines no get_config(variant=None) function")
+    return module
+
+
+def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
+    """Loads ``path.py[:variant]`` or a saved ``config.json``, then applies dotted overrides.
+
+    ``overrides`` are ``--config.a.b=v`` strings (ml_collections flag syntax).
+    """
+    from absl import flags
+    from ml_collections import config_flags
+
+    path = pathlib.Path(spec.split(":", 1)[0])
+    if not path.exists():
+        raise ExperimentError(f"--config: no such file {path}")
+    if path.suffix == ".json":  # a resolved config saved in a work directory
+        base = from_json(path.read_text())
+        spec_for_flags = None
+    else:
+        _load_python(path)  # clear error if get_config is missing
+        base, spec_for_flags = None, spec
+    argv = ["attnlab"]
+    fv = flags.FlagValues()
+    if spec_for_flags is not None:
+        argv.append(f"--config={spec_for_flags}")
+        config_flags.DEFINE_config_file(
+            "config", None, flag_values=fv, lock_config=True, sys_argv=argv + list(overrides)
+        )
+    else:
+        config_flags.DEFINE_config_dict(
+            "config", base, flag_values=fv, lock_config=True, sys_argv=argv + list(overrides)
+        )
+    for o in overrides:
+        if not o.startswith("--config."):
+            raise ExperimentError(
+                f"unexpected argument {o!r}: overrides look like --config.train.steps=100"
+            )
+    try:
+        fv(argv + list(overrides))
+        cfg = fv.config
+    except (AttributeError, KeyError) as e:
+        key = _failing_key(overrides, e)
+        raise ExperimentError(f"{key}: unknown config key ({_clean(e)})") from None
+    except flags.Error as e:
+        raise ExperimentError(f"invalid override: {_clean(e)}") from None
+    except (TypeError, ValueError) as e:
+        raise ExperimentError(f"invalid override: {_clean(e)}") from None
+    return cfg
+
+
+def _clean(e: BaseException) -> str:
+    return str(e).strip("'\"").replace("\\n", " ").replace("\n", " ")
+
+
+def _failing_key(overrides, error) -> str:
+    text = str(error)
+    for o in overrides:
+        leaf = o.split("=", 1)[0].rsplit(".", 1)[-1]
+        if f"'{leaf}'" in text or leaf in text:
+            return o.split("=", 1)[0]
+    return "--config"
+
+
+def to_json(cfg: ConfigDict) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
+
+
+def from_json(text: str) -> ConfigDict:
+    """Rebuilds a saved config on ``base_config()`` so its field types stay locked."""
+    values = json.loads(text)
+    base = base_config()
+    _merge(base, values, "")
+    return base
+
+
+def _merge(target: ConfigDict, values: dict, prefix: str):
+    for key, value in values.items():
+        if isinstance(value, dict):
+            if key not in target:
+                target[key] = ConfigDict()
+            _merge(target[key], value, f"{prefix}{key}.")
+        else:
+            target[key] = value
+
+
+def as_namespace(group: ConfigDict) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**group.to_dict())

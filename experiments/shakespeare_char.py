@@ -1,0 +1,48 @@
+"""The widely quoted CPU baseline shape on tiny Shakespeare, character-level.
+
+4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 steps, no dropout, lr 1e-3 with
+warmup + cosine to 1e-4; validation is the last 10% of the characters. Point
+``data.path`` at ``tinyshakespeare.txt`` (default: ``../shared/data/tinyshakespeare.txt``).
+"""
+
+from attnlab.experiment import base_config
+
+
+def get_config(variant=None):
+    c = base_config()
+    c.name = "shakespeare_char"
+    c.model.update(
+        arch="decoder",
+        vocab_size=65,
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        max_len=64,
+        position="learned",
+        norm="layernorm",
+        norm_bias=False,
+        ffn="gelu",
+        dropout=0.0,
+        tie_embeddings=True,
+    )
+    c.data.update(
+        kind="text",
+        path="../shared/data/tinyshakespeare.txt",
+        tokenizer="char",
+        seq_len=64,
+        val_fraction=0.1,
+        max_chars=0,
+    )
+    c.optim.update(
+        learning_rate=1e-3, warmup_steps=100, min_lr_ratio=0.1, b2=0.99, weight_decay=0.1
+    )
+    c.train.update(steps=2000, batch_size=12, seed=1337, log_every_steps=50)
+    c.eval.update(every_steps=250, batches=20, batch_size=12, sample_tokens=200, sample_prompt="\n")
+    c.checkpoint.update(every_steps=500, max_to_keep=2)
+    if variant == "tiny":
+        c.model.update(d_model=32, n_layers=1, n_heads=2, max_len=16)
+        c.data.update(seq_len=16, max_chars=20_000)
+        c.train.update(steps=3, batch_size=4, log_every_steps=1)
+        c.eval.update(every_steps=3, batches=1, batch_size=4, sample_tokens=8)
+        c.checkpoint.update(every_steps=3)
+    return c
