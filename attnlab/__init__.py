@@ -8,6 +8,7 @@ from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
 from attnlab.nn import build_model, count_params
+from attnlab.pretrained import load_pretrained
 from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "count_params",
     "init_cache",
     "kv_cache_bytes",
+    "load_pretrained",
     "ops",
     "register_attention",
 ]

@@ -1,0 +1,250 @@
+"""Reading a Hugging Face checkpoint folder into an attnlab model.
+
+A folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), optionally ``generation_config.json``. Tensors are read
+with ``safetensors`` as NumPy arrays (bfloat16 through ``ml_dtypes``); neither torch nor
+transformers is needed. The config is translated by ``attnlab.pretrained.configs``, the
+model is built abstractly (no random init), and every parameter is filled through the
+family's table in ``attnlab.pretrained.mappings``. Any missing, unexpected or mis-shaped
+tensor stops the load with an error that names it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors
+from flax import nnx
+
+from attnlab.config import ModelConfig
+from attnlab.nn.models import build_model
+from attnlab.pretrained.configs import family_of, model_config_from_hf
+from attnlab.pretrained.mappings import MAPPINGS, TRANSFORMS, Mapping
+
+
+class CheckpointError(Exception):
+    """A checkpoint's tensors disagree with its config or with the family's table."""
+
+    def __str__(self):  # KeyError subclasses would otherwise print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the model needs is not in the checkpoint."""
+
+
+class UnexpectedTensorError(CheckpointError, KeyError):
+    """The checkpoint holds tensors the configured model has no place for."""
+
+
+class TensorShapeError(CheckpointError, ValueError):
+    """A stored tensor's shape disagrees with the shape the config implies."""
+
+
+# Shape letters of parameter names -> the ModelConfig fields that size them.
+_LETTER_FIELDS = {
+    "D": "d_model",
+    "N": "n_heads",
+    "K": "n_kv_heads",
+    "H": "head_dim",
+    "F": "d_ff",
+    "V": "vocab_size",
+    "P": "max_len + position_offset",
+    "X": "relative_buckets",
+}
+
+# safetensors dtypes NumPy lacks, decoded from raw bytes.
+_RAW_DTYPES = {
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+# Files -------------------------------------------------------------------------------------
+
+
+def _folder(path) -> str:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint folder at {path}")
+    return path
+
+
+def read_json(path) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {os.path.basename(path)} at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read_safetensors(file: str) -> dict[str, np.ndarray]:
+    try:
+        with safetensors.safe_open(file, framework="np") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except TypeError:
+        pass  # a dtype NumPy lacks (bfloat16, float8): decode the raw buffers below
+    with open(file, "rb") as f:
+        raw = safetensors.deserialize(f.read())
+    out = {}
+    for name, view in raw:
+        dtype = _RAW_DTYPES.get(view["dtype"])
+        if dtype is None:
+            raise TypeError(f"{file}: tensor {name!r} has unsupported dtype {view['dtype']}")
+        out[name] = np.frombuffer(view["data"], dtype).reshape(view["shape"])
+    return out
+
+
+def read_tensors(path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint folder, by stored name (single file or shards)."""
+    folder = _folder(path)
+    single = os.path.join(folder, "model.safetensors")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return _read_safetensors(single)
+    if os.path.isfile(index):
+        shards = sorted(set(read_json(index)["weight_map"].values()))
+        tensors = {}
+        for shard in shards:
+            tensors.update(_read_safetensors(os.path.join(folder, shard)))
+        return tensors
+    raise FileNotFoundError(
+        f"no model.safetensors (or model.safetensors.index.json) at {single}; attnlab reads "
+        "safetensors checkpoints only"
+    )
+
+
+# Conversion --------------------------------------------------------------------------------
+
+
+def _dotted(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _sizes(param: str, shape, cfg: ModelConfig) -> str:
+    """``d_model=64, n_heads=4, ...`` for the letters of a parameter's shape suffix."""
+    letters = param.rsplit(".", 1)[-1].rsplit("_", 1)[-1]
+    if len(letters) != len(shape) or not all(c in _LETTER_FIELDS for c in letters):
+        return f"shape {tuple(shape)}"
+    values = {
+        "D": cfg.d_model,
+        "N": cfg.n_heads,
+        "K": cfg.kv_heads,
+        "H": cfg.head_size,
+        "F": cfg.ffn_dim,
+        "V": cfg.vocab_size,
+        "P": cfg.max_len + cfg.position_offset,
+        "X": cfg.relative_buckets,
+    }
+    return ", ".join(f"{_LETTER_FIELDS[c]}={values[c]}" for c in letters)
+
+
+def _with_prefix(tensors: dict, mapping: Mapping) -> dict:
+    """Base-model checkpoints lack the task class's wrapper prefix: add it."""
+    prefix = mapping.prefix
+    if not prefix or any(name.startswith(prefix) for name in tensors):
+        return tensors
+    return {prefix + name: value for name, value in tensors.items()}
+
+
+def _layer_counts(paths) -> dict[str, int]:
+    counts = {}
+    for path in paths:
+        match = re.match(r"^(.*)\.layers\.(\d+)\.", path)
+        if match:
+            stack, i = match.group(1), int(match.group(2))
+            counts[stack] = max(counts.get(stack, 0), i + 1)
+    return counts
+
+
+def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
+    """The NNX model of ``cfg`` with every parameter taken from ``tensors``."""
+    mapping = MAPPINGS[family_of(hf_config)]
+    tensors = _with_prefix(tensors, mapping)
+    abstract = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    flat = {_dotted(path): leaf for path, leaf in nnx.to_flat_state(params)}
+    counts = _layer_counts(flat)
+
+    values, used = {}, set()
+    for rule in mapping.rules:
+        templated = [t for t in rule.to if "{i}" in t]
+        n = counts.get(templated[0].split(".layers.{i}")[0], 0) if templated else 1
+        for i in range(n):
+            targets = tuple(t.format(i=i) for t in rule.to)
+            present = [t in flat for t in targets]
+            if not any(present):
+                continue  # this variant of the family is not the configured one
+            if not all(present):
+                raise RuntimeError(f"mapping rule {rule} only partly matches the model")
+            names = [h.format(i=i) for h in rule.hf]
+            stored = [name for name in names if name in tensors]
+            if not stored:
+                raise MissingTensorError(
+                    f"the checkpoint lacks tensor {names[0]!r}, which config.json requires "
+                    f"(it fills attnlab parameter {targets[0]!r})"
+                )
+            used.update(stored)
+            x = tensors[stored[0]]
+            transform = TRANSFORMS[rule.fn]
+            shapes = tuple(tuple(flat[t].get_value().shape) for t in targets)
+            expected = tuple(transform.stored_shape(shapes))
+            if tuple(x.shape) != expected:
+                implied = "; ".join(
+                    f"{t} {s} from {_sizes(t, s, cfg)}"
+                    for t, s in zip(targets, shapes, strict=True)
+                )
+                raise TensorShapeError(
+                    f"tensor {stored[0]!r} has shape {tuple(x.shape)} but config.json implies "
+                    f"{expected} (attnlab parameter {implied})"
+                )
+            for target, value in zip(targets, transform.apply(x, shapes), strict=True):
+                if target in values:
+                    raise RuntimeError(f"two mapping rules fill attnlab parameter {target!r}")
+                values[target] = value
+
+    unfilled = sorted(set(flat) - set(values))
+    if unfilled:
+        raise MissingTensorError(
+            f"no tensor of the checkpoint fills attnlab parameter(s) {unfilled}"
+        )
+    unexpected = sorted(
+        name
+        for name in tensors
+        if name not in used and not any(fnmatch.fnmatchcase(name, p) for p in mapping.ignore)
+    )
+    if unexpected:
+        raise UnexpectedTensorError(
+            f"the checkpoint holds tensor(s) that config.json gives no place to: {unexpected}"
+        )
+    filled = [
+        (path, leaf.replace(jnp.asarray(values[_dotted(path)], leaf.get_value().dtype)))
+        for path, leaf in nnx.to_flat_state(params)
+    ]
+    return nnx.merge(graphdef, nnx.from_flat_state(filled), rest)
+
+
+def load_pretrained(path, *, dtype: str = "float32"):
+    """Loads a Hugging Face checkpoint folder; returns a ``Pretrained`` handle.
+
+    ``dtype`` is both the parameter and the compute dtype of the attnlab model.
+    """
+    from attnlab.pretrained.handle import Pretrained
+
+    folder = _folder(path)
+    hf_config = read_json(os.path.join(folder, "config.json"))
+    cfg = model_config_from_hf(hf_config, dtype=dtype, param_dtype=dtype)
+    model = convert(hf_config, read_tensors(folder), cfg)
+    generation = os.path.join(folder, "generation_config.json")
+    return Pretrained(
+        model,
+        hf_config=hf_config,
+        generation_config=read_json(generation) if os.path.isfile(generation) else {},
+        path=folder,
+    )
