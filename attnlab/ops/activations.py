@@ -6,6 +6,8 @@ Gated units (GLU family) take the gate and the linear branch separately:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -14,22 +16,63 @@ def relu(x):
     return jax.nn.relu(x)
 
 
-def gelu(x):
-    """Exact GELU, x * Phi(x) (erf form), as in BERT."""
-    return jax.nn.gelu(x, approximate=False)
+def _with_saved_derivative(value_and_derivative):
+    """An activation whose backward pass reuses the derivative computed going forward.
+
+    Autodiff of erf/tanh/sigmoid activations re-evaluates the transcendental in the
+    backward pass, and XLA:CPU may fuse that recomputation into the neighbouring matmul,
+    repeating it once per output element. Saving ``f'(x)`` (one array the size of ``x``)
+    makes the backward pass a single multiply.
+    """
+
+    @jax.custom_vjp
+    def f(x):
+        return value_and_derivative(x)[0]
+
+    def fwd(x):
+        y, dy = value_and_derivative(x)
+        return y, dy
+
+    def bwd(dy, g):
+        return (g * dy,)
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
-def gelu_tanh(x):
-    """tanh approximation of GELU, as in GPT-2 ("gelu_new")."""
-    return jax.nn.gelu(x, approximate=True)
+def _gelu_and_derivative(x):
+    x32 = x.astype(jnp.float32)
+    cdf = 0.5 * (1.0 + jax.lax.erf(x32 * (1.0 / math.sqrt(2.0))))
+    pdf = jnp.exp(-0.5 * x32 * x32) * (1.0 / math.sqrt(2.0 * math.pi))
+    return (x32 * cdf).astype(x.dtype), (cdf + x32 * pdf).astype(x.dtype)
 
 
-def silu(x):
-    return jax.nn.silu(x)
+def _gelu_tanh_and_derivative(x):
+    x32 = x.astype(jnp.float32)
+    c = math.sqrt(2.0 / math.pi)
+    t = jnp.tanh(c * (x32 + 0.044715 * x32**3))
+    dt = (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x32 * x32)
+    return (0.5 * x32 * (1.0 + t)).astype(x.dtype), (0.5 * (1.0 + t) + 0.5 * x32 * dt).astype(
+        x.dtype
+    )
+
+
+def _silu_and_derivative(x):
+    x32 = x.astype(jnp.float32)
+    s = jax.nn.sigmoid(x32)
+    return (x32 * s).astype(x.dtype), (s * (1.0 + x32 * (1.0 - s))).astype(x.dtype)
+
+
+gelu = _with_saved_derivative(_gelu_and_derivative)
+gelu.__doc__ = "Exact GELU, x * Phi(x) (erf form), as in BERT."
+gelu_tanh = _with_saved_derivative(_gelu_tanh_and_derivative)
+gelu_tanh.__doc__ = 'tanh approximation of GELU, as in GPT-2 ("gelu_new").'
+silu = _with_saved_derivative(_silu_and_derivative)
+silu.__doc__ = "x * sigmoid(x) (swish)."
 
 
 def swiglu(gate, up):
-    return jax.nn.silu(gate) * up
+    return silu(gate) * up
 
 
 def geglu(gate, up):
@@ -42,7 +85,7 @@ def geglu_tanh(gate, up):
 
 
 ACTIVATIONS = {"relu": relu, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu}
-GATED = {"swiglu": jax.nn.silu, "geglu": gelu, "geglu_tanh": gelu_tanh}
+GATED = {"swiglu": silu, "geglu": gelu, "geglu_tanh": gelu_tanh}
 FFN_KINDS = tuple(ACTIVATIONS) + tuple(GATED)
 
 
