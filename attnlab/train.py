@@ -2,9 +2,10 @@
 
 ``train_step(state, batch) -> (state, metrics)`` and ``eval_step(params, batch)`` are pure
 functions of pytrees, jitted once by ``Trainer`` (the state buffers are donated). The train
-state is a dict ``{"params", "opt_state", "step", "acc"}``: ``acc`` accumulates the loss and
+state is a dict ``{"params", "opt_state", "step", "acc", "key"}``: ``acc`` accumulates the loss and
 gradient norm between log lines *inside* the state, so a run resumed from a checkpoint logs
-exactly what the uninterrupted run logs. Dropout keys are ``fold_in(key(seed), step)``.
+exactly what the uninterrupted run logs. Dropout keys are ``fold_in(key(seed), step)``, with
+the seed's key data kept in the state so stacked trials can each carry their own.
 
 The optimiser is AdamW with global-norm clipping, a decay mask (no decay on norms, biases,
 embeddings and position tables unless ``optim.decay_embeddings``), and warmup + cosine decay.
@@ -150,6 +151,7 @@ class Trainer:
             "opt_state": self.tx.init(params),
             "step": jnp.zeros((), jnp.int32),
             "acc": _zeros_acc(),
+            "key": jax.random.key_data(jax.random.key(int(self.cfg.train.seed))),
         }
 
     def abstract_state(self):
@@ -168,7 +170,7 @@ class Trainer:
 
     def _train_step(self, state, batch):
         params, step = state["params"], state["step"]
-        key = jax.random.fold_in(jax.random.key(int(self.cfg.train.seed)), step)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), step)
         if self.accum == 1:
             loss_sum, tokens, grads = self._grads(params, batch, key)
         else:  # accumulate summed gradients over micro-batches, then normalise once
@@ -194,7 +196,13 @@ class Trainer:
             "grad_norm_sum": acc["grad_norm_sum"] + grad_norm,
             "steps": acc["steps"] + 1,
         }
-        new = {"params": params, "opt_state": opt_state, "step": step + 1, "acc": acc}
+        new = {
+            "params": params,
+            "opt_state": opt_state,
+            "step": step + 1,
+            "acc": acc,
+            "key": state["key"],
+        }
         return new, {"loss": loss_sum / jnp.maximum(tokens, 1.0), "grad_norm": grad_norm}
 
     def _eval_step(self, params, batch):
