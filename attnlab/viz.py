@@ -1,4 +1,4 @@
-"""Plots for notebooks: attention weights as heat maps.
+"""Plots: attention weights as heat maps, loss curves of training runs.
 
 Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot state), so they work
 under any backend, including Agg in tests; a notebook displays the returned figure.
@@ -6,7 +6,9 @@ under any backend, including Agg in tests; a notebook displays the returned figu
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -72,3 +74,51 @@ def plot_attention(
     if title:
         fig.suptitle(title)
     return fig
+
+
+def read_metrics(workdir) -> list[dict]:
+    """The records of ``workdir/metrics.jsonl`` (one dict per logged step)."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {workdir} an attnlab work directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curves(workdirs, *, labels=None, title="loss", log_y=False) -> Figure:
+    """Train (solid) and eval (dashed, markers) loss against step for one or more runs."""
+    workdirs = [workdirs] if isinstance(workdirs, str | pathlib.Path) else list(workdirs)
+    labels = labels or [pathlib.Path(w).name or str(w) for w in workdirs]
+    fig = Figure(figsize=(7, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for i, (workdir, label) in enumerate(zip(workdirs, labels, strict=True)):
+        records = read_metrics(workdir)
+        color = f"C{i % 10}"
+        train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+        evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+        if train:
+            ax.plot(*zip(*train, strict=True), color=color, label=f"{label} train")
+        if evals:
+            ax.plot(
+                *zip(*evals, strict=True),
+                color=color,
+                ls="--",
+                marker="o",
+                ms=3,
+                label=f"{label} eval",
+            )
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def save_loss_curves(workdirs, out, **kw) -> pathlib.Path:
+    """Writes ``plot_loss_curves`` to a PNG and returns its path."""
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot_loss_curves(workdirs, **kw).savefig(out, dpi=120)
+    return out
