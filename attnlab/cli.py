@@ -1,6 +1,9 @@
-"""The ``attnlab`` command: train, eval, plot, sample.
+"""The ``attnlab`` command: train, eval, plot, sample, sweep.
 
 attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
+attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
+              [--parallel vmap|sequential] [--max-trials N] [--print-commands]
+attnlab sweep --collect DIR
 attnlab eval --workdir DIR
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR --prompt "..." --max-new-tokens N [--temperature T ...]
@@ -70,6 +73,36 @@ def _sample(args, overrides):
     print(args.prompt + task.decode(result.tokens[0]))
 
 
+def _sweep(args, overrides):
+    from attnlab import sweep
+
+    workdir = args.workdir or args.dir
+    if workdir is None:
+        raise SystemExit("attnlab sweep: pass --workdir DIR (or DIR after --collect)")
+    if args.collect:
+        results = sweep.collect(workdir)
+        for path in sweep.write_results(workdir, results):
+            print(path)
+        print(sweep.markdown_table(results), end="")
+        return
+    if args.config is None:
+        raise SystemExit("attnlab sweep: --config experiments/NAME.py[:variant] is required")
+    plan = sweep.load_sweep(args.config, overrides, max_trials=args.max_trials)
+    if args.print_commands:
+        sweep.write_manifest(plan, workdir)  # lets --collect name the trials' overrides
+        for line in sweep.commands(plan, workdir):
+            print(line)
+        return
+    results = sweep.run_sweep(
+        plan,
+        workdir,
+        parallel=args.parallel,
+        progress=not args.no_progress,
+        retry_failed=args.retry_failed,
+    )
+    print(sweep.markdown_table(results), end="")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="attnlab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -103,6 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_sample)
+
+    w = sub.add_parser("sweep", help="run the sweep() of an experiment; one workdir per trial")
+    w.add_argument("dir", nargs="?", default=None, help="the sweep directory (with --collect)")
+    w.add_argument("--config", default=None, help="experiments/NAME.py[:variant]")
+    w.add_argument("--workdir", default=None, help="the sweep directory; trials go in DIR/<trial>")
+    w.add_argument(
+        "--parallel",
+        choices=("vmap", "sequential"),
+        default="vmap",
+        help="vmap: stack trials that differ only in seeds/optimiser values (default)",
+    )
+    w.add_argument("--max-trials", type=int, default=None, help="only the first N trials")
+    w.add_argument(
+        "--print-commands", action="store_true", help="print one `attnlab train` line per trial"
+    )
+    w.add_argument("--collect", action="store_true", help="rebuild DIR/results.* from DIR/*/")
+    w.add_argument("--retry-failed", action="store_true", help="train failed trials again")
+    w.add_argument("--no-progress", action="store_true", help="plain log lines only")
+    w.set_defaults(fn=_sweep, overrides=True)
     return p
 
 

@@ -7,6 +7,11 @@ gradient norm between log lines *inside* the state, so a run resumed from a chec
 exactly what the uninterrupted run logs. Dropout keys are ``fold_in(key(seed), step)``, with
 the seed's key data kept in the state so stacked trials can each carry their own.
 
+``train_stacked`` trains runs that differ only in ``STACKABLE`` values (seed, peak learning
+rate, weight decay, Adam's b1/b2/eps, init scale) as one program: each run is initialised
+alone, then every state leaf is stacked on a leading trial axis and ``jax.vmap`` of the same
+step trains them all; each run's files are written as if it had trained alone.
+
 The optimiser is AdamW with global-norm clipping, a decay mask (no decay on norms, biases,
 embeddings and position tables unless ``optim.decay_embeddings``), and warmup + cosine decay.
 The peak learning rate and weight decay sit in the optimiser state
@@ -24,6 +29,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -108,10 +114,13 @@ def make_optimizer(o, total_steps: int, params):
 
 def learning_rate(opt_state, o, total_steps, step):
     """The learning rate applied at ``step`` (peak from the state times the schedule)."""
-    hyper = next(
+    return _hyperparams(opt_state)["learning_rate"] * lr_multiplier(o, total_steps)(step)
+
+
+def _hyperparams(opt_state):
+    return next(
         s for s in jax.tree.leaves(opt_state, is_leaf=_is_injected) if _is_injected(s)
     ).hyperparams
-    return hyper["learning_rate"] * lr_multiplier(o, total_steps)(step)
 
 
 def _is_injected(x):
@@ -143,6 +152,9 @@ class Trainer:
         self.accum = int(cfg.optim.grad_accum_steps)
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
+        # Stacked trials: every state leaf has a leading trial axis; eval batches are shared.
+        self.stacked_train_step = jax.jit(jax.vmap(self._train_step), donate_argnums=0)
+        self.stacked_eval_step = jax.jit(jax.vmap(self._eval_step, in_axes=(0, None)))
 
     def init_state(self):
         params = self._init_params
@@ -217,20 +229,51 @@ class Trainer:
             "rows": jnp.asarray(mask.shape[0], jnp.float32),
         }
 
-    def evaluate(self, params, batches):
+    def evaluate(self, params, batches, *, stacked: bool = False):
+        """Validation metrics; with ``stacked``, one dict per index of the leading trial axis."""
+        eval_step = self.stacked_eval_step if stacked else self.eval_step
         totals = None
         for b in batches:
-            m = self.eval_step(params, b)
+            m = eval_step(params, b)
             totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
         t = jax.device_get(totals)
-        return {
-            "eval_loss": float(t["loss_sum"] / max(t["tokens"], 1.0)),
-            "eval_accuracy": float(t["correct"] / max(t["tokens"], 1.0)),
-            "eval_exact_match": float(t["rows_ok"] / max(t["rows"], 1.0)),
-        }
+        if not stacked:
+            return _eval_record(t)
+        return [_eval_record({k: v[i] for k, v in t.items()}) for i in range(len(t["rows"]))]
+
+
+def _eval_record(t):
+    return {
+        "eval_loss": float(t["loss_sum"] / max(t["tokens"], 1.0)),
+        "eval_accuracy": float(t["correct"] / max(t["tokens"], 1.0)),
+        "eval_exact_match": float(t["rows_ok"] / max(t["rows"], 1.0)),
+    }
 
 
 # The loop ------------------------------------------------------------------------------------
+# Trials whose configs differ only in these values have the same array shapes and the same
+# traced program (the optimiser hyperparameters live in the state, initialisation happens
+# before stacking), so they can be stacked on a leading axis and trained by one vmapped step.
+STACKABLE = (
+    "train.seed",
+    "optim.learning_rate",
+    "optim.weight_decay",
+    "optim.b1",
+    "optim.b2",
+    "optim.eps",
+    "model.init_std",
+)
+
+
+def stack_key(cfg) -> str:
+    """The config without its ``STACKABLE`` values: trials with equal keys can be stacked."""
+    values = cfg.to_dict()
+    for dotted in STACKABLE:
+        group, leaf = dotted.split(".")
+        values[group].pop(leaf, None)
+    return json.dumps(values, sort_keys=True)
+
+
 def _atomic_write(path: pathlib.Path, text: str):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -255,7 +298,7 @@ def _append_jsonl(path: pathlib.Path, record: dict):
 
 
 class _Progress:
-    """A tqdm bar on a terminal, plain log lines otherwise."""
+    """A tqdm bar on a terminal, plain log lines otherwise (prefixed by a trial's label)."""
 
     def __init__(self, start, total, enabled):
         self.bar = None
@@ -264,18 +307,23 @@ class _Progress:
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
-    def update(self, n, record=None):
+    def update(self, n, records=()):
         if self.bar is not None:
             self.bar.update(n)
-            if record:
+            if records:
                 self.bar.set_postfix(
-                    {k: f"{v:.4g}" for k, v in record.items() if k in ("train_loss", "eval_loss")}
+                    {
+                        k: f"{v:.4g}"
+                        for k, v in records[0][1].items()
+                        if k in ("train_loss", "eval_loss")
+                    }
                 )
-        elif record:
+            return
+        for label, record in records:
             fields = " ".join(
                 f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
             )
-            print(fields, flush=True)
+            print(f"[{label}] {fields}" if label else fields, flush=True)
 
     def close(self):
         if self.bar is not None:
@@ -302,8 +350,10 @@ def _check_workdir_config(workdir: pathlib.Path, cfg):
 
 
 def sample_text(trainer, task, params, cfg, step):
-    """A short sample from a language model (None for other tasks)."""
+    """A short sample from a language model (None for other tasks); unknown ids are dropped."""
     if trainer.kind != "lm" or task.tokenizer is None or cfg.eval.sample_tokens <= 0:
+        return None
+    if not trainer.mcfg.causal:  # the causal-mask ablation: generation needs the mask
         return None
     from attnlab.decode import generate
 
@@ -320,101 +370,248 @@ def sample_text(trainer, task, params, cfg, step):
         temperature=float(cfg.eval.sample_temperature),
         seed=int(cfg.train.seed) * 1_000_003 + step,
     )
-    return prompt + task.decode(result.tokens[0])
+    tokens = np.asarray(result.tokens[0])
+    # A model whose vocab_size exceeds the tokenizer's can sample ids that have no text.
+    return prompt + task.decode(tokens[(tokens >= 0) & (tokens < task.vocab_size)])
+
+
+class _Run:
+    """One run's work directory: its config, task, checkpoints, logs and where it stands."""
+
+    def __init__(self, cfg, workdir, mcfg: ModelConfig):
+        self.cfg, self.workdir = cfg, pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        _check_workdir_config(self.workdir, cfg)
+        _atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(cfg))
+        self.task = make_task(cfg.data, self.workdir)
+        vocab = self.task.vocab_size
+        if vocab > mcfg.vocab_size:
+            raise experiment.ExperimentError(
+                f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary "
+                f"({vocab} ids); set --config.model.vocab_size={vocab}"
+            )
+        keep = int(cfg.checkpoint.max_to_keep)
+        self.ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=keep)
+        self.start = self.ckpt.latest_step()
+        self.elapsed, self.step = 0.0, 0
+        self.record: dict | None = None  # the record logged at the last step, if any
+        self.failure: Exception | None = None
+
+    def initial_state(self, trainer, abstract):
+        if self.start is None:
+            self.start = 0
+            return trainer.init_state()
+        state = self.ckpt.restore(abstract, self.start)
+        self.elapsed = float(self.ckpt.restore_metadata(self.start).get("elapsed_sec", 0.0))
+        _truncate_jsonl(self.workdir / METRICS_FILE, self.start)
+        _truncate_jsonl(self.workdir / SAMPLES_FILE, self.start)
+        print(f"resuming from step {self.start} in {self.workdir}", flush=True)
+        return state
+
+    def save(self, step, state):
+        meta = {"elapsed_sec": self.elapsed, "step": step}
+        self.ckpt.save(step, state, metadata=meta, force=True)
+
+
+def _open_runs(cfgs, workdirs):
+    """Opens each run and builds its trainer (its own seed and initialisation)."""
+    runs, trainers = [], []
+    try:
+        for cfg, workdir in zip(cfgs, workdirs, strict=True):
+            mcfg = experiment.validate(cfg)
+            runs.append(_Run(cfg, workdir, mcfg))
+            trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind))
+    except BaseException:
+        for run in runs:
+            run.ckpt.close()
+        raise
+    return runs, trainers
+
+
+def _loop(trainer, runs, state, *, stacked: bool, progress: bool, stop_after) -> bool:
+    """Trains ``runs`` from their common start step; True when a signal stopped it.
+
+    With ``stacked`` every leaf of ``state`` has a leading axis indexing ``runs`` and one
+    vmapped step trains them all; otherwise ``runs`` is one run. The runs share everything
+    but their ``STACKABLE`` values, so they log, evaluate and checkpoint at the same steps.
+    Each run's files are written as if it had trained alone.
+    """
+    cfg, n = runs[0].cfg, len(runs)
+    t, e = cfg.train, cfg.eval
+    total, batch_size = trainer.total_steps, int(t.batch_size)
+    eval_batches = runs[0].task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
+    tokens_per_step = batch_size * int(cfg.data.seq_len)
+    train_step = trainer.stacked_train_step if stacked else trainer.train_step
+    lr_at = lr_multiplier(cfg.optim, total)
+
+    def view(tree, i):
+        return jax.tree.map(lambda x: x[i], tree) if stacked else tree
+
+    def batch(step):
+        if not stacked:
+            return runs[0].task.train_batch(int(t.seed), step, batch_size)
+        parts = [r.task.train_batch(int(r.cfg.train.seed), step, batch_size) for r in runs]
+        return jax.tree.map(lambda *xs: np.stack(xs), *parts)
+
+    def zeros_acc():
+        acc = _zeros_acc()
+        return jax.tree.map(lambda z: jnp.zeros((n,) + z.shape, z.dtype), acc) if stacked else acc
+
+    def active():
+        return [(i, r) for i, r in enumerate(runs) if r.failure is None]
+
+    start = runs[0].start
+    bar = _Progress(start, total, progress)
+    window_start, window_steps = time.perf_counter(), 0
+    stopped_by_signal = False
+    with PreemptionGuard() as guard:
+        step = start
+        while step < total and active():
+            state, _ = train_step(state, batch(step))
+            step += 1
+            window_steps += 1
+            do_eval = bool(eval_batches) and (step % e.every_steps == 0 or step == total)
+            do_log = step % t.log_every_steps == 0 or do_eval or step == total
+            logged = []
+            for _, r in active():
+                r.record, r.step = None, step
+            if do_log:
+                acc = jax.device_get(state["acc"])
+                peak_lr = jax.device_get(_hyperparams(state["opt_state"])["learning_rate"])
+                now = time.perf_counter()
+                window = now - window_start
+                state["acc"] = zeros_acc()
+                evals = None
+                if do_eval:
+                    evals = trainer.evaluate(state["params"], eval_batches, stacked=stacked)
+                    evals = evals if stacked else [evals]
+                for i, r in active():
+                    r.elapsed += window
+                    a = view(acc, i)
+                    record = {
+                        "step": step,
+                        "train_loss": float(a["loss_sum"] / max(a["tokens"], 1.0)),
+                        "learning_rate": float(view(peak_lr, i) * lr_at(step - 1)),
+                        "grad_norm": float(a["grad_norm_sum"] / max(int(a["steps"]), 1)),
+                        "tokens_per_sec": window_steps * tokens_per_step / max(window, 1e-9),
+                        "elapsed_sec": r.elapsed,
+                    }
+                    if do_eval:
+                        record.update(evals[i])
+                    if not math.isfinite(record["train_loss"]):
+                        _append_jsonl(r.workdir / METRICS_FILE, record)
+                        r.failure = FloatingPointError(f"non-finite training loss at step {step}")
+                        continue
+                    if do_eval:
+                        text = sample_text(trainer, r.task, view(state["params"], i), r.cfg, step)
+                        if text is not None:
+                            _append_jsonl(r.workdir / SAMPLES_FILE, {"step": step, "text": text})
+                    _append_jsonl(r.workdir / METRICS_FILE, record)
+                    r.record = record
+                    logged.append((r.workdir.name if stacked else "", record))
+                window_start, window_steps = time.perf_counter(), 0
+            bar.update(1, logged)
+            if step % cfg.checkpoint.every_steps == 0 or step == total:
+                for i, r in active():
+                    r.save(step, view(state, i))
+            if guard.requested or (stop_after is not None and step >= stop_after):
+                for i, r in active():
+                    if r.ckpt.latest_step() != step:
+                        # Steps past the last log line stay in ``acc``, which is saved too.
+                        r.save(step, view(state, i))
+                why = guard.signal_name or f"stop_after={stop_after}"
+                where = runs[0].workdir if n == 1 else runs[0].workdir.parent
+                print(f"stopped at step {step} ({why}); checkpoint saved in {where}", flush=True)
+                stopped_by_signal = guard.requested
+                break
+    bar.close()
+    return stopped_by_signal
+
+
+def _train_runs(cfgs, workdirs, *, stacked, progress, stop_after):
+    """Opens, restores and trains the runs; stacked runs at different steps train in turn."""
+    runs, trainers = _open_runs(cfgs, workdirs)
+    try:
+        abstract = trainers[0].abstract_state()
+        states = [r.initial_state(tr, abstract) for r, tr in zip(runs, trainers, strict=True)]
+        by_start: dict[int, list[int]] = {}
+        for i, r in enumerate(runs):
+            by_start.setdefault(r.start, []).append(i)
+        for start in sorted(by_start):
+            idx = by_start[start]
+            for i in idx:
+                runs[i].step = start
+            state = states[idx[0]]
+            if stacked:
+                state = jax.tree.map(lambda *xs: jnp.stack(xs), *[states[i] for i in idx])
+            for i in idx:
+                states[i] = None  # the loop owns (and donates) the state from here on
+            sub = [runs[i] for i in idx]
+            if _loop(
+                trainers[0], sub, state, stacked=stacked, progress=progress, stop_after=stop_after
+            ):
+                return runs, True
+        return runs, False
+    finally:
+        for r in runs:
+            r.ckpt.close()
 
 
 def train(cfg, workdir, *, progress: bool = True, stop_after: int | None = None) -> dict:
     """Trains (or resumes) the experiment ``cfg`` in ``workdir``; returns the final record.
 
     ``stop_after`` stops (with a checkpoint) once that many steps are done, as a preemption
-    would: used to test exact resumption.
+    would: used to test exact resumption. A non-finite training loss raises
+    ``FloatingPointError`` once its record is logged.
     """
-    mcfg = experiment.validate(cfg)
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    _check_workdir_config(workdir, cfg)
-    _atomic_write(workdir / CONFIG_FILE, experiment.to_json(cfg))
+    (run,), _ = _train_runs(
+        [cfg], [workdir], stacked=False, progress=progress, stop_after=stop_after
+    )
+    if run.failure is not None:
+        raise run.failure
+    return run.record or {"step": run.step}
 
-    task = make_task(cfg.data, workdir)
-    if task.vocab_size > mcfg.vocab_size:
+
+def train_stacked(cfgs, workdirs, *, progress: bool = True, stop_after: int | None = None):
+    """Trains (or resumes) several runs that differ only in ``STACKABLE`` values at once.
+
+    Each run is initialised from its own config, then params, optimiser state (with its
+    hyperparameters), step, accumulators and RNG key data are stacked on a leading axis and
+    trained by one jitted, vmapped step; every step stacks each run's own batch. Each
+    ``workdirs[i]`` ends up as ``train(cfgs[i], workdirs[i])`` would leave it. A run whose
+    loss turns non-finite is dropped from the logs and checkpoints; the others go on.
+
+    Returns one dict per run: ``status`` ("finished", "stopped" or "failed"), ``reason``,
+    ``step``, ``record`` (the final log record, if any) and ``preempted``.
+    """
+    cfgs = list(cfgs)
+    keys = {stack_key(c) for c in cfgs}
+    if len(keys) > 1:
         raise experiment.ExperimentError(
-            f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary "
-            f"({task.vocab_size} ids); set --config.model.vocab_size={task.vocab_size}"
+            f"train_stacked: the configs differ in more than {', '.join(STACKABLE)}; "
+            "train them separately"
         )
-    trainer = Trainer(cfg, mcfg, kind=task.kind)
-    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=int(cfg.checkpoint.max_to_keep))
-    state, elapsed = trainer.init_state(), 0.0
-    start = ckpt.latest_step()
-    if start is not None:
-        state = ckpt.restore(trainer.abstract_state(), start)
-        elapsed = float(ckpt.restore_metadata(start).get("elapsed_sec", 0.0))
-        _truncate_jsonl(workdir / METRICS_FILE, start)
-        _truncate_jsonl(workdir / SAMPLES_FILE, start)
-        print(f"resuming from step {start} in {workdir}", flush=True)
-    start = int(start or 0)
-    t, e = cfg.train, cfg.eval
-    eval_batches = task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
-    tokens_per_step = int(t.batch_size) * int(cfg.data.seq_len)
-
-    def save(step):
-        ckpt.save(step, state, metadata={"elapsed_sec": elapsed, "step": step}, force=True)
-
-    record = {}
-    bar = _Progress(start, trainer.total_steps, progress)
-    window_start, window_steps = time.perf_counter(), 0
-    with PreemptionGuard() as guard:
-        step = start
-        while step < trainer.total_steps:
-            batch = task.train_batch(int(t.seed), step, int(t.batch_size))
-            state, _ = trainer.train_step(state, batch)
-            step += 1
-            window_steps += 1
-            do_eval = bool(eval_batches) and (
-                step % e.every_steps == 0 or step == trainer.total_steps
-            )
-            do_log = step % t.log_every_steps == 0 or do_eval or step == trainer.total_steps
-            record = None
-            if do_log:
-                acc = jax.device_get(state["acc"])
-                now = time.perf_counter()
-                elapsed += now - window_start
-                record = {
-                    "step": step,
-                    "train_loss": float(acc["loss_sum"] / max(acc["tokens"], 1.0)),
-                    "learning_rate": float(
-                        learning_rate(state["opt_state"], cfg.optim, trainer.total_steps, step - 1)
-                    ),
-                    "grad_norm": float(acc["grad_norm_sum"] / max(int(acc["steps"]), 1)),
-                    "tokens_per_sec": window_steps
-                    * tokens_per_step
-                    / max(now - window_start, 1e-9),
-                    "elapsed_sec": elapsed,
-                }
-                state["acc"] = _zeros_acc()
-                if do_eval:
-                    record.update(trainer.evaluate(state["params"], eval_batches))
-                    text = sample_text(trainer, task, state["params"], cfg, step)
-                    if text is not None:
-                        _append_jsonl(workdir / SAMPLES_FILE, {"step": step, "text": text})
-                if not math.isfinite(record["train_loss"]):
-                    save_reason = f"non-finite training loss at step {step}"
-                    _append_jsonl(workdir / METRICS_FILE, record)
-                    raise FloatingPointError(save_reason)
-                _append_jsonl(workdir / METRICS_FILE, record)
-                window_start, window_steps = time.perf_counter(), 0
-            bar.update(1, record)
-            if step % cfg.checkpoint.every_steps == 0 or step == trainer.total_steps:
-                save(step)
-            if guard.requested or (stop_after is not None and step >= stop_after):
-                if ckpt.latest_step() != step:
-                    # Steps past the last log line stay in ``acc``, which is saved too.
-                    save(step)
-                why = guard.signal_name or f"stop_after={stop_after}"
-                print(f"stopped at step {step} ({why}); checkpoint saved in {workdir}", flush=True)
-                break
-    bar.close()
-    ckpt.close()
-    return record or {"step": step}
+    runs, preempted = _train_runs(
+        cfgs, workdirs, stacked=True, progress=progress, stop_after=stop_after
+    )
+    out = []
+    for r in runs:
+        if r.failure is not None:
+            status, reason = "failed", f"{type(r.failure).__name__}: {r.failure}"
+        else:
+            status = "finished" if r.step >= int(r.cfg.train.steps) else "stopped"
+            reason = None
+        out.append(
+            {
+                "workdir": str(r.workdir),
+                "status": status,
+                "reason": reason,
+                "step": r.step,
+                "record": r.record,
+                "preempted": preempted,
+            }
+        )
+    return out
 
 
 def load_run(workdir):

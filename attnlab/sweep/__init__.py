@@ -1,0 +1,67 @@
+"""Hyperparameter sweeps: specifications as code, resumable runs, vmap-parallel trials, results.
+
+An experiment file may define ``sweep(variant=None)`` beside ``get_config`` returning a list of
+override dicts, built by hand or with ``grid``, ``random_search`` and ``product``::
+
+    from attnlab.sweep import grid
+
+    def sweep(variant=None):
+        return grid({"optim.learning_rate": [3e-4, 1e-3, 3e-3], "train.seed": [0, 1, 2]})
+
+``attnlab sweep --config experiments/NAME.py --workdir DIR`` trains each trial in ``DIR/<trial>``
+(trials that differ only in stackable values as one vmapped program), then writes
+``DIR/results.{csv,json}`` and plots; see docs/sweeps.md.
+"""
+
+from attnlab.sweep.plan import (
+    Group,
+    Plan,
+    Trial,
+    apply_overrides,
+    commands,
+    group_trials,
+    load_sweep,
+    plan_sweep,
+    train_argv,
+)
+from attnlab.sweep.results import collect, markdown_table, plot_final_metric, write_results
+from attnlab.sweep.run import read_status, run_sweep, write_manifest
+from attnlab.sweep.spec import (
+    as_trials,
+    choice,
+    format_value,
+    grid,
+    log_uniform,
+    product,
+    random_search,
+    trial_name,
+    uniform,
+)
+
+__all__ = [
+    "Group",
+    "Plan",
+    "Trial",
+    "apply_overrides",
+    "as_trials",
+    "choice",
+    "collect",
+    "commands",
+    "format_value",
+    "grid",
+    "group_trials",
+    "load_sweep",
+    "log_uniform",
+    "markdown_table",
+    "plan_sweep",
+    "plot_final_metric",
+    "product",
+    "random_search",
+    "read_status",
+    "run_sweep",
+    "train_argv",
+    "trial_name",
+    "uniform",
+    "write_manifest",
+    "write_results",
+]
