@@ -1,4 +1,5 @@
-"""Plots: attention weights as heat maps, loss curves of training runs.
+"""Plots: attention weights and masks as heat maps, position tables, per-head scores, loss
+curves of training runs; and the small readers and scores behind them.
 
 Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot state), so they work
 under any backend, including Agg in tests; a notebook displays the returned figure.
@@ -12,6 +13,7 @@ import pathlib
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 
 def plot_attention(
@@ -122,3 +124,162 @@ def save_loss_curves(workdirs, out, **kw) -> pathlib.Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     plot_loss_curves(workdirs, **kw).savefig(out, dpi=120)
     return out
+
+
+# Masks, position tables and head scores -------------------------------------------------------
+def _as_2d(x, what: str) -> np.ndarray:
+    """``x`` as a 2-D array, dropping leading axes of size 1 (``[1, 1, T, S]`` -> ``[T, S]``)."""
+    a = np.asarray(x)
+    while a.ndim > 2 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 2:
+        raise ValueError(
+            f"{what} must be [T, S] (leading axes of size 1 are dropped), got shape "
+            f"{np.shape(x)}; pick one batch row / head first, e.g. mask[0, 0]"
+        )
+    return a
+
+
+def _cell_grid(ax, rows: int, cols: int, max_cells: int = 48):
+    """Thin lines between cells, so single allowed positions stay visible."""
+    if rows > max_cells or cols > max_cells:
+        return
+    ax.set_xticks(np.arange(-0.5, cols, 1.0), minor=True)
+    ax.set_yticks(np.arange(-0.5, rows, 1.0), minor=True)
+    ax.grid(which="minor", color="0.85", linewidth=0.5)
+    ax.tick_params(which="minor", length=0)
+
+
+def plot_mask(
+    mask_TS,
+    *,
+    ax=None,
+    title: str | None = None,
+    query_labels=None,
+    key_labels=None,
+    cmap: str = "Blues",
+) -> Figure:
+    """A boolean attention mask as a heat map: filled = may attend (rows queries, columns keys).
+
+    ``mask_TS`` is ``[T, S]`` or any ``attnlab.ops.masks`` output whose leading axes are 1
+    (``[1, 1, T, S]``). With ``ax`` the map is drawn there (for grids of masks) and that
+    axes' figure is returned.
+    """
+    m = _as_2d(mask_TS, "mask").astype(np.float32)
+    T, S = m.shape
+    if ax is None:
+        size = (max(2.5, 0.3 * S + 1.2), max(2.5, 0.3 * T + 1.0))
+        fig = Figure(figsize=size, layout="constrained")
+        ax = fig.add_subplot()
+    ax.imshow(m, cmap=cmap, vmin=0.0, vmax=1.0, aspect="equal", interpolation="nearest")
+    _cell_grid(ax, T, S)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if key_labels is not None:
+        if len(key_labels) != S:
+            raise ValueError(f"{len(key_labels)} key labels for S={S} keys")
+        ax.set_xticks(range(S), [str(k) for k in key_labels], rotation=90, fontsize=7)
+    if query_labels is not None:
+        if len(query_labels) != T:
+            raise ValueError(f"{len(query_labels)} query labels for T={T} queries")
+        ax.set_yticks(range(T), [str(q) for q in query_labels], fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax.figure
+
+
+def plot_masks(masks: dict, *, ncols: int = 3, cmap: str = "Blues") -> Figure:
+    """Several masks side by side, one titled panel per ``{name: mask}`` entry."""
+    if not masks:
+        raise ValueError("plot_masks needs at least one {name: mask} entry")
+    arrays = {name: _as_2d(m, f"mask {name!r}") for name, m in masks.items()}
+    cols = min(ncols, len(arrays))
+    rows = math.ceil(len(arrays) / cols)
+    T = max(a.shape[0] for a in arrays.values())
+    S = max(a.shape[1] for a in arrays.values())
+    panel = (max(2.5, 0.25 * S + 1.0), max(2.5, 0.25 * T + 1.0))
+    fig = Figure(figsize=(panel[0] * cols, panel[1] * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax, (name, a) in zip(axes.flat, arrays.items(), strict=False):
+        plot_mask(a, ax=ax, title=name, cmap=cmap)
+    for ax in list(axes.flat)[len(arrays) :]:
+        ax.set_axis_off()
+    return fig
+
+
+def plot_position_table(
+    table_PD, *, title: str = "position encodings", cmap: str = "RdBu_r"
+) -> Figure:
+    """A ``[positions, dims]`` table (e.g. ``attnlab.ops.sinusoidal``) as an image."""
+    t = _as_2d(table_PD, "table").astype(np.float32)
+    P, D = t.shape
+    limit = float(np.abs(t).max()) or 1.0
+    fig = Figure(figsize=(7, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(t, cmap=cmap, vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    ax.set_xlabel(f"dimension (0..{D - 1})")
+    ax.set_ylabel(f"position (0..{P - 1})")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="value")
+    return fig
+
+
+def previous_token_scores(weights, *, offset: int = 1) -> np.ndarray:
+    """How much each head attends ``offset`` tokens back: mean weight on the (i, i - offset)
+    diagonal over queries ``i >= offset``.
+
+    ``weights`` is ``[..., T, S]`` with query ``i`` and key ``i`` at the same position (self-
+    attention over one sequence), e.g. ``[N, T, S]`` or ``[L, N, T, S]``; returns ``[...]``
+    (one score per head), in [0, 1] when rows are probability distributions.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim < 2:
+        raise ValueError(f"weights must be [..., T, S], got shape {w.shape}")
+    T, S = w.shape[-2:]
+    if offset < 0 or offset >= T or S < T:
+        raise ValueError(
+            f"need S >= T > offset >= 0 to read the diagonal i - {offset}, got T={T}, S={S}"
+        )
+    diag = np.diagonal(w, offset=-offset, axis1=-2, axis2=-1)  # [..., T - offset]
+    return diag.mean(axis=-1)
+
+
+def plot_head_scores(
+    scores_LN, *, title: str = "score per head", vmax: float | None = None, cmap: str = "magma"
+) -> Figure:
+    """A ``[layers, heads]`` table of per-head scores as an annotated heat map."""
+    s = np.asarray(scores_LN, dtype=np.float32)
+    if s.ndim == 1:
+        s = s[None]
+    if s.ndim != 2:
+        raise ValueError(f"scores must be [layers, heads] or [heads], got shape {s.shape}")
+    L, N = s.shape
+    fig = Figure(figsize=(max(3.0, 0.7 * N + 1.5), max(2.0, 0.5 * L + 1.2)), layout="constrained")
+    ax = fig.add_subplot()
+    top = float(s.max()) if vmax is None else vmax
+    image = ax.imshow(s, cmap=cmap, vmin=0.0, vmax=top or 1.0, aspect="auto")
+    for layer in range(L):
+        for head in range(N):
+            value = float(s[layer, head])
+            color = "black" if value > 0.6 * (top or 1.0) else "white"
+            ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=8, color=color)
+    ax.set_xticks(range(N))
+    ax.set_yticks(range(L))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax)
+    return fig
+
+
+def read_samples(workdir) -> list[dict]:
+    """The text samples a run logged at evaluation time (``workdir/samples.jsonl``)."""
+    workdir = pathlib.Path(workdir)
+    if not workdir.is_dir():
+        raise FileNotFoundError(f"{workdir} is not a directory: is it an attnlab work directory?")
+    path = workdir / "samples.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,79 @@
+"""The notebooks are code: each runs top to bottom on its tiny settings, and each paired
+``.ipynb`` holds exactly the cells of its percent-format ``.py`` source, without outputs.
+
+Notebooks run in a fresh kernel of the interpreter running the tests (ipykernel's own
+``python3`` spec, not whatever kernel a user registered), in ``notebooks/``, with
+``ATTNLAB_NOTEBOOK_TINY=1``, the Agg backend, rank promotion raising (as in ``conftest.py``)
+and ``TMPDIR`` under pytest's temporary directory. A failing ``assert`` in a cell fails the
+test. Tiny runs are dominated by XLA compilation, so the kernel compiles at backend
+optimisation level 0 (the same programs, less optimised: about a third less time).
+"""
+
+import os
+import pathlib
+import time
+
+import jupytext
+import nbformat
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+SOURCES = sorted(NOTEBOOKS.glob("[0-9]*.py"))
+CELL_TIMEOUT_S = 600
+
+
+def _kernel_manager():
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    # No kernel directories: only the native python3 spec remains, which ipykernel builds
+    # from sys.executable, so the kernel sees this environment's attnlab.
+    specs = KernelSpecManager(kernel_dirs=[])
+    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=specs)
+
+
+def test_every_notebook_has_a_source():
+    assert SOURCES, f"no notebooks found in {NOTEBOOKS}"
+    stems = {p.stem for p in SOURCES}
+    orphans = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb") if p.stem not in stems)
+    assert not orphans, f"{orphans} have no percent-format .py source beside them"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_ipynb_is_in_sync_and_stripped(source):
+    paired = source.with_suffix(".ipynb")
+    fix = f"run: jupytext --sync {source.relative_to(REPO)}"
+    assert paired.exists(), f"{paired.name} is missing; {fix}"
+    expected = jupytext.read(source)
+    stored = nbformat.read(paired, as_version=4)
+    nbformat.validate(stored)
+    cells = lambda nb: [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
+    assert cells(stored) == cells(expected), f"{paired.name} differs from {source.name}; {fix}"
+    for i, cell in enumerate(stored.cells):
+        if cell.cell_type == "code":
+            assert not cell.outputs, f"{paired.name} cell {i} stores outputs; strip them"
+            assert cell.execution_count is None, f"{paired.name} cell {i} has an execution count"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_notebook_runs_on_tiny_settings(source, monkeypatch, tmp_path):
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("ATTNLAB_NOTEBOOK_TINY", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' work directories land here
+    monkeypatch.setenv("JAX_NUMPY_RANK_PROMOTION", "raise")  # as strict as conftest.py
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_backend_optimization_level=0".strip())
+    nb = jupytext.read(source)
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(),
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
+    start = time.perf_counter()
+    client.execute()
+    print(f"{source.name}: {time.perf_counter() - start:.1f} s")
