@@ -2,9 +2,9 @@
 
 Projections are stored as ``q_DNH``, ``k_DKH``, ``v_DKH`` and ``o_NHD``, so ``head_dim`` is
 independent of ``d_model / n_heads``. The module computes q, k, v, applies QK-norm and RoPE,
-optionally writes k and v into an explicit per-layer cache ``(k_BSKH, v_BSKH)`` at each row's
-own offset, and calls the configured attention function from ``attnlab.variants``. It
-returns ``(out_BTD, new_cache, weights_BNTS | None)``.
+optionally writes k and v into an explicit per-layer cache ``(k_BKSH, v_BKSH)`` (head-major,
+see ``attnlab.kv_cache``) at each row's own offset, and calls the configured attention
+function from ``attnlab.variants``. It returns ``(out_BTD, new_cache, weights_BNTS | None)``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from flax import nnx
 
 from attnlab import kv_cache, ops
 from attnlab.config import ModelConfig
-from attnlab.nn.layers import Norm, add_bias, dropout, normal
+from attnlab.nn.layers import Norm, add_bias, dense, dropout, normal
 from attnlab.variants import get_attention
 
 
@@ -38,7 +38,7 @@ class Attention(nnx.Module):
         self.k_norm = Norm(cfg, H, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
 
     def _project(self, x, w, b):
-        y = jnp.einsum("BTD,DNH->BTNH", x, w[...].astype(x.dtype))
+        y = dense(x, w[...])
         return y if b is None else add_bias(y, b[...])
 
     def project_kv(self, x_BSD, positions_BS=None):
@@ -66,7 +66,7 @@ class Attention(nnx.Module):
     ):
         """Attention of ``x`` over itself, or over ``kv_BSD`` / a cache for cross-attention.
 
-        Self-attention with ``cache=(k_BSKH, v_BSKH)`` writes this call's keys and values at
+        Self-attention with ``cache=(k_BKSH, v_BKSH)`` writes this call's keys and values at
         ``cache_start_B`` and attends over the whole cache (the mask selects what is valid).
         Cross-attention with ``cache`` uses the cached encoder keys and values as they are.
         """
@@ -78,13 +78,19 @@ class Attention(nnx.Module):
             q_BTNH = ops.apply_rope(q_BTNH, positions_BT, theta=cfg.rope_theta)
 
         if self.cross:
-            k_BSKH, v_BSKH = cache if cache is not None else self.project_kv(kv_BSD)
+            new_cache = cache if cache is not None else self.project_kv(kv_BSD)
         else:
-            k_BSKH, v_BSKH = self.project_kv(x_BTD, positions_BT)
+            new_cache = self.project_kv(x_BTD, positions_BT)
             if cache is not None:
-                k_BSKH = kv_cache.write(cache[0], k_BSKH, cache_start_B)
-                v_BSKH = kv_cache.write(cache[1], v_BSKH, cache_start_B)
-        new_cache = (k_BSKH, v_BSKH)
+                new_cache = tuple(
+                    kv_cache.write(c_BKSH, u_BTKH, cache_start_B)
+                    for c_BKSH, u_BTKH in zip(cache, new_cache, strict=True)
+                )
+        # A cache is head-major, [B, K, S, H] (attnlab.kv_cache): XLA folds the swap into the
+        # attention dots, so the cache is read in place.
+        k_BSKH, v_BSKH = (
+            new_cache if cache is None else (jnp.swapaxes(x_BKSH, 1, 2) for x_BKSH in new_cache)
+        )
 
         attend = get_attention(cfg.attention_fn)
         need_weights = return_weights or (key is not None and cfg.attention_dropout > 0)
@@ -110,7 +116,7 @@ class Attention(nnx.Module):
                 )
         else:
             out_BTNH = result
-        out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_NHD[...].astype(x_BTD.dtype))
+        out_BTD = dense(out_BTNH, self.o_NHD[...], n_in=2)
         if self.o_bias_D is not None:
             out_BTD = add_bias(out_BTD, self.o_bias_D[...])
         return out_BTD, new_cache, (weights_BNTS if return_weights else None)

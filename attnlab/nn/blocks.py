@@ -170,7 +170,7 @@ class Stack(nnx.Module):
             self.embed_positions(x_BTD, positions_BT), self.cfg.dropout, fold(key, 1_000_000)
         )
         if cache is not None:
-            S = cache[0][0].shape[1]
+            S = cache[0][0].shape[2]  # head-major [B, K, S, H]
             k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
         else:
             S, k_positions_BS = T, positions_BT

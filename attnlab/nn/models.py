@@ -19,7 +19,7 @@ from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.kv_cache import KVCache
 from attnlab.nn.blocks import Stack
-from attnlab.nn.layers import Embed, Norm, add_bias, fold, normal
+from attnlab.nn.layers import Embed, Norm, add_bias, dense, fold, normal
 
 
 @struct.dataclass
@@ -56,12 +56,7 @@ class _LMHead(nnx.Module):
         if self.head_DV is None:
             logits_BTV = embed.attend(x_BTD)
         else:
-            logits_BTV = jnp.einsum(
-                "BTD,DV->BTV",
-                x_BTD,
-                self.head_DV[...].astype(x_BTD.dtype),
-                preferred_element_type=jnp.float32,
-            )
+            logits_BTV = dense(x_BTD, self.head_DV[...], out_dtype=jnp.float32)
         if self.bias_V is not None:
             logits_BTV = add_bias(logits_BTV, self.bias_V[...].astype(jnp.float32))
         return logits_BTV.astype(jnp.float32)
@@ -175,7 +170,7 @@ class EncoderMLM(nnx.Module):
         h_BTD = hidden_BTD
         if self.transform_DD is not None:
             kind = self.cfg.ffn if self.cfg.ffn in ops.activations.ACTIVATIONS else "gelu"
-            h_BTD = jnp.einsum("BTD,DE->BTE", h_BTD, self.transform_DD[...].astype(h_BTD.dtype))
+            h_BTD = dense(h_BTD, self.transform_DD[...])
             h_BTD = ops.activations.activation(kind)(add_bias(h_BTD, self.transform_bias_D[...]))
             h_BTD = self.transform_norm(h_BTD)
         return ModelOutput(self.head(h_BTD, self.embed.tokens), None, weights, hidden_BTD)
@@ -208,8 +203,8 @@ class EncoderDecoder(nnx.Module):
         kvs = [layer.cross_attn.project_kv(enc_BSD) for layer in self.decoder.layers]
         dt = cache.k[0].dtype
         return cache.replace(
-            cross_k=tuple(k.astype(dt) for k, _ in kvs),
-            cross_v=tuple(v.astype(dt) for _, v in kvs),
+            cross_k=tuple(jnp.swapaxes(k, 1, 2).astype(dt) for k, _ in kvs),  # [B, K, S, H]
+            cross_v=tuple(jnp.swapaxes(v, 1, 2).astype(dt) for _, v in kvs),
             src_valid=src_valid_BS.astype(bool),
         )
 

@@ -1,0 +1,238 @@
+"""Decoding speed on this machine: the KV cache against full recomputation.
+
+Prints JSON: the machine, the settings, then
+
+* ``throughput``: tokens/s of greedy generation (random weights, float32) at each batch
+  size, with the cache (``attnlab.decode.generate``, end to end: prefill, loop and the copy
+  to the host) and by full recomputation (one jitted loop that re-runs the model over a
+  fixed ``[B, prompt + new]`` buffer for every token, the head on the needed position only);
+* ``per_token``: milliseconds per generated token at each context length (batch 1): cached
+  = the slope of the generation loop's time against the tokens it generates after a
+  ``context``-token prefill, recompute = one full forward pass over ``context`` tokens.
+
+Every program is compiled before it is timed; each figure is the best of ``--repeats``.
+Next to each wall-clock figure stands the same from this process's CPU time (``cpu``):
+XLA:CPU runs these steps on one thread, so on a machine shared with other work the CPU
+time is the steadier measure of the code itself (``machine.load_average`` says how busy
+the machine was).
+
+    python benchmarks/decode.py [--quick] [--models small,gpt2] [--batches 1,8]
+                                [--contexts 64,256,1024] [--skip-recompute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import time
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
+from attnlab.decode import Decoder, generate
+from attnlab.sampling import SamplingConfig
+
+MODELS = {
+    "small": dict(n_layers=4, n_heads=4, d_model=128, vocab_size=256, max_len=1024),
+    "gpt2": dict(  # GPT-2 small's shape
+        n_layers=12,
+        n_heads=12,
+        d_model=768,
+        vocab_size=50257,
+        max_len=1024,
+        position="learned",
+        norm="layernorm",
+        ffn="gelu_tanh",
+        tie_embeddings=True,
+        attn_bias=True,
+        out_bias=True,
+        ffn_bias=True,
+    ),
+}
+
+
+def cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(fn):
+    """(wall seconds, this process's CPU seconds) of one ``fn()``, finished on the device."""
+    w0, c0 = time.perf_counter(), cpu_seconds()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - w0, cpu_seconds() - c0
+
+
+def best_time(fn, repeats):
+    """Best wall and best CPU seconds over ``repeats`` runs, after a compiling run."""
+    fn()
+    runs = [timed(fn) for _ in range(repeats)]
+    return min(w for w, _ in runs), min(c for _, c in runs)
+
+
+def prompts(B, P, vocab, seed=0):
+    return np.random.default_rng(seed).integers(1, vocab, (B, P), dtype=np.int32)
+
+
+def recompute_fn(model):
+    """Greedy generation by re-running the model on the whole sequence for every token."""
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, buf_BW, P, n):
+        model = nnx.merge(graphdef, params)
+        rows_B = jnp.arange(buf_BW.shape[0])
+
+        def body(i, buf_BW):
+            h_BWD = model(buf_BW).hidden  # causal: what lies past P + i cannot matter
+            h_B1D = h_BWD[rows_B, P + i - 1][:, None]
+            token_B = jnp.argmax(model.head(h_B1D, model.embed.tokens)[:, 0], axis=-1)
+            return buf_BW.at[rows_B, P + i].set(token_B.astype(buf_BW.dtype))
+
+        return jax.lax.fori_loop(0, n, body, buf_BW)
+
+    return lambda buf, P, n: run(params, buf, P, n)
+
+
+def last_token_forward(model):
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, ids_BT):
+        model = nnx.merge(graphdef, params)
+        h_BTD = model(ids_BT).hidden
+        return model.head(h_BTD[:, -1:], model.embed.tokens)
+
+    return lambda ids: run(params, ids)
+
+
+def throughput(name, model, args):
+    cfg, rows = model.cfg, []
+    for B in args.batches:
+        ids = prompts(B, args.prompt_len, cfg.vocab_size)
+        n = args.new_tokens
+        wall, cpu = best_time(lambda ids=ids, n=n: generate(model, ids, n).tokens, args.repeats)
+        rows.append(
+            dict(model=name, batch=B, mode="cached", prompt_len=args.prompt_len, new_tokens=n,
+                 cache_len=cfg.max_len, seconds=wall, tokens_per_s=B * n / wall,
+                 cpu_seconds=cpu, tokens_per_cpu_s=B * n / cpu)
+        )  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        if args.skip_recompute:
+            continue
+        n = args.recompute_tokens
+        buf = np.zeros((B, args.prompt_len + n), np.int32)
+        buf[:, : args.prompt_len] = ids
+        run = recompute_fn(model)
+        wall, cpu = best_time(
+            lambda buf=buf, n=n, run=run: run(buf, args.prompt_len, n), args.repeats
+        )
+        rows.append(
+            dict(model=name, batch=B, mode="recompute", prompt_len=args.prompt_len,
+                 new_tokens=n, seconds=wall, tokens_per_s=B * n / wall, cpu_seconds=cpu,
+                 tokens_per_cpu_s=B * n / cpu)
+        )  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def loop_seconds(decoder, params, cfg, ids, n, repeats):
+    """Best (wall, CPU) seconds of the generation loop alone, after a prefill of ``ids``."""
+    runs = []
+    for _ in range(repeats + 1):  # the first run compiles
+        cache = init_cache(cfg, ids.shape[0], cfg.max_len)
+        lengths = np.full((ids.shape[0],), ids.shape[1], np.int32)
+        logits, cache = jax.block_until_ready(decoder.prefill(params, cache, ids, lengths))
+        runs.append(
+            timed(
+                lambda logits=logits, cache=cache: decoder.sample_loop(
+                    params, cache, logits, jax.random.key(0), np.int32(n), np.int32(-1),
+                    np.int32(0), sampling=SamplingConfig(), return_logits=False,
+                )
+            )
+        )  # fmt: skip
+    return min(w for w, _ in runs[1:]), min(c for _, c in runs[1:])
+
+
+def per_token(name, model, args):
+    cfg, rows = model.cfg, []
+    decoder, params = Decoder.for_model(model)
+    short, long = 4, 4 + args.slope_tokens
+    forward = last_token_forward(model)
+    for c in args.contexts:
+        ids = prompts(1, c, cfg.vocab_size)
+        t_short = loop_seconds(decoder, params, cfg, ids, short, args.repeats)
+        t_long = loop_seconds(decoder, params, cfg, ids, long, args.repeats)
+        row = dict(model=name, context=c, batch=1, cache_len=cfg.max_len,
+                   cached_ms=1e3 * (t_long[0] - t_short[0]) / (long - short),
+                   cached_cpu_ms=1e3 * (t_long[1] - t_short[1]) / (long - short))  # fmt: skip
+        if not args.skip_recompute:
+            wall, cpu = best_time(lambda ids=ids: forward(ids), args.repeats)
+            row.update(recompute_ms=1e3 * wall, recompute_cpu_ms=1e3 * cpu)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def machine():
+    return dict(
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        python=platform.python_version(),
+        jax=jax.__version__,
+        flax=flax.__version__,
+        backend=jax.default_backend(),
+        devices=[str(d) for d in jax.devices()],
+        cpu_count=os.cpu_count(),
+        load_average=list(os.getloadavg()),
+    )
+
+
+def main(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small model, short contexts")
+    parser.add_argument("--models", default="small,gpt2")
+    parser.add_argument("--batches", type=ints, default=[1, 8])
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--recompute-tokens", type=int, default=16)
+    parser.add_argument("--contexts", type=ints, default=[64, 256, 1024])
+    parser.add_argument("--slope-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-recompute", action="store_true")
+    parser.add_argument("--skip-contexts", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.contexts, args.repeats = "small", [64, 256], 2
+    out = dict(machine=machine(), settings=vars(args) | {"dtype": "float32"}, models={})
+    out["throughput"], out["per_token"] = [], []
+    for name in args.models.split(","):
+        cfg = ModelConfig(**MODELS[name])
+        if not args.skip_contexts and max(args.contexts) + 4 + args.slope_tokens > cfg.max_len:
+            # Room to generate after the longest context: the position table grows; the
+            # throughput figures use the same model.
+            cfg = cfg.replace(max_len=max(args.contexts) + 64)
+        model = build_model(cfg, seed=0)
+        out["models"][name] = dict(
+            MODELS[name],
+            max_len=cfg.max_len,
+            params=count_params(cfg),
+            kv_cache_bytes_per_row=kv_cache_bytes(cfg, 1, cfg.max_len, "float32"),
+        )
+        out["throughput"] += throughput(name, model, args)
+        if not args.skip_contexts:
+            out["per_token"] += per_token(name, model, args)
+    out["machine"]["load_average_end"] = list(os.getloadavg())
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""KV-cache decoding: cached == full forward, ragged batches, EOS, capacity, beams, compiles.
+
+Models are tiny and share one graph where they can: ``Decoder`` is shared per graph, so
+tests reuse each other's compiled programs.
+"""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attnlab import ModelConfig, build_model, init_cache
+from attnlab.decode import Decoder, beam_search, generate, generate_seq2seq, phases
+from attnlab.sampling import SamplingConfig
+
+TINY = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=64, init_std=0.3)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19]]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return build_model(ModelConfig(**TINY), seed=0)
+
+
+@pytest.fixture(scope="module")
+def s2s():
+    return build_model(ModelConfig(**TINY, arch="encoder_decoder"), seed=1)
+
+
+def _full_logits(model):
+    """A jitted full forward pass (no cache): [B, T, V] logits."""
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, *ids):
+        return nnx.merge(graphdef, params)(*ids).logits
+
+    return lambda *ids: np.asarray(run(params, *(jnp.asarray(x) for x in ids)))
+
+
+# ------------------------------------------------------------------------------------------
+# Cached decoding == one full forward pass, for every value of every factor
+# ------------------------------------------------------------------------------------------
+
+COMBOS = [
+    dict(position="learned", n_kv_heads=4, norm_placement="pre"),  # MHA
+    dict(position="sinusoidal", n_kv_heads=2, norm_placement="post"),  # GQA
+    dict(position="rope", n_kv_heads=1, sliding_window=3),  # MQA
+    dict(position="alibi", n_kv_heads=2, sliding_window=4, norm="rmsnorm", ffn="swiglu"),
+    dict(position="relative", n_kv_heads=4, norm_placement="post", qk_norm=True),
+]
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c["position"])
+def test_prefill_plus_steps_equals_full_forward(arch, combo):
+    """Ragged prompts (3 and 6 tokens) are prefilled, then stepped token by token to T.
+
+    The Decoder's step bodies run inside one test-jitted program (one compile per model):
+    prefill, a scan of decode steps, and the full forward pass they must match.
+    """
+    layers = dict(n_layers=1, n_decoder_layers=2) if arch == "encoder_decoder" else {}
+    cfg = ModelConfig(**{**TINY, "max_len": 16, **layers}, arch=arch, **combo)
+    model = build_model(cfg, seed=2)
+    decoder, params = Decoder.for_model(model)
+    B, T, P = 2, 10, 8
+    prompt_B = jnp.array([3, 6], jnp.int32)
+    ids_BT = jax.random.randint(jax.random.key(3), (B, T), 1, cfg.vocab_size)
+    src_BS = jax.random.randint(jax.random.key(4), (B, 7), 1, cfg.vocab_size)
+    valid_BS = jnp.arange(7)[None, :] < jnp.array([[7], [4]])
+
+    @jax.jit
+    def run(params):
+        cache = init_cache(cfg, B, 16)
+        model = nnx.merge(decoder.graphdef, params)
+        if decoder.seq2seq:
+            full_BTV = model(src_BS, ids_BT, src_valid_BS=valid_BS).logits
+            cache = decoder._encode(params, cache, src_BS, valid_BS)
+        else:
+            full_BTV = model(ids_BT).logits
+        prompt_BP = jnp.where(jnp.arange(P)[None, :] < prompt_B[:, None], ids_BT[:, :P], 0)
+        first_BV, cache = decoder._prefill(params, cache, prompt_BP, prompt_B)
+
+        def step(cache, i):
+            pos_B = jnp.minimum(prompt_B + i, T - 1)  # row 1 ends first, then repeats
+            logits_BV, cache = decoder._decode_step(
+                params, cache.replace(lengths=pos_B), ids_BT[jnp.arange(B), pos_B]
+            )
+            return cache, (pos_B, logits_BV)
+
+        _, (pos_IB, steps_IBV) = jax.lax.scan(step, cache, jnp.arange(T - 3))
+        return full_BTV, first_BV, pos_IB, steps_IBV
+
+    full_BTV, first_BV, pos_IB, steps_IBV = (np.asarray(x) for x in run(params))
+    rows = np.arange(B)
+    np.testing.assert_allclose(first_BV, full_BTV[rows, np.asarray(prompt_B) - 1], atol=1e-5)
+    for pos_B, logits_BV in zip(pos_IB, steps_IBV, strict=True):
+        np.testing.assert_allclose(logits_BV, full_BTV[rows, pos_B], atol=1e-5, rtol=0)
+    assert pos_IB[-1].tolist() == [T - 1, T - 1]
+
+
+# ------------------------------------------------------------------------------------------
+# Generation: ragged batches, recomputation, EOS, compiles
+# ------------------------------------------------------------------------------------------
+
+
+def test_ragged_batch_equals_each_prompt_alone(lm):
+    batch = generate(lm, PROMPTS, 6, return_logits=True)
+    assert batch.tokens.shape == (3, 6) and batch.logits.shape == (3, 6, 50)
+    for b, prompt in enumerate(PROMPTS):
+        alone = generate(lm, np.array([prompt]), 6, return_logits=True)
+        np.testing.assert_array_equal(batch.tokens[b], alone.tokens[0])
+        np.testing.assert_allclose(batch.logits[b], alone.logits[0], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(batch.sequences[b], np.r_[prompt, alone.tokens[0]])
+    assert batch.stop_reason == ["max_new_tokens"] * 3
+    np.testing.assert_array_equal(batch.lengths, [6, 6, 6])
+
+
+def test_right_padded_array_with_lengths_equals_lists(lm):
+    padded = np.full((3, 7), -100)  # garbage past each length is ignored
+    for b, p in enumerate(PROMPTS):
+        padded[b, : len(p)] = p
+    lengths = [len(p) for p in PROMPTS]
+    a = generate(lm, jnp.asarray(padded), 6, prompt_lengths=lengths)
+    np.testing.assert_array_equal(a.tokens, generate(lm, PROMPTS, 6).tokens)
+
+
+def test_greedy_with_cache_equals_full_recomputation(lm):
+    n = 8
+    cached = generate(lm, PROMPTS, n)
+    full = _full_logits(lm)
+    width = 32  # a fixed-width buffer: causal, so what lies past a position cannot matter
+    for b, prompt in enumerate(PROMPTS):
+        seq = list(prompt)
+        for _ in range(n):
+            ids = np.zeros((1, width), np.int32)
+            ids[0, : len(seq)] = seq
+            seq.append(int(np.argmax(full(ids)[0, len(seq) - 1])))
+        np.testing.assert_array_equal(cached.tokens[b], seq[len(prompt) :])
+
+
+def test_each_row_stops_at_its_own_eos(lm):
+    free = generate(lm, PROMPTS, 10)
+    eos = int(free.tokens[0, 2])
+    out = generate(lm, PROMPTS, 10, eos_id=eos, pad_id=1)
+    for b in range(3):
+        hits = np.flatnonzero(free.tokens[b] == eos)
+        stop = hits[0] + 1 if hits.size else 10
+        np.testing.assert_array_equal(out.tokens[b, :stop], free.tokens[b, :stop])
+        assert (out.tokens[b, stop:] == 1).all()
+        assert out.lengths[b] == stop
+        assert out.stop_reason[b] == ("eos" if hits.size else "max_new_tokens")
+        assert out.sequences[b][-1] == (eos if hits.size else free.tokens[b, -1])
+    assert out.stop_reason[0] == "eos" and out.lengths[0] <= 3
+    assert "max_new_tokens" in out.stop_reason, "pick a model where some row never emits eos"
+
+
+def test_generation_compiles_once_for_any_number_of_tokens(lm):
+    decoder, _ = Decoder.for_model(lm)
+    generate(lm, PROMPTS, 5)
+    traces = dict(decoder.traces)
+    sizes = (decoder.prefill._cache_size(), decoder.sample_loop._cache_size())
+    long = generate(lm, PROMPTS, 40)
+    generate(lm, PROMPTS, 17, eos_id=3)
+    assert dict(decoder.traces) == traces
+    assert (decoder.prefill._cache_size(), decoder.sample_loop._cache_size()) == sizes
+    assert long.tokens.shape == (3, 40)
+
+
+def test_long_generation_through_cache_phases_matches_full_forward():
+    """A 256-slot cache runs in phases of 128 and 256 slots; rows cross the boundary."""
+    model = build_model(ModelConfig(**{**TINY, "max_len": 256}), seed=5)
+    assert phases(256) == [128, 256]
+    prompts = [list(np.arange(120) % 49 + 1), [3, 4, 5]]
+    out = generate(model, prompts, 16, return_logits=True)
+    width = 160
+    ids = np.zeros((2, width), np.int32)
+    for b, seq in enumerate(out.sequences):
+        ids[b, : len(seq)] = seq
+    full = _full_logits(model)(ids)  # teacher-forced on what was generated
+    for b, prompt in enumerate(prompts):
+        at = len(prompt) - 1 + np.arange(16)
+        np.testing.assert_allclose(out.logits[b], full[b, at], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(out.tokens[b], np.argmax(full[b, at], axis=-1))
+
+
+def test_loop_updates_the_cache_in_place(lm):
+    """No cache-sized copy or transpose in the compiled loop: the cache layout matches the
+    attention dots and the while loop carries the cache in place."""
+    decoder, params = Decoder.for_model(lm)
+    cache = init_cache(lm.cfg, 3, 64)
+    compiled = decoder.sample_loop.lower(
+        params, cache, jnp.zeros((3, 50)), jax.random.key(0), np.int32(5), np.int32(-1),
+        np.int32(0), sampling=SamplingConfig(), return_logits=False,
+    ).compile()  # fmt: skip
+    size = cache.k[0].size
+    for line in compiled.as_text().splitlines():
+        shape = re.search(r"= f32\[([\d,]+)\]\S* (copy|transpose)\(", line)
+        if shape:
+            assert math.prod(int(d) for d in shape.group(1).split(",")) < size, line
+
+
+# ------------------------------------------------------------------------------------------
+# Errors before any computation
+# ------------------------------------------------------------------------------------------
+
+
+def test_overflow_raises_before_any_computation(lm):
+    decoder, _ = Decoder.for_model(lm)
+    traces = dict(decoder.traces)
+    long = [list(range(1, 50)) + [1] * 11]  # 60 tokens
+    too_long = (
+        r"prompt length 60 \(row 0\) \+ max_new_tokens 10 = 70 exceeds ModelConfig.max_len=64"
+        r".*on_overflow='stop'"
+    )
+    with pytest.raises(ValueError, match=too_long):
+        generate(lm, long, 10)
+    over_cache = (
+        r"prompt length 5 \(row 0\) \+ max_new_tokens 20 = 25 exceeds the cache capacity "
+        r"max_len=16.*raise max_len \(up to 64\), or pass on_overflow"
+    )
+    with pytest.raises(ValueError, match=over_cache):
+        generate(lm, [[1, 2, 3, 4, 5]], 20, max_len=16)
+    with pytest.raises(ValueError, match="alone exceeds"):
+        generate(lm, long, 1, max_len=32, on_overflow="stop")
+    with pytest.raises(ValueError, match="max_len=65 exceeds ModelConfig.max_len=64"):
+        generate(lm, [[1]], 1, max_len=65)
+    with pytest.raises(ValueError, match="on_overflow"):
+        generate(lm, [[1]], 1, on_overflow="truncate")
+    assert dict(decoder.traces) == traces
+
+
+def test_on_overflow_stop_stops_rows_at_capacity(lm):
+    prompts = [list(range(1, 49)) + [1] * 10, [5, 6, 7], [8, 9]]  # 58 tokens: room for 6
+    out = generate(lm, prompts, 10, on_overflow="stop")
+    assert out.stop_reason == ["capacity", "max_new_tokens", "max_new_tokens"]
+    np.testing.assert_array_equal(out.lengths, [6, 10, 10])
+    assert (out.tokens[0, 6:] == 0).all() and len(out.sequences[0]) == 64
+    ok = generate(lm, prompts, 6)  # fits exactly: the same first tokens
+    np.testing.assert_array_equal(out.tokens[:, :6], ok.tokens)
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ([[1, 2, 3], [4, 50, 6]], r"prompt_ids\[1, 1\] = 50 is not a token id.*vocab_size=50"),
+        ([[1, -1]], r"prompt_ids\[0, 1\] = -1"),
+        ([[1, 2], []], "prompt row 1 is empty"),
+        (np.zeros((2, 3), np.float32), "integer token ids"),
+    ],
+)
+def test_invalid_prompts_are_rejected(lm, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        generate(lm, prompts, 3)
+
+
+def test_other_argument_errors(lm, s2s):
+    with pytest.raises(ValueError, match="eos_id=50 is outside"):
+        generate(lm, [[1]], 2, eos_id=50)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(lm, [[1]], 2, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="use generate_seq2seq"):
+        generate(s2s, [[1]], 2)
+    with pytest.raises(ValueError, match="use generate for decoder-only"):
+        generate_seq2seq(lm, [[1]], 2, start_id=1)
+    with pytest.raises(ValueError, match=r"source_ids\[0, 2\] = 99"):
+        generate_seq2seq(s2s, [[1, 2, 99]], 2, start_id=1)
+    with pytest.raises(ValueError, match=r"start token 1 \+ max_new_tokens 64 = 65 exceeds"):
+        generate_seq2seq(s2s, [[1, 2]], 64, start_id=1)
+
+
+# ------------------------------------------------------------------------------------------
+# Encoder-decoder: greedy, recomputation, beams
+# ------------------------------------------------------------------------------------------
+
+SOURCES = [[3, 4, 5, 6, 7, 8], [9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def s2s_full(s2s, width=8):
+    """``(src, tgt) -> [len(tgt), V]`` logits by one full forward pass, one compile: both
+    sides are padded to ``width`` (the source masked, the target causal)."""
+    graphdef, params = nnx.split(s2s)
+    run = jax.jit(lambda p, s, t, v: nnx.merge(graphdef, p)(s, t, src_valid_BS=v).logits)
+
+    def logits(src, tgt):
+        s, t = np.zeros((1, width), np.int32), np.zeros((1, width), np.int32)
+        s[0, : len(src)], t[0, : len(tgt)] = src, tgt
+        return np.asarray(run(params, s, t, np.arange(width)[None] < len(src)))[0, : len(tgt)]
+
+    return logits
+
+
+def _logprob(full, src, tokens, start_id):
+    """Summed log-probability of ``tokens`` after ``start_id``."""
+    logp = np.asarray(jax.nn.log_softmax(full(src, np.r_[start_id, tokens[:-1]]), axis=-1))
+    return float(np.sum(logp[np.arange(len(tokens)), tokens]))
+
+
+def test_seq2seq_greedy_equals_full_recomputation(s2s, s2s_full):
+    out = generate_seq2seq(s2s, SOURCES, 6, start_id=1, return_logits=True)
+    assert out.tokens.shape == (2, 6) and out.logits.shape == (2, 6, 50)
+    for b, src in enumerate(SOURCES):
+        tgt = [1]
+        for _ in range(6):
+            tgt.append(int(np.argmax(s2s_full(src, tgt)[-1])))
+        np.testing.assert_array_equal(out.tokens[b], tgt[1:])
+        np.testing.assert_array_equal(out.sequences[b], tgt)
+        np.testing.assert_allclose(out.logits[b], s2s_full(src, tgt[:-1]), atol=1e-5, rtol=0)
+
+
+def test_beam_search_one_beam_is_greedy_and_more_beams_score_higher(s2s, s2s_full):
+    greedy = generate_seq2seq(s2s, SOURCES, 6, start_id=1, return_logits=True)
+    one = beam_search(s2s, SOURCES, 6, num_beams=1, start_id=1)
+    np.testing.assert_array_equal(one.tokens, greedy.tokens)
+    beams = generate_seq2seq(s2s, SOURCES, 6, start_id=1, num_beams=4, length_penalty=0.0)
+    gains = []
+    for b, src in enumerate(SOURCES):
+        g = _logprob(s2s_full, src, greedy.tokens[b], 1)
+        w = _logprob(s2s_full, src, beams.tokens[b], 1)
+        np.testing.assert_allclose(beams.scores[b], w, atol=1e-4)
+        gains.append(w - g)
+    assert min(gains) >= -1e-5 and max(gains) > 0.1  # never worse; better on this model
+    assert beams.stop_reason == ["max_new_tokens"] * 2
+
+
+def test_beam_search_stops_at_eos(s2s):
+    free = beam_search(s2s, SOURCES, 6, num_beams=4, start_id=1)
+    eos = int(free.tokens[0, 1])
+    out = beam_search(s2s, SOURCES, 6, num_beams=4, start_id=1, eos_id=eos)
+    for b in range(2):
+        if out.stop_reason[b] == "eos":
+            n = out.lengths[b]
+            assert out.tokens[b, n - 1] == eos and (out.tokens[b, n:] == 0).all()
+            assert eos not in out.tokens[b, : n - 1]
+        else:
+            assert eos not in out.tokens[b]
+
+
+def test_zero_new_tokens(lm, s2s):
+    out = generate(lm, PROMPTS, 0)
+    assert out.tokens.shape == (3, 0) and out.stop_reason == ["max_new_tokens"] * 3
+    np.testing.assert_array_equal(out.sequences[1], PROMPTS[1])
+    beams = beam_search(s2s, SOURCES, 0, num_beams=4, start_id=1, eos_id=2)
+    assert beams.tokens.shape == (2, 0) and list(beams.lengths) == [0, 0]
