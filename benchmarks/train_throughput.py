@@ -1,0 +1,108 @@
+"""Training throughput and model FLOPs utilisation (MFU) on this machine.
+
+Prints JSON: for each shape, tokens/s of the jitted train step and the MFU, where FLOPs per
+token come from the config (6 x matmul parameters + the attention score/value products,
+x3 for forward + backward) and the peak is a large float32 matmul measured in this process.
+
+    python benchmarks/train_throughput.py [--steps 30] [--shapes small,medium]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnlab import experiment, train
+
+SHAPES = {
+    # The shakespeare_char baseline shape and a 6-layer / 384-wide / 256-context one.
+    "small": dict(n_layers=4, n_heads=4, d_model=128, seq_len=64, batch=12),
+    "medium": dict(n_layers=6, n_heads=6, d_model=384, seq_len=256, batch=64),
+}
+
+
+def matmul_peak_flops(n=2048, repeats=10):
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out = f(a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+def flops_per_token(s, vocab):
+    D, L, T = s["d_model"], s["n_layers"], s["seq_len"]
+    matmul_params = L * (4 * D * D + 2 * D * 4 * D) + D * vocab  # attn, MLP, output head
+    attention = L * 2 * T * D  # q.k and weights.v per token (causal half not discounted)
+    return 6 * matmul_params + 6 * attention
+
+
+def config_for(s, vocab, overrides):
+    cfg = experiment.load_config("experiments/shakespeare_char.py", overrides)
+    # The GPT-2-style block the published baseline runs: learned positions, LayerNorm
+    # without bias, exact GELU, a 4x MLP, tied embeddings.
+    cfg.model.update(n_layers=s["n_layers"], n_heads=s["n_heads"], d_model=s["d_model"],
+                     max_len=s["seq_len"], vocab_size=vocab, position="learned",
+                     norm="layernorm", norm_bias=False, ffn="gelu", d_ff=4 * s["d_model"])
+    cfg.data.update(seq_len=s["seq_len"])
+    cfg.train.update(batch_size=s["batch"])
+    return cfg
+
+
+def measure(s, steps, overrides, vocab=65):
+    cfg = config_for(s, vocab, overrides)
+    trainer = train.Trainer(cfg, kind="lm")
+    state = trainer.init_state()
+    rng = np.random.default_rng(0)
+    batches = [
+        {"inputs": rng.integers(0, vocab, (s["batch"], s["seq_len"]), dtype=np.int32),
+         "targets": rng.integers(0, vocab, (s["batch"], s["seq_len"]), dtype=np.int32),
+         "loss_mask": np.ones((s["batch"], s["seq_len"]), np.float32)}
+        for _ in range(4)
+    ]
+    for i in range(3):  # compile and warm up
+        state, m = trainer.train_step(state, batches[i % 4])
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, m = trainer.train_step(state, batches[i % 4])
+    jax.block_until_ready(m)
+    dt = (time.perf_counter() - t0) / steps
+    return s["batch"] * s["seq_len"] / dt, dt
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--shapes", default="small,medium")
+    p.add_argument("--override", action="append", default=[],
+                   help="extra --config.* overrides, e.g. --override=--config.model.ffn=relu")
+    args = p.parse_args()
+    peak = matmul_peak_flops()
+    results = []
+    for name in args.shapes.split(","):
+        s = SHAPES[name]
+        tps, dt = measure(s, args.steps, args.override)
+        fpt = flops_per_token(s, 65)
+        results.append({"shape": name, **s, "tokens_per_sec": round(tps, 1),
+                        "step_ms": round(dt * 1e3, 2), "flops_per_token": fpt,
+                        "mfu": round(tps * fpt / peak, 4)})
+    print(json.dumps({
+        "benchmark": "train_throughput", "overrides": args.override,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "jax": jax.__version__, "backend": jax.default_backend()},
+        "matmul_peak_gflops": round(peak / 1e9, 1), "results": results,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
