@@ -58,19 +58,21 @@ def _sample(args, overrides):
             pad_id=task.pad_id,
             **common,
         )
-        print(task.decode(result.tokens[0]))
+        print(train.decode_known(task, result.tokens[0]))
         return
     if trainer.mcfg.arch != "decoder":
         raise SystemExit("sampling needs a decoder-only or encoder-decoder run")
     ids = task.encode(args.prompt)
-    result = decode.generate(
-        model,
-        ids[None, :],
-        args.max_new_tokens,
-        eos_id=getattr(task, "eos_id", None) if task.tokenizer is None else None,
-        **common,
-    )
-    print(args.prompt + task.decode(result.tokens[0]))
+    if not trainer.mcfg.causal:  # the causal-mask ablation: no cache, full recomputation
+        from attnlab.recompute import generate_by_recompute
+
+        tokens = generate_by_recompute(model, ids[None, :], args.max_new_tokens, **common)[0]
+    else:
+        eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
+        tokens = decode.generate(
+            model, ids[None, :], args.max_new_tokens, eos_id=eos, **common
+        ).tokens[0]
+    print(args.prompt + train.decode_known(task, tokens))
 
 
 def _sweep(args, overrides):

@@ -369,8 +369,14 @@ def sample_text(trainer, task, params, cfg, step):
         tokens = np.asarray(generate(trainer.model(params), ids[None, :], n, **options).tokens[0])
     else:  # the causal-mask ablation: the cached decoder is exact only for causal models
         tokens = generate_by_recompute(trainer.model(params), ids[None, :], n, **options)[0]
-    # A model whose vocab_size exceeds the tokenizer's can sample ids that have no text.
-    return prompt + task.decode(tokens[(tokens >= 0) & (tokens < task.vocab_size)])
+    return prompt + decode_known(task, tokens)
+
+
+def decode_known(task, tokens) -> str:
+    """Text of sampled ids, dropping ids the tokenizer lacks (``model.vocab_size`` may exceed
+    the task's vocabulary, and such ids have no text)."""
+    tokens = np.asarray(tokens)
+    return task.decode(tokens[(tokens >= 0) & (tokens < task.vocab_size)])
 
 
 class _Run:
