@@ -34,6 +34,36 @@ def _default_positions(B, T):
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
 
 
+def _run_decoder(stack, x_BTD, positions_BT, cache, **kw):
+    """Runs a causal stack over new tokens, after what ``cache`` holds when one is given.
+
+    New tokens sit at ``cache.lengths + t`` (or ``0..T-1`` without a cache). Returns
+    ``(x_BTD, new_cache, weights)`` with the written keys/values and lengths advanced by T.
+    """
+    B, T, _ = x_BTD.shape
+    start_B = None if cache is None else cache.lengths
+    if positions_BT is None:
+        positions_BT = (
+            _default_positions(B, T)
+            if cache is None
+            else start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        )
+    x_BTD, new_kv, _, weights = stack(
+        x_BTD,
+        positions_BT=positions_BT,
+        cache=None if cache is None else list(zip(cache.k, cache.v, strict=True)),
+        cache_start_B=start_B,
+        **kw,
+    )
+    if cache is not None:
+        cache = cache.replace(
+            k=tuple(k for k, _ in new_kv),
+            v=tuple(v for _, v in new_kv),
+            lengths=cache.lengths + T,
+        )
+    return x_BTD, cache, weights
+
+
 class _LMHead(nnx.Module):
     """Tied or untied output projection with optional logit bias and hidden scaling."""
 
@@ -95,31 +125,16 @@ class DecoderLM(nnx.Module):
         ``valid_BT`` marks real tokens (keys elsewhere are masked); ``segment_ids_BT`` packs
         several documents into one row (attention stays within a segment).
         """
-        B, T = tokens_BT.shape
-        start_B = None if cache is None else cache.lengths
-        if positions_BT is None:
-            positions_BT = (
-                _default_positions(B, T)
-                if cache is None
-                else start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-            )
-        x_BTD, new_kv, _, weights = self.decoder(
+        x_BTD, new_cache, weights = _run_decoder(
+            self.decoder,
             self.embed(tokens_BT),
-            positions_BT=positions_BT,
+            positions_BT,
+            cache,
             valid_BS=valid_BT,
             segment_ids_BT=segment_ids_BT,
-            cache=None if cache is None else list(zip(cache.k, cache.v, strict=True)),
-            cache_start_B=start_B,
             key=key,
             return_weights=return_weights,
         )
-        new_cache = None
-        if cache is not None:
-            new_cache = cache.replace(
-                k=tuple(k for k, _ in new_kv),
-                v=tuple(v for _, v in new_kv),
-                lengths=cache.lengths + T,
-            )
         return ModelOutput(self.head(x_BTD, self.embed.tokens), new_cache, weights, x_BTD)
 
 
@@ -220,38 +235,23 @@ class EncoderDecoder(nnx.Module):
         return_weights=False,
     ) -> ModelOutput:
         """Decoder logits. With a cache from ``init_cross_cache``, ``enc_BSD`` is not needed."""
-        B, T = tgt_BT.shape
-        start_B = None if cache is None else cache.lengths
-        if positions_BT is None:
-            positions_BT = (
-                _default_positions(B, T)
-                if cache is None
-                else start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-            )
         cross_cache = None
         if cache is not None and cache.cross_k is not None:
             cross_cache = list(zip(cache.cross_k, cache.cross_v, strict=True))
             src_valid_BS = cache.src_valid
         elif enc_BSD is None:
             raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
-        x_BTD, new_kv, _, weights = self.decoder(
+        x_BTD, new_cache, weights = _run_decoder(
+            self.decoder,
             self.embed(tgt_BT),
-            positions_BT=positions_BT,
+            positions_BT,
+            cache,
             enc_BSD=enc_BSD,
             enc_valid_BS=src_valid_BS,
-            cache=None if cache is None else list(zip(cache.k, cache.v, strict=True)),
             cross_cache=cross_cache,
-            cache_start_B=start_B,
             key=key,
             return_weights=return_weights,
         )
-        new_cache = None
-        if cache is not None:
-            new_cache = cache.replace(
-                k=tuple(k for k, _ in new_kv),
-                v=tuple(v for _, v in new_kv),
-                lengths=cache.lengths + T,
-            )
         return ModelOutput(self.head(x_BTD, self.embed.tokens), new_cache, weights, x_BTD)
 
     def __call__(
