@@ -50,9 +50,18 @@ def config_for(s, vocab, overrides):
     cfg = experiment.load_config("experiments/shakespeare_char.py", overrides)
     # The GPT-2-style block the published baseline runs: learned positions, LayerNorm
     # without bias, exact GELU, a 4x MLP, tied embeddings.
-    cfg.model.update(n_layers=s["n_layers"], n_heads=s["n_heads"], d_model=s["d_model"],
-                     max_len=s["seq_len"], vocab_size=vocab, position="learned",
-                     norm="layernorm", norm_bias=False, ffn="gelu", d_ff=4 * s["d_model"])
+    cfg.model.update(
+        n_layers=s["n_layers"],
+        n_heads=s["n_heads"],
+        d_model=s["d_model"],
+        max_len=s["seq_len"],
+        vocab_size=vocab,
+        position="learned",
+        norm="layernorm",
+        norm_bias=False,
+        ffn="gelu",
+        d_ff=4 * s["d_model"],
+    )
     cfg.data.update(seq_len=s["seq_len"])
     cfg.train.update(batch_size=s["batch"])
     return cfg
@@ -64,9 +73,11 @@ def measure(s, steps, overrides, vocab=65):
     state = trainer.init_state()
     rng = np.random.default_rng(0)
     batches = [
-        {"inputs": rng.integers(0, vocab, (s["batch"], s["seq_len"]), dtype=np.int32),
-         "targets": rng.integers(0, vocab, (s["batch"], s["seq_len"]), dtype=np.int32),
-         "loss_mask": np.ones((s["batch"], s["seq_len"]), np.float32)}
+        {
+            "inputs": rng.integers(0, vocab, (s["batch"], s["seq_len"]), dtype=np.int32),
+            "targets": rng.integers(0, vocab, (s["batch"], s["seq_len"]), dtype=np.int32),
+            "loss_mask": np.ones((s["batch"], s["seq_len"]), np.float32),
+        }
         for _ in range(4)
     ]
     for i in range(3):  # compile and warm up
@@ -84,8 +95,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--shapes", default="small,medium")
-    p.add_argument("--override", action="append", default=[],
-                   help="extra --config.* overrides, e.g. --override=--config.model.ffn=relu")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="extra --config.* overrides, e.g. --override=--config.model.ffn=relu",
+    )
     args = p.parse_args()
     peak = matmul_peak_flops()
     results = []
@@ -93,15 +108,33 @@ def main():
         s = SHAPES[name]
         tps, dt = measure(s, args.steps, args.override)
         fpt = flops_per_token(s, 65)
-        results.append({"shape": name, **s, "tokens_per_sec": round(tps, 1),
-                        "step_ms": round(dt * 1e3, 2), "flops_per_token": fpt,
-                        "mfu": round(tps * fpt / peak, 4)})
-    print(json.dumps({
-        "benchmark": "train_throughput", "overrides": args.override,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "jax": jax.__version__, "backend": jax.default_backend()},
-        "matmul_peak_gflops": round(peak / 1e9, 1), "results": results,
-    }, indent=2))
+        results.append(
+            {
+                "shape": name,
+                **s,
+                "tokens_per_sec": round(tps, 1),
+                "step_ms": round(dt * 1e3, 2),
+                "flops_per_token": fpt,
+                "mfu": round(tps * fpt / peak, 4),
+            }
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "train_throughput",
+                "overrides": args.override,
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "jax": jax.__version__,
+                    "backend": jax.default_backend(),
+                },
+                "matmul_peak_gflops": round(peak / 1e9, 1),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":
