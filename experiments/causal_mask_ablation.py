@@ -1,9 +1,9 @@
 """The causal-mask ablation: one decoder trained with and without its causal mask.
 
 Without the mask each position can read the token it must predict, so the training loss
-falls far lower, yet the model is useless for generation, which cannot see the future (the
-unmasked arm writes no samples: ``generate`` refuses a model without the mask). Run it as a
-sweep over ``model.causal`` to get both curves side by side::
+falls far lower, yet the model is useless for generation, which cannot see the future (its
+samples come from ``attnlab.recompute``: the cached decoder is exact only for causal models).
+Run it as a sweep over ``model.causal`` to get both curves and both samples side by side::
 
     attnlab sweep --config experiments/causal_mask_ablation.py --workdir runs/ablation
 """

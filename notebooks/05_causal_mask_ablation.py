@@ -43,6 +43,7 @@ from matplotlib.figure import Figure
 from attnlab import viz
 from attnlab.data import make_task
 from attnlab.experiment import load_config
+from attnlab.recompute import generate_by_recompute
 from attnlab.train import load_run, train
 
 # %% tags=["parameters"]
@@ -159,31 +160,16 @@ if not TINY:
 # ## Samples
 #
 # The KV-cache decoder refuses a non-causal model (a cached step cannot revise earlier
-# positions, which an unmasked model would need), so both models are sampled here the slow,
-# exact way: run the model on the whole prefix, take the last position's logits, draw, and
-# repeat. Both start from the same prompt and the same random keys.
+# positions, which an unmasked model would need), so both models are sampled the slow, exact
+# way with `attnlab.recompute`: re-run the model on the whole prefix (keys past it masked),
+# take the last position's logits, draw, and repeat. Both use the same prompt and keys.
 
 
 # %%
 def sample_uncached(model, prompt, num_tokens, *, temperature, seed=0):
-    """Ancestral sampling by re-running the model on the growing prefix (no cache)."""
-    graphdef, params = nnx.split(model)
-    width = model.cfg.max_len
-
-    @jax.jit
-    def next_logits(params, tokens_1W, length):
-        valid_1W = jnp.arange(width)[None, :] < length
-        logits_1WV = nnx.merge(graphdef, params)(tokens_1W, valid_BT=valid_1W).logits
-        return jnp.take(logits_1WV[0], length - 1, axis=0)
-
-    ids = list(task.encode(prompt))
-    key = jax.random.key(seed)
-    for _ in range(min(num_tokens, width - len(ids))):
-        tokens_1W = jnp.asarray([ids + [0] * (width - len(ids))], jnp.int32)
-        logits_V = next_logits(params, tokens_1W, len(ids))
-        key_i = jax.random.fold_in(key, len(ids))
-        ids.append(int(jax.random.categorical(key_i, logits_V / temperature)))
-    return task.decode(np.asarray(ids))
+    ids = task.encode(prompt)
+    new = generate_by_recompute(model, ids[None, :], num_tokens, temperature=temperature, seed=seed)
+    return prompt + task.decode(new[0])
 
 
 prompt = base.eval.sample_prompt or "def "
