@@ -8,7 +8,6 @@ from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
 from attnlab.nn import build_model, count_params
-from attnlab.pretrained import load_pretrained
 from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
@@ -24,3 +23,16 @@ __all__ = [
     "register_attention",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The Hugging Face loading stack (safetensors, tables of every family) loads on first use.
+    if name == "load_pretrained":
+        from attnlab.pretrained import load_pretrained
+
+        return load_pretrained
+    if name == "pretrained":
+        import attnlab.pretrained
+
+        return attnlab.pretrained
+    raise AttributeError(f"module 'attnlab' has no attribute {name!r}")

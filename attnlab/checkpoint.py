@@ -194,6 +194,7 @@ def _check_matches(
     stored: dict[tuple, Any], expected: dict[tuple, jax.ShapeDtypeStruct], where: str
 ) -> None:
     """Raises CheckpointError at the first leaf whose path, shape or dtype differs."""
+    _refuse_per_layer_layout(stored, expected, where)
     for path, want in expected.items():
         name = "/".join(map(str, path))
         want_desc = _describe(want.shape, want.dtype)
@@ -216,6 +217,21 @@ def _check_matches(
                 f"({_describe(have.shape, have.dtype)}) is in the checkpoint but not in the "
                 f"target. {_FIX}"
             )
+
+
+def _per_layer(path: tuple) -> bool:
+    """A path of the earlier layout: one subtree per layer, ``.../layers/<int>/...``."""
+    return any(a == "layers" and str(b).isdigit() for a, b in zip(path[:-1], path[1:], strict=True))
+
+
+def _refuse_per_layer_layout(stored: dict, expected: dict, where: str) -> None:
+    if any(map(_per_layer, stored)) and not any(map(_per_layer, expected)):
+        raise CheckpointError(
+            f"{where} holds one set of parameters per layer (layers/0, layers/1, ...), the "
+            "layout of attnlab before layers were stacked on a leading axis; it cannot be "
+            "restored into a stacked model without silently misplacing weights. Train again "
+            "in a new --workdir."
+        )
 
 
 class PreemptionGuard:

@@ -20,14 +20,24 @@ POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 DTYPES = ("float32", "bfloat16", "float16")
+REMAT = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """All architectural choices of an attnlab model.
 
-    Sizes: ``n_kv_heads`` defaults to ``n_heads`` (MHA; fewer gives GQA, 1 gives MQA),
-    ``head_dim`` to ``d_model // n_heads`` and ``d_ff`` to ``4 * d_model``.
+    Fields left as None take a value derived from the others on construction, and
+    ``replace`` derives them again: ``n_kv_heads`` from ``n_heads`` (MHA; fewer gives GQA,
+    1 gives MQA), ``head_dim`` is ``d_model // n_heads``, ``d_ff`` is ``4 * d_model``,
+    ``n_decoder_layers`` is ``n_layers``, ``final_norm`` is True for pre-norm and
+    ``attn_scale`` is ``head_dim ** -0.5``. ``to_dict`` writes them as None again.
+
+    Execution: ``scan_layers`` applies each stack's layers (parameters stacked on a leading
+    layer axis) with ``lax.scan``, so the traced program does not grow with depth; False
+    unrolls the same parameters in a Python loop. ``remat`` rematerialises each layer in
+    the backward pass: ``"none"``, ``"full"`` (save only the layer inputs) or ``"dots"``
+    (save the outputs of the weight matmuls, recompute the rest).
     """
 
     arch: str = "decoder"
@@ -72,52 +82,66 @@ class ModelConfig:
     attention_dropout: float = 0.0
     causal: bool = True  # decoder self-attention is causal; False only for ablations
     sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None  # layers with a window; None = all
     attn_scale: float | None = None  # logit scale; defaults to head_dim ** -0.5
     attention_impl: str = "xla"
     attention_fn: str = "softmax"  # a name from attnlab.nn.attention_variants()
+
+    scan_layers: bool = True
+    remat: str = "none"
 
     dtype: str = "float32"  # activation / compute dtype
     param_dtype: str = "float32"
     init_std: float = 0.02
     pad_id: int = 0
 
+    # Names of the fields that were None and got derived values (not part of equality).
+    _derived: frozenset = dataclasses.field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
+
     def __post_init__(self):
+        if isinstance(self.sliding_window_layers, list):
+            object.__setattr__(self, "sliding_window_layers", tuple(self.sliding_window_layers))
+        validate_raw(self)
+        derived = set()
+        for name, value in _derivations(self):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+                derived.add(name)
+        object.__setattr__(self, "_derived", frozenset(derived))
         validate(self)
 
-    # Derived sizes -----------------------------------------------------------------------
     @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+    def stack_layers(self) -> int:
+        """Layers of the stack that a KV cache serves (the decoder's)."""
+        return self.n_decoder_layers if self.arch == "encoder_decoder" else self.n_layers
 
-    @property
-    def head_size(self) -> int:
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def ffn_dim(self) -> int:
-        return 4 * self.d_model if self.d_ff is None else self.d_ff
-
-    @property
-    def decoder_layers(self) -> int:
-        return self.n_layers if self.n_decoder_layers is None else self.n_decoder_layers
-
-    @property
-    def use_final_norm(self) -> bool:
-        return self.norm_placement == "pre" if self.final_norm is None else self.final_norm
-
-    @property
-    def scale(self) -> float:
-        return self.head_size**-0.5 if self.attn_scale is None else self.attn_scale
+    def layer_windows(self, n_layers: int) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        chosen = self.sliding_window_layers
+        return tuple(
+            self.sliding_window if chosen is None or i in chosen else None
+            for i in range(n_layers)
+        )
 
     def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; fields that were derived are derived again."""
+        values = self.to_dict()
+        values.update(changes)
+        return ModelConfig(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as given: derived ones are None, so ``from_dict`` derives them again."""
+        return {
+            f.name: None if f.name in self._derived else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.init
+        }
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(
@@ -136,8 +160,24 @@ def _choice(cfg, field, options):
         _fail(field, value, f"use one of {list(options)}")
 
 
-def validate(cfg: ModelConfig) -> None:
-    """Raises ``ValueError`` naming the offending field and the fix."""
+def _derivations(cfg: ModelConfig):
+    """(field, value) for every field that None derives, in dependency order."""
+    yield "n_kv_heads", cfg.n_heads
+    if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
+        _fail(
+            "d_model",
+            cfg.d_model,
+            f"d_model must be divisible by n_heads={cfg.n_heads}, or set head_dim explicitly",
+        )
+    yield "head_dim", cfg.d_model // cfg.n_heads
+    yield "d_ff", 4 * cfg.d_model
+    yield "n_decoder_layers", cfg.n_layers
+    yield "final_norm", cfg.norm_placement == "pre"
+    yield "attn_scale", (cfg.head_dim or cfg.d_model // cfg.n_heads) ** -0.5
+
+
+def validate_raw(cfg: ModelConfig) -> None:
+    """Checks the sizes that derived values are computed from."""
     for field in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
         value = getattr(cfg, field)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -146,6 +186,11 @@ def validate(cfg: ModelConfig) -> None:
         value = getattr(cfg, field)
         if value is not None and (not isinstance(value, int) or value <= 0):
             _fail(field, value, "must be a positive integer, or None for the default")
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Raises ``ValueError`` naming the offending field and the fix."""
+    validate_raw(cfg)
     _choice(cfg, "arch", ARCHS)
     _choice(cfg, "position", POSITIONS)
     _choice(cfg, "norm", NORMS)
@@ -155,6 +200,16 @@ def validate(cfg: ModelConfig) -> None:
     _choice(cfg, "dtype", DTYPES)
     _choice(cfg, "param_dtype", DTYPES)
     _choice(cfg, "sinusoidal_layout", ("interleaved", "split"))
+    _choice(cfg, "remat", REMAT)
+    if not isinstance(cfg.scan_layers, bool):
+        _fail("scan_layers", cfg.scan_layers, "must be True (lax.scan) or False (unrolled)")
+    chosen = cfg.sliding_window_layers
+    if chosen is not None:
+        if cfg.sliding_window is None:
+            _fail("sliding_window_layers", chosen, "set sliding_window too, or leave it None")
+        n = max(cfg.n_layers, cfg.n_decoder_layers)
+        if not all(isinstance(i, int) and 0 <= i < n for i in chosen):
+            _fail("sliding_window_layers", chosen, f"list layer indices in [0, {n})")
     if cfg.attention_fn not in attention_variants():
         _fail(
             "attention_fn",
@@ -162,20 +217,14 @@ def validate(cfg: ModelConfig) -> None:
             f"register it with attnlab.nn.register_attention first; known: "
             f"{sorted(attention_variants())}",
         )
-    if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
-        _fail(
-            "d_model",
-            cfg.d_model,
-            f"d_model must be divisible by n_heads={cfg.n_heads}, or set head_dim explicitly",
-        )
-    if cfg.n_heads % cfg.kv_heads:
+    if cfg.n_heads % cfg.n_kv_heads:
         _fail(
             "n_kv_heads",
             cfg.n_kv_heads,
             f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads (use a divisor of it)",
         )
-    if cfg.position == "rope" and cfg.head_size % 2:
-        _fail("head_dim", cfg.head_size, "RoPE rotates pairs, so the head dim must be even")
+    if cfg.position == "rope" and cfg.head_dim % 2:
+        _fail("head_dim", cfg.head_dim, "RoPE rotates pairs, so the head dim must be even")
     if cfg.position == "sinusoidal" and cfg.d_model % 2:
         _fail("d_model", cfg.d_model, "sinusoidal positions need an even d_model")
     if cfg.rope_theta <= 0:

@@ -1,7 +1,23 @@
 """Registry of attention functions selectable by name from ``ModelConfig.attention_fn``.
 
-A variant is any function with the signature of ``attnlab.ops.dot_product_attention``.
-Registering one makes it usable by every model through the config, with no library edit::
+The contract. A variant is called as::
+
+    fn(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, return_weights, implementation,
+       dropout_rate, dropout_key)
+
+with ``k``/``v`` holding K <= N heads (GQA/MQA: K divides N), a boolean ``mask``
+broadcastable to ``[B, N|1, T, S]`` (True = may attend) or None, an additive ``bias`` of
+the same shape or None, the logit ``scale``, ``implementation`` from
+``ModelConfig.attention_impl``, and attention dropout (``dropout_key`` is None when no
+dropout applies: evaluation, decoding). It returns ``out_BTNH``, or
+``(out_BTNH, weights_BNTS)`` when ``return_weights``. ``register_attention`` checks the
+signature (a ``**kwargs`` catch-all satisfies every keyword).
+
+The function is resolved when a model is built and held by its attention modules, so it is
+part of the model's graph: every compiled program (training, evaluation, cached decoding)
+of a model runs the same function, and re-registering a name changes what models built
+afterwards run. An experiment file may register the variants it uses, so runs that use
+them can be reopened from their work directory::
 
     def capped(q, k, v, **kw):
         return attnlab.ops.dot_product_attention(
@@ -13,17 +29,56 @@ Registering one makes it usable by every model through the config, with no libra
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from attnlab.ops.attention import dot_product_attention
 
+CONTRACT_KEYWORDS = (
+    "mask",
+    "bias",
+    "scale",
+    "return_weights",
+    "implementation",
+    "dropout_rate",
+    "dropout_key",
+)
+
 _REGISTRY: dict[str, Callable] = {"softmax": dot_product_attention}
+
+
+def check_contract(name: str, fn: Callable) -> None:
+    """Raises ``TypeError`` when ``fn`` cannot be called as the variant contract says."""
+    if not callable(fn):
+        raise TypeError(f"register_attention: {name!r} must map to a callable, got {fn!r}")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # builtins and C functions: nothing to inspect
+    kinds = inspect.Parameter
+    by_position = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in params if p.kind in by_position]
+    if len(positional) < 3 and not any(p.kind == kinds.VAR_POSITIONAL for p in params):
+        raise TypeError(
+            f"attention variant {name!r} must take q, k, v as its first three positional "
+            f"arguments; its signature is {inspect.signature(fn)}"
+        )
+    if any(p.kind == kinds.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params if p.kind != kinds.POSITIONAL_ONLY}
+    missing = [k for k in CONTRACT_KEYWORDS if k not in names]
+    if missing:
+        raise TypeError(
+            f"attention variant {name!r} does not accept the keyword(s) {missing} of the "
+            f"variant contract (see attnlab.variants); add them or a **kwargs catch-all"
+        )
 
 
 def register_attention(name: str, fn: Callable, *, overwrite: bool = False) -> None:
     """Makes ``fn`` available as ``ModelConfig(attention_fn=name)``."""
-    if not callable(fn):
-        raise TypeError(f"register_attention: {name!r} must map to a callable, got {fn!r}")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_attention: the name must be a non-empty str, got {name!r}")
+    check_contract(name, fn)
     if name in _REGISTRY and not overwrite and _REGISTRY[name] is not fn:
         raise ValueError(f"attention variant {name!r} exists; pass overwrite=True to replace it")
     _REGISTRY[name] = fn

@@ -249,3 +249,18 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
         restored = ckpt.restore(target)
     assert int(restored["step"]) == last
     np.testing.assert_array_equal(restored["w"], np.full((4,), last, np.float32))
+
+
+def test_per_layer_checkpoint_is_refused_by_a_stacked_model(tmp_path):
+    """A checkpoint of the per-layer layout (layers/0, layers/1) never restores into the
+    stacked layout, even where the shapes could be made to line up."""
+    per_layer = {"params": {"layers": {str(i): {"w_DD": jnp.full((2, 2), i)} for i in range(2)}}}
+    stacked = {"params": {"layers": {"w_DD": jnp.zeros((2, 2, 2))}}}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, per_layer)
+        before = listing(tmp_path)
+        with pytest.raises(CheckpointError, match=r"parameters per layer.*new --workdir"):
+            ckpt.restore(abstract(stacked))
+        assert listing(tmp_path) == before
+        restored = ckpt.restore(abstract(per_layer))  # the same layout still restores
+        assert_bitwise_equal(restored, per_layer)

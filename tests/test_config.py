@@ -66,8 +66,8 @@ def test_decoder_count_matches_closed_form(kw, gated, biases, ln):
         24,
         3,
         4,
-        cfg.kv_heads,
-        cfg.head_size,
+        cfg.n_kv_heads,
+        cfg.head_dim,
         40,
         max_len=11,
         learned=cfg.position == "learned",
@@ -160,7 +160,7 @@ def test_invalid_config_names_field(kw, field):
 
 def test_head_dim_independent_of_d_model():
     cfg = ModelConfig(d_model=30, n_heads=4, head_dim=8)  # 30 % 4 != 0 is fine with head_dim
-    assert cfg.head_size == 8
+    assert cfg.head_dim == 8
 
 
 def test_from_dict_rejects_unknown_field():

@@ -131,8 +131,9 @@ def test_gqa_equals_mha_with_repeated_kv_weights(K):
     x = jax.random.normal(jax.random.key(0), (2, 9, 32))
     pos = jnp.broadcast_to(jnp.arange(9)[None], (2, 9))
     mask = jnp.tril(jnp.ones((9, 9), bool))[None, None]
-    a, (k, _), _ = gqa(x, positions_BT=pos, mask=mask)
+    a, _, _ = gqa(x, positions_BT=pos, mask=mask)
     b, _, _ = mha(x, positions_BT=pos, mask=mask)
+    k, _ = gqa.project_kv(x, pos)
     assert k.shape == (2, 9, K, 8)  # only K kv heads are ever materialised
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 

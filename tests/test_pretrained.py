@@ -281,18 +281,20 @@ QWEN3_4B = {
 
 
 def test_qwen3_4b_params_and_cache_from_its_config():
-    assert attnlab.count_params(QWEN3_4B) == 4_022_468_096
-    assert attnlab.kv_cache_bytes(QWEN3_4B, 1, 4096, "bfloat16") == 576 * 2**20 == 603_979_776
-    cfg = attnlab.hf_config.as_model_config(QWEN3_4B)
-    assert (cfg.head_size, cfg.kv_heads, cfg.qk_norm, cfg.rope_theta) == (128, 8, True, 1e6)
+    cfg = attnlab.pretrained.model_config_from_hf(QWEN3_4B)
+    assert attnlab.count_params(cfg) == 4_022_468_096
+    assert attnlab.kv_cache_bytes(cfg, 1, 4096, "bfloat16") == 576 * 2**20 == 603_979_776
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.qk_norm, cfg.rope_theta) == (128, 8, True, 1e6)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "marian"])
 def test_count_params_of_a_checkpoint_folder(shared_dir, name):
     folder = fixture(shared_dir, name)
     stored = sum(v.size for v in load_file(folder / "model.safetensors").values())
-    assert attnlab.count_params(folder) == stored
-    assert attnlab.count_params(str(folder / "config.json")) == stored
+    from_folder = attnlab.pretrained.model_config_from_hf(folder)
+    assert attnlab.count_params(from_folder) == stored
+    from_file = attnlab.pretrained.model_config_from_hf(str(folder / "config.json"))
+    assert from_file == from_folder
 
 
 # Errors --------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 Projections are stored as ``q_DNH``, ``k_DKH``, ``v_DKH`` and ``o_NHD``, so ``head_dim`` is
 independent of ``d_model / n_heads``. The module computes q, k, v, applies QK-norm and RoPE,
-optionally writes k and v into an explicit per-layer cache ``(k_BKSH, v_BKSH)`` (head-major,
-see ``attnlab.kv_cache``) at each row's own offset, and calls the configured attention
-function from ``attnlab.variants``. It returns ``(out_BTD, new_cache, weights_BNTS | None)``.
+optionally appends k and v to its layer of an explicit cache (a ``kv_cache.LayerView``),
+and calls the attention function that ``ModelConfig.attention_fn`` named when the module
+was built (``attnlab.variants``). It returns ``(out_BTD, cache, weights_BNTS | None)``.
 """
 
 from __future__ import annotations
@@ -12,18 +12,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab import kv_cache, ops
+from attnlab import ops
 from attnlab.config import ModelConfig
-from attnlab.nn.layers import Norm, add_bias, dense, dropout, normal
+from attnlab.nn.layers import Norm, normal
+from attnlab.ops.linear import add_bias, dense
 from attnlab.variants import get_attention
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
-        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         std, pd = cfg.init_std, cfg.param_dtype
         self.cfg = cfg
         self.cross = cross
+        self.attend = get_attention(cfg.attention_fn)  # resolved now: part of the graph
         self.q_DNH = normal(rngs, (D, N, H), std, pd)
         self.k_DKH = normal(rngs, (D, K, H), std, pd)
         self.v_DKH = normal(rngs, (D, K, H), std, pd)
@@ -60,15 +62,14 @@ class Attention(nnx.Module):
         bias=None,
         kv_BSD=None,
         cache=None,
-        cache_start_B=None,
         key=None,
         return_weights=False,
     ):
         """Attention of ``x`` over itself, or over ``kv_BSD`` / a cache for cross-attention.
 
-        Self-attention with ``cache=(k_BKSH, v_BKSH)`` writes this call's keys and values at
-        ``cache_start_B`` and attends over the whole cache (the mask selects what is valid).
-        Cross-attention with ``cache`` uses the cached encoder keys and values as they are.
+        Self-attention with ``cache`` (a ``kv_cache.LayerView``) appends this call's keys
+        and values and attends over the layer's whole cache (the mask selects what is
+        valid). Cross-attention with ``cache=(k_BSKH, v_BSKH)`` uses those as they are.
         """
         cfg = self.cfg
         q_BTNH = self._project(x_BTD, self.q_DNH, self.q_bias_NH)
@@ -78,49 +79,26 @@ class Attention(nnx.Module):
             q_BTNH = ops.apply_rope(q_BTNH, positions_BT, theta=cfg.rope_theta)
 
         if self.cross:
-            new_cache = cache if cache is not None else self.project_kv(kv_BSD)
+            k_BSKH, v_BSKH = cache if cache is not None else self.project_kv(kv_BSD)
+        elif cache is None:
+            k_BSKH, v_BSKH = self.project_kv(x_BTD, positions_BT)
         else:
-            new_cache = self.project_kv(x_BTD, positions_BT)
-            if cache is not None:
-                new_cache = tuple(
-                    kv_cache.write(c_BKSH, u_BTKH, cache_start_B)
-                    for c_BKSH, u_BTKH in zip(cache, new_cache, strict=True)
-                )
-        # A cache is head-major, [B, K, S, H] (attnlab.kv_cache): XLA folds the swap into the
-        # attention dots, so the cache is read in place.
-        k_BSKH, v_BSKH = (
-            new_cache if cache is None else (jnp.swapaxes(x_BKSH, 1, 2) for x_BKSH in new_cache)
-        )
-
-        attend = get_attention(cfg.attention_fn)
-        need_weights = return_weights or (key is not None and cfg.attention_dropout > 0)
-        result = attend(
+            cache, k_BSKH, v_BSKH = cache.append(*self.project_kv(x_BTD, positions_BT))
+        dt = q_BTNH.dtype
+        result = self.attend(
             q_BTNH,
-            k_BSKH.astype(q_BTNH.dtype),
-            v_BSKH.astype(q_BTNH.dtype),
+            k_BSKH.astype(dt),
+            v_BSKH.astype(dt),
             mask=mask,
             bias=bias,
-            scale=cfg.scale,
-            return_weights=need_weights,
+            scale=cfg.attn_scale,
+            return_weights=return_weights,
             implementation=cfg.attention_impl,
+            dropout_rate=cfg.attention_dropout,
+            dropout_key=key if cfg.attention_dropout > 0 else None,
         )
-        weights_BNTS = None
-        if need_weights:
-            out_BTNH, weights_BNTS = result
-            if key is not None and cfg.attention_dropout > 0:
-                dropped = dropout(weights_BNTS, cfg.attention_dropout, key)
-                out_BTNH = jnp.einsum(
-                    "BNTS,BSNH->BTNH",
-                    dropped.astype(q_BTNH.dtype),
-                    _repeat_kv(v_BSKH, cfg).astype(q_BTNH.dtype),
-                )
-        else:
-            out_BTNH = result
+        out_BTNH, weights_BNTS = result if return_weights else (result, None)
         out_BTD = dense(out_BTNH, self.o_NHD[...], n_in=2)
         if self.o_bias_D is not None:
             out_BTD = add_bias(out_BTD, self.o_bias_D[...])
-        return out_BTD, new_cache, (weights_BNTS if return_weights else None)
-
-
-def _repeat_kv(v_BSKH, cfg):
-    return jnp.repeat(v_BSKH, cfg.n_heads // cfg.kv_heads, axis=2)
+        return out_BTD, cache, weights_BNTS

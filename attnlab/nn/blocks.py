@@ -1,21 +1,45 @@
-"""Transformer blocks and stacks.
+"""Transformer blocks and stacks of them.
 
 A ``Block`` is self-attention, optional cross-attention and a feed-forward network, each a
 residual sub-layer in pre-norm (``x + f(norm(x))``) or post-norm (``norm(x + f(x))``)
 placement. A ``Stack`` owns what is per-stack: absolute or relative positions, an optional
 embedding norm, the blocks and an optional final norm; it builds the masks and position
 biases once and shares them across its blocks.
+
+Layers are a stack: the ``L`` blocks are one ``Block`` whose parameters carry a leading
+layer axis (``layers.attn.q_DNH`` is ``[L, D, N, H]``), applied by ``lax.scan`` so the
+traced program does not grow with depth (``ModelConfig.scan_layers=False`` unrolls the
+same parameters in a Python loop). What differs between layers is data inside the scan:
+the layer index (dropout keys, the cache layer to write), each layer's sliding window, the
+cross-attention keys/values. The KV cache is carried through the scan and written in
+place; ``ModelConfig.remat`` rematerialises each layer in the backward pass.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab import ops
+from attnlab import kv_cache, ops
 from attnlab.config import ModelConfig
 from attnlab.nn.attention import Attention
-from attnlab.nn.layers import FeedForward, LearnedPositions, Norm, RelativeBias, dropout, fold
+from attnlab.nn.layers import FeedForward, LearnedPositions, Norm, RelativeBias
+from attnlab.ops.linear import dropout, fold
+
+NO_WINDOW = jnp.iinfo(jnp.int32).max  # a layer's window when it attends to everything
+REMAT_POLICIES = {
+    "full": None,  # save nothing but the layer's inputs
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weight matmuls
+}
+
+
+def stacked(make, n: int, rngs: nnx.Rngs):
+    """``n`` modules ``make(rngs)`` as one module whose parameters have a leading axis."""
+    keys = jax.random.split(rngs.params(), n)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+    state = jax.vmap(lambda key: nnx.state(make(nnx.Rngs(params=key))))(keys)
+    return nnx.merge(graphdef, state)
 
 
 class Block(nnx.Module):
@@ -48,12 +72,11 @@ class Block(nnx.Module):
         cross_mask=None,
         cache=None,
         cross_cache=None,
-        cache_start_B=None,
         key=None,
         return_weights=False,
     ):
-        """Returns ``(x_BTD, self_kv, cross_kv, weights)``; weights is a dict or None."""
-        x_BTD, (self_kv, w_self) = self._residual(
+        """Returns ``(x_BTD, cache, weights)``; ``weights`` is a dict or None."""
+        x_BTD, (cache, w_self) = self._residual(
             x_BTD,
             self.attn_norm,
             lambda h: self.attn(
@@ -62,15 +85,14 @@ class Block(nnx.Module):
                 mask=mask,
                 bias=bias,
                 cache=cache,
-                cache_start_B=cache_start_B,
                 key=fold(key, 0),
                 return_weights=return_weights,
             ),
             fold(key, 1),
         )
-        cross_kv, w_cross = None, None
+        weights = {"self": w_self} if return_weights else None
         if self.cross_attn is not None:
-            x_BTD, (cross_kv, w_cross) = self._residual(
+            x_BTD, (_, w_cross) = self._residual(
                 x_BTD,
                 self.cross_norm,
                 lambda h: self.cross_attn(
@@ -83,23 +105,23 @@ class Block(nnx.Module):
                 ),
                 fold(key, 3),
             )
+            if return_weights:
+                weights["cross"] = w_cross
         x_BTD, _ = self._residual(
             x_BTD, self.ffn_norm, lambda h: (self.ffn(h, key=fold(key, 4)),), fold(key, 5)
         )
-        weights = None
-        if return_weights:
-            weights = {"self": w_self} if w_cross is None else {"self": w_self, "cross": w_cross}
-        return x_BTD, self_kv, cross_kv, weights
+        return x_BTD, cache, weights
 
 
 class Stack(nnx.Module):
-    """Positions + blocks + final norm over embedded tokens (encoder or decoder side)."""
+    """Positions + a stack of blocks + final norm over embedded tokens (encoder or decoder)."""
 
     def __init__(
         self, cfg: ModelConfig, n_layers: int, *, causal: bool, cross: bool, rngs: nnx.Rngs
     ):
         self.cfg = cfg
         self.causal = causal
+        self.n_layers = n_layers
         self.positions = LearnedPositions(cfg, rngs=rngs) if cfg.position == "learned" else None
         self.relative = (
             RelativeBias(cfg, bidirectional=not causal, rngs=rngs)
@@ -107,24 +129,20 @@ class Stack(nnx.Module):
             else None
         )
         self.embed_norm = Norm(cfg, cfg.d_model, rngs=rngs) if cfg.embedding_norm else None
-        self.layers = nnx.List([Block(cfg, cross=cross, rngs=rngs) for _ in range(n_layers)])
-        self.final_norm = Norm(cfg, cfg.d_model, rngs=rngs) if cfg.use_final_norm else None
+        self.layers = stacked(lambda r: Block(cfg, cross=cross, rngs=r), n_layers, rngs)
+        self.final_norm = Norm(cfg, cfg.d_model, rngs=rngs) if cfg.final_norm else None
+        # Static per-layer data: each layer's window (None: full attention).
+        self.windows = cfg.layer_windows(n_layers) if causal else (None,) * n_layers
 
     def _self_mask(self, T, S, positions_BT, valid_BS, segment_ids_BT, cache_start_B):
-        cfg = self.cfg
         offset = 0 if cache_start_B is None else cache_start_B
         causal = ops.causal(T, S, offset=offset) if self.causal else None
-        window = (
-            ops.sliding_window(T, S, window=cfg.sliding_window, offset=offset)
-            if cfg.sliding_window and self.causal
-            else None
-        )
         if cache_start_B is not None:
             # Keys past what has been written are invalid even without a causal mask.
             written = ops.lengths_to_valid(cache_start_B + T, S)
-            return ops.combine(causal, window, ops.padding(k_valid_BS=written))
+            return ops.combine(causal, ops.padding(k_valid_BS=written))
         segments = None if segment_ids_BT is None else ops.segment(segment_ids_BT)
-        return ops.combine(causal, window, ops.padding(k_valid_BS=valid_BS), segments)
+        return ops.combine(causal, ops.padding(k_valid_BS=valid_BS), segments)
 
     def _bias(self, q_positions_BT, k_positions_BS):
         if self.relative is not None:
@@ -161,16 +179,19 @@ class Stack(nnx.Module):
         key=None,
         return_weights=False,
     ):
-        """Runs the stack. ``cache``/``cross_cache`` are per-layer lists of (k, v) or None.
+        """Runs the stack over ``x``.
 
-        Returns ``(x_BTD, new_cache, new_cross_cache, weights)``.
+        ``cache``: ``(k_LBKSH, v_LBKSH)`` to append this call's keys/values to, at
+        ``cache_start_B``; ``cross_cache``: ``(k_LBKSH, v_LBKSH)`` of the encoder output.
+        Returns ``(x_BTD, (k_LBKSH, v_LBKSH) | None, weights)``, with ``weights`` a tuple of
+        per-layer dicts when asked for.
         """
         B, T, _ = x_BTD.shape
         x_BTD = dropout(
             self.embed_positions(x_BTD, positions_BT), self.cfg.dropout, fold(key, 1_000_000)
         )
         if cache is not None:
-            S = cache[0][0].shape[2]  # head-major [B, K, S, H]
+            S = cache[0].shape[3]  # [L, B, K, S, H]
             k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
         else:
             S, k_positions_BS = T, positions_BT
@@ -178,24 +199,58 @@ class Stack(nnx.Module):
         bias = self._bias(positions_BT, k_positions_BS)
         cross_mask = None if enc_valid_BS is None else ops.padding(k_valid_BS=enc_valid_BS)
 
-        new_cache, new_cross, weights = [], [], []
-        for i, block in enumerate(self.layers):
-            x_BTD, kv, cross_kv, w = block(
+        # Windows are static; a stack where they differ between layers builds each layer's
+        # window mask inside the scan from the layer's window (per-layer data).
+        windows = set(self.windows)
+        window_L = jnp.array([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
+        offset = 0 if cache_start_B is None else cache_start_B
+        if len(windows) == 1 and None not in windows:
+            mask = ops.combine(mask, ops.sliding_window(T, S, window=min(windows), offset=offset))
+        per_layer_window = len(windows) > 1
+
+        def layer(carry, xs):
+            x_BTD, kv = carry
+            params, index, window, cross_kv = xs
+            block = nnx.merge(graphdef, params)
+            layer_mask = mask
+            if per_layer_window:
+                window_mask = ops.sliding_window(T, S, window=window, offset=offset)
+                layer_mask = ops.combine(mask, window_mask)
+            view = None if kv is None else kv_cache.LayerView(*kv, index, cache_start_B)
+            x_BTD, view, weights = block(
                 x_BTD,
                 positions_BT=positions_BT,
-                mask=mask,
+                mask=layer_mask,
                 bias=bias,
                 enc_BSD=enc_BSD,
                 cross_mask=cross_mask,
-                cache=None if cache is None else cache[i],
-                cross_cache=None if cross_cache is None else cross_cache[i],
-                cache_start_B=cache_start_B,
-                key=fold(key, i),
+                cache=view,
+                cross_cache=cross_kv,
+                key=fold(key, index),
                 return_weights=return_weights,
             )
-            new_cache.append(kv)
-            new_cross.append(cross_kv)
-            weights.append(w)
+            return (x_BTD, None if view is None else (view.k, view.v)), weights
+
+        if self.cfg.remat != "none":
+            policy = REMAT_POLICIES[self.cfg.remat]
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
+
+        graphdef, params = nnx.split(self.layers)
+        if cross_cache is not None:
+            cross_cache = tuple(jnp.swapaxes(c, 2, 3) for c in cross_cache)  # [L, B, S, K, H]
+        xs = (params, jnp.arange(self.n_layers, dtype=jnp.int32), window_L, cross_cache)
+        carry = (x_BTD, None if cache is None else tuple(cache))
+        if self.cfg.scan_layers:
+            carry, weights = jax.lax.scan(layer, carry, xs)
+        else:
+            per_layer = []
+            for i in range(self.n_layers):
+                carry, w = layer(carry, jax.tree.map(lambda a, i=i: a[i], xs))
+                per_layer.append(w)
+            weights = jax.tree.map(lambda *ws: jnp.stack(ws), *per_layer)
+        x_BTD, new_cache = carry
         if self.final_norm is not None:
             x_BTD = self.final_norm(x_BTD)
-        return x_BTD, new_cache, new_cross, (tuple(weights) if return_weights else None)
+        if return_weights:
+            weights = tuple(jax.tree.map(lambda w, i=i: w[i], weights) for i in range(self.n_layers))
+        return x_BTD, new_cache, weights

@@ -1,8 +1,6 @@
-"""Small parameter-owning modules: norms, embeddings, positions, feed-forward, dropout."""
+"""Small parameter-owning modules: norms, embeddings, positions, feed-forward."""
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -10,46 +8,11 @@ from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.ops.linear import dense
 
 
 def normal(rngs: nnx.Rngs, shape, std, dtype):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.dtype(dtype)))
-
-
-def dense(x, w, *, n_in=1, out_dtype=None):
-    """Contracts the last ``n_in`` axes of ``x`` with the first ``n_in`` of ``w``.
-
-    Tokens are flattened so the product is one 2-D GEMM going forward and both ways back:
-    XLA:CPU runs a weight gradient contracting over (B, T) far slower than one over B*T.
-    """
-    k = math.prod(x.shape[x.ndim - n_in :])
-    y = jnp.dot(
-        x.reshape(-1, k), w.reshape(k, -1).astype(x.dtype), preferred_element_type=out_dtype
-    )
-    return y.reshape(x.shape[: x.ndim - n_in] + w.shape[n_in:])
-
-
-def dropout(x, rate: float, key):
-    """Inverted dropout; the identity when ``key`` is None (evaluation) or ``rate`` is 0."""
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
-
-
-def fold(key, *data):
-    """``fold_in`` along a path of integers; None stays None (deterministic)."""
-    if key is None:
-        return None
-    for d in data:
-        key = jax.random.fold_in(key, d)
-    return key
-
-
-def add_bias(x, b):
-    """``x + b`` with ``b`` broadcast over x's leading axes (explicit rank)."""
-    b = b.astype(x.dtype)
-    return x + b.reshape((1,) * (x.ndim - b.ndim) + b.shape)
 
 
 class Norm(nnx.Module):
@@ -125,7 +88,7 @@ class FeedForward(nnx.Module):
     """Position-wise FFN, plain (ReLU, GELU) or gated (SwiGLU, GeGLU)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.ffn_dim
+        D, F = cfg.d_model, cfg.d_ff
         out_std = cfg.init_std / (2 * max(cfg.n_layers, 1)) ** 0.5
         self.kind = cfg.ffn
         self.rate = cfg.dropout
@@ -141,18 +104,15 @@ class FeedForward(nnx.Module):
         self.b_out_D = zeros(D) if cfg.ffn_bias else None
 
     def __call__(self, x_BTD, *, key=None):
-        dt = x_BTD.dtype
-        get = lambda p: None if p is None else p[...].astype(dt)
-        act = ops.activations.activation(self.kind)
-        h_BTF = dense(x_BTD, get(self.w_in_DF))
-        if self.b_in_F is not None:
-            h_BTF = add_bias(h_BTF, self.b_in_F[...])
-        if self.w_gate_DF is not None:
-            h_BTF = act(dense(x_BTD, get(self.w_gate_DF))) * h_BTF
-        else:
-            h_BTF = act(h_BTF)
-        h_BTF = dropout(h_BTF, self.rate, key)
-        out_BTD = dense(h_BTF, get(self.w_out_FD))
-        if self.b_out_D is not None:
-            out_BTD = add_bias(out_BTD, self.b_out_D[...])
-        return out_BTD
+        get = lambda p: None if p is None else p[...]
+        return ops.feed_forward(
+            x_BTD,
+            self.w_in_DF[...],
+            self.w_out_FD[...],
+            kind=self.kind,
+            w_gate_DF=get(self.w_gate_DF),
+            b_in_F=get(self.b_in_F),
+            b_out_D=get(self.b_out_D),
+            dropout_rate=self.rate,
+            key=key,
+        )

@@ -11,6 +11,8 @@ updated one; nothing is stored on the module between calls.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -19,7 +21,8 @@ from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.kv_cache import KVCache
 from attnlab.nn.blocks import Stack
-from attnlab.nn.layers import Embed, Norm, add_bias, dense, fold, normal
+from attnlab.nn.layers import Embed, Norm, normal
+from attnlab.ops.linear import add_bias, dense, fold
 
 
 @struct.dataclass
@@ -48,19 +51,16 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, **kw):
             if cache is None
             else start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         )
-    x_BTD, new_kv, _, weights = stack(
+    x_BTD, new_kv, weights = stack(
         x_BTD,
         positions_BT=positions_BT,
-        cache=None if cache is None else list(zip(cache.k, cache.v, strict=True)),
+        cache=None if cache is None else (cache.k, cache.v),
         cache_start_B=start_B,
         **kw,
     )
     if cache is not None:
-        cache = cache.replace(
-            k=tuple(k for k, _ in new_kv),
-            v=tuple(v for _, v in new_kv),
-            lengths=cache.lengths + T,
-        )
+        k, v = new_kv
+        cache = cache.replace(k=k, v=v, lengths=cache.lengths + T)
     return x_BTD, cache, weights
 
 
@@ -175,7 +175,7 @@ class EncoderMLM(nnx.Module):
             types_BT = jnp.zeros_like(tokens_BT) if token_types_BT is None else token_types_BT
             x_BTD = x_BTD + jnp.take(self.token_types[...], types_BT, axis=0).astype(x_BTD.dtype)
         positions_BT = _default_positions(B, T) if positions_BT is None else positions_BT
-        hidden_BTD, _, _, weights = self.encoder(
+        hidden_BTD, _, weights = self.encoder(
             x_BTD,
             positions_BT=positions_BT,
             valid_BS=valid_BT,
@@ -196,13 +196,13 @@ class EncoderDecoder(nnx.Module):
         self.cfg = cfg
         self.embed = _Embedder(cfg, rngs=rngs)  # shared by encoder, decoder and (tied) head
         self.encoder = Stack(cfg, cfg.n_layers, causal=False, cross=False, rngs=rngs)
-        self.decoder = Stack(cfg, cfg.decoder_layers, causal=True, cross=True, rngs=rngs)
+        self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True, rngs=rngs)
         self.head = _LMHead(cfg, rngs=rngs)
 
     def encode(self, src_BS, *, src_valid_BS=None, key=None, return_weights=False):
         """Encoder output ``[B, S, D]`` (and per-layer weights when asked)."""
         B, S = src_BS.shape
-        enc_BSD, _, _, weights = self.encoder(
+        enc_BSD, _, weights = self.encoder(
             self.embed(src_BS),
             positions_BT=_default_positions(B, S),
             valid_BS=src_valid_BS,
@@ -215,11 +215,13 @@ class EncoderDecoder(nnx.Module):
         """Computes every decoder layer's cross-attention keys/values once, into the cache."""
         B, S, _ = enc_BSD.shape
         src_valid_BS = jnp.ones((B, S), bool) if src_valid_BS is None else src_valid_BS
-        kvs = [layer.cross_attn.project_kv(enc_BSD) for layer in self.decoder.layers]
-        dt = cache.k[0].dtype
+        graphdef, params = nnx.split(self.decoder.layers)
+        project = lambda p: nnx.merge(graphdef, p).cross_attn.project_kv(enc_BSD)
+        k_LBSKH, v_LBSKH = jax.vmap(project)(params)
+        head_major = lambda x: jnp.swapaxes(x, 2, 3).astype(cache.k.dtype)  # [L, B, K, S, H]
         return cache.replace(
-            cross_k=tuple(jnp.swapaxes(k, 1, 2).astype(dt) for k, _ in kvs),  # [B, K, S, H]
-            cross_v=tuple(jnp.swapaxes(v, 1, 2).astype(dt) for _, v in kvs),
+            cross_k=head_major(k_LBSKH),
+            cross_v=head_major(v_LBSKH),
             src_valid=src_valid_BS.astype(bool),
         )
 
@@ -237,7 +239,7 @@ class EncoderDecoder(nnx.Module):
         """Decoder logits. With a cache from ``init_cross_cache``, ``enc_BSD`` is not needed."""
         cross_cache = None
         if cache is not None and cache.cross_k is not None:
-            cross_cache = list(zip(cache.cross_k, cache.cross_v, strict=True))
+            cross_cache = (cache.cross_k, cache.cross_v)
             src_valid_BS = cache.src_valid
         elif enc_BSD is None:
             raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
@@ -277,18 +279,30 @@ ARCHITECTURES = {"decoder": DecoderLM, "encoder": EncoderMLM, "encoder_decoder":
 
 
 def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None):
-    """The architecture ``cfg.arch`` with freshly initialised parameters."""
-    return ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(seed) if rngs is None else rngs)
+    """The architecture ``cfg.arch`` with freshly initialised parameters.
 
-
-def count_params(cfg) -> int:
-    """Number of parameters, from shapes alone (nothing is allocated).
-
-    Accepts a ``ModelConfig``, or a Hugging Face ``config.json`` (path or dict).
+    With a ``seed``, every parameter is initialised in one compiled program (cached per
+    config, the seed traced); ``rngs`` builds eagerly from the given streams.
     """
-    from attnlab.hf_config import as_model_config
+    cls = ARCHITECTURES[cfg.arch]
+    if rngs is not None:
+        return cls(cfg, rngs=rngs)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, _init_state(cfg, jnp.asarray(seed, jnp.uint32)))
 
-    cfg = as_model_config(cfg)
-    abstract = nnx.eval_shape(lambda: build_model(cfg))
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_state(cfg: ModelConfig, seed):
+    return nnx.state(ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of parameters, from shapes alone (nothing is allocated)."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(
+            f"count_params takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
+            "Face config with attnlab.pretrained.model_config_from_hf"
+        )
+    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
     return int(sum(x.size for x in jax.tree.leaves(params)))

@@ -1,6 +1,6 @@
 """Pure JAX functions for attention: no Flax, no state. See ``attnlab.dims`` for names."""
 
-from attnlab.ops import activations, masks, norms, positions
+from attnlab.ops import activations, linear, masks, norms, positions
 from attnlab.ops.activations import (
     FFN_KINDS,
     feed_forward,
@@ -13,6 +13,7 @@ from attnlab.ops.activations import (
     swiglu,
 )
 from attnlab.ops.attention import IMPLEMENTATIONS, dot_product_attention, reference_attention
+from attnlab.ops.linear import add_bias, dense, dropout, fold
 from attnlab.ops.masks import (
     causal,
     combine,
@@ -39,20 +40,25 @@ __all__ = [
     "FFN_KINDS",
     "IMPLEMENTATIONS",
     "activations",
+    "add_bias",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
     "causal",
     "combine",
     "cross",
+    "dense",
+    "dropout",
     "dot_product_attention",
     "feed_forward",
+    "fold",
     "geglu",
     "geglu_tanh",
     "gelu",
     "gelu_tanh",
     "layer_norm",
     "lengths_to_valid",
+    "linear",
     "masks",
     "norms",
     "padding",

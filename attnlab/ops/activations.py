@@ -11,6 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.linear import add_bias, dense, dropout
+
 
 def relu(x):
     return jax.nn.relu(x)
@@ -103,18 +105,28 @@ def activation(kind):
 
 
 def feed_forward(
-    x_BTD, w_in_DF, w_out_FD, *, kind="gelu", w_gate_DF=None, b_in_F=None, b_out_D=None
+    x_BTD,
+    w_in_DF,
+    w_out_FD,
+    *,
+    kind="gelu",
+    w_gate_DF=None,
+    b_in_F=None,
+    b_out_D=None,
+    dropout_rate: float = 0.0,
+    key=None,
 ):
-    """A position-wise FFN: out = act(x W_in + b_in) W_out + b_out, or the gated form."""
+    """A position-wise FFN: ``act(x W_in + b_in) W_out + b_out``, or the gated form
+    ``act(x W_gate) * (x W_in + b_in)``; dropout (with ``key``) on the hidden units."""
     act = activation(kind)
-    h_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, w_in_DF)
+    h_BTF = dense(x_BTD, w_in_DF)
     if b_in_F is not None:
-        h_BTF = h_BTF + b_in_F[None, None, :]
+        h_BTF = add_bias(h_BTF, b_in_F)
     if is_gated(kind):
         if w_gate_DF is None:
             raise ValueError(f"FFN kind {kind!r} is gated and needs w_gate_DF")
-        h_BTF = act(jnp.einsum("BTD,DF->BTF", x_BTD, w_gate_DF)) * h_BTF
+        h_BTF = act(dense(x_BTD, w_gate_DF)) * h_BTF
     else:
         h_BTF = act(h_BTF)
-    out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, w_out_FD)
-    return out_BTD if b_out_D is None else out_BTD + b_out_D[None, None, :]
+    out_BTD = dense(dropout(h_BTF, dropout_rate, key), w_out_FD)
+    return out_BTD if b_out_D is None else add_bias(out_BTD, b_out_D)

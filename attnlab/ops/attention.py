@@ -24,6 +24,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.linear import dropout
+
 IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto")
 
 # Finite stand-in for -inf: keeps softmax and its gradient free of NaN on masked rows.
@@ -58,9 +60,21 @@ def _to_BKGTS(x, B, K, G, T, S):
 
 
 def reference_attention(
-    q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None, logits_fn=None
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    mask=None,
+    bias=None,
+    scale=None,
+    logits_fn=None,
+    dropout_rate=0.0,
+    dropout_key=None,
 ):
     """Einsum attention; returns ``(out_BTNH, weights_BNTS)``.
+
+    ``weights_BNTS`` are the softmax weights before attention dropout, which (with
+    ``dropout_key``) drops weights only in the product with ``v``.
 
     ``logits_fn``, if given, maps the float32 logits ``[B, K, G, T, S]`` (already scaled and
     biased) to new logits before masking: the hook for score variants such as soft-capping.
@@ -84,7 +98,8 @@ def reference_attention(
     if mask is not None:
         # A fully masked row would otherwise be uniform over masked keys: zero it.
         weights_BKGTS = jnp.where(mask_BKGTS, weights_BKGTS, 0.0)
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+    used_BKGTS = dropout(weights_BKGTS, dropout_rate, dropout_key)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", used_BKGTS.astype(v_BSKH.dtype), v_BSKH)
     return out_BTKGH.reshape(B, T, N, H), weights_BKGTS.reshape(B, N, T, S)
 
 
@@ -117,6 +132,8 @@ def dot_product_attention(
     return_weights=False,
     implementation="reference",
     logits_fn: Callable | None = None,
+    dropout_rate: float = 0.0,
+    dropout_key=None,
 ):
     """Scaled dot-product attention.
 
@@ -128,6 +145,8 @@ def dot_product_attention(
       return_weights: also return the attention weights [B, N, T, S] (float32).
       implementation: one of ``IMPLEMENTATIONS``.
       logits_fn: optional map of the logits (reference path only), for score variants.
+      dropout_rate, dropout_key: attention dropout on the weights (reference path); no
+        dropout without a key.
 
     Returns:
       ``out_BTNH``, or ``(out_BTNH, weights_BNTS)`` when ``return_weights``.
@@ -137,9 +156,18 @@ def dot_product_attention(
         raise ValueError(
             f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
         )
-    if return_weights or implementation == "reference" or logits_fn is not None:
+    drop = dropout_key is not None and dropout_rate > 0.0
+    if return_weights or implementation == "reference" or logits_fn is not None or drop:
         out_BTNH, weights_BNTS = reference_attention(
-            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, logits_fn=logits_fn
+            q_BTNH,
+            k_BSKH,
+            v_BSKH,
+            mask=mask,
+            bias=bias,
+            scale=scale,
+            logits_fn=logits_fn,
+            dropout_rate=dropout_rate,
+            dropout_key=dropout_key,
         )
         return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
     return _fused_attention(

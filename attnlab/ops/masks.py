@@ -33,8 +33,11 @@ def causal(T, S=None, *, offset=0):
 
 
 def sliding_window(T, S=None, *, window, offset=0):
-    """Causal local attention: keys ``q - window < s <= q`` (``window`` keys including self)."""
-    if window < 1:
+    """Causal local attention: keys ``q - window < s <= q`` (``window`` keys including self).
+
+    ``window`` may be traced (a per-layer value inside a scan over layers).
+    """
+    if isinstance(window, int) and window < 1:
         raise ValueError(f"sliding_window: window must be >= 1, got {window}")
     S = T if S is None else S
     q_pos_BT1 = _query_positions(T, offset)[:, :, None]

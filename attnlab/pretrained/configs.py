@@ -12,7 +12,8 @@ older files use top-level ``rope_theta`` / ``rope_scaling``.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
 
 from attnlab.config import ModelConfig
 
@@ -117,33 +118,34 @@ def _gpt2(c: dict) -> dict:
     )
 
 
-def _sliding_window(c: dict, family: str) -> int | None:
-    """The window all layers share, or None; mixed full/sliding layers are rejected."""
-    if family == "mistral":
-        if c.get("layer_types") and len(set(c["layer_types"])) > 1:
-            raise UnsupportedCheckpointError(
-                "config.json layer_types mixes full and sliding attention; attnlab uses one "
-                "window for all layers"
-            )
-        return c.get("sliding_window")
+def _sliding_window(c: dict, family: str) -> dict:
+    """``sliding_window`` and, when only some layers slide, ``sliding_window_layers``."""
+    n = c.get("num_hidden_layers", 0)
     layer_types = c.get("layer_types")
     if layer_types is None:
-        window = c.get("sliding_window") if c.get("use_sliding_window") else None
-        first_sliding = c.get("max_window_layers", 0)
-        n = c.get("num_hidden_layers", 0)
+        if family == "mistral":
+            window, first_sliding = c.get("sliding_window"), 0
+        else:
+            window = c.get("sliding_window") if c.get("use_sliding_window") else None
+            first_sliding = c.get("max_window_layers", 0)
         layer_types = [
             "sliding_attention" if window and i >= first_sliding else "full_attention"
             for i in range(n)
         ]
-    kinds = set(layer_types)
-    if kinds <= {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return _require(c, "sliding_window")
-    raise UnsupportedCheckpointError(
-        f"config.json layer_types={sorted(kinds)} mixes full and sliding attention; attnlab "
-        "uses one window for all layers"
-    )
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedCheckpointError(
+            f"config.json layer_types holds {sorted(unknown)}; attnlab knows "
+            "'full_attention' and 'sliding_attention'"
+        )
+    sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    if not sliding:
+        return {"sliding_window": None}
+    window = _require(c, "sliding_window")
+    return {
+        "sliding_window": window,
+        "sliding_window_layers": None if len(sliding) == len(layer_types) else sliding,
+    }
 
 
 def _llama_like(c: dict, family: str) -> dict:
@@ -179,7 +181,7 @@ def _llama_like(c: dict, family: str) -> dict:
         attn_bias=attn_bias,
         out_bias=out_bias,
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        sliding_window=_sliding_window(c, family),
+        **_sliding_window(c, family),
     )
 
 
@@ -377,13 +379,22 @@ def family_of(c: dict) -> str:
     return model_type
 
 
-def model_config_from_hf(config: dict[str, Any], **overrides) -> ModelConfig:
-    """The attnlab ``ModelConfig`` of a Hugging Face config.json dict.
+def model_config_from_hf(config, **overrides) -> ModelConfig:
+    """The attnlab ``ModelConfig`` of a Hugging Face config.json: a dict, the file's path
+    or its checkpoint folder.
 
     ``overrides`` replace fields afterwards (e.g. ``dtype="bfloat16"``).
     """
+    if isinstance(config, str | os.PathLike):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json at {path}: pass a checkpoint folder")
+        with open(path) as f:
+            config = json.load(f)
     if not isinstance(config, dict):
-        raise TypeError(f"expected a config.json dict, got {type(config)}")
+        raise TypeError(f"expected a config.json dict or path, got {type(config).__name__}")
     fields = FAMILIES[family_of(config)](config)
     fields.update(overrides)
     return ModelConfig(**fields)

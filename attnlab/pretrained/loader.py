@@ -135,9 +135,9 @@ def _sizes(param: str, shape, cfg: ModelConfig) -> str:
     values = {
         "D": cfg.d_model,
         "N": cfg.n_heads,
-        "K": cfg.kv_heads,
-        "H": cfg.head_size,
-        "F": cfg.ffn_dim,
+        "K": cfg.n_kv_heads,
+        "H": cfg.head_dim,
+        "F": cfg.d_ff,
         "V": cfg.vocab_size,
         "P": cfg.max_len + cfg.position_offset,
         "X": cfg.relative_buckets,
@@ -153,14 +153,35 @@ def _with_prefix(tensors: dict, mapping: Mapping) -> dict:
     return {prefix + name: value for name, value in tensors.items()}
 
 
-def _layer_counts(paths) -> dict[str, int]:
-    counts = {}
-    for path in paths:
-        match = re.match(r"^(.*)\.layers\.(\d+)\.", path)
-        if match:
-            stack, i = match.group(1), int(match.group(2))
-            counts[stack] = max(counts.get(stack, 0), i + 1)
-    return counts
+def _per_layer(flat: dict) -> tuple[dict, dict]:
+    """Stacked parameters ``stack.layers.p`` ``[L, ...]`` as per-layer shapes
+    ``stack.layers.{i}.p`` (the names the tables use); also ``{stack: L}``."""
+    shapes, counts = {}, {}
+    for path, leaf in flat.items():
+        shape = tuple(leaf.get_value().shape)
+        match = re.match(r"^(.*)\.layers\.(.*)$", path)
+        if match is None:
+            shapes[path] = shape
+            continue
+        stack, rest = match.groups()
+        counts[stack] = shape[0]
+        for i in range(shape[0]):
+            shapes[f"{stack}.layers.{i}.{rest}"] = shape[1:]
+    return shapes, counts
+
+
+def _stack_layers(values: dict, flat: dict) -> dict:
+    """Per-layer values back into the stacked parameters of ``flat``."""
+    out = {}
+    for path, leaf in flat.items():
+        match = re.match(r"^(.*)\.layers\.(.*)$", path)
+        if match is None:
+            out[path] = values[path]
+            continue
+        stack, rest = match.groups()
+        n = leaf.get_value().shape[0]
+        out[path] = np.stack([values[f"{stack}.layers.{i}.{rest}"] for i in range(n)])
+    return out
 
 
 def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
@@ -170,7 +191,7 @@ def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
     abstract = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_dotted(path): leaf for path, leaf in nnx.to_flat_state(params)}
-    counts = _layer_counts(flat)
+    shapes_of, counts = _per_layer(flat)
 
     values, used = {}, set()
     for rule in mapping.rules:
@@ -178,7 +199,7 @@ def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
         n = counts.get(templated[0].split(".layers.{i}")[0], 0) if templated else 1
         for i in range(n):
             targets = tuple(t.format(i=i) for t in rule.to)
-            present = [t in flat for t in targets]
+            present = [t in shapes_of for t in targets]
             if not any(present):
                 continue  # this variant of the family is not the configured one
             if not all(present):
@@ -193,7 +214,7 @@ def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
             used.update(stored)
             x = tensors[stored[0]]
             transform = TRANSFORMS[rule.fn]
-            shapes = tuple(tuple(flat[t].get_value().shape) for t in targets)
+            shapes = tuple(shapes_of[t] for t in targets)
             expected = tuple(transform.stored_shape(shapes))
             if tuple(x.shape) != expected:
                 implied = "; ".join(
@@ -209,7 +230,7 @@ def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
                     raise RuntimeError(f"two mapping rules fill attnlab parameter {target!r}")
                 values[target] = value
 
-    unfilled = sorted(set(flat) - set(values))
+    unfilled = sorted(set(shapes_of) - set(values))
     if unfilled:
         raise MissingTensorError(
             f"no tensor of the checkpoint fills attnlab parameter(s) {unfilled}"
@@ -223,6 +244,7 @@ def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
         raise UnexpectedTensorError(
             f"the checkpoint holds tensor(s) that config.json gives no place to: {unexpected}"
         )
+    values = _stack_layers(values, flat)
     filled = [
         (path, leaf.replace(jnp.asarray(values[_dotted(path)], leaf.get_value().dtype)))
         for path, leaf in nnx.to_flat_state(params)
