@@ -252,5 +252,6 @@ class Stack(nnx.Module):
         if self.final_norm is not None:
             x_BTD = self.final_norm(x_BTD)
         if return_weights:
-            weights = tuple(jax.tree.map(lambda w, i=i: w[i], weights) for i in range(self.n_layers))
+            unstack = lambda i: jax.tree.map(lambda w: w[i], weights)
+            weights = tuple(unstack(i) for i in range(self.n_layers))
         return x_BTD, new_cache, weights
