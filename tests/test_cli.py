@@ -82,14 +82,14 @@ def test_sample_for_an_encoder_decoder_needs_a_source(tmp_path, capsys):
 
 
 def test_bf16_compute_trains_with_float32_parameters(tmp_path):
-    from attnlab import experiment, train
+    from attnlab import experiment, runs
 
     cfg = experiment.load_config(
         exp("char_lm"), ["--config.model.dtype=bfloat16", "--config.eval.sample_tokens=0"]
     )
-    record = train.train(cfg, tmp_path, progress=False)
+    record = runs.train(cfg, tmp_path, progress=False)
     assert np.isfinite(record["train_loss"]) and np.isfinite(record["eval_loss"])
-    _, _, _, params, _ = train.load_run(tmp_path)
+    _, _, _, params, _ = runs.load_run(tmp_path)
     import jax
 
     assert {leaf.dtype.name for leaf in jax.tree.leaves(params)} == {"float32"}
