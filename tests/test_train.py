@@ -141,3 +141,32 @@ def test_schedule_is_warmup_then_cosine():
         frac = (step - 10) / 100
         expected = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
         assert float(f(step)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_experiment_file_runs_once_so_its_variants_register_once(tmp_path):
+    from attnlab import sweep
+    from attnlab.variants import attention_variants
+
+    source = tmp_path / "once.py"
+    source.write_text(
+        "import attnlab\n"
+        "from attnlab.experiment import base_config\n"
+        "attnlab.register_attention('once_only', lambda q, k, v, **kw: "
+        "attnlab.ops.dot_product_attention(q, k, v, **kw))\n"
+        "def get_config(variant=None):\n"
+        "    c = base_config()\n"
+        "    c.model.attention_fn = 'once_only'\n"
+        "    return c\n"
+        "def sweep(variant=None):\n"
+        "    return [{'train.seed': 0}, {'train.seed': 1}]\n"
+    )
+    cfg = experiment.load_config(str(source))  # a second execution would fail to register
+    fn = attention_variants()["once_only"]
+    again = experiment.load_config(f"{source}:tiny", ["--config.train.steps=5"])
+    plan = sweep.load_sweep(str(source))
+    assert attention_variants()["once_only"] is fn
+    assert cfg.experiment_file == again.experiment_file == str(source.resolve())
+    assert [t.cfg.model.attention_fn for t in plan.trials] == ["once_only"] * 2
+    saved = tmp_path / "config.json"
+    saved.write_text(experiment.to_json(again))
+    assert experiment.load_config(str(saved)).to_dict() == again.to_dict()
