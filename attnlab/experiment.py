@@ -237,7 +237,9 @@ def _load_python(path: pathlib.Path):
 def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
     """Loads ``path.py[:variant]`` or a saved ``config.json``, then applies dotted overrides.
 
-    ``overrides`` are ``--config.a.b=v`` strings (ml_collections flag syntax).
+    ``overrides`` are ``--config.a.b=v`` strings (ml_collections flag syntax). An experiment
+    file is imported once per process and recorded in ``experiment_file``; a saved config
+    imports the file it records.
     """
     from absl import flags
     from ml_collections import config_flags
