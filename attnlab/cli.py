@@ -18,17 +18,17 @@ import sys
 
 
 def _train(args, overrides):
-    from attnlab import experiment, train
+    from attnlab import experiment, runs
 
     cfg = experiment.load_config(args.config, overrides)
-    record = train.train(cfg, args.workdir, progress=not args.no_progress)
+    record = runs.train(cfg, args.workdir, progress=not args.no_progress)
     print(json.dumps(record))
 
 
 def _eval(args, overrides):
-    from attnlab import train
+    from attnlab import runs
 
-    print(json.dumps(train.evaluate(args.workdir)))
+    print(json.dumps(runs.evaluate(args.workdir)))
 
 
 def _plot(args, overrides):
@@ -40,39 +40,23 @@ def _plot(args, overrides):
 
 
 def _sample(args, overrides):
-    from attnlab import decode, train
+    from attnlab import runs
 
-    cfg, trainer, task, params, step = train.load_run(args.workdir)
+    cfg, trainer, task, params, step = runs.load_run(args.workdir)
     model = trainer.model(params)
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if trainer.mcfg.arch == "encoder_decoder":
         if args.source is None:
             raise SystemExit('this run is an encoder-decoder model: pass --source "..."')
-        src = task.encode(args.source)
-        result = decode.generate_seq2seq(
-            model,
-            src[None, :],
-            args.max_new_tokens,
-            start_id=task.bos_id,
-            eos_id=task.eos_id,
-            pad_id=task.pad_id,
-            **common,
-        )
-        print(train.decode_known(task, result.tokens[0]))
+        tokens = runs.seq2seq_continuation(model, task, args.source, args.max_new_tokens, **common)
+        print(runs.decode_known(task, tokens))
         return
     if trainer.mcfg.arch != "decoder":
         raise SystemExit("sampling needs a decoder-only or encoder-decoder run")
     ids = task.encode(args.prompt)
-    if not trainer.mcfg.causal:  # the causal-mask ablation: no cache, full recomputation
-        from attnlab.recompute import generate_by_recompute
-
-        tokens = generate_by_recompute(model, ids[None, :], args.max_new_tokens, **common)[0]
-    else:
-        eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
-        tokens = decode.generate(
-            model, ids[None, :], args.max_new_tokens, eos_id=eos, **common
-        ).tokens[0]
-    print(args.prompt + train.decode_known(task, tokens))
+    eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
+    tokens = runs.continuation(model, ids, args.max_new_tokens, eos_id=eos, **common)
+    print(args.prompt + runs.decode_known(task, tokens))
 
 
 def _sweep(args, overrides):

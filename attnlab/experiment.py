@@ -10,13 +10,22 @@ Every experiment has these groups: ``model`` (the ``ModelConfig`` fields), ``dat
 (``attnlab.data.make_task`` fields), ``optim``, ``train``, ``eval``, ``checkpoint``. Field types
 are locked: an override of the wrong type, an unknown key or an invalid value is an
 ``ExperimentError`` naming the key.
+
+An experiment file may register attention variants at import time
+(``attnlab.register_attention``) for ``model.attention_fn`` to name. ``load_config`` records
+the file's absolute path in the top-level ``experiment_file`` key, which is saved in the work
+directory's ``config.json``; loading that config (or validating one that names it) imports the
+file first, so any process can reopen or repeat the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.util
 import json
 import pathlib
+import sys
 import types
 import typing
 
@@ -24,6 +33,7 @@ from ml_collections import config_dict
 
 from attnlab.config import ModelConfig
 from attnlab.data.tasks import TASK_KINDS
+from attnlab.variants import attention_variants
 
 ConfigDict = config_dict.ConfigDict
 
@@ -48,6 +58,7 @@ def base_config() -> ConfigDict:
     """Every key an experiment accepts, with defaults."""
     c = ConfigDict()
     c.name = "experiment"
+    c.experiment_file = ""  # the experiment's .py file (absolute), set by load_config
     c.model = _model_defaults()
     c.data = ConfigDict(
         dict(
@@ -95,6 +106,7 @@ def base_config() -> ConfigDict:
 
 def model_config(cfg: ConfigDict) -> ModelConfig:
     """The ``ModelConfig`` of an experiment; invalid values name ``model.<field>``."""
+    register_variants(cfg)
     try:
         return ModelConfig(**cfg.model.to_dict())
     except ValueError as e:
@@ -171,12 +183,52 @@ def validate(cfg: ConfigDict) -> ModelConfig:
     return mcfg
 
 
-def _load_python(path: pathlib.Path):
-    import importlib.util
+_MODULES: dict[tuple[str, int], types.ModuleType] = {}
 
-    spec = importlib.util.spec_from_file_location(f"attnlab_experiment_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+
+def import_experiment(path) -> types.ModuleType:
+    """The module of an experiment file, executed once per process (while unchanged).
+
+    Executing it registers the attention variants it defines; a second import of the same
+    file returns the same module, so its registrations are not repeated.
+    """
+    path = pathlib.Path(path).resolve()
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _MODULES:
+        digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+        name = f"attnlab_experiment_{path.stem}_{digest}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look modules up by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        _MODULES[key] = module
+    return _MODULES[key]
+
+
+def register_variants(cfg: ConfigDict) -> None:
+    """Imports the experiment file ``cfg`` records, registering its attention variants.
+
+    A missing file is an error only when ``model.attention_fn`` is not registered otherwise.
+    """
+    source = cfg.get("experiment_file") or ""
+    if source and pathlib.Path(source).exists():
+        import_experiment(source)
+        return
+    name = cfg.model.get("attention_fn") if "model" in cfg else None
+    if source and name is not None and name not in attention_variants():
+        raise ExperimentError(
+            f"model.attention_fn={name!r} is registered by the experiment file {source}, "
+            "which no longer exists; restore the file, or set experiment_file in config.json "
+            "to the file that registers it"
+        )
+
+
+def _load_python(path: pathlib.Path):
+    module = import_experiment(path)
     if not hasattr(module, "get_config"):
         raise ExperimentError(f"{path} defines no get_config(variant=None) function")
     return module
@@ -185,7 +237,9 @@ def _load_python(path: pathlib.Path):
 def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
     """Loads ``path.py[:variant]`` or a saved ``config.json``, then applies dotted overrides.
 
-    ``overrides`` are ``--config.a.b=v`` strings (ml_collections flag syntax).
+    ``overrides`` are ``--config.a.b=v`` strings (ml_collections flag syntax). An experiment
+    file is imported once per process and recorded in ``experiment_file``; a saved config
+    imports the file it records.
     """
     from absl import flags
     from ml_collections import config_flags
@@ -195,27 +249,27 @@ def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
         raise ExperimentError(f"--config: no such file {path}")
     if path.suffix == ".json":  # a resolved config saved in a work directory
         base = from_json(path.read_text())
-        spec_for_flags = None
-    else:
-        _load_python(path)  # clear error if get_config is missing
-        base, spec_for_flags = None, spec
+        register_variants(base)
+    else:  # the file is executed once, so the variants it registers are registered once
+        module = _load_python(path)
+        try:
+            base = module.get_config(*spec.split(":", 1)[1:])
+        except ExperimentError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise ExperimentError(f"{spec}: get_config failed: {_clean(e)}") from None
+        base.experiment_file = str(path.resolve())
     argv = ["attnlab"]
     fv = flags.FlagValues()
-    if spec_for_flags is not None:
-        argv.append(f"--config={spec_for_flags}")
-        config_flags.DEFINE_config_file(
-            "config", None, flag_values=fv, lock_config=True, sys_argv=argv + list(overrides)
-        )
-    else:
-        config_flags.DEFINE_config_dict(
-            "config", base, flag_values=fv, lock_config=True, sys_argv=argv + list(overrides)
-        )
     for o in overrides:
         if not o.startswith("--config."):
             raise ExperimentError(
                 f"unexpected argument {o!r}: overrides look like --config.train.steps=100"
             )
-    try:
+    try:  # defining the flag already applies the overrides to ``base``
+        config_flags.DEFINE_config_dict(
+            "config", base, flag_values=fv, lock_config=True, sys_argv=argv + list(overrides)
+        )
         fv(argv + list(overrides))
         cfg = fv.config
     except (AttributeError, KeyError) as e:

@@ -1,7 +1,7 @@
 """Seeds trained one after another vs stacked in one vmapped program.
 
 Prints JSON: the config, the machine, and for N seeds of a small decoder the wall time of
-``train.train`` run N times against one ``train.train_stacked`` call (both end to end:
+``runs.train`` run N times against one ``runs.train_stacked`` call (both end to end:
 initialisation, compilation, every step, the final evaluation and checkpoint), plus the
 steady-state time per step of each, measured after compilation.
 
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab import experiment, train
+from attnlab import experiment, runs, train
 
 EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "char_lm.py"
 SHAPES = {
@@ -61,10 +61,10 @@ def end_to_end(seeds: int, steps: int, root: pathlib.Path, shape: str) -> dict:
     cfgs = [small_config(steps, s, shape) for s in range(seeds)]
     t0 = time.perf_counter()
     for i, cfg in enumerate(cfgs):
-        train.train(cfg, root / f"{shape}-seq{i}", progress=False)
+        runs.train(cfg, root / f"{shape}-seq{i}", progress=False)
     sequential = time.perf_counter() - t0
     t0 = time.perf_counter()
-    train.train_stacked(cfgs, [root / f"{shape}-vmap{i}" for i in range(seeds)], progress=False)
+    runs.train_stacked(cfgs, [root / f"{shape}-vmap{i}" for i in range(seeds)], progress=False)
     vmapped = time.perf_counter() - t0
     return {"sequential_sec": sequential, "vmapped_sec": vmapped, "speedup": sequential / vmapped}
 

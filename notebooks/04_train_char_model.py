@@ -17,7 +17,7 @@
 # %% [markdown]
 # # Train a character-level model
 #
-# A small decoder-only transformer trained on tiny Shakespeare with `attnlab.train`, the same
+# A small decoder-only transformer trained on tiny Shakespeare with `attnlab.runs.train`, the same
 # loop the `attnlab train` command runs: the experiment config
 # `experiments/shakespeare_char.py`, a short budget, the loss curves, and samples.
 #
@@ -38,7 +38,7 @@ from attnlab import viz
 from attnlab.data import make_task
 from attnlab.decode import generate
 from attnlab.experiment import load_config
-from attnlab.train import load_run, train
+from attnlab.runs import load_run, train
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the experiment's tiny twin for a few steps.

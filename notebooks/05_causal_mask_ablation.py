@@ -44,7 +44,7 @@ from attnlab import viz
 from attnlab.data import make_task
 from attnlab.experiment import load_config
 from attnlab.recompute import generate_by_recompute
-from attnlab.train import load_run, train
+from attnlab.runs import load_run, train
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the experiment's tiny twin briefly.

@@ -36,7 +36,7 @@ from IPython.display import display
 from attnlab import load_pretrained, viz
 from attnlab.data import make_task
 from attnlab.experiment import load_config
-from attnlab.train import load_run, train
+from attnlab.runs import load_run, train
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the tiny twin for a few steps.
@@ -71,7 +71,7 @@ def shown(chars):
 # ## 1. A model trained here
 #
 # A character-level decoder on tiny Shakespeare (the embedded corpus when the file is
-# absent), trained briefly with `attnlab.train`.
+# absent), trained briefly with `attnlab.runs.train`.
 
 # %%
 spec = str(ROOT / "experiments" / "shakespeare_char.py") + (":tiny" if TINY else "")

@@ -2,6 +2,9 @@
 
 import json
 import pathlib
+import shlex
+import subprocess
+import sys
 
 import numpy as np
 
@@ -82,14 +85,85 @@ def test_sample_for_an_encoder_decoder_needs_a_source(tmp_path, capsys):
 
 
 def test_bf16_compute_trains_with_float32_parameters(tmp_path):
-    from attnlab import experiment, train
+    from attnlab import experiment, runs
 
     cfg = experiment.load_config(
         exp("char_lm"), ["--config.model.dtype=bfloat16", "--config.eval.sample_tokens=0"]
     )
-    record = train.train(cfg, tmp_path, progress=False)
+    record = runs.train(cfg, tmp_path, progress=False)
     assert np.isfinite(record["train_loss"]) and np.isfinite(record["eval_loss"])
-    _, _, _, params, _ = train.load_run(tmp_path)
+    _, _, _, params, _ = runs.load_run(tmp_path)
     import jax
 
     assert {leaf.dtype.name for leaf in jax.tree.leaves(params)} == {"float32"}
+
+
+VARIANT_EXPERIMENT = """
+import jax.numpy as jnp
+
+import attnlab
+from attnlab.experiment import base_config
+
+
+def capped(q, k, v, **kw):
+    return attnlab.ops.dot_product_attention(
+        q, k, v, logits_fn=lambda s: 5.0 * jnp.tanh(s / 5.0), **kw
+    )
+
+
+attnlab.register_attention("capped_in_experiment", capped)
+
+
+def get_config(variant=None):
+    c = base_config()
+    c.model.update(
+        arch="decoder", vocab_size=256, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=16,
+        position="rope", attention_fn="capped_in_experiment",
+    )
+    c.data.update(kind="text", path="", tokenizer="char", seq_len=16, max_chars=20_000)
+    c.train.update(steps=2, batch_size=2, log_every_steps=1)
+    c.eval.update(every_steps=2, batches=1, batch_size=2, sample_tokens=4, sample_prompt="def ")
+    c.checkpoint.update(every_steps=2)
+    return c
+
+
+def sweep(variant=None):
+    return [{"train.seed": 3}]
+"""
+
+
+def _attnlab(*args):
+    cmd = [sys.executable, "-m", "attnlab.cli", *args]  # run in REPO: this checkout's attnlab
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_a_variant_registered_by_its_experiment_file_reopens_in_fresh_processes(tmp_path, capsys):
+    source = tmp_path / "capped.py"
+    source.write_text(VARIANT_EXPERIMENT)
+    root = tmp_path / "sweep"
+    # The sweep's commands: each trains its trial in a fresh process.
+    assert main(["sweep", "--config", str(source), "--workdir", str(root), "--print-commands"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    argv = shlex.split(line)
+    assert argv[:2] == ["attnlab", "train"]
+    trained = _attnlab(*argv[1:], "--no-progress")
+    assert trained.returncode == 0, trained.stderr
+    run = root / "train.seed=3"
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["experiment_file"] == str(source.resolve())
+    assert saved["model"]["attention_fn"] == "capped_in_experiment"
+    assert saved["train"]["seed"] == 3
+
+    evaluated = _attnlab("eval", "--workdir", str(run))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert np.isfinite(json.loads(evaluated.stdout)["eval_loss"])
+    sampled = _attnlab("sample", "--workdir", str(run), "--prompt", "def ", "--max-new-tokens", "4")
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("def ")
+
+    # Without the experiment file the variant cannot exist: the error names both.
+    source.rename(tmp_path / "elsewhere.py")
+    missing = _attnlab("eval", "--workdir", str(run))
+    assert missing.returncode == 2
+    assert "capped_in_experiment" in missing.stderr and str(source.resolve()) in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from attnlab import cli, experiment, sweep, train
+from attnlab import cli, experiment, runs, sweep
 from attnlab.experiment import ExperimentError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_shape_changing_trials_fall_back_to_their_own_groups():
         ("vmap", 2, {}),  # initialisation and optimiser values stack with the base shape
     ]
     for g in groups:
-        assert len({train.stack_key(t.cfg) for t in g.trials}) == 1
+        assert len({runs.stack_key(t.cfg) for t in g.trials}) == 1
     assert [len(g.trials) for g in sweep.group_trials(plan.trials, "sequential")] == [1] * 12
 
 
@@ -228,7 +228,7 @@ def test_cli_prints_groups_and_trial_dirs_look_like_train_dirs(vmapped, experime
         assert saved.to_dict() == trial.cfg.to_dict()
         assert (d / "samples.jsonl").exists()
         assert json.loads((d / "status.json").read_text())["status"] == "finished"
-        _, _, _, params, step = train.load_run(d)
+        _, _, _, params, step = runs.load_run(d)
         assert step == 4
         assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["2", "4"]
 

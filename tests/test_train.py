@@ -1,15 +1,9 @@
-"""Experiment configs, the train step, the loop, checkpoint resume and the CLI."""
+"""Experiment configs, objectives, the optimiser and the train step."""
 
-import json
 import math
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -62,108 +56,6 @@ def test_every_experiment_accepts_the_common_keys():
         assert cfg.optim.learning_rate == 0.01 and cfg.data.path == "somewhere.txt"
 
 
-def test_short_run_lowers_the_loss(tmp_path):
-    cfg = tiny(
-        "char_lm.py",
-        "--config.train.steps=60",
-        "--config.eval.every_steps=30",
-        "--config.eval.sample_tokens=0",
-        "--config.optim.learning_rate=0.01",
-        "--config.optim.warmup_steps=5",
-        "--config.train.log_every_steps=10",
-        "--config.checkpoint.every_steps=60",
-    )
-    train.train(cfg, tmp_path, progress=False)
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    first, last = records[0], records[-1]
-    assert last["train_loss"] < first["train_loss"] - 1.0
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    assert evals[-1] < evals[0]
-    for key in (
-        "step",
-        "train_loss",
-        "eval_loss",
-        "learning_rate",
-        "grad_norm",
-        "tokens_per_sec",
-        "elapsed_sec",
-    ):
-        assert key in last
-    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 60
-
-
-DETERMINISTIC = ("step", "train_loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy")
-
-
-def _metrics(workdir):
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return [{k: r[k] for k in DETERMINISTIC if k in r} for r in map(json.loads, lines)]
-
-
-def _final_params(workdir, cfg):
-    _, trainer, _, params, step = train.load_run(workdir)
-    return step, jax.tree.leaves(params)
-
-
-@pytest.mark.parametrize("stop", [3, 5])
-def test_resume_is_exact(tmp_path, stop):
-    overrides = [
-        "--config.train.steps=8",
-        "--config.eval.every_steps=4",
-        "--config.eval.sample_tokens=0",
-        "--config.train.log_every_steps=2",
-        "--config.checkpoint.every_steps=4",
-        "--config.model.dropout=0.1",
-    ]
-    cfg = tiny("char_lm.py", *overrides)
-    train.train(cfg, tmp_path / "straight", progress=False)
-    train.train(
-        tiny("char_lm.py", *overrides), tmp_path / "resumed", progress=False, stop_after=stop
-    )
-    train.train(tiny("char_lm.py", *overrides), tmp_path / "resumed", progress=False)
-    assert _metrics(tmp_path / "straight") == _metrics(tmp_path / "resumed")
-    s1, p1 = _final_params(tmp_path / "straight", cfg)
-    s2, p2 = _final_params(tmp_path / "resumed", cfg)
-    assert s1 == s2 == 8
-    for a, b in zip(p1, p2, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "attnlab.cli",
-        "train",
-        "--no-progress",
-        "--config",
-        f"{REPO / 'experiments' / 'char_lm.py'}:tiny",
-        "--workdir",
-        str(tmp_path),
-        "--config.train.steps=100000",
-        "--config.eval.every_steps=100000",
-        "--config.checkpoint.every_steps=100000",
-        "--config.train.log_every_steps=5",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    for line in proc.stdout:
-        if line.startswith("step=10 "):
-            break
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-    assert "SIGTERM" in out
-    _, trainer, _, params, step = train.load_run(tmp_path)
-    assert 10 <= step < 100000
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
-
-
 @pytest.mark.parametrize(
     "override,needle",
     [
@@ -212,27 +104,6 @@ def test_cli_reports_bad_override_cleanly(tmp_path, capsys):
     assert "n_layer" in capsys.readouterr().err
 
 
-def test_vocabulary_larger_than_model_is_rejected(tmp_path):
-    cfg = tiny("char_lm.py", "--config.model.vocab_size=10", "--config.model.pad_id=0")
-    with pytest.raises(experiment.ExperimentError, match="model.vocab_size"):
-        train.train(cfg, tmp_path, progress=False)
-
-
-def test_workdir_with_another_model_is_refused(tmp_path):
-    cfg = tiny("char_lm.py", "--config.eval.sample_tokens=0")
-    train.train(cfg, tmp_path, progress=False)
-    other = tiny("char_lm.py", "--config.model.d_model=48", "--config.eval.sample_tokens=0")
-    with pytest.raises(experiment.ExperimentError, match="model.d_model"):
-        train.train(other, tmp_path, progress=False)
-
-
-def test_saved_config_reloads_to_the_same_config(tmp_path):
-    cfg = tiny("char_lm.py", "--config.model.n_kv_heads=1", "--config.eval.sample_tokens=0")
-    train.train(cfg, tmp_path, progress=False)
-    again = experiment.load_config(str(tmp_path / "config.json"), ["--config.train.steps=9"])
-    assert again.model.to_dict() == cfg.model.to_dict() and again.train.steps == 9
-
-
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     cfg1 = tiny("char_lm.py", "--config.train.batch_size=4")
     cfg2 = tiny("char_lm.py", "--config.train.batch_size=4", "--config.optim.grad_accum_steps=2")
@@ -272,14 +143,30 @@ def test_schedule_is_warmup_then_cosine():
         assert float(f(step)) == pytest.approx(expected, rel=1e-5)
 
 
-def test_eval_matches_manual_loss(tmp_path):
-    cfg = tiny("char_lm.py", "--config.eval.sample_tokens=0")
-    train.train(cfg, tmp_path, progress=False)
-    result = train.evaluate(tmp_path)
-    _, trainer, task, params, _ = train.load_run(tmp_path)
-    batch = task.eval_batches(int(cfg.eval.batch_size), 1)[0]
-    logits = np.asarray(trainer.model(params)(jnp.asarray(batch["inputs"])).logits, np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
-    logp -= logits.max(-1, keepdims=True)
-    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
-    assert result["eval_loss"] == pytest.approx(nll.mean(), rel=1e-5)
+def test_an_experiment_file_runs_once_so_its_variants_register_once(tmp_path):
+    from attnlab import sweep
+    from attnlab.variants import attention_variants
+
+    source = tmp_path / "once.py"
+    source.write_text(
+        "import attnlab\n"
+        "from attnlab.experiment import base_config\n"
+        "attnlab.register_attention('once_only', lambda q, k, v, **kw: "
+        "attnlab.ops.dot_product_attention(q, k, v, **kw))\n"
+        "def get_config(variant=None):\n"
+        "    c = base_config()\n"
+        "    c.model.attention_fn = 'once_only'\n"
+        "    return c\n"
+        "def sweep(variant=None):\n"
+        "    return [{'train.seed': 0}, {'train.seed': 1}]\n"
+    )
+    cfg = experiment.load_config(str(source))  # a second execution would fail to register
+    fn = attention_variants()["once_only"]
+    again = experiment.load_config(f"{source}:tiny", ["--config.train.steps=5"])
+    plan = sweep.load_sweep(str(source))
+    assert attention_variants()["once_only"] is fn
+    assert cfg.experiment_file == again.experiment_file == str(source.resolve())
+    assert [t.cfg.model.attention_fn for t in plan.trials] == ["once_only"] * 2
+    saved = tmp_path / "config.json"
+    saved.write_text(experiment.to_json(again))
+    assert experiment.load_config(str(saved)).to_dict() == again.to_dict()

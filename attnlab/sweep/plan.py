@@ -6,7 +6,7 @@ types, validates every trial config and fails with an ``ExperimentError`` naming
 the key before anything runs. ``load_sweep`` takes the spec from the experiment file's
 ``sweep(variant=None)``.
 
-``group_trials`` puts trials whose configs differ only in ``attnlab.train.STACKABLE`` values
+``group_trials`` puts trials whose configs differ only in ``attnlab.runs.STACKABLE`` values
 into one group trained by one vmapped program; every other trial (one that changes shapes or
 the traced program) runs on its own.
 """
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import inspect
 import pathlib
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attnlab import experiment, train
+from attnlab import experiment, runs
 from attnlab.experiment import ConfigDict, ExperimentError
 from attnlab.sweep.spec import as_trials, format_value, trial_name
 
@@ -61,9 +60,7 @@ def load_sweep(config: str, overrides: Sequence[str] = (), *, max_trials=None) -
     path = pathlib.Path(path_text)
     if path.suffix != ".py" or not path.exists():
         raise ExperimentError(f"--config: {path} is not an experiment file (experiments/NAME.py)")
-    module_spec = importlib.util.spec_from_file_location(f"attnlab_sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = experiment.import_experiment(path)  # once: it may register attention variants
     fn = getattr(module, "sweep", None)
     if fn is None:
         raise ExperimentError(f"{path} defines no sweep(variant=None) function")
@@ -129,7 +126,7 @@ def group_trials(trials: Sequence[Trial], parallel: str = "vmap") -> list[Group]
         return [Group("sequential", (t,), _shared([t])) for t in trials]
     buckets: dict[str, list[Trial]] = {}
     for t in trials:
-        buckets.setdefault(train.stack_key(t.cfg), []).append(t)
+        buckets.setdefault(runs.stack_key(t.cfg), []).append(t)
     return [
         Group("vmap" if len(ts) > 1 else "sequential", tuple(ts), _shared(ts))
         for ts in buckets.values()
@@ -141,7 +138,7 @@ def _shared(trials):
     return {
         k: v
         for k, v in first.items()
-        if k not in train.STACKABLE and all(t.overrides.get(k, object()) == v for t in trials)
+        if k not in runs.STACKABLE and all(t.overrides.get(k, object()) == v for t in trials)
     }
 
 

@@ -15,7 +15,7 @@ import pathlib
 import time
 import traceback
 
-from attnlab import experiment, train
+from attnlab import experiment, runs
 from attnlab.sweep.plan import Plan, group_trials
 from attnlab.sweep.results import collect, write_results
 
@@ -32,7 +32,7 @@ def write_manifest(plan: Plan, workdir) -> pathlib.Path:
         "trials": [{"name": t.name, "overrides": t.overrides} for t in plan.trials],
     }
     path = root / SWEEP_FILE
-    train._atomic_write(path, json.dumps(manifest, indent=2) + "\n")
+    runs.atomic_write(path, json.dumps(manifest, indent=2) + "\n")
     return path
 
 
@@ -51,13 +51,13 @@ def _write_status(trial, trial_dir, mode, status, reason=None, step=None):
         "step": step,
     }
     trial_dir.mkdir(parents=True, exist_ok=True)
-    train._atomic_write(trial_dir / STATUS_FILE, json.dumps(record, indent=2) + "\n")
+    runs.atomic_write(trial_dir / STATUS_FILE, json.dumps(record, indent=2) + "\n")
 
 
 def _settled(trial, trial_dir, retry_failed) -> str | None:
     """ "finished"/"failed" when the trial needs no more work, else None."""
     status = read_status(trial_dir)
-    saved = trial_dir / train.CONFIG_FILE
+    saved = trial_dir / runs.CONFIG_FILE
     if status is None or not saved.exists():
         return None
     if saved.read_text() != experiment.to_json(trial.cfg):
@@ -117,7 +117,7 @@ def _run_stacked(trials, root, *, progress, stop_after, log) -> bool:
     for t, d in zip(trials, dirs, strict=True):
         _write_status(t, d, "vmap", "running")
     try:
-        outcomes = train.train_stacked(
+        outcomes = runs.train_stacked(
             [t.cfg for t in trials], dirs, progress=progress, stop_after=stop_after
         )
     except Exception as e:
@@ -138,7 +138,7 @@ def _run_one_by_one(trials, root, *, progress, stop_after, log) -> bool:
         _write_status(t, d, "sequential", "running")
         start = time.perf_counter()
         try:
-            record = train.train(t.cfg, d, progress=progress, stop_after=stop_after)
+            record = runs.train(t.cfg, d, progress=progress, stop_after=stop_after)
         except Exception as e:
             _write_status(t, d, "sequential", "failed", _reason(e))
             log(_summary(t, "failed", _reason(e), None))

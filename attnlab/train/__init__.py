@@ -1,0 +1,29 @@
+"""Training primitives: objectives, the optimiser, and the pure steps jitted once by ``Trainer``.
+
+The loop that drives them (work directories, checkpoints, logs, stacked trials) is
+``attnlab.runs``.
+"""
+
+from attnlab.train.objectives import loss_sums, model_logits
+from attnlab.train.optim import (
+    NO_DECAY_NAMES,
+    decay_mask,
+    injected_hyperparams,
+    learning_rate,
+    lr_multiplier,
+    make_optimizer,
+)
+from attnlab.train.steps import Trainer, zeros_acc
+
+__all__ = [
+    "NO_DECAY_NAMES",
+    "Trainer",
+    "decay_mask",
+    "injected_hyperparams",
+    "learning_rate",
+    "loss_sums",
+    "lr_multiplier",
+    "make_optimizer",
+    "model_logits",
+    "zeros_acc",
+]

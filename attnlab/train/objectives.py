@@ -1,0 +1,34 @@
+"""Objectives: a model's logits for a batch of each task kind, and the masked cross-entropy.
+
+Batches are dicts of arrays. ``lm``: ``inputs``, ``targets``, ``loss_mask`` ``[B, T]``;
+``mlm`` adds ``valid``; ``seq2seq``: ``src``, ``src_valid`` ``[B, S]`` and ``tgt_in``,
+``tgt_out``, ``loss_mask`` ``[B, T]``. Losses are sums over counted tokens, so micro-batches
+and trials can be added before normalising once.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+
+def model_logits(model, batch, kind, key=None):
+    """Logits and the matching (targets, loss mask) for a batch of ``kind``."""
+    if kind == "lm":
+        out = model(batch["inputs"], key=key)
+        return out.logits, batch["targets"], batch["loss_mask"]
+    if kind == "mlm":
+        out = model(batch["inputs"], valid_BT=batch["valid"], key=key)
+        return out.logits, batch["targets"], batch["loss_mask"]
+    if kind == "seq2seq":
+        out = model(batch["src"], batch["tgt_in"], src_valid_BS=batch["src_valid"], key=key)
+        return out.logits, batch["tgt_out"], batch["loss_mask"]
+    raise ValueError(f"unknown task kind {kind!r}")
+
+
+def loss_sums(model, batch, kind, key=None):
+    """Summed masked cross-entropy and the number of counted tokens."""
+    logits_BTV, targets_BT, mask_BT = model_logits(model, batch, kind, key)
+    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+    mask_BT = mask_BT.astype(jnp.float32)
+    return (ce_BT * mask_BT).sum(), mask_BT.sum(), (logits_BTV, targets_BT, mask_BT)

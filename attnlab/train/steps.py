@@ -1,0 +1,148 @@
+"""The step factory: ``Trainer`` builds the model and optimiser and jits the pure steps once.
+
+``train_step(state, batch) -> (state, metrics)`` and ``eval_step(params, batch)`` are pure
+functions of pytrees (the state buffers are donated). The train state is a dict
+``{"params", "opt_state", "step", "acc", "key"}``: ``acc`` accumulates the loss and gradient
+norm between log lines *inside* the state, so a run resumed from a checkpoint logs exactly
+what the uninterrupted run logs. Dropout keys are ``fold_in(key(seed), step)``, with the
+seed's key data kept in the state so stacked trials can each carry their own.
+
+The stacked variants take every state leaf with a leading trial axis (``jax.vmap`` of the same
+step); evaluation batches are shared by the trials.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from attnlab import experiment
+from attnlab.config import ModelConfig
+from attnlab.nn import build_model
+from attnlab.train.objectives import loss_sums
+from attnlab.train.optim import make_optimizer
+
+
+def zeros_acc():
+    """The empty accumulator of the train state (cleared after each log line)."""
+    return {
+        "loss_sum": jnp.zeros((), jnp.float32),
+        "tokens": jnp.zeros((), jnp.float32),
+        "grad_norm_sum": jnp.zeros((), jnp.float32),
+        "steps": jnp.zeros((), jnp.int32),
+    }
+
+
+class Trainer:
+    """Builds the model and optimiser of an experiment and jits its steps once."""
+
+    def __init__(self, cfg, mcfg: ModelConfig | None = None, *, kind: str = "lm"):
+        self.cfg = cfg
+        self.mcfg = mcfg or experiment.validate(cfg)
+        self.kind = kind
+        self.total_steps = int(cfg.train.steps)
+        model = build_model(self.mcfg, seed=int(cfg.train.seed))
+        self.graphdef, params = nnx.split(model)
+        self._init_params = params
+        self.tx = make_optimizer(cfg.optim, self.total_steps, params)
+        self.accum = int(cfg.optim.grad_accum_steps)
+        self.train_step = jax.jit(self._train_step, donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step)
+        # Stacked trials: every state leaf has a leading trial axis; eval batches are shared.
+        self.stacked_train_step = jax.jit(jax.vmap(self._train_step), donate_argnums=0)
+        self.stacked_eval_step = jax.jit(jax.vmap(self._eval_step, in_axes=(0, None)))
+
+    def init_state(self):
+        params = self._init_params
+        return {
+            "params": params,
+            "opt_state": self.tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "acc": zeros_acc(),
+            "key": jax.random.key_data(jax.random.key(int(self.cfg.train.seed))),
+        }
+
+    def abstract_state(self):
+        return jax.eval_shape(self.init_state)
+
+    def model(self, params):
+        return nnx.merge(self.graphdef, params)
+
+    def _grads(self, params, batch, key):
+        def f(p):
+            s, n, _ = loss_sums(self.model(p), batch, self.kind, key)
+            return s, n
+
+        (s, n), g = jax.value_and_grad(f, has_aux=True)(params)
+        return s, n, g
+
+    def _train_step(self, state, batch):
+        params, step = state["params"], state["step"]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), step)
+        if self.accum == 1:
+            loss_sum, tokens, grads = self._grads(params, batch, key)
+        else:  # accumulate summed gradients over micro-batches, then normalise once
+            micro = jax.tree.map(
+                lambda x: x.reshape((self.accum, x.shape[0] // self.accum) + x.shape[1:]), batch
+            )
+
+            def body(carry, inputs):
+                i, mb = inputs
+                s, n, g = self._grads(params, mb, jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, (s, n, g)), None
+
+            zero = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (loss_sum, tokens, grads), _ = jax.lax.scan(body, zero, (jnp.arange(self.accum), micro))
+        grads = jax.tree.map(lambda g: g / jnp.maximum(tokens, 1.0), grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        acc = state["acc"]
+        acc = {
+            "loss_sum": acc["loss_sum"] + loss_sum,
+            "tokens": acc["tokens"] + tokens,
+            "grad_norm_sum": acc["grad_norm_sum"] + grad_norm,
+            "steps": acc["steps"] + 1,
+        }
+        new = {
+            "params": params,
+            "opt_state": opt_state,
+            "step": step + 1,
+            "acc": acc,
+            "key": state["key"],
+        }
+        return new, {"loss": loss_sum / jnp.maximum(tokens, 1.0), "grad_norm": grad_norm}
+
+    def _eval_step(self, params, batch):
+        s, n, (logits, targets, mask) = loss_sums(self.model(params), batch, self.kind)
+        correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * mask
+        rows_ok = (correct.sum(-1) == mask.sum(-1)).astype(jnp.float32)
+        return {
+            "loss_sum": s,
+            "tokens": n,
+            "correct": correct.sum(),
+            "rows_ok": rows_ok.sum(),
+            "rows": jnp.asarray(mask.shape[0], jnp.float32),
+        }
+
+    def evaluate(self, params, batches, *, stacked: bool = False):
+        """Validation metrics; with ``stacked``, one dict per index of the leading trial axis."""
+        eval_step = self.stacked_eval_step if stacked else self.eval_step
+        totals = None
+        for b in batches:
+            m = eval_step(params, b)
+            totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
+        t = jax.device_get(totals)
+        if not stacked:
+            return _eval_record(t)
+        return [_eval_record({k: v[i] for k, v in t.items()}) for i in range(len(t["rows"]))]
+
+
+def _eval_record(t):
+    return {
+        "eval_loss": float(t["loss_sum"] / max(t["tokens"], 1.0)),
+        "eval_accuracy": float(t["correct"] / max(t["tokens"], 1.0)),
+        "eval_exact_match": float(t["rows_ok"] / max(t["rows"], 1.0)),
+    }

@@ -1,0 +1,157 @@
+"""The training loop, work directories, exact resumption and run loading."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnlab import experiment, runs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny(name, *overrides):
+    return experiment.load_config(f"{REPO / 'experiments' / name}:tiny", list(overrides))
+
+
+def test_short_run_lowers_the_loss(tmp_path):
+    cfg = tiny(
+        "char_lm.py",
+        "--config.train.steps=60",
+        "--config.eval.every_steps=30",
+        "--config.eval.sample_tokens=0",
+        "--config.optim.learning_rate=0.01",
+        "--config.optim.warmup_steps=5",
+        "--config.train.log_every_steps=10",
+        "--config.checkpoint.every_steps=60",
+    )
+    runs.train(cfg, tmp_path, progress=False)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first, last = records[0], records[-1]
+    assert last["train_loss"] < first["train_loss"] - 1.0
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert evals[-1] < evals[0]
+    for key in (
+        "step",
+        "train_loss",
+        "eval_loss",
+        "learning_rate",
+        "grad_norm",
+        "tokens_per_sec",
+        "elapsed_sec",
+    ):
+        assert key in last
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 60
+
+
+DETERMINISTIC = ("step", "train_loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy")
+
+
+def _metrics(workdir):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [{k: r[k] for k in DETERMINISTIC if k in r} for r in map(json.loads, lines)]
+
+
+def _final_params(workdir, cfg):
+    _, trainer, _, params, step = runs.load_run(workdir)
+    return step, jax.tree.leaves(params)
+
+
+@pytest.mark.parametrize("stop", [3, 5])
+def test_resume_is_exact(tmp_path, stop):
+    overrides = [
+        "--config.train.steps=8",
+        "--config.eval.every_steps=4",
+        "--config.eval.sample_tokens=0",
+        "--config.train.log_every_steps=2",
+        "--config.checkpoint.every_steps=4",
+        "--config.model.dropout=0.1",
+    ]
+    cfg = tiny("char_lm.py", *overrides)
+    runs.train(cfg, tmp_path / "straight", progress=False)
+    runs.train(
+        tiny("char_lm.py", *overrides), tmp_path / "resumed", progress=False, stop_after=stop
+    )
+    runs.train(tiny("char_lm.py", *overrides), tmp_path / "resumed", progress=False)
+    assert _metrics(tmp_path / "straight") == _metrics(tmp_path / "resumed")
+    s1, p1 = _final_params(tmp_path / "straight", cfg)
+    s2, p2 = _final_params(tmp_path / "resumed", cfg)
+    assert s1 == s2 == 8
+    for a, b in zip(p1, p2, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnlab.cli",
+        "train",
+        "--no-progress",
+        "--config",
+        f"{REPO / 'experiments' / 'char_lm.py'}:tiny",
+        "--workdir",
+        str(tmp_path),
+        "--config.train.steps=100000",
+        "--config.eval.every_steps=100000",
+        "--config.checkpoint.every_steps=100000",
+        "--config.train.log_every_steps=5",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    for line in proc.stdout:
+        if line.startswith("step=10 "):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out
+    _, trainer, _, params, step = runs.load_run(tmp_path)
+    assert 10 <= step < 100000
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_vocabulary_larger_than_model_is_rejected(tmp_path):
+    cfg = tiny("char_lm.py", "--config.model.vocab_size=10", "--config.model.pad_id=0")
+    with pytest.raises(experiment.ExperimentError, match="model.vocab_size"):
+        runs.train(cfg, tmp_path, progress=False)
+
+
+def test_workdir_with_another_model_is_refused(tmp_path):
+    cfg = tiny("char_lm.py", "--config.eval.sample_tokens=0")
+    runs.train(cfg, tmp_path, progress=False)
+    other = tiny("char_lm.py", "--config.model.d_model=48", "--config.eval.sample_tokens=0")
+    with pytest.raises(experiment.ExperimentError, match="model.d_model"):
+        runs.train(other, tmp_path, progress=False)
+
+
+def test_saved_config_reloads_to_the_same_config(tmp_path):
+    cfg = tiny("char_lm.py", "--config.model.n_kv_heads=1", "--config.eval.sample_tokens=0")
+    runs.train(cfg, tmp_path, progress=False)
+    again = experiment.load_config(str(tmp_path / "config.json"), ["--config.train.steps=9"])
+    assert again.model.to_dict() == cfg.model.to_dict() and again.train.steps == 9
+
+
+def test_eval_matches_manual_loss(tmp_path):
+    cfg = tiny("char_lm.py", "--config.eval.sample_tokens=0")
+    runs.train(cfg, tmp_path, progress=False)
+    result = runs.evaluate(tmp_path)
+    _, trainer, task, params, _ = runs.load_run(tmp_path)
+    batch = task.eval_batches(int(cfg.eval.batch_size), 1)[0]
+    logits = np.asarray(trainer.model(params)(jnp.asarray(batch["inputs"])).logits, np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    logp -= logits.max(-1, keepdims=True)
+    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    assert result["eval_loss"] == pytest.approx(nll.mean(), rel=1e-5)
