@@ -36,11 +36,16 @@ def lr_multiplier(o, total_steps: int):
 
 
 def decay_mask(params, decay_embeddings: bool = False):
-    """True for weights that take weight decay: matrices, but not norms/biases/embeddings."""
+    """True for weights that take weight decay: matrices, but not norms/biases/embeddings.
+
+    Parameters of a stack of layers carry a leading layer axis, which does not count: a
+    stacked norm scale ``[L, D]`` is still a vector.
+    """
 
     def decide(path, x):
         name = jax.tree_util.keystr(path)
-        if x.ndim < 2:
+        stacked = any(getattr(k, "key", None) == "layers" for k in path)
+        if x.ndim - stacked < 2:
             return False
         return decay_embeddings or not any(n in name for n in NO_DECAY_NAMES)
 

@@ -1,0 +1,48 @@
+"""Runs: the work directory, the training loop, stacked trials, run loading and evaluation.
+
+``train(cfg, workdir)`` trains (or resumes) one experiment in a work directory;
+``train_stacked`` trains runs that differ only in ``STACKABLE`` values as one vmapped program;
+``load_run``/``evaluate`` reopen a run from its latest checkpoint. The steps themselves come
+from ``attnlab.train``.
+"""
+
+from attnlab.runs.loading import evaluate, load_run, saved_config
+from attnlab.runs.loop import open_runs, train, train_runs
+from attnlab.runs.progress import Progress
+from attnlab.runs.sampling import continuation, decode_known, sample_text, seq2seq_continuation
+from attnlab.runs.stacked import STACKABLE, stack_key, train_stacked
+from attnlab.runs.workdir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    SAMPLES_FILE,
+    Run,
+    append_jsonl,
+    atomic_write,
+    check_config,
+    truncate_jsonl,
+)
+
+__all__ = [
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "SAMPLES_FILE",
+    "STACKABLE",
+    "Progress",
+    "Run",
+    "append_jsonl",
+    "atomic_write",
+    "check_config",
+    "continuation",
+    "decode_known",
+    "evaluate",
+    "load_run",
+    "open_runs",
+    "sample_text",
+    "saved_config",
+    "seq2seq_continuation",
+    "stack_key",
+    "train",
+    "train_runs",
+    "train_stacked",
+    "truncate_jsonl",
+]

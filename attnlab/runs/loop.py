@@ -1,0 +1,185 @@
+"""The training loop: one run, or several stacked runs, from their checkpoints to the end.
+
+Every ``train.log_every_steps`` (and at each evaluation and the last step) each run appends a
+record to its ``metrics.jsonl``; evaluations also append a sample to ``samples.jsonl`` for
+language models. Checkpoints are written every ``checkpoint.every_steps``, at the end and when
+a signal (SIGTERM/SIGINT) or ``stop_after`` stops the loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnlab import experiment
+from attnlab.checkpoint import PreemptionGuard
+from attnlab.runs.progress import Progress
+from attnlab.runs.sampling import sample_text
+from attnlab.runs.workdir import METRICS_FILE, SAMPLES_FILE, Run
+from attnlab.train import Trainer, injected_hyperparams, lr_multiplier, zeros_acc
+
+
+def open_runs(cfgs, workdirs):
+    """Opens each run and builds its trainer (its own seed and initialisation)."""
+    runs, trainers = [], []
+    try:
+        for cfg, workdir in zip(cfgs, workdirs, strict=True):
+            mcfg = experiment.validate(cfg)
+            runs.append(Run(cfg, workdir, mcfg))
+            trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind))
+    except BaseException:
+        for run in runs:
+            run.ckpt.close()
+        raise
+    return runs, trainers
+
+
+def _loop(trainer, runs, state, *, stacked: bool, progress: bool, stop_after) -> bool:
+    """Trains ``runs`` from their common start step; True when a signal stopped it.
+
+    With ``stacked`` every leaf of ``state`` has a leading axis indexing ``runs`` and one
+    vmapped step trains them all; otherwise ``runs`` is one run. The runs share everything
+    but their stackable values, so they log, evaluate and checkpoint at the same steps.
+    Each run's files are written as if it had trained alone.
+    """
+    cfg, n = runs[0].cfg, len(runs)
+    t, e = cfg.train, cfg.eval
+    total, batch_size = trainer.total_steps, int(t.batch_size)
+    eval_batches = runs[0].task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
+    tokens_per_step = batch_size * int(cfg.data.seq_len)
+    train_step = trainer.stacked_train_step if stacked else trainer.train_step
+    lr_at = lr_multiplier(cfg.optim, total)
+
+    def view(tree, i):
+        return jax.tree.map(lambda x: x[i], tree) if stacked else tree
+
+    def batch(step):
+        if not stacked:
+            return runs[0].task.train_batch(int(t.seed), step, batch_size)
+        parts = [r.task.train_batch(int(r.cfg.train.seed), step, batch_size) for r in runs]
+        return jax.tree.map(lambda *xs: np.stack(xs), *parts)
+
+    def empty_acc():
+        acc = zeros_acc()
+        return jax.tree.map(lambda z: jnp.zeros((n,) + z.shape, z.dtype), acc) if stacked else acc
+
+    def active():
+        return [(i, r) for i, r in enumerate(runs) if r.failure is None]
+
+    start = runs[0].start
+    bar = Progress(start, total, progress)
+    window_start, window_steps = time.perf_counter(), 0
+    stopped_by_signal = False
+    with PreemptionGuard() as guard:
+        step = start
+        while step < total and active():
+            state, _ = train_step(state, batch(step))
+            step += 1
+            window_steps += 1
+            do_eval = bool(eval_batches) and (step % e.every_steps == 0 or step == total)
+            do_log = step % t.log_every_steps == 0 or do_eval or step == total
+            logged = []
+            for _, r in active():
+                r.record, r.step = None, step
+            if do_log:
+                acc = jax.device_get(state["acc"])
+                peak_lr = jax.device_get(injected_hyperparams(state["opt_state"])["learning_rate"])
+                now = time.perf_counter()
+                window = now - window_start
+                state["acc"] = empty_acc()
+                evals = None
+                if do_eval:
+                    evals = trainer.evaluate(state["params"], eval_batches, stacked=stacked)
+                    evals = evals if stacked else [evals]
+                for i, r in active():
+                    r.elapsed += window
+                    a = view(acc, i)
+                    record = {
+                        "step": step,
+                        "train_loss": float(a["loss_sum"] / max(a["tokens"], 1.0)),
+                        "learning_rate": float(view(peak_lr, i) * lr_at(step - 1)),
+                        "grad_norm": float(a["grad_norm_sum"] / max(int(a["steps"]), 1)),
+                        "tokens_per_sec": window_steps * tokens_per_step / max(window, 1e-9),
+                        "elapsed_sec": r.elapsed,
+                    }
+                    if do_eval:
+                        record.update(evals[i])
+                    if not math.isfinite(record["train_loss"]):
+                        r.log(record)
+                        r.failure = FloatingPointError(f"non-finite training loss at step {step}")
+                        continue
+                    if do_eval:
+                        text = sample_text(trainer, r.task, view(state["params"], i), r.cfg, step)
+                        if text is not None:
+                            r.log({"step": step, "text": text}, SAMPLES_FILE)
+                    r.log(record, METRICS_FILE)
+                    r.record = record
+                    logged.append((r.workdir.name if stacked else "", record))
+                window_start, window_steps = time.perf_counter(), 0
+            bar.update(1, logged)
+            if step % cfg.checkpoint.every_steps == 0 or step == total:
+                for i, r in active():
+                    r.save(step, view(state, i))
+            if guard.requested or (stop_after is not None and step >= stop_after):
+                for i, r in active():
+                    if r.ckpt.latest_step() != step:
+                        # Steps past the last log line stay in ``acc``, which is saved too.
+                        r.save(step, view(state, i))
+                why = guard.signal_name or f"stop_after={stop_after}"
+                where = runs[0].workdir if n == 1 else runs[0].workdir.parent
+                print(f"stopped at step {step} ({why}); checkpoint saved in {where}", flush=True)
+                stopped_by_signal = guard.requested
+                break
+    bar.close()
+    return stopped_by_signal
+
+
+def train_runs(cfgs, workdirs, *, stacked, progress, stop_after):
+    """Opens, restores and trains the runs; stacked runs at different steps train in turn.
+
+    Returns the ``Run`` objects (closed) and whether a signal stopped the training.
+    """
+    runs, trainers = open_runs(cfgs, workdirs)
+    try:
+        abstract = trainers[0].abstract_state()
+        states = [r.initial_state(tr, abstract) for r, tr in zip(runs, trainers, strict=True)]
+        by_start: dict[int, list[int]] = {}
+        for i, r in enumerate(runs):
+            by_start.setdefault(r.start, []).append(i)
+        for start in sorted(by_start):
+            idx = by_start[start]
+            for i in idx:
+                runs[i].step = start
+            state = states[idx[0]]
+            if stacked:
+                state = jax.tree.map(lambda *xs: jnp.stack(xs), *[states[i] for i in idx])
+            for i in idx:
+                states[i] = None  # the loop owns (and donates) the state from here on
+            sub = [runs[i] for i in idx]
+            if _loop(
+                trainers[0], sub, state, stacked=stacked, progress=progress, stop_after=stop_after
+            ):
+                return runs, True
+        return runs, False
+    finally:
+        for r in runs:
+            r.ckpt.close()
+
+
+def train(cfg, workdir, *, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Trains (or resumes) the experiment ``cfg`` in ``workdir``; returns the final record.
+
+    ``stop_after`` stops (with a checkpoint) once that many steps are done, as a preemption
+    would: used to test exact resumption. A non-finite training loss raises
+    ``FloatingPointError`` once its record is logged.
+    """
+    (run,), _ = train_runs(
+        [cfg], [workdir], stacked=False, progress=progress, stop_after=stop_after
+    )
+    if run.failure is not None:
+        raise run.failure
+    return run.record or {"step": run.step}

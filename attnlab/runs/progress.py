@@ -1,0 +1,39 @@
+"""Progress display: a tqdm bar on a terminal, plain log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+
+
+class Progress:
+    """A tqdm bar on a terminal, plain log lines otherwise (prefixed by a trial's label)."""
+
+    def __init__(self, start, total, enabled):
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, n, records=()):
+        """Advances by ``n`` steps and shows ``records``, a list of (label, record) pairs."""
+        if self.bar is not None:
+            self.bar.update(n)
+            if records:
+                self.bar.set_postfix(
+                    {
+                        k: f"{v:.4g}"
+                        for k, v in records[0][1].items()
+                        if k in ("train_loss", "eval_loss")
+                    }
+                )
+            return
+        for label, record in records:
+            fields = " ".join(
+                f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+            )
+            print(f"[{label}] {fields}" if label else fields, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,106 @@
+"""A run's work directory: its files, written so that a crash never leaves half a file.
+
+``DIR/config.json`` is the resolved config (``attnlab train --config DIR/config.json``
+repeats the run), ``DIR/metrics.jsonl`` and ``DIR/samples.jsonl`` hold one JSON record per
+logged step, ``DIR/checkpoints/`` the orbax checkpoints. A resumed run first drops the records
+logged after its checkpoint, so they are logged again exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+from attnlab import experiment
+from attnlab.checkpoint import Checkpointer
+from attnlab.config import ModelConfig
+from attnlab.data import make_task
+
+METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
+
+
+def atomic_write(path: pathlib.Path, text: str):
+    """Writes ``text`` to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def truncate_jsonl(path: pathlib.Path, last_step: int):
+    """Drops records logged after ``last_step`` (they will be logged again on resume)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
+    atomic_write(path, "".join(line + "\n" for line in kept))
+
+
+def append_jsonl(path: pathlib.Path, record: dict):
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def check_config(workdir: pathlib.Path, cfg):
+    """Refuses a work directory that holds a run of another model or data config."""
+    saved_path = workdir / CONFIG_FILE
+    if not saved_path.exists():
+        return
+    saved = json.loads(saved_path.read_text())
+    if saved.get("model") != cfg.model.to_dict() or saved.get("data") != cfg.data.to_dict():
+        diff = sorted(
+            f"{g}.{k}"
+            for g in ("model", "data")
+            for k in set(saved.get(g, {})) | set(cfg[g].to_dict())
+            if saved.get(g, {}).get(k) != cfg[g].to_dict().get(k)
+        )
+        raise experiment.ExperimentError(
+            f"{workdir} holds a run with a different model/data config (differs in {diff}); "
+            "use a new --workdir, or repeat the run with --config "
+            f"{saved_path}"
+        )
+
+
+class Run:
+    """One run's work directory: its config, task, checkpoints, logs and where it stands."""
+
+    def __init__(self, cfg, workdir, mcfg: ModelConfig):
+        self.cfg, self.workdir = cfg, pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        check_config(self.workdir, cfg)
+        atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(cfg))
+        self.task = make_task(cfg.data, self.workdir)
+        vocab = self.task.vocab_size
+        if vocab > mcfg.vocab_size:
+            raise experiment.ExperimentError(
+                f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary "
+                f"({vocab} ids); set --config.model.vocab_size={vocab}"
+            )
+        keep = int(cfg.checkpoint.max_to_keep)
+        self.ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=keep)
+        self.start = self.ckpt.latest_step()
+        self.elapsed, self.step = 0.0, 0
+        self.record: dict | None = None  # the record logged at the last step, if any
+        self.failure: Exception | None = None
+
+    def initial_state(self, trainer, abstract):
+        """A fresh train state, or the latest checkpoint's (dropping later log records)."""
+        if self.start is None:
+            self.start = 0
+            return trainer.init_state()
+        state = self.ckpt.restore(abstract, self.start)
+        self.elapsed = float(self.ckpt.restore_metadata(self.start).get("elapsed_sec", 0.0))
+        truncate_jsonl(self.workdir / METRICS_FILE, self.start)
+        truncate_jsonl(self.workdir / SAMPLES_FILE, self.start)
+        print(f"resuming from step {self.start} in {self.workdir}", flush=True)
+        return state
+
+    def save(self, step, state):
+        meta = {"elapsed_sec": self.elapsed, "step": step}
+        self.ckpt.save(step, state, metadata=meta, force=True)
+
+    def log(self, record: dict, file: str = METRICS_FILE):
+        append_jsonl(self.workdir / file, record)
