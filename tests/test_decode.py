@@ -319,8 +319,7 @@ def test_seq2seq_greedy_equals_full_recomputation(s2s, s2s_full):
 
 def test_beam_search_one_beam_is_greedy_and_more_beams_score_higher(s2s, s2s_full):
     greedy = generate(s2s, SOURCES, 6, start_id=1, return_logits=True)
-    one = generate(s2s, SOURCES, 6, num_beams=1, start_id=1)
-    np.testing.assert_array_equal(one.tokens, greedy.tokens)
+    np.testing.assert_array_equal(_one_beam(s2s, SOURCES, 6), greedy.tokens)
     beams = generate(s2s, SOURCES, 6, start_id=1, num_beams=4, length_penalty=0.0)
     gains = []
     for b, src in enumerate(SOURCES):
@@ -330,6 +329,51 @@ def test_beam_search_one_beam_is_greedy_and_more_beams_score_higher(s2s, s2s_ful
         gains.append(w - g)
     assert min(gains) >= -1e-5 and max(gains) > 0.1  # never worse; better on this model
     assert beams.stop_reason == ["max_new_tokens"] * 2
+
+
+def _one_beam(model, rows, n):
+    """The beam loop itself with one beam (``generate`` samples greedily for num_beams=1)."""
+    decoder, params = Decoder.for_model(model)
+    B, width = len(rows), 16
+    ids = np.zeros((B, width), np.int32)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = r
+    lengths = jnp.asarray([len(r) for r in rows], jnp.int32)
+    cache = init_cache(model.cfg, B, 64)
+    if decoder.seq2seq:
+        valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
+        cache = decoder.encode(params, cache, jnp.asarray(ids), jnp.asarray(valid))
+        ids, lengths = np.ones((B, 1), np.int32), jnp.ones((B,), jnp.int32)
+    logits_BV, cache = decoder.prefill(params, cache, jnp.asarray(ids), lengths)
+    args = (np.int32(n), np.int32(-1), np.int32(0), np.float32(1.0))
+    out = decoder.beam_loop(params, cache, logits_BV, *args, num_beams=1)
+    return np.asarray(out["tokens_BS"])[:, :n]
+
+
+def test_decoder_only_beam_search(lm):
+    """Beams start from the prefilled ragged prompts: one beam is greedy, four never score
+    below greedy, and every score is the sequence's log-probability under a full pass."""
+    greedy = generate(lm, PROMPTS, 6)
+    np.testing.assert_array_equal(_one_beam(lm, PROMPTS, 6), greedy.tokens)
+    beams = generate(lm, PROMPTS, 6, num_beams=4, length_penalty=0.0)
+    full = _full_logits(lm)
+
+    def logprob(prompt, tokens):
+        ids = np.zeros((1, 32), np.int32)
+        seq = np.r_[prompt, tokens]
+        ids[0, : len(seq)] = seq
+        logp = np.asarray(jax.nn.log_softmax(full(ids)[0], axis=-1))
+        at = len(prompt) - 1 + np.arange(len(tokens))
+        return float(np.sum(logp[at, tokens]))
+
+    gains = []
+    for b, prompt in enumerate(PROMPTS):
+        w = logprob(prompt, beams.tokens[b])
+        np.testing.assert_allclose(beams.scores[b], w, atol=1e-4)
+        np.testing.assert_array_equal(beams.sequences[b], np.r_[prompt, beams.tokens[b]])
+        gains.append(w - logprob(prompt, greedy.tokens[b]))
+    assert min(gains) >= -1e-5 and max(gains) > 0.1
+    assert beams.stop_reason == ["max_new_tokens"] * 3
 
 
 def test_beam_search_stops_at_eos(s2s):
