@@ -1,21 +1,25 @@
 """attnlab: transformer attention research in JAX and Flax NNX.
 
 ``attnlab.ops`` holds pure functions, ``attnlab.nn`` the NNX modules and architectures,
-``attnlab.config`` the validated ``ModelConfig``.
+``attnlab.config`` the validated ``ModelConfig``, ``attnlab.decode`` generation
+(``attnlab.generate``).
 """
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.decode import GenerationResult, generate
 from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
 from attnlab.nn import build_model, count_params
 from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
+    "GenerationResult",
     "KVCache",
     "ModelConfig",
     "attention_variants",
     "build_model",
     "count_params",
+    "generate",
     "init_cache",
     "kv_cache_bytes",
     "load_pretrained",

@@ -36,8 +36,7 @@ import numpy as np
 from flax import nnx
 
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
-from attnlab.decode import Decoder, generate
-from attnlab.sampling import SamplingConfig
+from attnlab.decode import Decoder, SamplingConfig, generate
 
 MODELS = {
     "small": dict(n_layers=4, n_heads=4, d_model=128, vocab_size=256, max_len=1024),
@@ -154,7 +153,7 @@ def loop_seconds(decoder, params, cfg, ids, n, repeats):
             timed(
                 lambda logits=logits, cache=cache: decoder.sample_loop(
                     params, cache, logits, jax.random.key(0), np.int32(n), np.int32(-1),
-                    np.int32(0), sampling=SamplingConfig(), return_logits=False,
+                    np.int32(0), SamplingConfig().traced(), return_logits=False,
                 )
             )
         )  # fmt: skip

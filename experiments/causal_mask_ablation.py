@@ -2,7 +2,8 @@
 
 Without the mask each position can read the token it must predict, so the training loss
 falls far lower, yet the model is useless for generation, which cannot see the future (its
-samples come from ``attnlab.recompute``: the cached decoder is exact only for causal models).
+samples come from ``attnlab.generate``, which recomputes the full forward pass for a
+non-causal model: the cached decoder is exact only for causal models).
 Run it as a sweep over ``model.causal`` to get both curves and both samples side by side::
 
     attnlab sweep --config experiments/causal_mask_ablation.py --workdir runs/ablation

@@ -42,8 +42,8 @@ from matplotlib.figure import Figure
 
 from attnlab import viz
 from attnlab.data import make_task
+from attnlab.decode import generate
 from attnlab.experiment import load_config
-from attnlab.recompute import generate_by_recompute
 from attnlab.runs import load_run, train
 
 # %% tags=["parameters"]
@@ -161,15 +161,18 @@ if not TINY:
 #
 # The KV-cache decoder refuses a non-causal model (a cached step cannot revise earlier
 # positions, which an unmasked model would need), so both models are sampled the slow, exact
-# way with `attnlab.recompute`: re-run the model on the whole prefix (keys past it masked),
-# take the last position's logits, draw, and repeat. Both use the same prompt and keys.
+# way with `attnlab.generate(..., recompute=True)` (implied for a model with `causal=False`):
+# re-run the model on the whole prefix (keys past it masked), take the last position's
+# logits, draw, and repeat. Both use the same prompt and keys.
 
 
 # %%
 def sample_uncached(model, prompt, num_tokens, *, temperature, seed=0):
     ids = task.encode(prompt)
-    new = generate_by_recompute(model, ids[None, :], num_tokens, temperature=temperature, seed=seed)
-    return prompt + task.decode(new[0])
+    out = generate(
+        model, ids[None, :], num_tokens, temperature=temperature, seed=seed, recompute=True
+    )
+    return prompt + task.decode(out.tokens[0])
 
 
 prompt = base.eval.sample_prompt or "def "

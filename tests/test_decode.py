@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attnlab import ModelConfig, build_model, init_cache
-from attnlab.decode import Decoder, beam_search, generate, generate_seq2seq, phases
-from attnlab.sampling import SamplingConfig
+from attnlab import ModelConfig, build_model, init_cache, kv_cache_bytes
+from attnlab.decode import Decoder, SamplingConfig, generate, phases
 
 TINY = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=64, init_std=0.3)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19]]
@@ -79,15 +78,15 @@ def test_prefill_plus_steps_equals_full_forward(arch, combo):
         model = nnx.merge(decoder.graphdef, params)
         if decoder.seq2seq:
             full_BTV = model(src_BS, ids_BT, src_valid_BS=valid_BS).logits
-            cache = decoder._encode(params, cache, src_BS, valid_BS)
+            cache = decoder.encode_fn(params, cache, src_BS, valid_BS)
         else:
             full_BTV = model(ids_BT).logits
         prompt_BP = jnp.where(jnp.arange(P)[None, :] < prompt_B[:, None], ids_BT[:, :P], 0)
-        first_BV, cache = decoder._prefill(params, cache, prompt_BP, prompt_B)
+        first_BV, cache = decoder.prefill_fn(params, cache, prompt_BP, prompt_B)
 
         def step(cache, i):
             pos_B = jnp.minimum(prompt_B + i, T - 1)  # row 1 ends first, then repeats
-            logits_BV, cache = decoder._decode_step(
+            logits_BV, cache = decoder.decode_step_fn(
                 params, cache.replace(lengths=pos_B), ids_BT[jnp.arange(B), pos_B]
             )
             return cache, (pos_B, logits_BV)
@@ -195,9 +194,9 @@ def test_loop_updates_the_cache_in_place(lm):
     cache = init_cache(lm.cfg, 3, 64)
     compiled = decoder.sample_loop.lower(
         params, cache, jnp.zeros((3, 50)), jax.random.key(0), np.int32(5), np.int32(-1),
-        np.int32(0), sampling=SamplingConfig(), return_logits=False,
+        np.int32(0), SamplingConfig().traced(), return_logits=False,
     ).compile()  # fmt: skip
-    size = cache.k[0].size
+    size = kv_cache_bytes(lm.cfg, 3, 64, "float32") // (2 * lm.cfg.n_layers * 4)  # one layer
     for line in compiled.as_text().splitlines():
         shape = re.search(r"= f32\[([\d,]+)\]\S* (copy|transpose)\(", line)
         if shape:
@@ -247,8 +246,11 @@ def test_on_overflow_stop_stops_rows_at_capacity(lm):
 @pytest.mark.parametrize(
     "prompts, match",
     [
-        ([[1, 2, 3], [4, 50, 6]], r"prompt_ids\[1, 1\] = 50 is not a token id.*vocab_size=50"),
-        ([[1, -1]], r"prompt_ids\[0, 1\] = -1"),
+        (
+            [[1, 2, 3], [4, 50, 6]],
+            r"prompt_ids: id 50 at index \(1, 1\) is not a token id.*vocab_size=50",
+        ),
+        ([[1, -1]], r"prompt_ids: id -1 at index \(0, 1\)"),
         ([[1, 2], []], "prompt row 1 is empty"),
         (np.zeros((2, 3), np.float32), "integer token ids"),
     ],
@@ -263,14 +265,16 @@ def test_other_argument_errors(lm, s2s):
         generate(lm, [[1]], 2, eos_id=50)
     with pytest.raises(ValueError, match="top_p"):
         generate(lm, [[1]], 2, temperature=1.0, top_p=0.0)
-    with pytest.raises(ValueError, match="use generate_seq2seq"):
+    with pytest.raises(ValueError, match="start_id is required for encoder-decoder"):
         generate(s2s, [[1]], 2)
-    with pytest.raises(ValueError, match="use generate for decoder-only"):
-        generate_seq2seq(lm, [[1]], 2, start_id=1)
-    with pytest.raises(ValueError, match=r"source_ids\[0, 2\] = 99"):
-        generate_seq2seq(s2s, [[1, 2, 99]], 2, start_id=1)
+    with pytest.raises(ValueError, match="apply to encoder-decoder models"):
+        generate(lm, [[1]], 2, start_id=1)
+    with pytest.raises(ValueError, match=r"source_ids: id 99 at index \(0, 2\)"):
+        generate(s2s, [[1, 2, 99]], 2, start_id=1)
     with pytest.raises(ValueError, match=r"start token 1 \+ max_new_tokens 64 = 65 exceeds"):
-        generate_seq2seq(s2s, [[1, 2]], 64, start_id=1)
+        generate(s2s, [[1, 2]], 64, start_id=1)
+    with pytest.raises(ValueError, match="num_beams > 1 is deterministic"):
+        generate(lm, [[1]], 2, num_beams=2, temperature=1.0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -302,7 +306,7 @@ def _logprob(full, src, tokens, start_id):
 
 
 def test_seq2seq_greedy_equals_full_recomputation(s2s, s2s_full):
-    out = generate_seq2seq(s2s, SOURCES, 6, start_id=1, return_logits=True)
+    out = generate(s2s, SOURCES, 6, start_id=1, return_logits=True)
     assert out.tokens.shape == (2, 6) and out.logits.shape == (2, 6, 50)
     for b, src in enumerate(SOURCES):
         tgt = [1]
@@ -314,10 +318,9 @@ def test_seq2seq_greedy_equals_full_recomputation(s2s, s2s_full):
 
 
 def test_beam_search_one_beam_is_greedy_and_more_beams_score_higher(s2s, s2s_full):
-    greedy = generate_seq2seq(s2s, SOURCES, 6, start_id=1, return_logits=True)
-    one = beam_search(s2s, SOURCES, 6, num_beams=1, start_id=1)
-    np.testing.assert_array_equal(one.tokens, greedy.tokens)
-    beams = generate_seq2seq(s2s, SOURCES, 6, start_id=1, num_beams=4, length_penalty=0.0)
+    greedy = generate(s2s, SOURCES, 6, start_id=1, return_logits=True)
+    np.testing.assert_array_equal(_one_beam(s2s, SOURCES, 6), greedy.tokens)
+    beams = generate(s2s, SOURCES, 6, start_id=1, num_beams=4, length_penalty=0.0)
     gains = []
     for b, src in enumerate(SOURCES):
         g = _logprob(s2s_full, src, greedy.tokens[b], 1)
@@ -328,10 +331,55 @@ def test_beam_search_one_beam_is_greedy_and_more_beams_score_higher(s2s, s2s_ful
     assert beams.stop_reason == ["max_new_tokens"] * 2
 
 
+def _one_beam(model, rows, n):
+    """The beam loop itself with one beam (``generate`` samples greedily for num_beams=1)."""
+    decoder, params = Decoder.for_model(model)
+    B, width = len(rows), 16
+    ids = np.zeros((B, width), np.int32)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = r
+    lengths = jnp.asarray([len(r) for r in rows], jnp.int32)
+    cache = init_cache(model.cfg, B, 64)
+    if decoder.seq2seq:
+        valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
+        cache = decoder.encode(params, cache, jnp.asarray(ids), jnp.asarray(valid))
+        ids, lengths = np.ones((B, 1), np.int32), jnp.ones((B,), jnp.int32)
+    logits_BV, cache = decoder.prefill(params, cache, jnp.asarray(ids), lengths)
+    args = (np.int32(n), np.int32(-1), np.int32(0), np.float32(1.0))
+    out = decoder.beam_loop(params, cache, logits_BV, *args, num_beams=1)
+    return np.asarray(out["tokens_BS"])[:, :n]
+
+
+def test_decoder_only_beam_search(lm):
+    """Beams start from the prefilled ragged prompts: one beam is greedy, four never score
+    below greedy, and every score is the sequence's log-probability under a full pass."""
+    greedy = generate(lm, PROMPTS, 6)
+    np.testing.assert_array_equal(_one_beam(lm, PROMPTS, 6), greedy.tokens)
+    beams = generate(lm, PROMPTS, 6, num_beams=4, length_penalty=0.0)
+    full = _full_logits(lm)
+
+    def logprob(prompt, tokens):
+        ids = np.zeros((1, 32), np.int32)
+        seq = np.r_[prompt, tokens]
+        ids[0, : len(seq)] = seq
+        logp = np.asarray(jax.nn.log_softmax(full(ids)[0], axis=-1))
+        at = len(prompt) - 1 + np.arange(len(tokens))
+        return float(np.sum(logp[at, tokens]))
+
+    gains = []
+    for b, prompt in enumerate(PROMPTS):
+        w = logprob(prompt, beams.tokens[b])
+        np.testing.assert_allclose(beams.scores[b], w, atol=1e-4)
+        np.testing.assert_array_equal(beams.sequences[b], np.r_[prompt, beams.tokens[b]])
+        gains.append(w - logprob(prompt, greedy.tokens[b]))
+    assert min(gains) >= -1e-5 and max(gains) > 0.1
+    assert beams.stop_reason == ["max_new_tokens"] * 3
+
+
 def test_beam_search_stops_at_eos(s2s):
-    free = beam_search(s2s, SOURCES, 6, num_beams=4, start_id=1)
+    free = generate(s2s, SOURCES, 6, num_beams=4, start_id=1)
     eos = int(free.tokens[0, 1])
-    out = beam_search(s2s, SOURCES, 6, num_beams=4, start_id=1, eos_id=eos)
+    out = generate(s2s, SOURCES, 6, num_beams=4, start_id=1, eos_id=eos)
     for b in range(2):
         if out.stop_reason[b] == "eos":
             n = out.lengths[b]
@@ -345,5 +393,5 @@ def test_zero_new_tokens(lm, s2s):
     out = generate(lm, PROMPTS, 0)
     assert out.tokens.shape == (3, 0) and out.stop_reason == ["max_new_tokens"] * 3
     np.testing.assert_array_equal(out.sequences[1], PROMPTS[1])
-    beams = beam_search(s2s, SOURCES, 0, num_beams=4, start_id=1, eos_id=2)
+    beams = generate(s2s, SOURCES, 0, num_beams=4, start_id=1, eos_id=2)
     assert beams.tokens.shape == (2, 0) and list(beams.lengths) == [0, 0]

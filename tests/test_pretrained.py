@@ -18,6 +18,7 @@ import matplotlib
 import ml_dtypes
 import numpy as np
 import pytest
+from compile_count import compiles
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -188,6 +189,26 @@ def test_generate_a_right_padded_batch(shared_dir, name):
     if not seq2seq:
         with pytest.raises(ValueError, match="right-padded"):
             handle.generate(ids, 2, attention_mask=mask[:, ::-1])
+
+
+@pytest.mark.skipif(not HAS_DECODE, reason="attnlab/decode is not in this tree yet")
+def test_the_handle_splits_its_model_once(shared_dir, monkeypatch):
+    """Repeated logits/generate calls neither re-split the model nor compile again."""
+    handle = load_pretrained(fixture(shared_dir, "llama"))
+    ids = reference(shared_dir, "llama")["prompt_0"]
+    first = handle.logits(ids)
+    handle.generate(ids, 4, eos_id=None)
+    handle.generate(ids, 4, eos_id=None, temperature=0.8, top_k=5)
+    splits = []
+    real_split = nnx.split
+    monkeypatch.setattr(nnx, "split", lambda *a, **k: splits.append(1) or real_split(*a, **k))
+    with compiles() as count:
+        for _ in range(2):
+            np.testing.assert_array_equal(np.asarray(handle.logits(ids)), np.asarray(first))
+            out = attnlab.generate(handle, ids, 4, eos_id=None)
+            handle.generate(ids, 4, eos_id=None, temperature=0.5, top_p=0.9, seed=1)
+    assert splits == [] and count() == 0
+    np.testing.assert_array_equal(out.tokens, handle.generate(ids, 4, eos_id=None).tokens)
 
 
 # Attention weights and plotting -----------------------------------------------------------

@@ -4,12 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_count import compiles
 
 from attnlab import ModelConfig, build_model
-from attnlab.decode import generate
-from attnlab.sampling import (
+from attnlab.decode import (
+    Decoder,
     SamplingConfig,
     filter_logits,
+    generate,
     min_p_filter,
     sample,
     top_k_filter,
@@ -120,3 +122,35 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
     assert (a.tokens != c.tokens).mean() > 0.3
     greedy = generate(model, prompts, 12)
     assert (a.tokens != greedy.tokens).any()
+
+
+def test_new_sampling_values_reuse_the_compiled_loop():
+    """Temperature, top-k, top-p and min-p are traced: changing them compiles nothing."""
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=64, init_std=0.3)
+    model = build_model(cfg, seed=0)
+    decoder, _ = Decoder.for_model(model)
+    prompts = [[5, 6, 7], [8, 9]]
+    first = generate(model, prompts, 8, temperature=0.5, seed=1)
+    traces = dict(decoder.traces)
+    settings = [
+        dict(temperature=0.9),
+        dict(temperature=0.9, top_p=0.9),
+        dict(temperature=0.9, top_p=0.8),
+        dict(temperature=0.9, min_p=0.1),
+        dict(temperature=0.9, top_k=5),
+        dict(temperature=0.9, top_k=7, top_p=0.8, min_p=0.05),
+        dict(),  # greedy: a traced select, still the same program
+    ]
+    with compiles() as count:
+        outs = [generate(model, prompts, 8, seed=1, **s) for s in settings]
+        again = generate(model, prompts, 8, temperature=0.5, seed=1)
+    assert count() == 0 and dict(decoder.traces) == traces
+    np.testing.assert_array_equal(again.tokens, first.tokens)
+    assert (outs[0].tokens != outs[-1].tokens).any()  # the settings took effect
+    hot = generate(model, prompts, 8, temperature=5.0, top_k=3, return_logits=True)
+    rank = (hot.logits > np.take_along_axis(hot.logits, hot.tokens[..., None], -1)).sum(-1)
+    assert rank.max() < 3  # a traced k still keeps every draw among the k best
+    # Greedy through the traced select is exactly the argmax of the logits it returns.
+    greedy = generate(model, prompts, 8, return_logits=True)
+    np.testing.assert_array_equal(greedy.tokens, np.argmax(greedy.logits, -1))
+    np.testing.assert_array_equal(outs[-1].tokens, greedy.tokens)

@@ -20,20 +20,12 @@ TOKENIZER_KINDS = ("char", "byte")
 def validate_ids(ids, vocab_size, name="input ids"):
     """Return ``ids`` as an array after checking every id lies in ``[0, vocab_size)``.
 
-    JAX gathers clamp out-of-range indices silently, so ids are checked on the host.
+    JAX gathers clamp out-of-range indices silently, so ids are checked on the host, by the
+    one check generation uses too (``attnlab.decode.checks.check_ids``).
     """
-    arr = np.asarray(ids)
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name}: ids must be integers, got dtype {arr.dtype}")
-    bad = (arr < 0) | (arr >= vocab_size)
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
-        where = index[0] if len(index) == 1 else index
-        raise ValueError(
-            f"{name}: id {int(arr[index])} at index {where} is outside the valid range "
-            f"[0, {vocab_size})"
-        )
-    return arr
+    from attnlab.decode.checks import check_ids  # imported on use: data stays NumPy-only
+
+    return check_ids(ids, vocab_size, name)
 
 
 def _as_id_vector(ids, vocab_size):

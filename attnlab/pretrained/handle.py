@@ -8,7 +8,8 @@ the real tokens' outputs do not depend on the padding. Token ids are checked aga
 vocabulary first, since JAX gathers clamp out-of-range ids silently.
 
 Each method runs a function jitted once per (method, input shapes), with the model split
-at the edge and merged inside (``nnx.split`` / ``nnx.merge``).
+once, when the handle is made (``graphdef``, ``state``), and merged inside the jitted
+function. To change the weights, make a new handle.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from attnlab.config import ModelConfig
+from attnlab.decode import checks
 from attnlab.pretrained.configs import family_of
 
 # name -> jitted function of (graphdef, state, *arrays); shared by every handle.
@@ -37,12 +39,14 @@ class Pretrained:
     """A checkpoint loaded by ``attnlab.load_pretrained``.
 
     Attributes: ``model`` (the NNX module), ``config`` (its ``ModelConfig``), ``hf_config``
-    (the config.json dict), ``family`` (its model_type), ``path`` and the special ids
-    ``pad_id``, ``eos_id``, ``bos_id`` and ``decoder_start_id`` (None where absent).
+    (the config.json dict), ``family`` (its model_type), ``path``, the special ids
+    ``pad_id``, ``eos_id``, ``bos_id`` and ``decoder_start_id`` (None where absent), and the
+    model split once: ``graphdef`` and ``state``.
     """
 
     def __init__(self, model, *, hf_config: dict, generation_config=None, path=None):
         self.model = model
+        self.graphdef, self.state = nnx.split(model)
         self.config: ModelConfig = model.cfg
         self.hf_config = hf_config
         self.generation_config = generation_config or {}
@@ -88,18 +92,9 @@ class Pretrained:
         x = np.asarray(ids)
         if x.ndim != 2:
             raise ValueError(f"{name} must be [batch, length], got shape {x.shape}; use ids[None]")
-        if x.size and not np.issubdtype(x.dtype, np.integer):
-            raise TypeError(f"{name} must hold integer ids, got dtype {x.dtype}")
-        if x.size and (x.min() < 0 or x.max() >= limit):
-            raise ValueError(
-                f"{name} holds ids in [{x.min()}, {x.max()}] but {what}={limit}: every id must "
-                f"lie in [0, {limit})"
-            )
-        if name != "token_type_ids" and x.shape[1] > self.config.max_len:
-            raise ValueError(
-                f"{name} has length {x.shape[1]} but the model has max_len="
-                f"{self.config.max_len} positions"
-            )
+        checks.check_ids(x, limit, name, what=what)
+        if name != "token_type_ids":
+            checks.check_length(name, x.shape[1], self.config.max_len)
         return jnp.asarray(x, jnp.int32)
 
     def _mask(self, mask, ids, name="attention_mask"):
@@ -135,7 +130,7 @@ class Pretrained:
         ``fn`` computes); the graph is a static argument, so models of one graph share it."""
         if name not in _COMPILED:
             _COMPILED[name] = jax.jit(lambda g, s, *a: fn(nnx.merge(g, s), *a), static_argnums=0)
-        return _COMPILED[name](*nnx.split(self.model), *args)
+        return _COMPILED[name](self.graphdef, self.state, *args)
 
     def _forward(
         self, input_ids, attention_mask, decoder_input_ids, token_type_ids, return_weights=False
@@ -240,49 +235,27 @@ class Pretrained:
     def generate(
         self, prompt_ids, max_new_tokens: int, *, attention_mask=None, eos_id="config", **options
     ):
-        """Generates with the KV-cache decoder of ``attnlab.decode`` (greedy by default).
+        """Generates with ``attnlab.generate`` (the KV-cache decoder, greedy by default).
 
         Decoder-only: ``prompt_ids`` ``[B, T]``, right-padded rows marked by
         ``attention_mask``. Encoder-decoder: ``prompt_ids`` are source ids and decoding
         starts from the checkpoint's ``decoder_start_token_id``. ``eos_id="config"`` stops
         at the checkpoint's (first) eos id, ``None`` never stops early. ``options``
-        (temperature, top_k, top_p, seed, ...) go to ``attnlab.decode``. Returns its
-        ``GenerationResult`` (``.tokens`` holds the generated ids only).
+        (temperature, top_k, top_p, seed, num_beams, ...) go to ``attnlab.generate``.
+        Returns its ``GenerationResult`` (``.tokens`` holds the generated ids only).
         """
-        from attnlab import decode
+        from attnlab.decode import generate
 
-        eos = self.eos_id if eos_id == "config" else eos_id
+        if self.config.arch == "encoder":
+            raise TypeError(f"{self.family} is an encoder: it does not generate")
         ids = self._ids(prompt_ids)
         mask = self._mask(attention_mask, ids)
-        if self.config.arch == "decoder":
-            lengths = None
-            if mask is not None:
-                m = np.asarray(mask)
-                lengths = m.sum(1).astype(np.int32)
-                if not (m == (np.arange(m.shape[1])[None, :] < lengths[:, None])).all():
-                    raise ValueError("attention_mask must mark right-padded prompts (1s then 0s)")
-                lengths = jnp.asarray(lengths)
-            return decode.generate(
-                self.model,
-                ids,
-                max_new_tokens,
-                prompt_lengths=lengths,
-                eos_id=eos,
-                pad_id=self.pad_id,
-                **options,
-            )
-        if self.config.arch == "encoder_decoder":
-            start = self.decoder_start_id
-            if start is None:
-                raise ValueError("config.json has no decoder_start_token_id")
-            return decode.generate_seq2seq(
-                self.model,
-                ids,
-                max_new_tokens,
-                source_valid=mask,
-                start_id=start,
-                eos_id=eos,
-                pad_id=self.pad_id,
-                **options,
-            )
-        raise TypeError(f"{self.family} is an encoder: it does not generate")
+        if mask is not None and self.config.arch == "decoder":
+            m = np.asarray(mask)
+            lengths = m.sum(1)
+            if not (m == (np.arange(m.shape[1])[None, :] < lengths[:, None])).all():
+                raise ValueError("attention_mask must mark right-padded prompts (1s then 0s)")
+            options["prompt_lengths"] = lengths
+        elif mask is not None:
+            options["source_valid"] = np.asarray(mask)
+        return generate(self, ids, max_new_tokens, eos_id=eos_id, **options)

@@ -1,9 +1,8 @@
 """Text from a run's model: the one place the training side calls the decoders.
 
-``continuation`` serves the training loop's samples and ``attnlab sample``: the cached
-decoder for causal decoder-only models, full recomputation for the causal-mask ablation
-(the cached decoder is exact only for causal models). ``seq2seq_continuation`` serves
-encoder-decoder runs. Sampled ids beyond the task's vocabulary have no text and are dropped.
+``continuation`` serves the training loop's samples and ``attnlab sample`` through
+``attnlab.generate`` (the cached decoder; full recomputation for the causal-mask ablation,
+which the cache cannot serve). ``seq2seq_continuation`` serves encoder-decoder runs. Sampled ids beyond the task's vocabulary have no text and are dropped.
 """
 
 from __future__ import annotations
@@ -12,27 +11,24 @@ import numpy as np
 
 
 def continuation(model, ids_P, n: int, *, eos_id=None, **options) -> np.ndarray:
-    """``[N]`` new ids after the prompt ``ids_P`` of a decoder-only model.
+    """``[N]`` new ids after the prompt ``ids_P`` of a decoder-only model (pad after EOS).
 
-    ``options`` are the sampling options (``temperature``, ``seed``, ``top_k``, ``top_p``);
-    ``eos_id`` stops the cached decoder early (recomputation always writes ``n`` ids).
+    ``options`` are the sampling options of ``attnlab.generate`` (``temperature``,
+    ``seed``, ``top_k``, ``top_p``); a model with ``causal=False`` is served by full
+    recomputation, which ``generate`` chooses by itself.
     """
-    ids_BP = np.asarray(ids_P)[None, :]
-    if model.cfg.causal:
-        from attnlab.decode import generate
+    from attnlab.decode import generate
 
-        return np.asarray(generate(model, ids_BP, n, eos_id=eos_id, **options).tokens[0])
-    from attnlab.recompute import generate_by_recompute
-
-    return np.asarray(generate_by_recompute(model, ids_BP, n, **options)[0])
+    result = generate(model, np.asarray(ids_P)[None, :], n, eos_id=eos_id, **options)
+    return np.asarray(result.tokens[0, : result.lengths[0]])
 
 
 def seq2seq_continuation(model, task, source: str, n: int, **options) -> np.ndarray:
     """``[N]`` target ids an encoder-decoder model writes for the ``source`` text."""
-    from attnlab.decode import generate_seq2seq
+    from attnlab.decode import generate
 
     src = task.encode(source)
-    result = generate_seq2seq(
+    result = generate(
         model,
         src[None, :],
         n,
@@ -41,7 +37,7 @@ def seq2seq_continuation(model, task, source: str, n: int, **options) -> np.ndar
         pad_id=task.pad_id,
         **options,
     )
-    return np.asarray(result.tokens[0])
+    return np.asarray(result.tokens[0, : result.lengths[0]])
 
 
 def decode_known(task, tokens) -> str:

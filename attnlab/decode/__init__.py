@@ -1,0 +1,64 @@
+"""Generation: model-agnostic loops, the compiled decoder, input checks and ``generate``.
+
+Conventions:
+
+* A model is split once (``nnx.split``); every jitted function takes the parameter state as
+  its first argument and merges it inside, so new weights never recompile. ``Decoder``
+  (``compiled``) holds the jitted functions of one model graph, and is shared by every
+  model of that graph; a ``Pretrained`` handle is split when it is made.
+* The loops (``loops``) see only a step function ``(tokens_BT, cache) -> (logits_BTV,
+  cache)`` and a cache; nothing in them depends on the architecture. ``prefill`` runs a
+  whole right-padded prompt in one pass; ``decode_step`` appends one token per row. Beam
+  search repeats each prefilled row ``num_beams`` times, for either architecture.
+* Static shapes: the cache capacity ``S`` (``max_len``, default ``ModelConfig.max_len``)
+  fixes every shape; ``max_new_tokens``, the special ids and every sampling setting
+  (temperature, top-k, top-p, min-p) are traced scalars and generated ids go to a
+  ``[B, S]`` buffer, so generating 10 or 1000 tokens, hot or greedy, runs the same
+  compiled programs. Prompts are padded to the next power of two (at least 16) so prompt
+  lengths share programs too. A smaller ``max_len`` gives a smaller cache and faster
+  compiles.
+* Phases: a loop over a large cache runs over growing prefixes of it (``phases``: the
+  capacity halved up to three times, none below 128 slots), so a step's attention reads
+  about as much cache as the sequence needs, not the whole capacity, in the same program.
+* Ragged batches: row ``b`` has ``prompt_lengths[b]`` real tokens; its ``i``-th new token sits
+  at position ``prompt_lengths[b] + i``. A row stops at its own EOS (and then emits
+  ``pad_id``) or after ``max_new_tokens``; stopped rows no longer move in the cache.
+* Capacity: a row's whole sequence (prompt + new tokens; for encoder-decoder models the
+  start token + new tokens) must fit in the cache. Too long raises a ``ValueError`` before
+  any computation (``checks``), unless ``on_overflow="stop"``, where such rows stop with
+  reason ``"capacity"``.
+* Recomputation (``recompute``) runs the same sampling loop over a token buffer instead of
+  a cache: the reference for any decoder, and the only exact way for a non-causal one.
+* Randomness: ``jax.random.key(seed)``, folded with the step index (``sampling``).
+"""
+
+from attnlab.decode.api import STOP_REASONS, GenerationResult, generate
+from attnlab.decode.checks import check_ids
+from attnlab.decode.compiled import Decoder
+from attnlab.decode.loops import beam_loop, phases, sample_loop, while_in_phases
+from attnlab.decode.sampling import (
+    SamplingConfig,
+    filter_logits,
+    min_p_filter,
+    sample,
+    top_k_filter,
+    top_p_filter,
+)
+
+__all__ = [
+    "STOP_REASONS",
+    "Decoder",
+    "GenerationResult",
+    "SamplingConfig",
+    "beam_loop",
+    "check_ids",
+    "filter_logits",
+    "generate",
+    "min_p_filter",
+    "phases",
+    "sample",
+    "sample_loop",
+    "top_k_filter",
+    "top_p_filter",
+    "while_in_phases",
+]

@@ -1,0 +1,229 @@
+"""``generate``: one entry point for decoder-only, encoder-decoder and pretrained models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attnlab import kv_cache
+from attnlab.decode import checks
+from attnlab.decode.compiled import Decoder
+from attnlab.decode.recompute import recompute_loop
+from attnlab.decode.sampling import SamplingConfig
+
+STOP_REASONS = ("eos", "max_new_tokens", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """What ``generate`` returns (NumPy arrays on the host)."""
+
+    tokens: np.ndarray  # [B, N] generated ids; pad_id after a row stops
+    sequences: list  # per row: prompt (or start token) + generated ids, cut after EOS
+    lengths: np.ndarray  # [B] generated tokens per row, EOS included
+    stop_reason: list  # per row: "eos" | "max_new_tokens" | "capacity"
+    logits: np.ndarray | None = None  # [B, N, V] the logits each token was chosen from
+    scores: np.ndarray | None = None  # [B] beam search: the length-normalised log-prob
+
+
+def bucket(n: int, cap: int, smallest: int = 16) -> int:
+    """``n`` rounded up to a power of two (at least ``smallest``, at most ``cap``)."""
+    return min(cap, max(smallest, 1 << max(int(n) - 1, 0).bit_length()))
+
+
+def padded(ids_BP, lengths_B, width: int, pad_id: int) -> np.ndarray:
+    """``[B, width]`` int32: each row's first ``lengths_B[b]`` ids, then ``pad_id``."""
+    out = np.full((ids_BP.shape[0], width), pad_id, np.int32)
+    for b, n in enumerate(lengths_B):
+        out[b, :n] = ids_BP[b, :n]
+    return out
+
+
+def result(prefix_rows, out, n, pad_id, logits=None, scores=None) -> GenerationResult:
+    """Host arrays from a loop's output (tokens ``[B, S]`` buffer, counts, EOS flags)."""
+    buf = np.asarray(out["tokens_BS"])
+    B, S = buf.shape
+    m = min(n, S)
+    tokens = np.full((B, n), pad_id, np.int32)
+    tokens[:, :m] = buf[:, :m]
+    count = np.minimum(np.asarray(out["count_B"]).astype(np.int64), n)
+    eos = np.asarray(out["eos_B"]) & (count > 0)
+    reasons = [
+        "eos" if eos[b] else "max_new_tokens" if count[b] >= n else "capacity" for b in range(B)
+    ]
+    sequences = [
+        np.concatenate([np.asarray(prefix_rows[b], np.int32), tokens[b, : count[b]]])
+        for b in range(B)
+    ]
+    if logits is not None:
+        full = np.zeros((B, n, logits.shape[-1]), np.float32)
+        full[:, :m] = np.asarray(logits)[:, :m]
+        logits = full
+    return GenerationResult(tokens, sequences, count, reasons, logits, scores)
+
+
+def _split(model):
+    """``(graphdef, params, cfg, special ids)``; a ``Pretrained`` handle is split already."""
+    from attnlab.pretrained.handle import Pretrained  # the handle imports this package
+
+    if isinstance(model, Pretrained):
+        special = dict(eos_id=model.eos_id, start_id=model.decoder_start_id)
+        return model.graphdef, model.state, model.config, special
+    graphdef, params = nnx.split(model)
+    return graphdef, params, model.cfg, dict(eos_id=None, start_id=None)
+
+
+def generate(
+    model,
+    prompt_ids,
+    max_new_tokens: int,
+    *,
+    prompt_lengths=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    eos_id: int | None | str = "config",
+    pad_id: int | None = None,
+    max_len: int | None = None,
+    on_overflow: str = "raise",
+    return_logits: bool = False,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    start_id: int | None = None,
+    source_valid=None,
+    recompute: bool = False,
+) -> GenerationResult:
+    """Generates up to ``max_new_tokens`` tokens per row with a model or a ``Pretrained``.
+
+    Decoder-only models continue ``prompt_ids`` (a right-padded ``[B, P]`` int array or a
+    list of lists; ``prompt_lengths`` defaults to ``P`` or the list lengths).
+    Encoder-decoder models read ``prompt_ids`` as source ids (valid where ``source_valid``
+    ``[B, S]``, default the row lengths) and decode from ``start_id``. ``eos_id="config"``
+    and ``None`` defaults take a ``Pretrained`` handle's eos, decoder start and pad ids
+    (plain models: no EOS, ``ModelConfig.pad_id``); ``eos_id=None`` never stops early.
+
+    ``max_len`` is the cache capacity (default ``ModelConfig.max_len``); ``on_overflow``:
+    ``"raise"`` (a ValueError before any computation) or ``"stop"`` (rows stop with reason
+    ``"capacity"``). ``num_beams > 1`` runs beam search (greedy scores over summed
+    log-probs / ``length ** length_penalty``, in ``.scores``). ``recompute=True``, implied
+    for a decoder with ``ModelConfig.causal=False``, re-runs the whole sequence per token
+    instead of using the cache. ``.tokens`` holds the new ids only, ``.sequences`` the
+    prompt (or start token) too.
+    """
+    graphdef, params, cfg, special = _split(model)
+    if cfg.arch == "encoder":
+        raise ValueError("ModelConfig.arch='encoder' has no causal decoder to generate with")
+    seq2seq = cfg.arch == "encoder_decoder"
+    eos_id = special["eos_id"] if eos_id == "config" else eos_id
+    pad_id = cfg.pad_id if pad_id is None else pad_id
+    if on_overflow not in ("raise", "stop"):
+        raise ValueError(f"on_overflow={on_overflow!r} must be 'raise' or 'stop'")
+    sampling = SamplingConfig(temperature, top_k, top_p, min_p)
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams={num_beams!r} must be an int >= 1")
+    recompute = recompute or not (seq2seq or cfg.causal)
+    if num_beams > 1:
+        if not sampling.greedy:
+            raise ValueError("num_beams > 1 is deterministic beam search: leave temperature 0")
+        if return_logits:
+            raise ValueError("return_logits is only available with num_beams=1")
+        if recompute:
+            raise ValueError("num_beams > 1 needs the KV cache: recompute supports num_beams=1")
+        if 2 * num_beams > cfg.vocab_size:
+            raise ValueError(f"num_beams={num_beams} needs vocab_size >= {2 * num_beams}")
+    n = checks.check_count(max_new_tokens)
+    checks.check_token("eos_id", eos_id, cfg.vocab_size, optional=True)
+    checks.check_token("pad_id", pad_id, cfg.vocab_size)
+    stop_hint = num_beams == 1
+    raise_n = n if on_overflow == "raise" or not stop_hint else 0
+    if seq2seq:
+        start_id = special["start_id"] if start_id is None else start_id
+        if start_id is None:
+            raise ValueError(
+                "start_id is required for encoder-decoder models: pass the decoder start id"
+            )
+        checks.check_token("start_id", start_id, cfg.vocab_size)
+        src_BS, src_len_B = checks.rows(prompt_ids, prompt_lengths, pad_id, "source_ids", None)
+        if source_valid is None:
+            valid_BS = np.arange(src_BS.shape[1])[None, :] < src_len_B[:, None]
+        else:
+            valid_BS = np.asarray(source_valid).astype(bool)
+            if valid_BS.shape != src_BS.shape:
+                raise ValueError(
+                    f"source_valid has shape {valid_BS.shape} but source_ids {src_BS.shape}: "
+                    "they must match"
+                )
+        checks.check_ids(src_BS, cfg.vocab_size, "source_ids", valid=valid_BS)
+        checks.check_length("source_ids", src_BS.shape[1], cfg.max_len, "truncate the source")
+        cap = checks.check_fits("start token 1", 1, raise_n, cfg, max_len, stop_hint=stop_hint)
+        ids_BP = np.full((src_BS.shape[0], 1), start_id, np.int64)
+        lengths_B = np.ones((src_BS.shape[0],), np.int64)
+    else:
+        if start_id is not None or source_valid is not None:
+            raise ValueError(
+                "start_id and source_valid apply to encoder-decoder models; a decoder-only "
+                "model continues prompt_ids (mark padding with prompt_lengths)"
+            )
+        ids_BP, lengths_B = checks.rows(
+            prompt_ids, prompt_lengths, pad_id, "prompt_ids", cfg.vocab_size
+        )
+        empty = np.flatnonzero(lengths_B == 0)
+        if empty.size:
+            raise ValueError(
+                f"prompt row {int(empty[0])} is empty (length 0): a decoder-only model needs "
+                "at least one prompt token (e.g. a BOS id) to condition on"
+            )
+        longest = int(lengths_B.max())
+        what = f"prompt length {longest} (row {int(lengths_B.argmax())})"
+        cap = checks.check_fits(what, longest, raise_n, cfg, max_len, stop_hint=stop_hint)
+
+    B = ids_BP.shape[0]
+    prefixes = [ids_BP[b, : lengths_B[b]] for b in range(B)]
+    specials = (np.int32(n), np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id))
+    key = jax.random.key(seed)
+    src = valid = None
+    if seq2seq:
+        width = bucket(src_BS.shape[1], cfg.max_len)
+        src = padded(np.where(valid_BS, src_BS, pad_id), [src_BS.shape[1]] * B, width, pad_id)
+        valid = np.zeros((B, width), bool)
+        valid[:, : src_BS.shape[1]] = valid_BS
+    if recompute:
+        W = bucket(int(lengths_B.max()) + n, cap)
+        ids_BW = padded(ids_BP, lengths_B, W, pad_id)
+        out = recompute_loop(
+            graphdef,
+            params,
+            jnp.asarray(ids_BW),
+            jnp.asarray(lengths_B, jnp.int32),
+            src,
+            valid,
+            key,
+            *specials,
+            sampling.traced(),
+            return_logits=return_logits,
+        )
+        return result(prefixes, out, n, pad_id, logits=out["logits_BSV"])
+
+    decoder = Decoder.for_graph(graphdef, cfg)
+    cache = kv_cache.init_cache(cfg, B, cap)
+    if seq2seq:
+        cache = decoder.encode(params, cache, jnp.asarray(src), jnp.asarray(valid))
+    tokens_BT = padded(ids_BP, lengths_B, bucket(int(lengths_B.max()), cap), pad_id)
+    logits_BV, cache = decoder.prefill(
+        params, cache, jnp.asarray(tokens_BT), jnp.asarray(lengths_B, jnp.int32)
+    )
+    if num_beams > 1:
+        out = decoder.beam_loop(
+            params, cache, logits_BV, *specials, np.float32(length_penalty), num_beams=num_beams
+        )
+        return result(prefixes, out, n, pad_id, scores=np.asarray(out["score_B"]))
+    out = decoder.sample_loop(
+        params, cache, logits_BV, key, *specials, sampling.traced(), return_logits=return_logits
+    )
+    return result(prefixes, out, n, pad_id, logits=out["logits_BSV"])

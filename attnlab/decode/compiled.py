@@ -1,0 +1,119 @@
+"""``Decoder``: the jitted prefill, decode step, encoder and loops of one model graph.
+
+Every function takes the parameter state first and merges it inside (``nnx.merge``), so
+new weights never recompile; one ``Decoder`` serves every model of a graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attnlab.config import ModelConfig
+from attnlab.decode.loops import beam_loop, sample_loop
+from attnlab.kv_cache import KVCache
+
+
+class Decoder:
+    """``prefill``, ``decode_step``, ``encode`` and the generation loops, each jitted once.
+
+    The cache is donated where nothing else holds it. Sampling settings, token budgets and
+    special ids are traced; only shapes, ``return_logits`` and ``num_beams`` are static.
+    ``traces`` counts how often each function was traced (a trace is a compilation).
+    """
+
+    def __init__(self, graphdef, cfg: ModelConfig):
+        if cfg.arch == "encoder":
+            raise ValueError("ModelConfig.arch='encoder' has no causal decoder to generate with")
+        self.graphdef, self.cfg = graphdef, cfg
+        self.seq2seq = cfg.arch == "encoder_decoder"
+        self.traces = collections.Counter()
+        jit = functools.partial(jax.jit, donate_argnames="cache")
+        self.prefill = jit(self.prefill_fn)
+        self.decode_step = jit(self.decode_step_fn)
+        self.encode = jit(self.encode_fn)
+        self.sample_loop = jit(self.sample_loop_fn, static_argnames="return_logits")
+        # The beam loop widens the cache to B * num_beams rows, so nothing could be donated.
+        self.beam_loop = jax.jit(self.beam_loop_fn, static_argnames="num_beams")
+
+    @classmethod
+    def for_graph(cls, graphdef, cfg: ModelConfig) -> Decoder:
+        """The decoder shared by every model of ``graphdef``."""
+        return _shared(graphdef, cfg)
+
+    @classmethod
+    def for_model(cls, model) -> tuple[Decoder, Any]:
+        """The (shared) decoder of ``model``'s graph and the model's parameter state."""
+        graphdef, params = nnx.split(model)
+        return cls.for_graph(graphdef, model.cfg), params
+
+    def step_fn(self, params):
+        """The model as a loop sees it: ``(tokens_BT, cache) -> (logits_BTV, cache)``."""
+        model = nnx.merge(self.graphdef, params)
+        call = model.decode if self.seq2seq else model
+
+        def step(tokens_BT, cache):
+            out = call(tokens_BT, cache=cache)
+            return out.logits, out.cache
+
+        return step
+
+    # The unjitted bodies (public so tests can run them inside their own programs).
+    def prefill_fn(self, params, cache: KVCache, tokens_BT, lengths_B):
+        """Appends each row's ``lengths_B[b]`` prompt tokens; logits at each row's last one."""
+        self.traces["prefill"] += 1
+        model = nnx.merge(self.graphdef, params)
+        call = model.decode if self.seq2seq else model
+        out = call(tokens_BT, cache=cache)
+        # The head on each row's last real token only; XLA drops the unused [B, T, V] logits.
+        h_B1D = jnp.take_along_axis(out.hidden, (lengths_B - 1)[:, None, None], axis=1)
+        logits_BV = model.head(h_B1D, model.embed.tokens)[:, 0]
+        return logits_BV, out.cache.replace(lengths=cache.lengths + lengths_B)
+
+    def decode_step_fn(self, params, cache: KVCache, token_B):
+        """Appends one token per row; returns the next-token logits ``[B, V]``."""
+        self.traces["decode_step"] += 1
+        logits_BTV, cache = self.step_fn(params)(token_B[:, None], cache)
+        return logits_BTV[:, 0], cache
+
+    def encode_fn(self, params, cache: KVCache, src_BS, src_valid_BS):
+        """Encodes the source and stores every layer's cross-attention keys/values."""
+        self.traces["encode"] += 1
+        model = nnx.merge(self.graphdef, params)
+        enc_BSD = model.encode(src_BS, src_valid_BS=src_valid_BS)
+        return model.init_cross_cache(cache, enc_BSD, src_valid_BS)
+
+    def sample_loop_fn(
+        self, params, cache, logits_BV, key, max_new, eos_id, pad_id, sampling, *, return_logits
+    ):
+        self.traces["sample_loop"] += 1
+        return sample_loop(
+            self.step_fn(params),
+            logits_BV,
+            cache,
+            key,
+            max_new,
+            eos_id,
+            pad_id,
+            sampling,
+            return_logits=return_logits,
+        )
+
+    def beam_loop_fn(
+        self, params, cache, logits_BV, max_new, eos_id, pad_id, penalty, *, num_beams
+    ):
+        self.traces["beam_loop"] += 1
+        step = self.step_fn(params)
+        return beam_loop(
+            step, logits_BV, cache, max_new, eos_id, pad_id, penalty, num_beams=num_beams
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _shared(graphdef, cfg: ModelConfig) -> Decoder:
+    return Decoder(graphdef, cfg)
