@@ -121,8 +121,7 @@ class ModelConfig:
         """Each layer's sliding window (None: full attention)."""
         chosen = self.sliding_window_layers
         return tuple(
-            self.sliding_window if chosen is None or i in chosen else None
-            for i in range(n_layers)
+            self.sliding_window if chosen is None or i in chosen else None for i in range(n_layers)
         )
 
     def replace(self, **changes) -> ModelConfig:

@@ -193,5 +193,12 @@ def test_build_model_initialises_under_one_compile():
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
         np.testing.assert_array_equal(x, y)
     c = build_model(cfg, seed=1)
-    assert np.abs(np.asarray(nnx.state(c)["embed"]["tokens"]["embedding_VD"][...]
-                             - nnx.state(a)["embed"]["tokens"]["embedding_VD"][...])).max() > 0
+    assert (
+        np.abs(
+            np.asarray(
+                nnx.state(c)["embed"]["tokens"]["embedding_VD"][...]
+                - nnx.state(a)["embed"]["tokens"]["embedding_VD"][...]
+            )
+        ).max()
+        > 0
+    )

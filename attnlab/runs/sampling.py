@@ -2,7 +2,8 @@
 
 ``continuation`` serves the training loop's samples and ``attnlab sample`` through
 ``attnlab.generate`` (the cached decoder; full recomputation for the causal-mask ablation,
-which the cache cannot serve). ``seq2seq_continuation`` serves encoder-decoder runs. Sampled ids beyond the task's vocabulary have no text and are dropped.
+which the cache cannot serve). ``seq2seq_continuation`` serves encoder-decoder runs.
+Sampled ids beyond the task's vocabulary have no text and are dropped.
 """
 
 from __future__ import annotations
