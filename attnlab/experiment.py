@@ -46,10 +46,12 @@ def _model_defaults() -> ConfigDict:
     cfg = ConfigDict()
     hints = typing.get_type_hints(ModelConfig)
     for field in dataclasses.fields(ModelConfig):
+        if not field.init:
+            continue
         value = field.default
         if value is None:  # Optional field: lock its type, keep it unset
             args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
-            value = config_dict.placeholder(args[0])
+            value = config_dict.placeholder(typing.get_origin(args[0]) or args[0])
         setattr(cfg, field.name, value)
     return cfg
 

@@ -75,13 +75,16 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> K
 def write(cache_LBKSH, layer, new_BTKH, start_B):
     """Writes ``new`` into layer ``layer`` of the cache, row ``b`` at index ``start_B[b]``.
 
-    ``layer`` may be traced (inside a scan over layers); the update is in place.
+    ``layer`` may be traced (inside a scan over layers). One scatter in the cache's own
+    layout, in place inside a loop; slots past the capacity are dropped.
     """
-    new_BKTH = jnp.swapaxes(new_BTKH, 1, 2).astype(cache_LBKSH.dtype)
-    put = lambda c_LKSH, u_KTH, s: jax.lax.dynamic_update_slice(
-        c_LKSH, u_KTH[None], (layer, 0, s, 0)
+    B, T = new_BTKH.shape[:2]
+    rows_B1 = jnp.arange(B)[:, None]
+    slots_BT = start_B[:, None] + jnp.arange(T)[None, :]
+    # Advanced indices (layer, rows, slots) broadcast to [B, T] and lead: [B, T, K, H].
+    return cache_LBKSH.at[layer, rows_B1, :, slots_BT, :].set(
+        new_BTKH.astype(cache_LBKSH.dtype), mode="drop"
     )
-    return jax.vmap(put, in_axes=(1, 0, 0), out_axes=1)(cache_LBKSH, new_BKTH, start_B)
 
 
 def layer(cache_LBKSH, index):

@@ -6,6 +6,8 @@ Prints JSON: the machine, the settings, then
   size, with the cache (``attnlab.decode.generate``, end to end: prefill, loop and the copy
   to the host) and by full recomputation (one jitted loop that re-runs the model over a
   fixed ``[B, prompt + new]`` buffer for every token, the head on the needed position only);
+* ``compile``: seconds of the first cached generation (tracing and compiling every program)
+  and of a steady one, for 4, 16 and 32 layers of one width, scanned and unrolled;
 * ``per_token``: milliseconds per generated token at each context length (batch 1): cached
   = the slope of the generation loop's time against the tokens it generates after a
   ``context``-token prefill, recompute = one full forward pass over ``context`` tokens.
@@ -194,6 +196,35 @@ def machine():
     )
 
 
+def compile_time(args):
+    """First-call (compile) and steady seconds of a cached generation against depth, for
+    scanned and unrolled stacks of the same width."""
+    rows = []
+    for scan in (True, False):
+        for L in args.compile_layers:
+            cfg = ModelConfig(**COMPILE_MODEL, n_layers=L, scan_layers=scan)
+            model = build_model(cfg, seed=0)
+            ids = prompts(1, args.prompt_len, cfg.vocab_size)
+            start = time.perf_counter()
+            generate(model, ids, 8).tokens  # noqa: B018 (traces and compiles every program)
+            first = time.perf_counter() - start
+            steady, _ = best_time(lambda m=model, ids=ids: generate(m, ids, 8).tokens, 2)
+            rows.append(
+                dict(
+                    n_layers=L,
+                    scan_layers=scan,
+                    first_call_sec=round(first, 3),
+                    steady_sec=round(steady, 4),
+                    compile_sec=round(first - steady, 3),
+                )
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+COMPILE_MODEL = dict(d_model=256, n_heads=4, vocab_size=256, max_len=256)
+
+
 def main(argv=None):
     ints = lambda s: [int(x) for x in s.split(",") if x]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -208,6 +239,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-recompute", action="store_true")
     parser.add_argument("--skip-contexts", action="store_true")
+    parser.add_argument("--compile-layers", type=ints, default=[4, 16, 32])
+    parser.add_argument("--skip-compile", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.contexts, args.repeats = "small", [64, 256], 2
@@ -229,6 +262,8 @@ def main(argv=None):
         out["throughput"] += throughput(name, model, args)
         if not args.skip_contexts:
             out["per_token"] += per_token(name, model, args)
+    if not args.skip_compile:
+        out["compile"] = compile_time(args)
     out["machine"]["load_average_end"] = list(os.getloadavg())
     print(json.dumps(out, indent=1))
 

@@ -4,7 +4,11 @@ Prints JSON: for each shape, tokens/s of the jitted train step and the MFU, wher
 token come from the config (6 x matmul parameters + the attention score/value products,
 x3 for forward + backward) and the peak is a large float32 matmul measured in this process.
 
+Also the seconds of the first step (tracing and compiling it) for 4, 16 and 32 layers of
+the small shape, with the layers scanned and unrolled (``compile``).
+
     python benchmarks/train_throughput.py [--steps 30] [--shapes small,medium]
+                                          [--compile-layers 4,16,32] [--skip-compile]
 """
 
 from __future__ import annotations
@@ -80,7 +84,11 @@ def measure(s, steps, overrides, vocab=65):
         }
         for _ in range(4)
     ]
-    for i in range(3):  # compile and warm up
+    t0 = time.perf_counter()
+    state, m = trainer.train_step(state, batches[0])  # traces and compiles the step
+    jax.block_until_ready(m)
+    first = time.perf_counter() - t0
+    for i in range(1, 3):  # warm up
         state, m = trainer.train_step(state, batches[i % 4])
     jax.block_until_ready(m)
     t0 = time.perf_counter()
@@ -88,7 +96,27 @@ def measure(s, steps, overrides, vocab=65):
         state, m = trainer.train_step(state, batches[i % 4])
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / steps
-    return s["batch"] * s["seq_len"] / dt, dt
+    return s["batch"] * s["seq_len"] / dt, dt, first
+
+
+def compile_times(layers, overrides):
+    """Seconds of the first train step (trace + compile) against depth, scanned and not."""
+    rows = []
+    for scan in ("True", "False"):
+        for L in layers:
+            s = dict(SHAPES["small"], n_layers=L)
+            scan_override = [f"--config.model.scan_layers={scan}"]
+            _, dt, first = measure(s, 3, overrides + scan_override)
+            rows.append(
+                dict(
+                    n_layers=L,
+                    scan_layers=scan == "True",
+                    first_step_sec=round(first, 3),
+                    step_ms=round(dt * 1e3, 2),
+                )
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main():
@@ -101,12 +129,14 @@ def main():
         default=[],
         help="extra --config.* overrides, e.g. --override=--config.model.ffn=relu",
     )
+    p.add_argument("--compile-layers", default="4,16,32", help="depths for first-step times")
+    p.add_argument("--skip-compile", action="store_true")
     args = p.parse_args()
     peak = matmul_peak_flops()
     results = []
     for name in args.shapes.split(","):
         s = SHAPES[name]
-        tps, dt = measure(s, args.steps, args.override)
+        tps, dt, first = measure(s, args.steps, args.override)
         fpt = flops_per_token(s, 65)
         results.append(
             {
@@ -114,6 +144,7 @@ def main():
                 **s,
                 "tokens_per_sec": round(tps, 1),
                 "step_ms": round(dt * 1e3, 2),
+                "first_step_sec": round(first, 3),
                 "flops_per_token": fpt,
                 "mfu": round(tps * fpt / peak, 4),
             }
@@ -131,6 +162,9 @@ def main():
                 },
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 "results": results,
+                "compile": None
+                if args.skip_compile
+                else compile_times([int(x) for x in args.compile_layers.split(",")], args.override),
             },
             indent=2,
         )

@@ -37,6 +37,7 @@ from flax import nnx
 from matplotlib.figure import Figure
 
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
+from attnlab.pretrained import model_config_from_hf
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) shrinks the timed model and context lengths.
@@ -74,7 +75,7 @@ variants = {"MHA (32 kv heads)": 32, "GQA (8 kv heads)": 8, "MQA (1 kv head)": 1
 rows = []
 for name, kv_heads in variants.items():
     cfg = base.replace(n_kv_heads=kv_heads)
-    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     attention_per_layer = D * N * H + 2 * D * K * H + N * H * D  # q, k, v, o projections
     rows.append(
         dict(
@@ -112,8 +113,9 @@ assert mha["params"] - gqa["params"] == 32 * 2 * 4096 * (32 - 8) * 128
 # ## 2. Qwen3-4B from its config.json
 #
 # The published shape of Qwen3-4B: 36 layers, 32 query heads and 8 key/value heads of size
-# 128, QK-norm, tied embeddings. `count_params` and `kv_cache_bytes` take a Hugging Face
-# `config.json` (a path or, as here, its dict) as well as a `ModelConfig`.
+# 128, QK-norm, tied embeddings. `attnlab.pretrained.model_config_from_hf` turns a Hugging
+# Face `config.json` (a path or, as here, its dict) into the `ModelConfig` that
+# `count_params` and `kv_cache_bytes` take.
 
 # %%
 qwen3_4b = {
@@ -132,8 +134,9 @@ qwen3_4b = {
     "rope_theta": 1_000_000,
     "tie_word_embeddings": True,
 }
-params_4b = count_params(qwen3_4b)
-cache_4k = kv_cache_bytes(qwen3_4b, batch_size=1, max_len=4096, dtype="bfloat16")
+qwen3_4b_cfg = model_config_from_hf(qwen3_4b)  # the ModelConfig of that config.json
+params_4b = count_params(qwen3_4b_cfg)
+cache_4k = kv_cache_bytes(qwen3_4b_cfg, batch_size=1, max_len=4096, dtype="bfloat16")
 print(f"Qwen3-4B: {params_4b:,d} parameters; KV cache at 4096 tokens: {cache_4k / MiB:.0f} MiB")
 assert params_4b == 4_022_468_096
 assert cache_4k == 576 * MiB  # 2 * 36 layers * 4096 * 8 kv heads * 128 * 2 bytes
@@ -182,7 +185,7 @@ tokens_BT = jax.random.randint(jax.random.key(0), (B, T), 0, small.vocab_size)
 full_BTV = forward(params, tokens_BT)
 
 cache = init_cache(small, batch_size=B, max_len=small.max_len)
-print("cache layout:", [x.shape for x in cache.k], "lengths", cache.lengths)
+print("cache layout [L, B, K, S, H]:", cache.k.shape, "lengths", cache.lengths)
 step_logits, cache = extend(params, cache, tokens_BT[:, :P])  # prefill
 pieces = [step_logits]
 for t in range(P, T):  # decode one token at a time
@@ -196,7 +199,7 @@ print(f"max |prefill+decode - full forward| = {max_diff:.2e}")
 assert cached_BTV.shape == full_BTV.shape
 assert max_diff <= 1e-5
 assert (np.asarray(cache.lengths) == T).all()
-stored = sum(x.nbytes for x in (*cache.k, *cache.v))
+stored = cache.k.nbytes + cache.v.nbytes
 assert stored == kv_cache_bytes(small, B, small.max_len, dtype="float32")
 
 # %% [markdown]

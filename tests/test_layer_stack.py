@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_count import compiles
 from flax import nnx
 
 import attnlab
@@ -173,22 +174,14 @@ def test_stacked_parameters_have_a_leading_layer_axis():
     assert attnlab.count_params(cfg) == sum(x.size for x in jax.tree.leaves(state))
 
 
-def count_compiles(fn):
-    """How many XLA compilations ``fn()`` triggers."""
-    seen = []
-    listener = lambda event, *_, **__: seen.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return sum(e == "/jax/core/compile/backend_compile_duration" for e in seen)
-
-
 def test_build_model_initialises_under_one_compile():
     cfg = ModelConfig(**{**BASE, "d_model": 24, "d_ff": 40})
-    assert count_compiles(lambda: build_model(cfg, seed=0)) == 1
-    assert count_compiles(lambda: build_model(cfg, seed=1)) == 0  # the seed is traced
+    with compiles() as count:
+        build_model(cfg, seed=0)
+    assert count() == 1
+    with compiles() as count:
+        build_model(cfg, seed=1)
+    assert count() == 0  # the seed is traced
     a, b = build_model(cfg, seed=0), build_model(cfg, seed=0)
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
         np.testing.assert_array_equal(x, y)

@@ -50,12 +50,14 @@ def check_config(workdir: pathlib.Path, cfg):
     if not saved_path.exists():
         return
     saved = json.loads(saved_path.read_text())
-    if saved.get("model") != cfg.model.to_dict() or saved.get("data") != cfg.data.to_dict():
+    # Compared as JSON would hold them (tuples are lists there).
+    now = {g: json.loads(json.dumps(cfg[g].to_dict())) for g in ("model", "data")}
+    if any(saved.get(g) != now[g] for g in now):
         diff = sorted(
             f"{g}.{k}"
-            for g in ("model", "data")
-            for k in set(saved.get(g, {})) | set(cfg[g].to_dict())
-            if saved.get(g, {}).get(k) != cfg[g].to_dict().get(k)
+            for g in now
+            for k in set(saved.get(g, {})) | set(now[g])
+            if saved.get(g, {}).get(k) != now[g].get(k)
         )
         raise experiment.ExperimentError(
             f"{workdir} holds a run with a different model/data config (differs in {diff}); "
