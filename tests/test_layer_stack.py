@@ -28,14 +28,14 @@ CASES = {
     "alibi-gqa-window_on_layer_1": dict(
         position="alibi", n_kv_heads=2, sliding_window=2, sliding_window_layers=(1,)
     ),
-    "relative-qknorm": dict(position="relative", qk_norm=True, norm="rmsnorm"),
-    "none-dropout": dict(position="none", dropout=0.1, attention_dropout=0.1),
-    "encoder-learned-remat_full": dict(arch="encoder", position="learned", remat="full"),
+    "encoder-none-dropout-remat_full": dict(
+        arch="encoder", position="none", dropout=0.1, attention_dropout=0.1, remat="full"
+    ),
     "encoder_decoder-sinusoidal-gqa": dict(
         arch="encoder_decoder", position="sinusoidal", n_kv_heads=2, n_decoder_layers=2
     ),
-    "encoder_decoder-relative-remat_dots": dict(
-        arch="encoder_decoder", position="relative", remat="dots"
+    "encoder_decoder-relative-qknorm-remat_dots": dict(
+        arch="encoder_decoder", position="relative", qk_norm=True, norm="rmsnorm", remat="dots"
     ),
 }
 B, T = 2, 9
