@@ -18,9 +18,10 @@ import sys
 
 
 def _train(args, overrides):
-    from attnlab import experiment, runs
+    from attnlab import experiment, runs, sharding
 
     cfg = experiment.load_config(args.config, overrides)
+    sharding.initialize_distributed(cfg.distributed)  # before anything else uses JAX
     record = runs.train(cfg, args.workdir, progress=not args.no_progress)
     print(json.dumps(record))
 

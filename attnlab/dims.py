@@ -15,6 +15,9 @@ H     head dimension
 F     feed-forward hidden width
 V     vocabulary size
 L     number of layers
+P     learned position table rows (max_len + offset)
+X     relative-position buckets
+Y     token types (BERT segment embeddings)
 ====  ======================================================================
 
 Masks are boolean and broadcastable to ``[B, N|1, T, S]``; ``True`` means *may attend*.

@@ -103,6 +103,14 @@ def base_config() -> ConfigDict:
         )
     )
     c.checkpoint = ConfigDict(dict(every_steps=500, max_to_keep=3))
+    # The device mesh (attnlab.sharding): one axis may be -1, the remaining devices.
+    c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, context=1))
+    c.mesh.rules = ConfigDict()  # logical axis -> mesh axis overrides of sharding.RULES
+    # Many hosts: jax.distributed.initialize before anything else. "auto" initialises when
+    # a coordinator is given or a multi-task SLURM job is detected; "on" always; "off" never.
+    c.distributed = ConfigDict(
+        dict(initialize="auto", coordinator_address="", num_processes=0, process_id=-1)
+    )
     return c
 
 

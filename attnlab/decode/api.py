@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,60 @@ def result(prefix_rows, out, n, pad_id, logits=None, scores=None) -> GenerationR
     return GenerationResult(tokens, sequences, count, reasons, logits, scores)
 
 
+@dataclasses.dataclass
+class Placed:
+    """A generation's inputs, on a mesh or on the default device."""
+
+    params: Any
+    cache: Any
+    tokens: Any
+    lengths: Any
+    src: Any
+    valid: Any
+    rows: int  # the caller's rows; the others pad the batch to the mesh's batch axes
+    context: Any
+
+    def cut(self, out: dict) -> dict:
+        """The loop's outputs without the padding rows."""
+        B = self.rows
+        return {k: None if v is None or k == "cache" else np.asarray(v)[:B] for k, v in out.items()}
+
+
+def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap) -> Placed:
+    """Places a generation on ``mesh`` (rows padded to the batch axes, the cache sharded:
+    rows over the batch axes, kv heads over ``tensor`` where they divide), or leaves it on
+    the default device when there is no mesh of several devices."""
+    B = tokens_BT.shape[0]
+    as_jnp = lambda x: None if x is None else jnp.asarray(x)
+    if mesh is None or mesh.size == 1:
+        cache = kv_cache.init_cache(cfg, B, cap)
+        lengths = jnp.asarray(lengths_B, jnp.int32)
+        return Placed(params, cache, as_jnp(tokens_BT), lengths, as_jnp(src), as_jnp(valid), B,
+                      contextlib.nullcontext())  # fmt: skip
+    from attnlab import sharding
+
+    rules = sharding.resolve_rules()
+    rows = sharding.axis_size(mesh, rules["batch"])
+    pad = (-B) % rows
+    grow = lambda x: None if x is None else np.concatenate([x, np.repeat(x[-1:], pad, 0)])
+    tokens_BT, lengths_B, src, valid = map(grow, (tokens_BT, np.asarray(lengths_B), src, valid))
+    by_rows = lambda x: None if x is None else jax.device_put(
+        x, sharding.NamedSharding(mesh, sharding.P(rules["batch"], *[None] * (x.ndim - 1)))
+    )
+    kv = "tensor" if cfg.n_kv_heads % mesh.shape["tensor"] == 0 else None
+    cache_spec = sharding.P(None, rules["batch"], kv, None, None)
+    cache = kv_cache.init_cache(cfg, B + pad, cap)
+    cache = cache.replace(
+        k=jax.device_put(cache.k, sharding.NamedSharding(mesh, cache_spec)),
+        v=jax.device_put(cache.v, sharding.NamedSharding(mesh, cache_spec)),
+        lengths=by_rows(cache.lengths),
+    )
+    params = jax.device_put(params, sharding.tree_shardings(params, mesh, rules))
+    lengths = by_rows(lengths_B.astype(np.int32))
+    return Placed(params, cache, by_rows(tokens_BT.astype(np.int32)), lengths, by_rows(src),
+                  by_rows(valid), B, sharding.activate(mesh, rules))  # fmt: skip
+
+
 def _split(model):
     """``(graphdef, params, cfg, special ids)``; a ``Pretrained`` handle is split already."""
     from attnlab.pretrained.handle import Pretrained  # the handle imports this package
@@ -98,6 +154,7 @@ def generate(
     start_id: int | None = None,
     source_valid=None,
     recompute: bool = False,
+    mesh=None,
 ) -> GenerationResult:
     """Generates up to ``max_new_tokens`` tokens per row with a model or a ``Pretrained``.
 
@@ -115,6 +172,10 @@ def generate(
     for a decoder with ``ModelConfig.causal=False``, re-runs the whole sequence per token
     instead of using the cache. ``.tokens`` holds the new ids only, ``.sequences`` the
     prompt (or start token) too.
+
+    ``mesh`` (a ``jax.sharding.Mesh``, see ``attnlab.sharding``) decodes on it: parameters
+    sharded by their logical axes, the cache's rows over the batch axes and its kv heads over
+    ``tensor`` where they divide, the batch padded to the batch axes and cut afterwards.
     """
     graphdef, params, cfg, special = _split(model)
     if cfg.arch == "encoder":
@@ -211,19 +272,23 @@ def generate(
         return result(prefixes, out, n, pad_id, logits=out["logits_BSV"])
 
     decoder = Decoder.for_graph(graphdef, cfg)
-    cache = kv_cache.init_cache(cfg, B, cap)
-    if seq2seq:
-        cache = decoder.encode(params, cache, jnp.asarray(src), jnp.asarray(valid))
     tokens_BT = padded(ids_BP, lengths_B, bucket(int(lengths_B.max()), cap), pad_id)
-    logits_BV, cache = decoder.prefill(
-        params, cache, jnp.asarray(tokens_BT), jnp.asarray(lengths_B, jnp.int32)
-    )
-    if num_beams > 1:
-        out = decoder.beam_loop(
-            params, cache, logits_BV, *specials, np.float32(length_penalty), num_beams=num_beams
-        )
-        return result(prefixes, out, n, pad_id, scores=np.asarray(out["score_B"]))
-    out = decoder.sample_loop(
-        params, cache, logits_BV, key, *specials, sampling.traced(), return_logits=return_logits
-    )
+    placed = on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap)
+    with placed.context:
+        cache = placed.cache
+        if seq2seq:
+            cache = decoder.encode(placed.params, cache, placed.src, placed.valid)
+        logits_BV, cache = decoder.prefill(placed.params, cache, placed.tokens, placed.lengths)
+        if num_beams > 1:
+            out = decoder.beam_loop(
+                placed.params, cache, logits_BV, *specials, np.float32(length_penalty),
+                num_beams=num_beams,
+            )  # fmt: skip
+            out = placed.cut(out)
+            return result(prefixes, out, n, pad_id, scores=np.asarray(out["score_B"]))
+        out = decoder.sample_loop(
+            placed.params, cache, logits_BV, key, *specials, sampling.traced(),
+            return_logits=return_logits,
+        )  # fmt: skip
+    out = placed.cut(out)
     return result(prefixes, out, n, pad_id, logits=out["logits_BSV"])

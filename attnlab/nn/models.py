@@ -11,8 +11,6 @@ updated one; nothing is stored on the module between calls.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -142,7 +140,7 @@ class EncoderMLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _Embedder(cfg, rngs=rngs)
-        self.token_types = (
+        self.token_types_YD = (
             normal(rngs, (cfg.type_vocab_size, cfg.d_model), cfg.init_std, cfg.param_dtype)
             if cfg.type_vocab_size
             else None
@@ -171,9 +169,9 @@ class EncoderMLM(nnx.Module):
         """MLM logits and the encoder's last hidden state (``hidden``)."""
         B, T = tokens_BT.shape
         x_BTD = self.embed(tokens_BT)
-        if self.token_types is not None:
+        if self.token_types_YD is not None:
             types_BT = jnp.zeros_like(tokens_BT) if token_types_BT is None else token_types_BT
-            x_BTD = x_BTD + jnp.take(self.token_types[...], types_BT, axis=0).astype(x_BTD.dtype)
+            x_BTD = x_BTD + jnp.take(self.token_types_YD[...], types_BT, axis=0).astype(x_BTD.dtype)
         positions_BT = _default_positions(B, T) if positions_BT is None else positions_BT
         hidden_BTD, _, weights = self.encoder(
             x_BTD,
@@ -288,12 +286,16 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None
     if rngs is not None:
         return cls(cfg, rngs=rngs)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, _init_state(cfg, jnp.asarray(seed, jnp.uint32)))
+    return nnx.merge(graphdef, _init_jit(cfg, jnp.asarray(seed, jnp.uint32)))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init_state(cfg: ModelConfig, seed):
+def init_params(cfg: ModelConfig, seed):
+    """The parameter state of ``build_model(cfg, seed=seed)``, as a pure function of the
+    (traceable) seed: jit it, with output shardings on a mesh."""
     return nnx.state(ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+
+
+_init_jit = jax.jit(init_params, static_argnums=0)
 
 
 def count_params(cfg: ModelConfig) -> int:

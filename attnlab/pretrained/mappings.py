@@ -194,7 +194,7 @@ BERT = Mapping(
     rules=_table(
         ("bert.embeddings.word_embeddings.weight", "embed.tokens.embedding_VD"),
         ("bert.embeddings.position_embeddings.weight", "encoder.positions.table_PD"),
-        ("bert.embeddings.token_type_embeddings.weight", "token_types"),
+        ("bert.embeddings.token_type_embeddings.weight", "token_types_YD"),
         _norm("bert.embeddings.LayerNorm", "encoder.embed_norm"),
         _linear_attention(
             f"{_B}.attention",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
-from attnlab import experiment
+from attnlab import experiment, sharding
 from attnlab.checkpoint import Checkpointer
 from attnlab.data import make_task
 from attnlab.runs.workdir import CONFIG_FILE
@@ -31,7 +31,7 @@ def load_run(workdir):
     workdir = pathlib.Path(workdir)
     cfg = saved_config(workdir)
     task = make_task(cfg.data, workdir)
-    trainer = Trainer(cfg, kind=task.kind)
+    trainer = Trainer(cfg, kind=task.kind, mesh=sharding.mesh_from_config(cfg))
     with Checkpointer(workdir / "checkpoints") as ckpt:
         step = ckpt.latest_step()
         if step is None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab import experiment
+from attnlab import experiment, sharding
 from attnlab.checkpoint import PreemptionGuard
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
@@ -27,10 +27,11 @@ def open_runs(cfgs, workdirs):
     """Opens each run and builds its trainer (its own seed and initialisation)."""
     runs, trainers = [], []
     try:
+        mesh = sharding.mesh_from_config(cfgs[0])
         for cfg, workdir in zip(cfgs, workdirs, strict=True):
             mcfg = experiment.validate(cfg)
             runs.append(Run(cfg, workdir, mcfg))
-            trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind))
+            trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind, mesh=mesh))
     except BaseException:
         for run in runs:
             run.ckpt.close()
@@ -57,11 +58,14 @@ def _loop(trainer, runs, state, *, stacked: bool, progress: bool, stop_after) ->
     def view(tree, i):
         return jax.tree.map(lambda x: x[i], tree) if stacked else tree
 
+    rows = sharding.process_rows(batch_size)  # this process's rows of the global batch
+
     def batch(step):
         if not stacked:
-            return runs[0].task.train_batch(int(t.seed), step, batch_size)
+            whole = runs[0].task.train_batch(int(t.seed), step, batch_size)
+            return jax.tree.map(lambda x: x[rows], whole)
         parts = [r.task.train_batch(int(r.cfg.train.seed), step, batch_size) for r in runs]
-        return jax.tree.map(lambda *xs: np.stack(xs), *parts)
+        return jax.tree.map(lambda *xs: np.stack(xs)[:, rows], *parts)
 
     def empty_acc():
         acc = zeros_acc()

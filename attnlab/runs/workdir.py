@@ -12,6 +12,8 @@ import json
 import os
 import pathlib
 
+import jax
+
 from attnlab import experiment
 from attnlab.checkpoint import Checkpointer
 from attnlab.config import ModelConfig
@@ -20,8 +22,16 @@ from attnlab.data import make_task
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
 
 
+def is_writer() -> bool:
+    """Only process 0 writes a run's logs, metrics, samples and config (every process
+    writes its own checkpoint shards)."""
+    return jax.process_index() == 0
+
+
 def atomic_write(path: pathlib.Path, text: str):
     """Writes ``text`` to ``path`` through a temporary file and a rename."""
+    if not is_writer():
+        return
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -29,7 +39,7 @@ def atomic_write(path: pathlib.Path, text: str):
 
 def truncate_jsonl(path: pathlib.Path, last_step: int):
     """Drops records logged after ``last_step`` (they will be logged again on resume)."""
-    if not path.exists():
+    if not path.exists() or not is_writer():
         return
     kept = [
         line
@@ -40,6 +50,8 @@ def truncate_jsonl(path: pathlib.Path, last_step: int):
 
 
 def append_jsonl(path: pathlib.Path, record: dict):
+    if not is_writer():
+        return
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from attnlab import experiment
+from attnlab import experiment, sharding
 from attnlab.config import ModelConfig
 from attnlab.nn import build_model
+from attnlab.nn.models import init_params
 from attnlab.train.objectives import loss_sums
 from attnlab.train.optim import make_optimizer
 
@@ -36,36 +38,89 @@ def zeros_acc():
 
 
 class Trainer:
-    """Builds the model and optimiser of an experiment and jits its steps once."""
+    """Builds the model and optimiser of an experiment and jits its steps once.
 
-    def __init__(self, cfg, mcfg: ModelConfig | None = None, *, kind: str = "lm"):
+    With a ``mesh`` of more than one device, the state is initialised sharded (``jit`` with
+    ``out_shardings``: no device ever holds what its shard does not need), the steps keep
+    that sharding, and batches are placed over the batch axes (``place_batch``) before each
+    step. Without one, everything runs on the default device.
+    """
+
+    def __init__(self, cfg, mcfg: ModelConfig | None = None, *, kind: str = "lm", mesh=None):
         self.cfg = cfg
         self.mcfg = mcfg or experiment.validate(cfg)
         self.kind = kind
         self.total_steps = int(cfg.train.steps)
-        model = build_model(self.mcfg, seed=int(cfg.train.seed))
-        self.graphdef, params = nnx.split(model)
-        self._init_params = params
-        self.tx = make_optimizer(cfg.optim, self.total_steps, params)
+        self.seed = int(cfg.train.seed)
+        abstract_model = nnx.eval_shape(lambda: build_model(self.mcfg, rngs=nnx.Rngs(0)))
+        self.graphdef = nnx.graphdef(abstract_model)
+        abstract_params = jax.eval_shape(lambda: init_params(self.mcfg, jnp.uint32(0)))
+        self.tx = make_optimizer(cfg.optim, self.total_steps, abstract_params)
         self.accum = int(cfg.optim.grad_accum_steps)
-        self.train_step = jax.jit(self._train_step, donate_argnums=0)
-        self.eval_step = jax.jit(self._eval_step)
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.rules = sharding.resolve_rules(cfg.get("mesh", {}).get("rules"))
+        init_out, step_out = {}, {}
+        if self.mesh is not None:
+            self.check_batch(int(cfg.train.batch_size), "train.batch_size")
+            abstract = jax.eval_shape(self._init_state)
+            self.state_shardings = sharding.tree_shardings(abstract, self.mesh, self.rules)
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            init_out = dict(out_shardings=self.state_shardings)
+            step_out = dict(out_shardings=(self.state_shardings, replicated))
+        self.jitted_init = jax.jit(self._init_state, **init_out)
+        jit_train = jax.jit(self._train_step, donate_argnums=0, **step_out)
+        self.train_step = self._on_mesh(jit_train)
+        self.eval_step = self._on_mesh(jax.jit(self._eval_step))
         # Stacked trials: every state leaf has a leading trial axis; eval batches are shared.
-        self.stacked_train_step = jax.jit(jax.vmap(self._train_step), donate_argnums=0)
-        self.stacked_eval_step = jax.jit(jax.vmap(self._eval_step, in_axes=(0, None)))
+        self.stacked_train_step = self._on_mesh(
+            jax.jit(jax.vmap(self._train_step), donate_argnums=0), batch_axis=1
+        )
+        self.stacked_eval_step = self._on_mesh(
+            jax.jit(jax.vmap(self._eval_step, in_axes=(0, None)))
+        )
 
-    def init_state(self):
-        params = self._init_params
+    def check_batch(self, batch_size: int, field: str):
+        """A batch must split evenly over the mesh's batch axes."""
+        n = sharding.axis_size(self.mesh, self.rules.get("batch"))
+        if batch_size % n:
+            raise sharding.MeshError(
+                f"{field}={batch_size} is not divisible by the mesh's batch axes "
+                f"({n} devices: mesh.data x mesh.fsdp); use a multiple of {n}"
+            )
+
+    def _on_mesh(self, step, batch_axis: int = 0):
+        """``step(state_or_params, batch)`` with the batch placed and the mesh current."""
+        if self.mesh is None:
+            return step
+
+        def run(x, batch):
+            placed = sharding.place_batch(batch, self.mesh, self.rules, axis=batch_axis)
+            with sharding.activate(self.mesh, self.rules):
+                return step(x, placed)
+
+        run.lower = step.lower
+        return run
+
+    def _init_state(self):
+        params = init_params(self.mcfg, jnp.uint32(self.seed))
         return {
             "params": params,
             "opt_state": self.tx.init(params),
             "step": jnp.zeros((), jnp.int32),
             "acc": zeros_acc(),
-            "key": jax.random.key_data(jax.random.key(int(self.cfg.train.seed))),
+            "key": jax.random.key_data(jax.random.key(self.seed)),
         }
 
+    def init_state(self):
+        """The initial train state (sharded over the mesh when there is one)."""
+        if self.mesh is None:
+            return self.jitted_init()
+        with sharding.activate(self.mesh, self.rules):
+            return self.jitted_init()
+
     def abstract_state(self):
-        return jax.eval_shape(self.init_state)
+        """Shapes, dtypes and shardings of the state: a restore target."""
+        return jax.eval_shape(self.jitted_init)
 
     def model(self, params):
         return nnx.merge(self.graphdef, params)

@@ -1,0 +1,236 @@
+"""Training and decoding on a device mesh equal one device; meshes and rules fail clearly.
+
+The suite runs on one CPU device; the tests that need a mesh run in a child process with 8
+fake CPU devices (``--xla_force_host_platform_device_count=8``), started by
+``test_mesh_tests_pass_on_eight_cpu_devices``. In the parent they skip, saying so.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from attnlab import experiment, sharding
+from attnlab.train import Trainer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
+on_mesh = pytest.mark.skipif(
+    not CHILD, reason="runs in the child process with 8 CPU devices (see the test above)"
+)
+
+
+def test_mesh_tests_pass_on_eight_cpu_devices():
+    if CHILD:
+        pytest.skip("this is the child process")
+    env = dict(os.environ, ATTNLAB_MESH_CHILD="1")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout.splitlines()[-1]
+
+
+# Meshes and rules (no devices needed) --------------------------------------------------------
+
+
+def test_mesh_shape_fills_one_axis_and_names_both_numbers():
+    assert sharding.mesh_shape({"data": -1}, 8) == (8, 1, 1, 1)
+    assert sharding.mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == (2, 2, 2, 1)
+    with pytest.raises(sharding.MeshError, match=r"has 6 devices but 8 are present"):
+        sharding.mesh_shape({"data": 3, "tensor": 2}, 8)
+    with pytest.raises(sharding.MeshError, match="at most one may be -1"):
+        sharding.mesh_shape({"data": -1, "fsdp": -1}, 8)
+    with pytest.raises(sharding.MeshError, match=r"8 devices are not a multiple of 3"):
+        sharding.mesh_shape({"data": -1, "tensor": 3}, 8)
+
+
+def fake_mesh(**sizes):
+    return types.SimpleNamespace(shape={a: sizes.get(a, 1) for a in sharding.MESH_AXES})
+
+
+def test_logical_axes_come_from_the_parameter_names():
+    rules = sharding.resolve_rules()
+    mesh = fake_mesh(fsdp=2, tensor=4)
+    key = jax.tree_util.DictKey
+    path = (key("decoder"), key("layers"), key("attn"), key("q_DNH"))
+    names = sharding.logical_names(path, (3, 32, 8, 4))
+    assert names == ("layers", "embed", "heads", "head_dim")
+    assert tuple(sharding.spec(names, (3, 32, 8, 4), mesh, rules, what="q")) == (
+        None,
+        "fsdp",
+        "tensor",
+        None,
+    )
+    # A dimension an axis cannot split stays whole (kv heads), or fails (heads, batch).
+    assert tuple(sharding.spec(("kv_heads",), (2,), mesh, rules, what="k")) == (None,)
+    with pytest.raises(sharding.MeshError, match=r"heads dimension \(6\).*\(4 devices\)"):
+        sharding.spec(("heads",), (6,), mesh, rules, what="parameter q")
+    # One mesh axis serves one array axis: a [D, D] matrix is split once.
+    assert tuple(sharding.spec(("embed", "embed"), (32, 32), mesh, rules, what="t")) == (
+        "fsdp",
+        None,
+    )
+    with pytest.raises(sharding.MeshError, match="no shape suffix"):
+        sharding.logical_names((key("weights"),), (3, 4))
+
+
+def test_rules_are_data_and_unknown_names_fail():
+    rules = sharding.resolve_rules({"embed": None, "mlp": ["tensor"]})
+    assert rules["embed"] is None and rules["mlp"] == ("tensor",)
+    with pytest.raises(sharding.MeshError, match="logical axis 'embd'"):
+        sharding.resolve_rules({"embd": "fsdp"})
+    with pytest.raises(sharding.MeshError, match="no mesh axis"):
+        sharding.resolve_rules({"embed": "model"})
+
+
+# On 8 devices ---------------------------------------------------------------------------------
+
+
+def tiny(**model):
+    cfg = experiment.load_config(str(REPO / "experiments" / "char_lm.py") + ":tiny")
+    cfg.model.update(
+        dict(
+            vocab_size=64,
+            d_model=32,
+            n_heads=8,
+            n_kv_heads=4,
+            d_ff=64,
+            n_layers=2,
+            max_len=16,
+            dropout=0.1,
+            attention_dropout=0.1,
+        )
+        | model
+    )
+    cfg.data.seq_len = 16
+    cfg.train.update(batch_size=8, steps=8)
+    cfg.optim.warmup_steps = 2
+    return cfg
+
+
+def batches(n, B=8, T=16, V=64):
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "inputs": rng.integers(0, V, (B, T), dtype=np.int32),
+            "targets": rng.integers(0, V, (B, T), dtype=np.int32),
+            "loss_mask": np.ones((B, T), np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def run_steps(trainer, state, data):
+    losses = []
+    for b in data:
+        state, m = trainer.train_step(state, b)
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """Four steps on one device: the losses, and the parameters after three."""
+    cfg = tiny()
+    trainer = Trainer(cfg, kind="lm")
+    data = batches(4)
+    state, losses = run_steps(trainer, trainer.init_state(), data[:3])
+    params = host(state["params"])
+    _, last = run_steps(trainer, state, data[3:])
+    return types.SimpleNamespace(cfg=cfg, data=data, losses=losses + last, params=params)
+
+
+@on_mesh
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 1, 8)])
+def test_training_on_a_mesh_equals_one_device(one_device, shape):
+    mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape, strict=True)))
+    many = Trainer(one_device.cfg, kind="lm", mesh=mesh)
+    state8, losses8 = run_steps(many, many.init_state(), one_device.data[:3])
+    np.testing.assert_allclose(losses8, one_device.losses[:3], rtol=1e-5)
+    got, want = jax.tree.leaves(host(state8["params"])), jax.tree.leaves(one_device.params)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    leaf = state8["params"]["decoder"]["layers"]["attn"]["q_DNH"]
+    assert len(leaf.sharding.device_set) == 8
+
+
+@pytest.fixture(scope="module")
+def fsdp_trainer():
+    return Trainer(tiny(d_model=64, d_ff=128), kind="lm", mesh=sharding.make_mesh({"fsdp": 8}))
+
+
+@on_mesh
+def test_fsdp_holds_one_eighth_of_the_parameters_per_device(fsdp_trainer):
+    params = fsdp_trainer.init_state()["params"]
+    whole = sum(x.nbytes for x in jax.tree.leaves(params))
+    replicated = sum(x.nbytes for x in jax.tree.leaves(params) if x.sharding.is_fully_replicated)
+    per_device = sharding.per_device_bytes(params)
+    assert per_device == (whole - replicated) // 8 + replicated
+    assert replicated < whole / 20  # only vectors along no sharded axis (e.g. biases of H)
+    assert per_device < whole / 6
+
+
+@on_mesh
+def test_initialisation_is_sharded_from_the_start(fsdp_trainer):
+    """The init program's outputs are sharded: no device materialises the whole model."""
+    compiled = fsdp_trainer.jitted_init.lower().compile()
+    whole = sum(
+        np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(fsdp_trainer.abstract_state())
+    )
+    out_bytes = compiled.memory_analysis().output_size_in_bytes
+    assert out_bytes < whole / 4  # per device
+
+
+@on_mesh
+def test_save_on_one_mesh_restore_on_another_and_continue(one_device, tmp_path):
+    from attnlab.checkpoint import Checkpointer
+
+    cfg, data = one_device.cfg, one_device.data
+    first = Trainer(cfg, kind="lm", mesh=sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
+    state, got = run_steps(first, first.init_state(), data[:2])
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+        second = Trainer(cfg, kind="lm", mesh=sharding.make_mesh({"fsdp": 4, "tensor": 2}))
+        target = second.abstract_state()
+        restored = ckpt.restore(target, 2)
+    q = restored["params"]["decoder"]["layers"]["attn"]["q_DNH"]
+    assert q.sharding == target["params"]["decoder"]["layers"]["attn"]["q_DNH"].sharding
+    _, rest = run_steps(second, restored, data[2:])
+    np.testing.assert_allclose(got + rest, one_device.losses, rtol=1e-5)
+
+
+@on_mesh
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_sharded_cached_decoding_equals_one_device(arch):
+    from attnlab import ModelConfig, build_model, generate
+
+    cfg = ModelConfig(
+        arch=arch, vocab_size=64, d_model=32, n_heads=8, n_kv_heads=2, n_layers=2, max_len=32,
+        init_std=0.3,
+    )  # fmt: skip
+    model = build_model(cfg, seed=0)
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]  # 3 rows: padded to the data axis
+    kw = dict(start_id=1) if arch == "encoder_decoder" else {}
+    want = generate(model, prompts, 6, return_logits=True, **kw)
+    mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+    got = generate(model, prompts, 6, return_logits=True, mesh=mesh, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    assert got.tokens.shape == (3, 6)
