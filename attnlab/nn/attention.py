@@ -16,6 +16,7 @@ from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.nn.layers import Norm, normal
 from attnlab.ops.linear import add_bias, dense
+from attnlab.sharding import constrain
 from attnlab.variants import get_attention
 
 
@@ -77,6 +78,7 @@ class Attention(nnx.Module):
             q_BTNH = self.q_norm(q_BTNH)
         if cfg.position == "rope" and not self.cross:
             q_BTNH = ops.apply_rope(q_BTNH, positions_BT, theta=cfg.rope_theta)
+        q_BTNH = constrain(q_BTNH, "batch", "length", "act_heads", None)
 
         if self.cross:
             k_BSKH, v_BSKH = cache if cache is not None else self.project_kv(kv_BSD)

@@ -26,6 +26,7 @@ from attnlab.config import ModelConfig
 from attnlab.nn.attention import Attention
 from attnlab.nn.layers import FeedForward, LearnedPositions, Norm, RelativeBias
 from attnlab.ops.linear import dropout, fold
+from attnlab.sharding import constrain
 
 NO_WINDOW = jnp.iinfo(jnp.int32).max  # a layer's window when it attends to everything
 REMAT_POLICIES = {
@@ -229,6 +230,7 @@ class Stack(nnx.Module):
                 key=fold(key, index),
                 return_weights=return_weights,
             )
+            x_BTD = constrain(x_BTD, "batch", "length", "act_embed")  # the residual stream
             return (x_BTD, None if view is None else (view.k, view.v)), weights
 
         if self.cfg.remat != "none":

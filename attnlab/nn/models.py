@@ -21,6 +21,7 @@ from attnlab.kv_cache import KVCache
 from attnlab.nn.blocks import Stack
 from attnlab.nn.layers import Embed, Norm, normal
 from attnlab.ops.linear import add_bias, dense, fold
+from attnlab.sharding import constrain
 
 
 @struct.dataclass
@@ -87,7 +88,7 @@ class _LMHead(nnx.Module):
             logits_BTV = dense(x_BTD, self.head_DV[...], out_dtype=jnp.float32)
         if self.bias_V is not None:
             logits_BTV = add_bias(logits_BTV, self.bias_V[...].astype(jnp.float32))
-        return logits_BTV.astype(jnp.float32)
+        return constrain(logits_BTV.astype(jnp.float32), "batch", "length", "act_vocab")
 
 
 class _Embedder(nnx.Module):

@@ -94,7 +94,10 @@ def _loop(trainer, runs, state, *, stacked: bool, progress: bool, stop_after) ->
                 peak_lr = jax.device_get(injected_hyperparams(state["opt_state"])["learning_rate"])
                 now = time.perf_counter()
                 window = now - window_start
-                state["acc"] = empty_acc()
+                # Fresh accumulators where the old ones lie (global arrays on a mesh).
+                state["acc"] = jax.tree.map(
+                    lambda z, old: jax.device_put(z, old.sharding), empty_acc(), state["acc"]
+                )
                 evals = None
                 if do_eval:
                     evals = trainer.evaluate(state["params"], eval_batches, stacked=stacked)

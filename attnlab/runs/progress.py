@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 
+import jax
+
 
 class Progress:
     """A tqdm bar on a terminal, plain log lines otherwise (prefixed by a trial's label)."""
 
     def __init__(self, start, total, enabled):
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        self.quiet = jax.process_index() != 0  # one process speaks for a multi-host run
+        if enabled and sys.stderr.isatty() and not self.quiet:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
@@ -28,7 +31,7 @@ class Progress:
                     }
                 )
             return
-        for label, record in records:
+        for label, record in [] if self.quiet else records:
             fields = " ".join(
                 f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
             )
