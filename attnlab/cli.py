@@ -21,8 +21,7 @@ def _train(args, overrides):
     from attnlab import experiment, runs
 
     cfg = experiment.load_config(args.config, overrides)
-    record = runs.train(cfg, args.workdir, progress=not args.no_progress)
-    print(json.dumps(record))
+    runs.train(cfg, args.workdir, progress=not args.no_progress)  # logs its records itself
 
 
 def _eval(args, overrides):

@@ -9,7 +9,7 @@ class Progress:
     """A tqdm bar on a terminal, plain log lines otherwise (prefixed by a trial's label)."""
 
     def __init__(self, start, total, enabled):
-        self.bar = None
+        self.bar, self.last = None, []
         if enabled and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
@@ -19,6 +19,7 @@ class Progress:
         """Advances by ``n`` steps and shows ``records``, a list of (label, record) pairs."""
         if self.bar is not None:
             self.bar.update(n)
+            self.last = list(records) or self.last
             if records:
                 self.bar.set_postfix(
                     {
@@ -28,12 +29,19 @@ class Progress:
                     }
                 )
             return
-        for label, record in records:
-            fields = " ".join(
-                f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
-            )
-            print(f"[{label}] {fields}" if label else fields, flush=True)
+        _print(records)
 
     def close(self):
+        """Closes the bar and prints the last records (the bar showed only the losses)."""
         if self.bar is not None:
             self.bar.close()
+            _print(self.last)
+            self.bar = None
+
+
+def _print(records):
+    for label, record in records:
+        fields = " ".join(
+            f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+        )
+        print(f"[{label}] {fields}" if label else fields, flush=True)
