@@ -41,6 +41,10 @@ def _plot(args, overrides):
 def _sample(args, overrides):
     from attnlab import runs
 
+    if args.pretrained:
+        return _sample_pretrained(args)
+    if args.workdir is None:
+        raise SystemExit("attnlab sample: pass --workdir DIR (a run) or --pretrained DIR")
     cfg, trainer, task, params, step = runs.load_run(args.workdir)
     model = trainer.model(params)
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -52,10 +56,23 @@ def _sample(args, overrides):
         return
     if trainer.mcfg.arch != "decoder":
         raise SystemExit("sampling needs a decoder-only or encoder-decoder run")
-    ids = task.encode(args.prompt)
+    prompt = args.prompt[0] if args.prompt else ""
+    ids = task.encode(prompt)
     eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
     tokens = runs.continuation(model, ids, args.max_new_tokens, eos_id=eos, **common)
-    print(args.prompt + runs.decode_known(task, tokens))
+    print(prompt + runs.decode_known(task, tokens))
+
+
+def _sample_pretrained(args):
+    from attnlab.pretrained import load_pretrained
+
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    prompts = args.prompt or [""]
+    handle = load_pretrained(args.pretrained)
+    for prompt, text in zip(
+        prompts, handle.generate_text(prompts, args.max_new_tokens, **options), strict=True
+    ):
+        print(prompt + text)
 
 
 def _sweep(args, overrides):
@@ -111,9 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="output PNG (default: FIRST_DIR/loss.png)")
     pl.set_defaults(fn=_plot)
 
-    s = sub.add_parser("sample", help="sample from the latest checkpoint of a run")
-    s.add_argument("--workdir", required=True)
-    s.add_argument("--prompt", default="")
+    s = sub.add_parser("sample", help="sample from a run's latest checkpoint or a HF folder")
+    s.add_argument("--workdir", default=None)
+    s.add_argument("--pretrained", default=None, help="a Hugging Face folder with tokenizer.json")
+    s.add_argument(
+        "--prompt", default=None, action="append", help="repeat for several prompts (--pretrained)"
+    )
     s.add_argument("--source", default=None, help="source text for encoder-decoder runs")
     s.add_argument("--max-new-tokens", type=int, default=200)
     s.add_argument("--temperature", type=float, default=0.8)
