@@ -7,6 +7,10 @@ attnlab sweep --collect DIR
 attnlab eval --workdir DIR
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR --prompt "..." --max-new-tokens N [--temperature T ...]
+attnlab sample --pretrained HF_DIR --prompt "..." [--prompt "..."] --max-new-tokens N
+attnlab data prepare FILES_OR_GLOBS... --out DIR [--tokenizer bpe|byte|char|PATH]
+attnlab data fetch shakespeare | URL --sha256 HASH
+attnlab sweep ... --launcher local|slurm [--partition P --timeout-min M ...]
 """
 
 from __future__ import annotations
@@ -95,6 +99,13 @@ def _sweep(args, overrides):
         for line in sweep.commands(plan, workdir):
             print(line)
         return
+    if args.launcher != "inprocess":
+        from attnlab.sweep.launch import launch_sweep, resources_from_args
+
+        resources = resources_from_args(args, plan)
+        results = launch_sweep(plan, workdir, launcher=args.launcher, resources=resources)
+        print(sweep.markdown_table(results), end="")
+        return
     results = sweep.run_sweep(
         plan,
         workdir,
@@ -160,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--retry-failed", action="store_true", help="train failed trials again")
     w.add_argument("--no-progress", action="store_true", help="plain log lines only")
     w.set_defaults(fn=_sweep, overrides=True)
+    from attnlab.data.commands import add_parser as add_data_parser
+    from attnlab.sweep.launch import add_arguments as add_launch_arguments
+
+    add_launch_arguments(w)
+    add_data_parser(sub)
     return p
 
 
@@ -171,11 +187,12 @@ def main(argv=None) -> int:
     unknown = [a for a in extra if not a.startswith("--config.")]
     if unknown or (overrides and not getattr(args, "overrides", False)):
         parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
+    from attnlab.data.fetch import ChecksumError as DataError
     from attnlab.experiment import ExperimentError
 
     try:
         args.fn(args, overrides)
-    except (ExperimentError, FileNotFoundError) as e:
+    except (ExperimentError, FileNotFoundError, DataError) as e:
         print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
