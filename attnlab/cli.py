@@ -7,6 +7,10 @@ attnlab sweep --collect DIR
 attnlab eval --workdir DIR
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR --prompt "..." --max-new-tokens N [--temperature T ...]
+attnlab sample --pretrained HF_DIR --prompt "..." [--prompt "..."] --max-new-tokens N
+attnlab data prepare FILES_OR_GLOBS... --out DIR [--tokenizer bpe|byte|char|PATH]
+attnlab data fetch shakespeare | URL --sha256 HASH
+attnlab sweep ... --launcher local|slurm [--partition P --timeout-min M ...]
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ def _train(args, overrides):
 
     cfg = experiment.load_config(args.config, overrides)
     sharding.initialize_distributed(cfg.distributed)  # before anything else uses JAX
-    record = runs.train(cfg, args.workdir, progress=not args.no_progress)
-    print(json.dumps(record))
+    runs.train(cfg, args.workdir, progress=not args.no_progress)  # logs its records itself
 
 
 def _eval(args, overrides):
@@ -43,6 +46,10 @@ def _plot(args, overrides):
 def _sample(args, overrides):
     from attnlab import runs
 
+    if args.pretrained:
+        return _sample_pretrained(args)
+    if args.workdir is None:
+        raise SystemExit("attnlab sample: pass --workdir DIR (a run) or --pretrained DIR")
     cfg, trainer, task, params, step = runs.load_run(args.workdir)
     model = trainer.model(params)
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -54,10 +61,23 @@ def _sample(args, overrides):
         return
     if trainer.mcfg.arch != "decoder":
         raise SystemExit("sampling needs a decoder-only or encoder-decoder run")
-    ids = task.encode(args.prompt)
+    prompt = args.prompt[0] if args.prompt else ""
+    ids = task.encode(prompt)
     eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
     tokens = runs.continuation(model, ids, args.max_new_tokens, eos_id=eos, **common)
-    print(args.prompt + runs.decode_known(task, tokens))
+    print(prompt + runs.decode_known(task, tokens))
+
+
+def _sample_pretrained(args):
+    from attnlab.pretrained import load_pretrained
+
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    prompts = args.prompt or [""]
+    handle = load_pretrained(args.pretrained)
+    for prompt, text in zip(
+        prompts, handle.generate_text(prompts, args.max_new_tokens, **options), strict=True
+    ):
+        print(prompt + text)
 
 
 def _sweep(args, overrides):
@@ -79,6 +99,13 @@ def _sweep(args, overrides):
         sweep.write_manifest(plan, workdir)  # lets --collect name the trials' overrides
         for line in sweep.commands(plan, workdir):
             print(line)
+        return
+    if args.launcher != "inprocess":
+        from attnlab.sweep.launch import launch_sweep, resources_from_args
+
+        resources = resources_from_args(args, plan)
+        results = launch_sweep(plan, workdir, launcher=args.launcher, resources=resources)
+        print(sweep.markdown_table(results), end="")
         return
     results = sweep.run_sweep(
         plan,
@@ -113,9 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="output PNG (default: FIRST_DIR/loss.png)")
     pl.set_defaults(fn=_plot)
 
-    s = sub.add_parser("sample", help="sample from the latest checkpoint of a run")
-    s.add_argument("--workdir", required=True)
-    s.add_argument("--prompt", default="")
+    s = sub.add_parser("sample", help="sample from a run's latest checkpoint or a HF folder")
+    s.add_argument("--workdir", default=None)
+    s.add_argument("--pretrained", default=None, help="a Hugging Face folder with tokenizer.json")
+    s.add_argument(
+        "--prompt", default=None, action="append", help="repeat for several prompts (--pretrained)"
+    )
     s.add_argument("--source", default=None, help="source text for encoder-decoder runs")
     s.add_argument("--max-new-tokens", type=int, default=200)
     s.add_argument("--temperature", type=float, default=0.8)
@@ -142,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--retry-failed", action="store_true", help="train failed trials again")
     w.add_argument("--no-progress", action="store_true", help="plain log lines only")
     w.set_defaults(fn=_sweep, overrides=True)
+    from attnlab.data.commands import add_parser as add_data_parser
+    from attnlab.sweep.launch import add_arguments as add_launch_arguments
+
+    add_launch_arguments(w)
+    add_data_parser(sub)
     return p
 
 
@@ -153,11 +188,12 @@ def main(argv=None) -> int:
     unknown = [a for a in extra if not a.startswith("--config.")]
     if unknown or (overrides and not getattr(args, "overrides", False)):
         parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
+    from attnlab.data.fetch import ChecksumError as DataError
     from attnlab.experiment import ExperimentError
 
     try:
         args.fn(args, overrides)
-    except (ExperimentError, FileNotFoundError) as e:
+    except (ExperimentError, FileNotFoundError, DataError) as e:
         print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

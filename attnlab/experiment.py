@@ -74,6 +74,7 @@ def base_config() -> ConfigDict:
             max_len=0,
             mask_rate=0.15,
             max_chars=2_000_000,
+            vocab_size=1024,  # of a data.tokenizer="bpe" trained on the corpus
         )
     )
     c.optim = ConfigDict(
@@ -91,7 +92,9 @@ def base_config() -> ConfigDict:
             grad_accum_steps=1,
         )
     )
-    c.train = ConfigDict(dict(steps=1000, batch_size=32, seed=0, log_every_steps=10))
+    c.train = ConfigDict(
+        dict(steps=1000, batch_size=32, seed=0, log_every_steps=10, profile_steps="")
+    )
     c.eval = ConfigDict(
         dict(
             every_steps=200,
@@ -110,6 +113,10 @@ def base_config() -> ConfigDict:
     # a coordinator is given or a multi-task SLURM job is detected; "on" always; "off" never.
     c.distributed = ConfigDict(
         dict(initialize="auto", coordinator_address="", num_processes=0, process_id=-1)
+    )
+    # Metrics also go to TensorBoard (DIR/tb) and, with a project, to Weights & Biases.
+    c.track = ConfigDict(
+        dict(tensorboard=True, wandb_project="", wandb_entity="", wandb_mode="offline")
     )
     return c
 

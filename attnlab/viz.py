@@ -86,15 +86,27 @@ def read_metrics(workdir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def distinct_colors(n: int) -> list:
+    """``n`` colours, none repeated: tab10, tab20, then evenly spaced along ``turbo``."""
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return [f"C{i}" for i in range(n)]
+    if n <= 20:
+        return [colormaps["tab20"](i) for i in range(n)]
+    return [colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
 def plot_loss_curves(workdirs, *, labels=None, title="loss", log_y=False) -> Figure:
     """Train (solid) and eval (dashed, markers) loss against step for one or more runs."""
     workdirs = [workdirs] if isinstance(workdirs, str | pathlib.Path) else list(workdirs)
     labels = labels or [pathlib.Path(w).name or str(w) for w in workdirs]
     fig = Figure(figsize=(7, 4.2), layout="constrained")
     ax = fig.add_subplot()
+    colors = distinct_colors(len(workdirs))
     for i, (workdir, label) in enumerate(zip(workdirs, labels, strict=True)):
         records = read_metrics(workdir)
-        color = f"C{i % 10}"
+        color = colors[i]
         train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
         if train:
@@ -110,6 +122,7 @@ def plot_loss_curves(workdirs, *, labels=None, title="loss", log_y=False) -> Fig
             )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
+    ax.ticklabel_format(axis="y", useOffset=False)
     if log_y:
         ax.set_yscale("log")
     ax.set_title(title)

@@ -1,8 +1,9 @@
 """The widely quoted CPU baseline shape on tiny Shakespeare, character-level.
 
 4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 steps, no dropout, lr 2e-3 with
-warmup + cosine; validation is the last 10% of the characters. Point
-``data.path`` at ``tinyshakespeare.txt`` (default: ``../shared/data/tinyshakespeare.txt``).
+warmup + cosine; validation is the last 10% of the characters. The text is karpathy/char-rnn's
+``tinyshakespeare`` (1,115,394 bytes), read from the cache: ``attnlab data fetch shakespeare``
+downloads it once (``data.path="cache:shakespeare"``; any other path works too).
 
 ``sweep()`` is learning rate x seed; its nine trials differ only in values that live in the
 train state, so ``attnlab sweep`` trains them as one vmapped program::
@@ -37,7 +38,7 @@ def get_config(variant=None):
     )
     c.data.update(
         kind="text",
-        path="../shared/data/tinyshakespeare.txt",
+        path="cache:shakespeare",
         tokenizer="char",
         seq_len=64,
         val_fraction=0.1,

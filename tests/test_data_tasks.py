@@ -1,11 +1,22 @@
 """Tasks: every kind builds, batches are pure functions of (seed, step), ids are checked."""
 
+import functools
+import pathlib
+import tempfile
 import types
 
 import numpy as np
 import pytest
 
-from attnlab.data import TASK_KINDS, CharTokenizer, Task, batch_rng, load_tokenizer, make_task
+from attnlab.data import (
+    TASK_KINDS,
+    CharTokenizer,
+    Task,
+    batch_rng,
+    load_tokenizer,
+    make_task,
+    stdlib_corpus,
+)
 
 SEQ_LEN, BATCH = 32, 8
 FIELDS = {
@@ -21,7 +32,20 @@ FIELDS = {
 }
 
 
+@functools.cache
+def _prepared_corpus() -> str:
+    """A byte-level prepared corpus of the embedded text (made once per session)."""
+    from attnlab.data.prepared import prepare
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="attnlab-prepared-"))
+    (root / "corpus.txt").write_text(stdlib_corpus(50_000))
+    prepare([root / "corpus.txt"], root / "prepared", tokenizer="byte", progress=False)
+    return str(root / "prepared")
+
+
 def _cfg(kind, **overrides):
+    if kind == "prepared":
+        overrides = {"path": _prepared_corpus(), **overrides}
     return {"kind": kind, "seq_len": SEQ_LEN, "max_chars": 50_000, **overrides}
 
 

@@ -28,6 +28,14 @@ def load_text(path) -> str:
     """Read a UTF-8 text file, with an error that says what to do when it is missing."""
     path = pathlib.Path(path)
     if not path.is_file():
+        from attnlab.data.fetch import DATASETS
+
+        for name, known in DATASETS.items():
+            if path.name == known.filename:
+                raise FileNotFoundError(
+                    f"data.path: no such file {str(path)!r}; `attnlab data fetch {name}` "
+                    f"downloads {known.filename}, then use data.path='cache:{name}'"
+                )
         raise FileNotFoundError(
             f"data.path: no such file {str(path)!r}; leave data.path empty to use the embedded "
             "corpus (the Python standard library's source)"

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from attnlab.data import synthetic
+from attnlab.data import fetch, synthetic
 from attnlab.data.corpus import DEFAULT_MAX_CHARS, load_text, split_train_val, stdlib_corpus
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, validate_ids
 
@@ -46,6 +46,7 @@ TASK_KINDS = (
     "addition",
     "mlm",
     "mlm_text",
+    "prepared",
 )
 TOKENIZER_FILE = "tokenizer.json"
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -67,6 +68,7 @@ _DEFAULTS = {
     "max_len": 0,
     "mask_rate": 0.15,
     "max_chars": DEFAULT_MAX_CHARS,
+    "vocab_size": 0,
 }
 
 
@@ -167,28 +169,53 @@ def _field(cfg, name):
 def _load_corpus(path, max_chars) -> str:
     if not path:
         return stdlib_corpus(max_chars if max_chars and max_chars > 0 else None)
-    text = load_text(path)
+    text = load_text(fetch.resolve(path))
     return text[:max_chars] if max_chars and max_chars > 0 else text
 
 
-def _text_tokenizer(name, text, workdir):
-    """The tokenizer for a text task; a char vocabulary is kept in ``workdir`` for resuming."""
+def _text_tokenizer(name, text, workdir, vocab_size=0):
+    """The tokenizer for a text task, kept in ``workdir/tokenizer.json`` for resuming.
+
+    ``name``: "char" (the corpus's characters), "byte", "bpe" (a byte-level BPE of
+    ``vocab_size`` ids trained on the corpus) or the path of a ``tokenizer.json``.
+    """
     if name == "byte":
         return ByteTokenizer()
-    if name != "char":
-        raise ValueError(f"data.tokenizer must be 'char' or 'byte', got {name!r}")
+    if name == "char":
+        build, kind = (lambda: CharTokenizer.from_text(text)), "char"
+    elif name == "bpe":
+        from attnlab.data.bpe import train_bpe
+
+        build, kind = (lambda: train_bpe(text, int(vocab_size) or 1024)), "bpe"
+    elif name.endswith(".json") or pathlib.Path(name).is_file():
+        build, kind = (lambda: load_tokenizer(name)), None
+    else:
+        raise ValueError(
+            f"data.tokenizer must be 'char', 'byte', 'bpe' or a tokenizer.json path, got {name!r}"
+        )
     if workdir is None:
-        return CharTokenizer.from_text(text)
+        return build()
     path = pathlib.Path(workdir) / TOKENIZER_FILE
     if path.exists():
         tokenizer = load_tokenizer(path)
-        if not isinstance(tokenizer, CharTokenizer):
-            raise ValueError(f"{path} holds a {tokenizer.kind} tokenizer but data.tokenizer='char'")
+        if kind is not None and tokenizer.kind != kind:
+            raise ValueError(
+                f"{path} holds a {tokenizer.kind} tokenizer but data.tokenizer={name!r}"
+            )
         return tokenizer
-    tokenizer = CharTokenizer.from_text(text)
+    tokenizer = build()
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(path)
     return tokenizer
+
+
+def host_rows(batch_size: int, host=(0, 1)) -> slice:
+    """The rows of a global batch that process ``host[0]`` of ``host[1]`` reads."""
+    index, count = host
+    if batch_size % count:
+        raise ValueError(f"train.batch_size={batch_size} must divide over {count} processes")
+    per = batch_size // count
+    return slice(index * per, (index + 1) * per)
 
 
 def _windows(ids, starts, length):
@@ -200,16 +227,22 @@ def _spread_starts(ids, length, count):
     return np.rint(np.linspace(0, len(ids) - length, count)).astype(np.int64)
 
 
-def _text_task(cfg, workdir, mlm):
-    name, seq_len = _field(cfg, "kind"), _field(cfg, "seq_len")
+def _text_task(cfg, workdir, mlm, host=(0, 1)):
+    name = _field(cfg, "kind")
     text = _load_corpus(_field(cfg, "path"), _field(cfg, "max_chars"))
-    tokenizer = _text_tokenizer(_field(cfg, "tokenizer"), text, workdir)
+    tokenizer = _text_tokenizer(_field(cfg, "tokenizer"), text, workdir, _field(cfg, "vocab_size"))
     try:
         ids = tokenizer.encode(text)
     except ValueError as err:
         where = f" (vocabulary loaded from {pathlib.Path(workdir) / TOKENIZER_FILE})"
         raise ValueError(f"data.path: {err}{where if workdir is not None else ''}") from err
     train, val = split_train_val(ids, _field(cfg, "val_fraction"))
+    return token_task(cfg, name, tokenizer, train, val, mlm=mlm, host=host)
+
+
+def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1)) -> Task:
+    """A text task over token arrays (in memory or memory-mapped); windows are read by index."""
+    seq_len = _field(cfg, "seq_len")
     window = seq_len if mlm else seq_len + 1
     for split, part in (("train", train), ("validation", val)):
         if len(part) < window:
@@ -227,7 +260,8 @@ def _text_task(cfg, workdir, mlm):
             return {"inputs": window_ids[:, :-1], "targets": window_ids[:, 1:], "loss_mask": ones}
 
         def sample(rng, batch_size):
-            return lm(_windows(train, rng.integers(0, len(train) - seq_len, batch_size), window))
+            starts = rng.integers(0, len(train) - seq_len, batch_size)[host_rows(batch_size, host)]
+            return lm(_windows(train, starts, window))
 
         def evaluate(batch_size, num_batches):
             starts = _spread_starts(val, window, batch_size * num_batches)
@@ -335,18 +369,24 @@ def _synthetic_task(cfg):
     )
 
 
-def make_task(data_cfg, workdir=None) -> Task:
+def make_task(data_cfg, workdir=None, host=(0, 1)) -> Task:
     """Build the task ``data_cfg.kind`` names (``data_cfg``: a mapping or attribute object).
 
     Fields read (missing or None = the default): kind, path ("" = the embedded standard-library
     corpus), tokenizer ("char" | "byte"), seq_len, val_fraction, num_symbols, min_len, max_len
-    (0 = the largest that fits seq_len), mask_rate, max_chars (<= 0 = no limit).
-    With a char tokenizer and a ``workdir``, the vocabulary is written to
-    ``workdir/tokenizer.json`` on the first call and read back on later ones.
+    (0 = the largest that fits seq_len), mask_rate, max_chars (<= 0 = no limit), vocab_size
+    (of a "bpe" tokenizer). With a ``workdir`` the tokenizer is written to
+    ``workdir/tokenizer.json`` on the first call and read back on later ones. ``kind="prepared"``
+    reads a directory written by ``attnlab data prepare`` (``data.path``), memory-mapped.
+    ``host`` = (process index, process count): which rows of each training batch to read.
     """
     name = _field(data_cfg, "kind")
     if name not in TASK_KINDS:
         raise ValueError(f"data.kind must be one of {', '.join(TASK_KINDS)}; got {name!r}")
     if name in ("text", "mlm_text"):
-        return _text_task(data_cfg, workdir, mlm=name == "mlm_text")
+        return _text_task(data_cfg, workdir, mlm=name == "mlm_text", host=host)
+    if name == "prepared":
+        from attnlab.data.prepared import prepared_task
+
+        return prepared_task(data_cfg, workdir, host=host)
     return _synthetic_task(data_cfg)

@@ -2,7 +2,8 @@
 
 Both tokenizers share one API: ``vocab_size``, ``encode(str) -> int32 [n]``,
 ``decode(ids) -> str`` and ``save(path)`` (JSON with a ``"kind"`` field);
-``load_tokenizer(path)`` reads either kind back.
+``load_tokenizer(path)`` reads either kind back, and a Hugging Face ``tokenizer.json``
+(``attnlab.data.bpe``) too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-TOKENIZER_KINDS = ("char", "byte")
+TOKENIZER_KINDS = ("char", "byte", "bpe")
 
 
 def validate_ids(ids, vocab_size, name="input ids"):
@@ -126,10 +127,14 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-def load_tokenizer(path) -> CharTokenizer | ByteTokenizer:
-    """Read a tokenizer written by ``save``, whichever its kind."""
+def load_tokenizer(path):
+    """Read a tokenizer written by ``save``, whichever its kind, or a Hugging Face one."""
     payload = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     kind = payload.get("kind")
+    if kind is None and "model" in payload:  # the tokenizers library's own format
+        from attnlab.data.bpe import HFTokenizer
+
+        return HFTokenizer.from_file(path)
     if kind == "char":
         return CharTokenizer(payload["chars"])
     if kind == "byte":

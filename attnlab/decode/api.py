@@ -105,8 +105,12 @@ def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap) -> Placed:
     pad = (-B) % rows
     grow = lambda x: None if x is None else np.concatenate([x, np.repeat(x[-1:], pad, 0)])
     tokens_BT, lengths_B, src, valid = map(grow, (tokens_BT, np.asarray(lengths_B), src, valid))
-    by_rows = lambda x: None if x is None else jax.device_put(
-        x, sharding.NamedSharding(mesh, sharding.P(rules["batch"], *[None] * (x.ndim - 1)))
+    by_rows = lambda x: (
+        None
+        if x is None
+        else jax.device_put(
+            x, sharding.NamedSharding(mesh, sharding.P(rules["batch"], *[None] * (x.ndim - 1)))
+        )
     )
     kv = "tensor" if cfg.n_kv_heads % mesh.shape["tensor"] == 0 else None
     cache_spec = sharding.P(None, rules["batch"], kv, None, None)

@@ -259,3 +259,10 @@ class Pretrained:
         elif mask is not None:
             options["source_valid"] = np.asarray(mask)
         return generate(self, ids, max_new_tokens, eos_id=eos_id, **options)
+
+    def generate_text(self, prompts, max_new_tokens: int = 32, **options):
+        """Continuations of a prompt (str) or prompts (list) as text, through the folder's
+        ``tokenizer.json``; the ids are those of ``generate`` (``options`` go to it)."""
+        from attnlab.pretrained.text import generate_text
+
+        return generate_text(self, prompts, max_new_tokens, **options)

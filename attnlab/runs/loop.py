@@ -19,6 +19,7 @@ from attnlab import experiment, sharding
 from attnlab.checkpoint import PreemptionGuard
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
+from attnlab.runs.tracking import Profiler, Tracker, describe
 from attnlab.runs.workdir import METRICS_FILE, SAMPLES_FILE, Run
 from attnlab.train import Trainer, injected_hyperparams, lr_multiplier, zeros_acc
 
@@ -32,14 +33,17 @@ def open_runs(cfgs, workdirs):
             mcfg = experiment.validate(cfg)
             runs.append(Run(cfg, workdir, mcfg))
             trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind, mesh=mesh))
+            runs[-1].tracker = Tracker(cfg, workdir, start_step=runs[-1].start or 0)
     except BaseException:
         for run in runs:
             run.ckpt.close()
+            if getattr(run, "tracker", None) is not None:
+                run.tracker.close()
         raise
     return runs, trainers
 
 
-def _loop(trainer, runs, state, *, stacked: bool, progress: bool, stop_after) -> bool:
+def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None) -> bool:
     """Trains ``runs`` from their common start step; True when a signal stopped it.
 
     With ``stacked`` every leaf of ``state`` has a leading axis indexing ``runs`` and one
@@ -81,8 +85,12 @@ def _loop(trainer, runs, state, *, stacked: bool, progress: bool, stop_after) ->
     with PreemptionGuard() as guard:
         step = start
         while step < total and active():
+            if profiler is not None:
+                profiler.before(step + 1)
             state, _ = train_step(state, batch(step))
             step += 1
+            if profiler is not None:
+                profiler.after(step, state)
             window_steps += 1
             do_eval = bool(eval_batches) and (step % e.every_steps == 0 or step == total)
             do_log = step % t.log_every_steps == 0 or do_eval or step == total
@@ -123,7 +131,9 @@ def _loop(trainer, runs, state, *, stacked: bool, progress: bool, stop_after) ->
                         text = sample_text(trainer, r.task, view(state["params"], i), r.cfg, step)
                         if text is not None:
                             r.log({"step": step, "text": text}, SAMPLES_FILE)
+                            r.tracker.sample(step, text)
                     r.log(record, METRICS_FILE)
+                    r.tracker.metrics(record)
                     r.record = record
                     logged.append((r.workdir.name if stacked else "", record))
                 window_start, window_steps = time.perf_counter(), 0
@@ -151,7 +161,10 @@ def train_runs(cfgs, workdirs, *, stacked, progress, stop_after):
     Returns the ``Run`` objects (closed) and whether a signal stopped the training.
     """
     runs, trainers = open_runs(cfgs, workdirs)
+    profiler = Profiler(runs[0].cfg, runs[0].workdir)
     try:
+        if len(runs) == 1 and runs[0].start is None:
+            print(describe(runs[0], trainers[0]), flush=True)
         abstract = trainers[0].abstract_state()
         states = [r.initial_state(tr, abstract) for r, tr in zip(runs, trainers, strict=True)]
         by_start: dict[int, list[int]] = {}
@@ -168,13 +181,21 @@ def train_runs(cfgs, workdirs, *, stacked, progress, stop_after):
                 states[i] = None  # the loop owns (and donates) the state from here on
             sub = [runs[i] for i in idx]
             if _loop(
-                trainers[0], sub, state, stacked=stacked, progress=progress, stop_after=stop_after
+                trainers[0],
+                sub,
+                state,
+                stacked=stacked,
+                progress=progress,
+                stop_after=stop_after,
+                profiler=profiler,
             ):
                 return runs, True
         return runs, False
     finally:
+        profiler.stop()
         for r in runs:
             r.ckpt.close()
+            r.tracker.close()
 
 
 def train(cfg, workdir, *, progress: bool = True, stop_after: int | None = None) -> dict:

@@ -11,7 +11,7 @@ class Progress:
     """A tqdm bar on a terminal, plain log lines otherwise (prefixed by a trial's label)."""
 
     def __init__(self, start, total, enabled):
-        self.bar = None
+        self.bar, self.last = None, []
         self.quiet = jax.process_index() != 0  # one process speaks for a multi-host run
         if enabled and sys.stderr.isatty() and not self.quiet:
             from tqdm.auto import tqdm
@@ -22,6 +22,7 @@ class Progress:
         """Advances by ``n`` steps and shows ``records``, a list of (label, record) pairs."""
         if self.bar is not None:
             self.bar.update(n)
+            self.last = list(records) or self.last
             if records:
                 self.bar.set_postfix(
                     {
@@ -31,12 +32,20 @@ class Progress:
                     }
                 )
             return
-        for label, record in [] if self.quiet else records:
-            fields = " ".join(
-                f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
-            )
-            print(f"[{label}] {fields}" if label else fields, flush=True)
+        if not self.quiet:
+            _print(records)
 
     def close(self):
+        """Closes the bar and prints the last records (the bar showed only the losses)."""
         if self.bar is not None:
             self.bar.close()
+            _print(self.last)
+            self.bar = None
+
+
+def _print(records):
+    for label, record in records:
+        fields = " ".join(
+            f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+        )
+        print(f"[{label}] {fields}" if label else fields, flush=True)

@@ -78,6 +78,12 @@ def check_config(workdir: pathlib.Path, cfg):
         )
 
 
+def _host() -> tuple[int, int]:
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
 class Run:
     """One run's work directory: its config, task, checkpoints, logs and where it stands."""
 
@@ -86,7 +92,7 @@ class Run:
         self.workdir.mkdir(parents=True, exist_ok=True)
         check_config(self.workdir, cfg)
         atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(cfg))
-        self.task = make_task(cfg.data, self.workdir)
+        self.task = make_task(cfg.data, self.workdir, host=_host())
         vocab = self.task.vocab_size
         if vocab > mcfg.vocab_size:
             raise experiment.ExperimentError(
@@ -109,7 +115,14 @@ class Run:
         self.elapsed = float(self.ckpt.restore_metadata(self.start).get("elapsed_sec", 0.0))
         truncate_jsonl(self.workdir / METRICS_FILE, self.start)
         truncate_jsonl(self.workdir / SAMPLES_FILE, self.start)
-        print(f"resuming from step {self.start} in {self.workdir}", flush=True)
+        if self.start >= int(self.cfg.train.steps):
+            print(
+                f"already finished: {self.workdir} holds step {self.start} of "
+                f"{int(self.cfg.train.steps)}; raise train.steps to train on",
+                flush=True,
+            )
+        else:
+            print(f"resuming from step {self.start} in {self.workdir}", flush=True)
         return state
 
     def save(self, step, state):

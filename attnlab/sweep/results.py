@@ -257,40 +257,55 @@ def _short_label(overrides: dict) -> str:
 
 
 def plot_final_metric(results: dict):
-    """One panel per swept key: each trial's final eval loss (train loss without evals)."""
+    """One panel per swept key: the final eval loss (train loss without evals) of the trials
+    grouped by that key's value, as mean +- standard deviation over seeds and the other keys.
+
+    Seeds are never an x axis (no line is drawn across seeds); a sweep over seeds alone shows
+    each seed's point and their mean +- std band. Axes never use an offset.
+    """
     from matplotlib.figure import Figure
 
     rows = [r for r in results["trials"] if r["status"] == "finished"]
     metric = "final_eval_loss" if any(r["final_eval_loss"] is not None for r in rows) else None
     metric = metric or "final_train_loss"
     rows = [r for r in rows if r[metric] is not None and math.isfinite(r[metric])]
-    keys = results["keys"]
+    keys = [k for k in results["keys"] if k != "train.seed"] or results["keys"][:1]
     if not rows or not keys:
         return None
     fig = Figure(figsize=(4.2 * len(keys), 3.6), layout="constrained")
     axes = fig.subplots(1, len(keys), squeeze=False)[0]
     for ax, key in zip(axes, keys, strict=True):
         points = [(r["overrides"][key], r[metric]) for r in rows if key in r["overrides"]]
+        labels = list(dict.fromkeys(format_value(x) for x, _ in points))
         numeric = all(isinstance(x, int | float) and not isinstance(x, bool) for x, _ in points)
-        if numeric:
-            xs, ys = [float(x) for x, _ in points], [y for _, y in points]
-            ax.scatter(xs, ys, s=18)
-            distinct = sorted(set(xs))
-            means = [
-                statistics.fmean(y for x, y in zip(xs, ys, strict=True) if x == d) for d in distinct
-            ]
-            ax.plot(distinct, means, color="0.5", lw=1)  # mean over the other swept keys
-            if key.rsplit(".", 1)[-1] in LOG_X_LEAVES and min(xs) > 0:
-                ax.set_xscale("log")
-            if len(distinct) <= 12:  # label the swept values themselves
-                given = {float(x): x for x, _ in points}
-                ax.set_xticks(distinct, [format_value(given[d]) for d in distinct])
-                ax.minorticks_off()
+        if key == "train.seed":  # seeds alone: points, and one band for their spread
+            ys = [y for _, y in points]
+            ax.scatter(range(len(ys)), ys, s=18, color="C0")
+            mean, std = statistics.fmean(ys), statistics.stdev(ys) if len(ys) > 1 else 0.0
+            ax.axhspan(mean - std, mean + std, color="C0", alpha=0.15, label="mean +- std")
+            ax.axhline(mean, color="C0", lw=1)
+            ax.set_xticks(range(len(ys)), labels)
+            ax.legend(fontsize="x-small")
         else:
-            labels = list(dict.fromkeys(format_value(x) for x, _ in points))
-            ax.scatter([labels.index(format_value(x)) for x, _ in points], [y for _, y in points])
-            ax.set_xticks(range(len(labels)), labels, rotation=30)
+            given = {format_value(x): x for x, _ in points}
+            order = sorted(labels, key=lambda s: float(given[s])) if numeric else labels
+            pos = [float(given[s]) for s in order] if numeric else list(range(len(order)))
+            groups = [[y for x, y in points if format_value(x) == s] for s in order]
+            means = [statistics.fmean(g) for g in groups]
+            stds = [statistics.stdev(g) if len(g) > 1 else 0.0 for g in groups]
+            for p, g in zip(pos, groups, strict=True):
+                ax.scatter([p] * len(g), g, s=10, color="0.55", zorder=2)
+            ax.errorbar(pos, means, yerr=stds, fmt="o-", color="C0", capsize=3, zorder=3)
+            lo = [m - s for m, s in zip(means, stds, strict=True)]
+            hi = [m + s for m, s in zip(means, stds, strict=True)]
+            ax.fill_between(pos, lo, hi, color="C0", alpha=0.15, lw=0)
+            if numeric and key.rsplit(".", 1)[-1] in LOG_X_LEAVES and min(pos) > 0:
+                ax.set_xscale("log")
+            if len(pos) <= 12:  # label the swept values themselves
+                ax.set_xticks(pos, order, rotation=0 if numeric else 30)
+                ax.minorticks_off()
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
         ax.set_xlabel(key)
-        ax.set_ylabel(metric.replace("_", " "))
+        ax.set_ylabel(metric.replace("_", " ") + " (mean +- std)")
         ax.grid(alpha=0.3)
     return fig

@@ -1,0 +1,166 @@
+"""Where metrics go besides ``metrics.jsonl`` (which stays the source of truth), and profiles.
+
+``Tracker`` writes each logged record, the resolved config (as hyperparameters) and samples
+to TensorBoard event files in ``DIR/tb`` (``track.tensorboard``, on by default, through
+``tensorboardX``) and to Weights & Biases when ``track.wandb_project`` is set
+(``track.wandb_mode="offline"`` writes ``DIR/wandb`` without a network). A resumed run purges
+TensorBoard events logged after its checkpoint, as ``metrics.jsonl`` drops its records.
+
+``Profiler`` traces the steps ``train.profile_steps="A,B"`` (A to B inclusive) with
+``jax.profiler`` into ``DIR/tb/plugins/profile/<time>/``: ``*.xplane.pb`` for TensorBoard's
+profile plugin and ``perfetto_trace.json.gz`` for Perfetto.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+
+from attnlab import experiment
+
+TB_DIR = "tb"
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, bool | int | float | str) else json.dumps(v)
+    return out
+
+
+class Tracker:
+    """TensorBoard and Weights & Biases writers of one run; ``None`` writers do nothing."""
+
+    def __init__(self, cfg, workdir, start_step: int = 0):
+        workdir = pathlib.Path(workdir)
+        track = cfg.get("track") or {}
+        self.tb = self.wandb = None
+        hparams = _flat(json.loads(experiment.to_json(cfg)))
+        if track.get("tensorboard", True):
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start_step or None)
+            if not start_step:
+                self.tb.add_text("config", f"```\n{experiment.to_json(cfg)}\n```", 0)
+                self.tb.add_hparams(
+                    {k: v for k, v in hparams.items() if k != "experiment_file"},
+                    {},
+                    name="hparams",
+                    global_step=0,
+                )
+        if track.get("wandb_project"):
+            import wandb
+
+            self.wandb = wandb.init(
+                project=track["wandb_project"],
+                entity=track.get("wandb_entity") or None,
+                mode=track.get("wandb_mode") or "offline",
+                dir=str(workdir),
+                name=workdir.name,
+                id=workdir.name.replace("/", "-")[:64] + "-" + _short_hash(workdir),
+                resume="allow",
+                config=hparams,
+            )
+
+    def metrics(self, record: dict):
+        step = int(record["step"])
+        values = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def sample(self, step: int, text: str):
+        if self.tb is not None:
+            self.tb.add_text("sample", f"```\n{text}\n```", step)
+        if self.wandb is not None:
+            self.wandb.log({"sample": text}, step=step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.tb = self.wandb = None
+
+
+def _short_hash(path) -> str:
+    import hashlib
+
+    return hashlib.sha1(str(pathlib.Path(path).resolve()).encode()).hexdigest()[:8]
+
+
+def parse_steps(text: str) -> tuple[int, int] | None:
+    """``"A,B"`` -> (A, B); ``""`` -> None."""
+    if not text:
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        first = last = None
+    if first is None or not 0 < first <= last:
+        raise experiment.ExperimentError(
+            f"train.profile_steps={text!r} is invalid: use 'A,B' with 0 < A <= B (steps A to B)"
+        )
+    return first, last
+
+
+class Profiler:
+    """Starts a ``jax.profiler`` trace before step A and stops it after step B."""
+
+    def __init__(self, cfg, workdir):
+        self.steps = parse_steps(cfg.train.get("profile_steps", ""))
+        self.logdir = str(pathlib.Path(workdir) / TB_DIR)
+        self.active = False
+
+    def before(self, step: int):
+        """Called with the number of the step about to run (1-based)."""
+        if self.steps and step == self.steps[0] and not self.active:
+            jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, step: int, state):
+        if self.active and step >= self.steps[1]:
+            jax.block_until_ready(state)
+            self.stop()
+
+    def stop(self):
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+def describe(run, trainer, devices=None) -> str:
+    """The start-of-run summary: model size, devices, data, where the files go."""
+    from attnlab.nn.models import count_params
+
+    devices = devices or jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    task = run.task
+    lines = [
+        f"run: {run.workdir}",
+        f"model: {run.cfg.model.arch}, {count_params(trainer.mcfg):,} parameters",
+        f"devices: {len(devices)} x {', '.join(kinds)} ({jax.default_backend()}), "
+        f"{jax.process_count()} process(es)",
+        f"data: {run.cfg.data.kind}" + (f" from {run.cfg.data.path}" if run.cfg.data.path else ""),
+    ]
+    if task.train_ids is not None:
+        lines[-1] += (
+            f", {task.tokenizer!r}, {len(task.train_ids):,} train / "
+            f"{len(task.val_ids):,} validation tokens"
+        )
+    else:
+        lines[-1] += f", vocabulary {task.vocab_size}"
+    t = run.cfg.train
+    lines.append(
+        f"training: {int(t.steps)} steps of {int(t.batch_size)} x {int(run.cfg.data.seq_len)}"
+        + (f", from step {run.start}" if run.start else "")
+    )
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""Sweeps on a scheduler: one job per trial through ``submitit``, a SLURM job array.
+
+``launch_sweep(plan, DIR, launcher="slurm")`` submits the trials that still need work as one
+job array (``"local"``: submitit's local executor, one process per trial on this machine),
+waits for them and collects ``DIR/results.*`` exactly as ``run_sweep`` does. Each job trains
+its trial with the same code as ``attnlab sweep --parallel sequential``, so the files are
+the same. Resources come from ``--partition``, ``--timeout-min``, ... flags, on top of an
+optional ``sweep_resources(variant=None)`` dict in the experiment file (submitit's
+parameter names: ``timeout_min``, ``slurm_partition``, ``gpus_per_node``, ``cpus_per_task``,
+``mem_gb``, ``slurm_array_parallelism``, ...). Job logs go to ``DIR/submitit/``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pathlib
+import socket
+
+from attnlab import experiment
+from attnlab.experiment import ExperimentError
+from attnlab.sweep.plan import Plan, Trial
+from attnlab.sweep.results import collect, write_results
+from attnlab.sweep.run import _run_one_by_one, _settled, write_manifest
+
+LAUNCHERS = ("inprocess", "local", "slurm")
+JOB_FILE = "job.json"
+_FLAGS = {  # flag dest -> submitit parameter
+    "partition": "slurm_partition",
+    "timeout_min": "timeout_min",
+    "gpus_per_node": "gpus_per_node",
+    "cpus_per_task": "cpus_per_task",
+    "mem_gb": "mem_gb",
+    "array_parallelism": "slurm_array_parallelism",
+}
+
+
+def add_arguments(parser) -> None:
+    """The ``--launcher`` and resource flags of ``attnlab sweep``."""
+    parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="inprocess",
+        help="inprocess (default), local (one process per trial) or slurm (a job array)",
+    )
+    parser.add_argument("--partition", default=None, help="SLURM partition")
+    parser.add_argument("--timeout-min", type=int, default=None)
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument("--cpus-per-task", type=int, default=None)
+    parser.add_argument("--mem-gb", type=float, default=None)
+    parser.add_argument("--array-parallelism", type=int, default=None, help="jobs at once")
+
+
+def resources_from_args(args, plan: Plan) -> dict:
+    """The experiment file's ``sweep_resources(variant)``, then the flags given."""
+    path, _, variant = plan.config.partition(":")
+    module = experiment.import_experiment(path)
+    fn = getattr(module, "sweep_resources", None)
+    resources = {}
+    if fn is not None:
+        resources = dict(fn(variant or None) if inspect.signature(fn).parameters else fn())
+    for dest, name in _FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            resources[name] = getattr(args, dest)
+    return resources
+
+
+def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
+    """Runs in the job: trains one trial as the sequential sweep would; what ran where."""
+    cfg = experiment.from_json(cfg_json)
+    experiment.register_variants(cfg)
+    trial_dir = pathlib.Path(root) / name
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    where = {"pid": os.getpid(), "host": socket.gethostname()}
+    where["job_id"] = os.environ.get("SUBMITIT_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    (trial_dir / JOB_FILE).write_text(json.dumps(where) + "\n")
+    _run_one_by_one(
+        [Trial(name, overrides, cfg)],
+        pathlib.Path(root),
+        progress=False,
+        stop_after=None,
+        log=print,
+    )
+    return where
+
+
+def launch_sweep(
+    plan: Plan,
+    workdir,
+    *,
+    launcher: str = "local",
+    resources: dict | None = None,
+    retry_failed: bool = False,
+    log=print,
+) -> dict:
+    """Submits the unfinished trials as one job array, waits, collects the results."""
+    import submitit
+
+    if launcher not in ("local", "slurm"):
+        raise ExperimentError(f"--launcher={launcher!r}: use 'local' or 'slurm' here")
+    root = pathlib.Path(workdir).resolve()
+    write_manifest(plan, root)
+    todo = []
+    for t in plan.trials:
+        settled = _settled(t, root / t.name, retry_failed)
+        if settled:
+            log(f"skip {t.name} ({settled})")
+        else:
+            todo.append(t)
+    if todo:
+        executor = submitit.AutoExecutor(folder=root / "submitit", cluster=launcher)
+        executor.update_parameters(name=pathlib.Path(plan.config).stem, **(resources or {}))
+        jobs = executor.map_array(
+            train_trial,
+            [experiment.to_json(t.cfg) for t in todo],
+            [str(root)] * len(todo),
+            [t.name for t in todo],
+            [t.overrides for t in todo],
+        )
+        log(f"sweep: {len(jobs)} trial(s) submitted ({launcher}): {jobs[0].job_id.split('_')[0]}")
+        for t, job in zip(todo, jobs, strict=True):
+            try:
+                job.result()
+            except Exception as e:  # the job itself died: its log says why
+                log(f"{t.name}: job {job.job_id} failed: {str(e).splitlines()[0]}")
+    results = collect(root)
+    write_results(root, results)
+    return results
