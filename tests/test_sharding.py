@@ -234,3 +234,60 @@ def test_sharded_cached_decoding_equals_one_device(arch):
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
     assert got.tokens.shape == (3, 6)
+
+
+def test_two_processes_of_four_devices_train_like_one(tmp_path):
+    """jax.distributed on localhost: 2 processes x 4 CPU devices (one 8-way data mesh) log
+    the losses of a single-process run, and write checkpoints from both processes."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    args = [
+        "-m", "attnlab.cli", "train", "--no-progress",
+        "--config", str(REPO / "experiments" / "char_lm.py") + ":tiny",
+        "--config.train.steps=3", "--config.train.batch_size=8", "--config.eval.batches=0",
+        "--config.train.log_every_steps=1", "--config.checkpoint.every_steps=2",
+        "--config.track.tensorboard=False",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    hosts = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                *args,
+                "--workdir",
+                str(tmp_path / "two"),
+                f"--config.distributed.coordinator_address=localhost:{port}",
+                "--config.distributed.num_processes=2",
+                f"--config.distributed.process_id={i}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    one_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    single = subprocess.run(
+        [sys.executable, *args, "--workdir", str(tmp_path / "one")],
+        cwd=REPO, env=one_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    outputs = [p.communicate(timeout=300)[0] for p in hosts]
+    assert single.returncode == 0, single.stderr[-3000:]
+    for p, out in zip(hosts, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+
+    def losses(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["train_loss"] for line in lines]
+
+    assert len(losses("two")) == 3
+    np.testing.assert_allclose(losses("two"), losses("one"), rtol=1e-5)
+    assert "step=1" in outputs[0] and "step=1" not in outputs[1]  # process 0 speaks
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "3"]

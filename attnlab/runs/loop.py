@@ -64,12 +64,15 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
 
     rows = sharding.process_rows(batch_size)  # this process's rows of the global batch
 
+    def local(x):
+        """This process's rows: text tasks read them alone, the others give every row."""
+        return x[rows] if x.shape[0] == batch_size else x
+
     def batch(step):
         if not stacked:
-            whole = runs[0].task.train_batch(int(t.seed), step, batch_size)
-            return jax.tree.map(lambda x: x[rows], whole)
+            return jax.tree.map(local, runs[0].task.train_batch(int(t.seed), step, batch_size))
         parts = [r.task.train_batch(int(r.cfg.train.seed), step, batch_size) for r in runs]
-        return jax.tree.map(lambda *xs: np.stack(xs)[:, rows], *parts)
+        return jax.tree.map(lambda *xs: np.stack([local(x) for x in xs]), *parts)
 
     def empty_acc():
         acc = zeros_acc()
