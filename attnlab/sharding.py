@@ -288,6 +288,41 @@ def constrain(x, *names):
     return jax.lax.with_sharding_constraint(x, P(*specs))
 
 
+def shard_bytes(leaf, named_sharding) -> int:
+    """Bytes of one device's shard of ``leaf`` (array or ShapeDtypeStruct), from shapes."""
+    shape = named_sharding.shard_shape(np.shape(leaf))
+    return int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def describe(abstract_state, shardings, mesh, top: int = 3) -> list[str]:
+    """Lines for a run's start: the mesh, per-device parameter and optimiser bytes, and the
+    sharding of the largest parameters."""
+
+    def mib(b):
+        unit = next((u for u, n in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if b >= 2**n), "B")
+        return f"{b / 2 ** dict(GiB=30, MiB=20, KiB=10, B=0)[unit]:,.1f} {unit}"
+
+    sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES)
+    lines = [f"mesh: {sizes} ({mesh.size} devices)"]
+    per_device = {}
+    for group in ("params", "opt_state"):
+        leaves = jax.tree.leaves(abstract_state[group])
+        shards = jax.tree.leaves(shardings[group])
+        whole = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+        mine = sum(shard_bytes(x, s) for x, s in zip(leaves, shards, strict=True))
+        per_device[group] = f"{mib(mine)} of {mib(whole)}"
+    lines.append(
+        f"per device: parameters {per_device['params']}, optimiser {per_device['opt_state']}"
+    )
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state["params"])[0]
+    specs = jax.tree.leaves(shardings["params"])
+    ranked = sorted(zip(flat, specs, strict=True), key=lambda t: -int(np.prod(t[0][1].shape)))
+    for (path, leaf), s in ranked[:top]:
+        name = ".".join(str(getattr(k, "key", "")) for k in path if hasattr(k, "key"))
+        lines.append(f"  {name} {tuple(leaf.shape)} -> {s.spec}")
+    return lines
+
+
 def per_device_bytes(tree) -> int:
     """Bytes that one device holds of a pytree of global arrays (its shards)."""
     device = jax.devices()[0]

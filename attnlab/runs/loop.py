@@ -166,7 +166,7 @@ def train_runs(cfgs, workdirs, *, stacked, progress, stop_after):
     runs, trainers = open_runs(cfgs, workdirs)
     profiler = Profiler(runs[0].cfg, runs[0].workdir)
     try:
-        if len(runs) == 1 and runs[0].start is None:
+        if len(runs) == 1 and runs[0].start is None and jax.process_index() == 0:
             print(describe(runs[0], trainers[0]), flush=True)
         abstract = trainers[0].abstract_state()
         states = [r.initial_state(tr, abstract) for r, tr in zip(runs, trainers, strict=True)]

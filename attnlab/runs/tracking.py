@@ -163,4 +163,9 @@ def describe(run, trainer, devices=None) -> str:
         f"training: {int(t.steps)} steps of {int(t.batch_size)} x {int(run.cfg.data.seq_len)}"
         + (f", from step {run.start}" if run.start else "")
     )
+    if trainer.mesh is not None:
+        from attnlab import sharding
+
+        state = trainer.abstract_state()
+        lines += sharding.describe(state, trainer.state_shardings, trainer.mesh)
     return "\n".join(lines)
