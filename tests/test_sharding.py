@@ -291,3 +291,18 @@ def test_two_processes_of_four_devices_train_like_one(tmp_path):
     np.testing.assert_allclose(losses("two"), losses("one"), rtol=1e-5)
     assert "step=1" in outputs[0] and "step=1" not in outputs[1]  # process 0 speaks
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["2", "3"]
+
+
+@on_mesh
+def test_a_loaded_checkpoint_decodes_on_a_mesh():
+    from attnlab import generate, load_pretrained
+
+    folder = REPO.parent / "shared" / "fixtures" / "hf" / "gpt2"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent: the Hugging Face fixtures live beside the checkout")
+    lm = load_pretrained(folder)
+    prompts = [[64, 90, 31], [40, 58]]
+    want = generate(lm, prompts, 5, return_logits=True)
+    got = generate(lm, prompts, 5, return_logits=True, mesh=sharding.make_mesh({"data": 2, "tensor": 4}))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
