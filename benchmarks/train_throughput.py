@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab import experiment, train
+from attnlab import experiment, sharding, train
 
 SHAPES = {
     # The shakespeare_char baseline shape and a 6-layer / 384-wide / 256-context one.
@@ -71,9 +71,9 @@ def config_for(s, vocab, overrides):
     return cfg
 
 
-def measure(s, steps, overrides, vocab=65):
+def measure(s, steps, overrides, vocab=65, mesh=None):
     cfg = config_for(s, vocab, overrides)
-    trainer = train.Trainer(cfg, kind="lm")
+    trainer = train.Trainer(cfg, kind="lm", mesh=mesh)
     state = trainer.init_state()
     rng = np.random.default_rng(0)
     batches = [
@@ -97,6 +97,36 @@ def measure(s, steps, overrides, vocab=65):
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / steps
     return s["batch"] * s["seq_len"] / dt, dt, first
+
+
+def mesh_memory(overrides, devices):
+    """Per-device bytes (XLA's memory analysis of the compiled train step) of a model
+    replicated on every device against the same model under FSDP over all of them."""
+    s = dict(SHAPES["medium"], n_layers=8, d_model=512, n_heads=8, batch=2 * devices)
+    rows = {}
+    for name, sizes in (("replicated", {"data": -1}), ("fsdp", {"fsdp": -1})):
+        cfg = config_for(s, 65, overrides)
+        trainer = train.Trainer(cfg, kind="lm", mesh=sharding.make_mesh(sizes))
+        state = trainer.abstract_state()
+        batch = {
+            k: jax.ShapeDtypeStruct((s["batch"], s["seq_len"]), dt)
+            for k, dt in (("inputs", np.int32), ("targets", np.int32), ("loss_mask", np.float32))
+        }
+        placed = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(
+                trainer.mesh, trainer.rules, 2))
+            for k, v in batch.items()
+        }  # fmt: skip
+        with sharding.activate(trainer.mesh, trainer.rules):
+            m = trainer.train_step.lower(state, placed).compile().memory_analysis()
+        rows[name] = dict(
+            mesh=sizes,
+            argument_mib=round(m.argument_size_in_bytes / 2**20, 1),
+            temp_mib=round(m.temp_size_in_bytes / 2**20, 1),
+            output_mib=round(m.output_size_in_bytes / 2**20, 1),
+        )
+        print(json.dumps({name: rows[name]}), flush=True)
+    return rows
 
 
 def compile_times(layers, overrides):
@@ -131,12 +161,22 @@ def main():
     )
     p.add_argument("--compile-layers", default="4,16,32", help="depths for first-step times")
     p.add_argument("--skip-compile", action="store_true")
+    p.add_argument(
+        "--mesh",
+        default="",
+        help="e.g. data=2: train on a mesh (set XLA_FLAGS=--xla_force_host_platform_device_count"
+        "=N for N CPU devices); also reports per-device memory replicated vs FSDP",
+    )
     args = p.parse_args()
+    mesh = None
+    if args.mesh:
+        sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
+        mesh = sharding.make_mesh(sizes)
     peak = matmul_peak_flops()
     results = []
     for name in args.shapes.split(","):
         s = SHAPES[name]
-        tps, dt, first = measure(s, args.steps, args.override)
+        tps, dt, first = measure(s, args.steps, args.override, mesh=mesh)
         fpt = flops_per_token(s, 65)
         results.append(
             {
@@ -162,6 +202,9 @@ def main():
                 },
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 "results": results,
+                "mesh": args.mesh or None,
+                "devices": jax.device_count(),
+                "memory": mesh_memory(args.override, jax.device_count()) if mesh else None,
                 "compile": None
                 if args.skip_compile
                 else compile_times([int(x) for x in args.compile_layers.split(",")], args.override),
