@@ -35,6 +35,7 @@ import numpy as np
 from attnlab.data import synthetic
 from attnlab.data.corpus import DEFAULT_MAX_CHARS, load_text, split_train_val, stdlib_corpus
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, validate_ids
+from attnlab.errors import DataError
 
 TASK_KINDS = (
     "text",
@@ -73,7 +74,7 @@ _DEFAULTS = {
 def batch_rng(seed: int, step: int, stream: int = TRAIN_STREAM) -> np.random.Generator:
     """The generator for one batch: a pure function of (seed, step, stream)."""
     if min(seed, step, stream) < 0:
-        raise ValueError(f"seed, step and stream must be >= 0, got {seed}, {step}, {stream}")
+        raise DataError(f"seed, step and stream must be >= 0, got {seed}, {step}, {stream}")
     return np.random.default_rng([int(seed), int(step), int(stream)])
 
 
@@ -99,7 +100,7 @@ class Task:
         val_ids: np.ndarray | None = None,
     ):
         if kind not in ID_FIELDS:
-            raise ValueError(f"Task kind must be one of {tuple(ID_FIELDS)}, got {kind!r}")
+            raise DataError(f"Task kind must be one of {tuple(ID_FIELDS)}, got {kind!r}")
         self.name, self.kind, self.vocab_size = name, kind, vocab_size
         self.tokenizer = tokenizer
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = pad_id, bos_id, eos_id, mask_id
@@ -131,7 +132,7 @@ class Task:
 
     def encode(self, text: str) -> np.ndarray:
         if self._encode is None:
-            raise ValueError(f"data.kind={self.name!r} has no text encoding")
+            raise DataError(f"data.kind={self.name!r} has no text encoding")
         return self._encode(text)
 
     def describe(self, batch: dict, row: int = 0) -> str:
@@ -176,14 +177,17 @@ def _text_tokenizer(name, text, workdir):
     if name == "byte":
         return ByteTokenizer()
     if name != "char":
-        raise ValueError(f"data.tokenizer must be 'char' or 'byte', got {name!r}")
+        raise DataError(f"data.tokenizer must be 'char' or 'byte', got {name!r}")
     if workdir is None:
-        return CharTokenizer.from_text(text)
+        try:
+            return CharTokenizer.from_text(text)
+        except ValueError as e:
+            raise DataError(f"data.path: {e}; use a non-empty text") from None
     path = pathlib.Path(workdir) / TOKENIZER_FILE
     if path.exists():
         tokenizer = load_tokenizer(path)
         if not isinstance(tokenizer, CharTokenizer):
-            raise ValueError(f"{path} holds a {tokenizer.kind} tokenizer but data.tokenizer='char'")
+            raise DataError(f"{path} holds a {tokenizer.kind} tokenizer but data.tokenizer='char'")
         return tokenizer
     tokenizer = CharTokenizer.from_text(text)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,14 +212,16 @@ def _text_task(cfg, workdir, mlm):
         ids = tokenizer.encode(text)
     except ValueError as err:
         where = f" (vocabulary loaded from {pathlib.Path(workdir) / TOKENIZER_FILE})"
-        raise ValueError(f"data.path: {err}{where if workdir is not None else ''}") from err
+        raise DataError(f"data.path: {err}{where if workdir is not None else ''}") from err
     train, val = split_train_val(ids, _field(cfg, "val_fraction"))
     window = seq_len if mlm else seq_len + 1
     for split, part in (("train", train), ("validation", val)):
         if len(part) < window:
-            raise ValueError(
+            raise DataError(
                 f"the {split} split has {len(part)} tokens, fewer than one window of {window} "
-                f"(data.seq_len={seq_len}, data.val_fraction={_field(cfg, 'val_fraction')})"
+                f"(data.seq_len={seq_len}, data.val_fraction={_field(cfg, 'val_fraction')}): "
+                "use a longer text, a smaller --config.data.seq_len or another "
+                "--config.data.val_fraction"
             )
     common = dict(name=name, tokenizer=tokenizer, encode=tokenizer.encode)
     common.update(train_ids=train, val_ids=val)
@@ -346,7 +352,7 @@ def make_task(data_cfg, workdir=None) -> Task:
     """
     name = _field(data_cfg, "kind")
     if name not in TASK_KINDS:
-        raise ValueError(f"data.kind must be one of {', '.join(TASK_KINDS)}; got {name!r}")
+        raise DataError(f"data.kind must be one of {', '.join(TASK_KINDS)}; got {name!r}")
     if name in ("text", "mlm_text"):
         return _text_task(data_cfg, workdir, mlm=name == "mlm_text")
     return _synthetic_task(data_cfg)
