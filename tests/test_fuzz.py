@@ -37,7 +37,7 @@ OVERRIDES = {
 TEXT = "def add(a, b):\n    return a + b\n\n" * 40
 DATA = st.sampled_from(["", TEXT, TEXT[:30], "caf\xe9", None])
 FUZZ = settings(
-    max_examples=20,
+    max_examples=12,
     deadline=120_000,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -93,7 +93,7 @@ def test_train_runs_or_fails_with_one_named_error(capsys, overrides, choice, tex
                 assert not workdir.exists(), list(workdir.iterdir())
 
 
-@FUZZ
+@settings(FUZZ, max_examples=25)
 @given(
     prompt=st.sampled_from([None, "def ", "", "\u2603", "x" * 40]),
     max_new_tokens=st.sampled_from(["0", "3", "200", "-1"]),

@@ -115,9 +115,8 @@ def test_the_model_call_checks_token_ids():
 
     graphdef, params = nnx.split(model)
     logits = jax.jit(lambda p, ids: nnx.merge(graphdef, p)(ids).logits)
-    assert bool(jnp.isnan(logits(params, jnp.array([[1, -1]]))).any())
-    assert bool(jnp.isnan(logits(params, jnp.array([[1, 16]]))).any())
-    assert bool(jnp.isfinite(logits(params, jnp.array([[1, 15]]))).all())
+    nan_B = jnp.isnan(logits(params, jnp.array([[1, -1], [1, 16], [1, 15]]))).any(axis=(1, 2))
+    assert nan_B.tolist() == [True, True, False]
 
 
 def test_a_failed_start_writes_nothing_and_the_corrected_rerun_runs(tmp_path, capsys):
@@ -219,8 +218,6 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_step_picks(tiny_lm_run, tmp_
     assert "checkpoint step 3 in" in err and "using checkpoint step 2" in err
     rc, _, err = cli(capsys, "eval", "--workdir", run, "--step", "3")
     assert rc == 1 and "step 3" in one_error_line(err) and "--step N" in err
-    rc, out, _ = cli(capsys, "eval", "--workdir", run, "--step", "1")
-    assert rc == 0 and json.loads(out)["step"] == 1
     rc, _, err = cli(capsys, "train", "--no-progress", "--config", run / "config.json",
                      "--workdir", run)  # fmt: skip
     assert rc == 0 and "using checkpoint step 2" in err, err

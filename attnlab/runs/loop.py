@@ -58,10 +58,11 @@ def divergence(trainer, run, acc, params, step) -> DivergenceError | None:
         return None
     at = int(acc["first_nonfinite"]) if bad else step
     last = run.ckpt.latest_step()
+    what = "training loss or gradient norm" if bad else "parameters"
     where = f"step {last} in {run.ckpt.directory} (kept)" if last is not None else "none"
     return DivergenceError(
-        f"training diverged: non-finite {'loss or gradient norm' if bad else 'parameters'} "
-        f"at step {at}; the last good checkpoint is {where}. Lower "
+        f"training diverged: non-finite {what} at step {at}; the last good checkpoint is "
+        f"{where}. Lower "
         "--config.optim.learning_rate (resume with --allow-changes), or pass "
         "--config.train.on_nonfinite=skip to skip such steps"
     )
