@@ -25,6 +25,10 @@ class DataError(AttnlabError, ValueError):
     """A data file, tokenizer or text that cannot feed the run."""
 
 
+class DataFileError(DataError, FileNotFoundError):
+    """A data file that does not exist."""
+
+
 class DecodeError(AttnlabError, ValueError):
     """Token ids, sampling values or lengths that generation cannot take."""
 

@@ -15,7 +15,7 @@ import sysconfig
 
 import numpy as np
 
-from attnlab.errors import DataError
+from attnlab.errors import DataError, DataFileError
 
 DEFAULT_MAX_CHARS = 2_000_000
 
@@ -30,9 +30,9 @@ def load_text(path) -> str:
     """Read a UTF-8 text file, with an error that says what to do when it is missing."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise DataError(
+        raise DataFileError(
             f"data.path: no such file {str(path)!r}; set --config.data.path to a text file, or "
-            "leave it empty to use the embedded corpus (the Python standard library's source)"
+            "leave data.path empty for the embedded corpus (the Python standard library's source)"
         )
     try:
         text = path.read_text(encoding="utf-8")
