@@ -42,6 +42,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from attnlab.errors import CheckpointError, ConfigError, WorkdirError
+
 _STATE = "state"
 _METADATA = "metadata"
 _FIX = (
@@ -50,8 +52,11 @@ _FIX = (
 )
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable, or does not match what the caller expects."""
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "PreemptionGuard"]
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A finalised checkpoint that cannot be read (older steps may still be good)."""
 
 
 class Checkpointer:
@@ -59,8 +64,17 @@ class Checkpointer:
 
     def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3):
         if max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be at least 1, got {max_to_keep}")
+            raise ConfigError(
+                f"checkpoint.max_to_keep={max_to_keep} must be at least 1; "
+                "set --config.checkpoint.max_to_keep=1 or more"
+            )
         self.directory = pathlib.Path(directory).absolute()
+        for where in (self.directory, *self.directory.parents):
+            if where.exists() and not where.is_dir():
+                raise WorkdirError(
+                    f"{where} is a file where the checkpoint directory {self.directory} needs a "
+                    "directory; move the file away or choose another --workdir"
+                )
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
@@ -97,6 +111,10 @@ class Checkpointer:
         self._manager.wait_until_finished()
         return bool(saved)
 
+    def delete(self, step: int) -> None:
+        """Removes ``step`` (a save of the same step replaces it this way)."""
+        self._manager.delete(int(step))
+
     def latest_step(self) -> int | None:
         """The newest finalised step, or None when there is none."""
         return self._manager.latest_step()
@@ -117,8 +135,8 @@ class Checkpointer:
             stored = self._manager.metadata(step).item_metadata[_STATE]
             stored = ocp.tree.to_flat_dict(stored.tree)
         except Exception as e:
-            raise CheckpointError(
-                f"cannot read the tree metadata of {where}: {e}{self._hint(step)}"
+            raise CorruptCheckpointError(
+                f"cannot read the tree metadata of {where}: {_short(e)}{self._hint(step)}"
             ) from e
         abstract = jax.tree.map(_abstract_leaf, target)
         _check_matches(stored, ocp.tree.to_flat_dict(abstract), where)
@@ -127,7 +145,9 @@ class Checkpointer:
                 step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
             )
         except Exception as e:
-            raise CheckpointError(f"cannot restore {where}: {e}{self._hint(step)}") from e
+            raise CorruptCheckpointError(
+                f"cannot restore {where}: {_short(e)}{self._hint(step)}"
+            ) from e
         return restored[_STATE]
 
     def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -138,7 +158,9 @@ class Checkpointer:
                 step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
             )
         except Exception as e:
-            raise CheckpointError(f"cannot read the metadata of {self._where(step)}: {e}") from e
+            raise CorruptCheckpointError(
+                f"cannot read the metadata of {self._where(step)}: {_short(e)}{self._hint(step)}"
+            ) from e
         return dict(restored[_METADATA] or {})
 
     def close(self) -> None:
@@ -157,10 +179,9 @@ class Checkpointer:
     def _hint(self, step: int) -> str:
         older = [s for s in self.all_steps() if s < step]
         return (
-            f". The directory was left as it is; restore(..., step=...) reads an older step "
-            f"(available: {older})."
+            f". The directory was left as it is; --step N reads an older step (available: {older})."
             if older
-            else ". The directory was left as it is."
+            else ". The directory was left as it is; train again in a new --workdir."
         )
 
     def _resolve(self, step: int | None) -> int:
@@ -172,9 +193,15 @@ class Checkpointer:
         if int(step) not in steps:
             raise CheckpointError(
                 f"no finalised checkpoint for step {step} in {self.directory} "
-                f"(available steps: {steps})"
+                f"(available steps: {steps}); pass --step with one of them"
             )
         return int(step)
+
+
+def _short(error: BaseException, limit: int = 300) -> str:
+    """The first line of a library's error message, cut to ``limit`` characters."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:

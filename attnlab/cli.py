@@ -1,24 +1,34 @@
 """The ``attnlab`` command: train, eval, plot, sample, sweep.
 
 attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
+              [--step N] [--allow-changes]
 attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
               [--parallel vmap|sequential] [--max-trials N] [--print-commands]
 attnlab sweep --collect DIR
-attnlab eval --workdir DIR
+attnlab eval --workdir DIR [--step N]
 attnlab plot DIR [DIR ...] [--out loss.png]
-attnlab sample --workdir DIR --prompt "..." --max-new-tokens N [--temperature T ...]
+attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflow stop|raise]
+               [--temperature T ...] [--step N]
 attnlab sample --pretrained HF_DIR --prompt "..." [--prompt "..."] --max-new-tokens N
 attnlab data prepare FILES_OR_GLOBS... --out DIR [--tokenizer bpe|byte|char|PATH]
 attnlab data fetch shakespeare | URL --sha256 HASH
 attnlab sweep ... --launcher local|slurm [--partition P --timeout-min M ...]
+
+Expected errors (config, data, work directory, checkpoint, decoding) print one line and exit
+with 2 (what was asked cannot run) or 1 (the run failed, e.g. it diverged); --debug or
+ATTNLAB_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import pathlib
 import sys
+
+from attnlab.errors import AttnlabError, ConfigError, DecodeError, WorkdirError, one_line
 
 
 def _train(args, overrides):
@@ -26,45 +36,106 @@ def _train(args, overrides):
 
     cfg = experiment.load_config(args.config, overrides)
     sharding.initialize_distributed(cfg.distributed)  # before anything else uses JAX
-    runs.train(cfg, args.workdir, progress=not args.no_progress)  # logs its records itself
+    runs.train(  # logs its records itself
+        cfg,
+        args.workdir,
+        progress=not args.no_progress,
+        step=args.step,
+        allow_changes=args.allow_changes,
+    )
 
 
 def _eval(args, overrides):
     from attnlab import runs
 
-    print(json.dumps(runs.evaluate(args.workdir)))
+    print(json.dumps(runs.evaluate(args.workdir, args.step)))
 
 
 def _plot(args, overrides):
     from attnlab import viz
 
     out = args.out or str(pathlib.Path(args.dirs[0]) / "loss.png")
-    viz.save_loss_curves(args.dirs, out)
+    try:
+        viz.save_loss_curves(args.dirs, out)
+    except FileNotFoundError as e:
+        raise WorkdirError(f"{one_line(e)}; pass directories that `attnlab train` wrote") from None
     print(out)
+
+
+def check_sampling(args):
+    """Refuses sampling values outside their domain, naming the flag."""
+    for flag, value, ok, what in [
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, "an integer >= 0"),
+        ("--temperature", args.temperature, args.temperature >= 0, "a number >= 0 (0 = greedy)"),
+        ("--top-k", args.top_k, args.top_k >= 0, "an integer >= 0 (0 = off)"),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1, "a number in (0, 1] (1 = off)"),
+        ("--seed", args.seed, args.seed >= 0, "an integer >= 0"),
+    ]:
+        if not (math.isfinite(value) and ok):
+            raise DecodeError(f"{flag} {value} is invalid: pass {what}")
+
+
+def _encode(task, text, flag):
+    try:
+        ids = task.encode(text)
+    except ValueError as e:
+        raise DecodeError(f"{flag}: {one_line(e)}") from None
+    if len(ids) == 0:
+        raise DecodeError(f"{flag} is empty: pass some text (it has no tokens)")
+    return ids
+
+
+def _room(n, used, max_len, on_overflow, flag):
+    """New tokens that fit after ``used`` ones; overflow raises or stops, as chosen."""
+    room = max_len - used
+    if room < 0:
+        raise DecodeError(
+            f"{flag} has {used} tokens, more than model.max_len={max_len}: shorten it"
+        )
+    if n <= room:
+        return n
+    if on_overflow == "raise":
+        raise DecodeError(
+            f"{flag} ({used} tokens) + --max-new-tokens {n} exceeds model.max_len={max_len}: "
+            f"pass --max-new-tokens {room} or less, or --on-overflow stop"
+        )
+    print(
+        f"attnlab sample: stopping at the context limit: model.max_len={max_len} leaves room "
+        f"for {room} new tokens after {used} tokens of {flag}",
+        file=sys.stderr,
+    )
+    return room
 
 
 def _sample(args, overrides):
     from attnlab import runs
 
+    check_sampling(args)
     if args.pretrained:
         return _sample_pretrained(args)
     if args.workdir is None:
-        raise SystemExit("attnlab sample: pass --workdir DIR (a run) or --pretrained DIR")
-    cfg, trainer, task, params, step = runs.load_run(args.workdir)
-    model = trainer.model(params)
+        raise ConfigError("attnlab sample: pass --workdir DIR (a run) or --pretrained DIR")
+    cfg, trainer, task, params, step = runs.load_run(args.workdir, args.step)
+    model, max_len = trainer.model(params), trainer.mcfg.max_len
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if trainer.mcfg.arch == "encoder_decoder":
         if args.source is None:
-            raise SystemExit('this run is an encoder-decoder model: pass --source "..."')
-        tokens = runs.seq2seq_continuation(model, task, args.source, args.max_new_tokens, **common)
+            raise DecodeError('this run is an encoder-decoder model: pass --source "..."')
+        _room(0, len(_encode(task, args.source, "--source")), max_len, "raise", "--source")
+        n = _room(args.max_new_tokens, 1, max_len, args.on_overflow, "the start token")
+        tokens = runs.seq2seq_continuation(model, task, args.source, n, **common)
         print(runs.decode_known(task, tokens))
         return
     if trainer.mcfg.arch != "decoder":
-        raise SystemExit("sampling needs a decoder-only or encoder-decoder run")
-    prompt = args.prompt[0] if args.prompt else ""
-    ids = task.encode(prompt)
+        raise DecodeError(
+            f"{args.workdir} holds an {trainer.mcfg.arch} model: sampling needs a decoder-only "
+            "or encoder-decoder run"
+        )
+    prompt = args.prompt[0] if args.prompt else runs.default_prompt(cfg, task)
+    ids = _encode(task, prompt, "--prompt")
+    n = _room(args.max_new_tokens, len(ids), max_len, args.on_overflow, "--prompt")
     eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
-    tokens = runs.continuation(model, ids, args.max_new_tokens, eos_id=eos, **common)
+    tokens = runs.continuation(model, ids, n, eos_id=eos, **common)
     print(prompt + runs.decode_known(task, tokens))
 
 
@@ -85,7 +156,7 @@ def _sweep(args, overrides):
 
     workdir = args.workdir or args.dir
     if workdir is None:
-        raise SystemExit("attnlab sweep: pass --workdir DIR (or DIR after --collect)")
+        raise ConfigError("attnlab sweep: pass --workdir DIR (or DIR after --collect)")
     if args.collect:
         results = sweep.collect(workdir)
         for path in sweep.write_results(workdir, results):
@@ -93,7 +164,7 @@ def _sweep(args, overrides):
         print(sweep.markdown_table(results), end="")
         return
     if args.config is None:
-        raise SystemExit("attnlab sweep: --config experiments/NAME.py[:variant] is required")
+        raise ConfigError("attnlab sweep: --config experiments/NAME.py[:variant] is required")
     plan = sweep.load_sweep(args.config, overrides, max_trials=args.max_trials)
     if args.print_commands:
         sweep.write_manifest(plan, workdir)  # lets --collect name the trials' overrides
@@ -117,34 +188,61 @@ def _sweep(args, overrides):
     print(sweep.markdown_table(results), end="")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line, with the code of other usage errors (2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="attnlab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    step = argparse.ArgumentParser(add_help=False)
+    step.add_argument("--step", type=int, default=None, help="the checkpoint step to use")
 
-    t = sub.add_parser("train", help="train (or resume) an experiment in a work directory")
+    t = sub.add_parser(
+        "train", parents=[debug, step], help="train (or resume) an experiment in a work directory"
+    )
     t.add_argument(
         "--config", required=True, help="experiments/NAME.py[:variant] or a saved DIR/config.json"
     )
     t.add_argument("--workdir", required=True)
     t.add_argument("--no-progress", action="store_true", help="plain log lines only")
+    t.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="resume with changed optim/train values (applied from the resumed step on)",
+    )
     t.set_defaults(fn=_train, overrides=True)
 
-    e = sub.add_parser("eval", help="evaluate the latest checkpoint on the validation split")
+    e = sub.add_parser(
+        "eval", parents=[debug, step], help="evaluate the latest checkpoint on the validation split"
+    )
     e.add_argument("--workdir", required=True)
     e.set_defaults(fn=_eval)
 
-    pl = sub.add_parser("plot", help="PNG of train/eval loss curves of one or more runs")
+    pl = sub.add_parser(
+        "plot", parents=[debug], help="PNG of train/eval loss curves of one or more runs"
+    )
     pl.add_argument("dirs", nargs="+")
     pl.add_argument("--out", default=None, help="output PNG (default: FIRST_DIR/loss.png)")
     pl.set_defaults(fn=_plot)
 
-    s = sub.add_parser("sample", help="sample from a run's latest checkpoint or a HF folder")
+    s = sub.add_parser(
+        "sample", parents=[debug, step], help="sample from a run's checkpoint or a HF folder"
+    )
     s.add_argument("--workdir", default=None)
     s.add_argument("--pretrained", default=None, help="a Hugging Face folder with tokenizer.json")
     s.add_argument(
-        "--prompt", default=None, action="append", help="repeat for several prompts (--pretrained)"
+        "--prompt",
+        default=None,
+        action="append",
+        help="default: the run's eval.sample_prompt; repeat for several prompts (--pretrained)",
     )
     s.add_argument("--source", default=None, help="source text for encoder-decoder runs")
     s.add_argument("--max-new-tokens", type=int, default=200)
@@ -152,9 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--on-overflow",
+        choices=("stop", "raise"),
+        default="stop",
+        help="stop at the model's context limit (default) or refuse to start",
+    )
     s.set_defaults(fn=_sample)
 
-    w = sub.add_parser("sweep", help="run the sweep() of an experiment; one workdir per trial")
+    w = sub.add_parser(
+        "sweep", parents=[debug], help="run the sweep() of an experiment; one workdir per trial"
+    )
     w.add_argument("dir", nargs="?", default=None, help="the sweep directory (with --collect)")
     w.add_argument("--config", default=None, help="experiments/NAME.py[:variant]")
     w.add_argument("--workdir", default=None, help="the sweep directory; trials go in DIR/<trial>")
@@ -188,14 +294,13 @@ def main(argv=None) -> int:
     unknown = [a for a in extra if not a.startswith("--config.")]
     if unknown or (overrides and not getattr(args, "overrides", False)):
         parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
-    from attnlab.data.fetch import ChecksumError as DataError
-    from attnlab.experiment import ExperimentError
-
     try:
         args.fn(args, overrides)
-    except (ExperimentError, FileNotFoundError, DataError) as e:
-        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except AttnlabError as e:
+        if args.debug or os.environ.get("ATTNLAB_DEBUG") == "1":
+            raise
+        print(f"attnlab {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

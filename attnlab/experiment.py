@@ -11,6 +11,9 @@ Every experiment has these groups: ``model`` (the ``ModelConfig`` fields), ``dat
 are locked: an override of the wrong type, an unknown key or an invalid value is an
 ``ExperimentError`` naming the key.
 
+Variants: ``NAME.py:VARIANT`` must name one of the file's ``VARIANTS`` (default
+``("tiny",)``); anything else is an error listing them.
+
 An experiment file may register attention variants at import time
 (``attnlab.register_attention``) for ``model.attention_fn`` to name. ``load_config`` records
 the file's absolute path in the top-level ``experiment_file`` key, which is saved in the work
@@ -24,6 +27,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import math
 import pathlib
 import sys
 import types
@@ -33,12 +37,13 @@ from ml_collections import config_dict
 
 from attnlab.config import ModelConfig
 from attnlab.data.tasks import TASK_KINDS
+from attnlab.errors import ConfigError
 from attnlab.variants import attention_variants
 
 ConfigDict = config_dict.ConfigDict
 
 
-class ExperimentError(ValueError):
+class ExperimentError(ConfigError):
     """An experiment config that cannot run; the message names the key and the fix."""
 
 
@@ -93,7 +98,14 @@ def base_config() -> ConfigDict:
         )
     )
     c.train = ConfigDict(
-        dict(steps=1000, batch_size=32, seed=0, log_every_steps=10, profile_steps="")
+        dict(
+            steps=1000,
+            batch_size=32,
+            seed=0,
+            log_every_steps=10,
+            profile_steps="",
+            on_nonfinite="stop",
+        )
     )
     c.eval = ConfigDict(
         dict(
@@ -132,7 +144,42 @@ def model_config(cfg: ConfigDict) -> ModelConfig:
 
 def _require(ok, key, value, fix):
     if not ok:
-        raise ExperimentError(f"{key}={value!r} is invalid: {fix}")
+        raise ExperimentError(f"{key}={value!r} is invalid: {fix}; set --config.{key}=...")
+
+
+def _real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# (key, test, what the value must be) for every numeric field outside ``model``.
+_DOMAINS = [
+    ("optim.learning_rate", lambda v: v > 0, "a positive finite number"),
+    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    ("optim.b1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("optim.b2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("optim.eps", lambda v: v > 0, "a positive finite number"),
+    ("optim.weight_decay", lambda v: v >= 0, "a finite number >= 0"),
+    ("optim.clip_norm", lambda v: v >= 0, "a finite number >= 0 (0 disables clipping)"),
+    ("optim.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("data.val_fraction", lambda v: 0 < v < 1, "a number in (0, 1)"),
+    ("data.mask_rate", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("data.num_symbols", lambda v: v >= 1, "an integer >= 1"),
+    ("data.min_len", lambda v: v >= 1, "an integer >= 1"),
+    ("data.max_len", lambda v: v >= 0, "an integer >= 0 (0 = the largest that fits)"),
+    ("data.max_chars", lambda v: True, "an integer (<= 0 = no limit)"),
+    ("eval.sample_tokens", lambda v: v >= 0, "an integer >= 0 (0 disables samples)"),
+    ("eval.sample_temperature", lambda v: v >= 0, "a finite number >= 0 (0 = greedy)"),
+]
+ON_NONFINITE = ("stop", "skip")
+
+
+def _check_domains(cfg):
+    for key, ok, what in _DOMAINS:
+        group, leaf = key.split(".")
+        if leaf not in cfg[group]:
+            continue
+        value = cfg[group][leaf]
+        _require(_real(value) and ok(value), key, value, f"must be {what}")
 
 
 def validate(cfg: ConfigDict) -> ModelConfig:
@@ -145,6 +192,13 @@ def validate(cfg: ConfigDict) -> ModelConfig:
             f"the config has no '{group}' group; build it on attnlab.experiment.base_config()",
         )
     t, o, e, k, d = cfg.train, cfg.optim, cfg.eval, cfg.checkpoint, cfg.data
+    _check_domains(cfg)
+    _require(
+        t.get("on_nonfinite", "stop") in ON_NONFINITE,
+        "train.on_nonfinite",
+        t.get("on_nonfinite"),
+        "use 'stop' (end the run at a non-finite loss) or 'skip' (skip such steps)",
+    )
     for key, value in [
         ("train.steps", t.steps),
         ("train.batch_size", t.batch_size),
@@ -269,8 +323,15 @@ def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
         register_variants(base)
     else:  # the file is executed once, so the variants it registers are registered once
         module = _load_python(path)
+        variant = spec.split(":", 1)[1:]
+        known = tuple(getattr(module, "VARIANTS", ("tiny",)))
+        if variant and variant[0] not in known:
+            raise ExperimentError(
+                f"--config {spec}: unknown variant {variant[0]!r}; {path} knows "
+                f"{', '.join(repr(v) for v in known)} (or none: --config {path})"
+            )
         try:
-            base = module.get_config(*spec.split(":", 1)[1:])
+            base = module.get_config(*variant)
         except ExperimentError:
             raise
         except (TypeError, ValueError) as e:

@@ -33,10 +33,12 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attnlab.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 
 
-class MeshError(ValueError):
+class MeshError(ConfigError):
     """A mesh that does not fit the devices, or a dimension that a mesh axis cannot split."""
 
 

@@ -26,3 +26,16 @@ def shared_dir():
             "your install, and the rest of the suite covers the same code"
         )
     return SHARED
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_run(tmp_path_factory):
+    """A finished tiny ``char_lm`` run (checkpoints at steps 1, 2 and 3); copy it to change it."""
+    from attnlab import experiment, runs
+
+    workdir = tmp_path_factory.mktemp("tiny_lm") / "run"
+    overrides = ["--config.checkpoint.every_steps=1", "--config.checkpoint.max_to_keep=3"]
+    overrides += ["--config.eval.sample_tokens=4"]
+    cfg = experiment.load_config(f"{REPO / 'experiments' / 'char_lm.py'}:tiny", overrides)
+    runs.train(cfg, workdir, progress=False)
+    return workdir

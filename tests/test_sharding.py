@@ -303,6 +303,7 @@ def test_a_loaded_checkpoint_decodes_on_a_mesh():
     lm = load_pretrained(folder)
     prompts = [[64, 90, 31], [40, 58]]
     want = generate(lm, prompts, 5, return_logits=True)
-    got = generate(lm, prompts, 5, return_logits=True, mesh=sharding.make_mesh({"data": 2, "tensor": 4}))
+    mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+    got = generate(lm, prompts, 5, return_logits=True, mesh=mesh)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)

@@ -15,6 +15,8 @@ import sysconfig
 
 import numpy as np
 
+from attnlab.errors import DataError, DataFileError
+
 DEFAULT_MAX_CHARS = 2_000_000
 
 # Directory names skipped anywhere below the standard library root.
@@ -32,15 +34,26 @@ def load_text(path) -> str:
 
         for name, known in DATASETS.items():
             if path.name == known.filename:
-                raise FileNotFoundError(
+                raise DataFileError(
                     f"data.path: no such file {str(path)!r}; `attnlab data fetch {name}` "
                     f"downloads {known.filename}, then use data.path='cache:{name}'"
                 )
-        raise FileNotFoundError(
-            f"data.path: no such file {str(path)!r}; leave data.path empty to use the embedded "
-            "corpus (the Python standard library's source)"
+        raise DataFileError(
+            f"data.path: no such file {str(path)!r}; set --config.data.path to a text file, or "
+            "leave data.path empty for the embedded corpus (the Python standard library's source)"
         )
-    return path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"data.path: {str(path)!r} is not UTF-8 text (byte {e.start}); convert it to UTF-8 "
+            "or set --config.data.path to another file"
+        ) from None
+    except OSError as e:
+        raise DataError(f"data.path: cannot read {str(path)!r} ({e.strerror})") from None
+    if not text:
+        raise DataError(f"data.path: {str(path)!r} is empty; set --config.data.path to a text file")
+    return text
 
 
 def _skipped(rel: pathlib.PurePosixPath) -> bool:
@@ -89,7 +102,7 @@ def stdlib_corpus(max_chars: int | None = DEFAULT_MAX_CHARS) -> str:
 def split_train_val(ids, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, val): the first ``1 - val_fraction`` of the stream, then the last part."""
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
     ids = np.asarray(ids)
     n_train = int(len(ids) * (1.0 - val_fraction))
     return ids[:n_train], ids[n_train:]

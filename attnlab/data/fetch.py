@@ -17,6 +17,8 @@ import tempfile
 import urllib.parse
 import urllib.request
 
+from attnlab.errors import DataError  # noqa: E402
+
 CACHE_ENV = "ATTNLAB_CACHE"
 CACHE_PREFIX = "cache:"
 
@@ -39,7 +41,7 @@ DATASETS = {
 }
 
 
-class ChecksumError(ValueError):
+class ChecksumError(DataError):
     """A download whose SHA-256 is not the expected one (nothing was kept)."""
 
 

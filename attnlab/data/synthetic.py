@@ -25,6 +25,8 @@ import re
 
 import numpy as np
 
+from attnlab.errors import DataError
+
 PAD, BOS, EOS, SEP, MASK = 0, 1, 2, 3, 3
 NUM_SPECIAL = 4
 PLUS = NUM_SPECIAL + 10  # addition: digits 0-9 are ids 4..13, '+' is 14
@@ -49,21 +51,21 @@ def max_len_for(kind: str, seq_len: int, num_symbols: int | None = None) -> int:
         return (seq_len - 1) // 2  # n + n in the source
     if kind == "mlm":
         return seq_len // 2
-    raise ValueError(f"no synthetic task named {kind!r}")
+    raise DataError(f"no synthetic task named {kind!r}")
 
 
 def check_lengths(kind, seq_len, num_symbols, min_len, max_len):
     """Raise a ValueError naming the config field when the problem lengths cannot work."""
     if kind != "addition" and num_symbols < 2:
-        raise ValueError(f"data.num_symbols must be >= 2 for {kind}, got {num_symbols}")
+        raise DataError(f"data.num_symbols must be >= 2 for {kind}, got {num_symbols}")
     limit = max_len_for(kind, seq_len, num_symbols)
     if limit < 1:
-        raise ValueError(f"data.seq_len={seq_len} is too short for the {kind} task")
+        raise DataError(f"data.seq_len={seq_len} is too short for the {kind} task")
     if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= data.min_len <= data.max_len, got {min_len}, {max_len}")
+        raise DataError(f"need 1 <= data.min_len <= data.max_len, got {min_len}, {max_len}")
     if max_len > limit:
         extra = " and data.num_symbols" if kind == "induction" else ""
-        raise ValueError(
+        raise DataError(
             f"data.max_len={max_len} does not fit the {kind} task with data.seq_len={seq_len}"
             f"{extra}: at most {limit}"
         )
@@ -95,7 +97,7 @@ def pack_lm(problem_BP, problem_len_B, answer_BA, answer_len_B, seq_len):
     B = problem_BP.shape[0]
     rows = np.arange(B)
     if np.any(problem_len_B + answer_len_B + 3 > seq_len + 1):
-        raise ValueError("pack_lm: problem and answer do not fit seq_len")
+        raise DataError("pack_lm: problem and answer do not fit seq_len")
     seq = np.full((B, seq_len + 1), PAD, np.int32)
     answer_mask = np.zeros((B, seq_len + 1), bool)
     seq[:, 0] = BOS
@@ -214,7 +216,7 @@ def mask_tokens(rng, ids_BT, valid_BT, *, mask_rate, mask_id, low, high):
     become ``mask_id``, 10% a random id in ``[low, high)`` and 10% stay unchanged.
     """
     if not 0.0 < mask_rate <= 1.0:
-        raise ValueError(f"data.mask_rate must be in (0, 1], got {mask_rate}")
+        raise DataError(f"data.mask_rate must be in (0, 1], got {mask_rate}")
     ids_BT = np.asarray(ids_BT, np.int32)
     valid_BT = np.asarray(valid_BT, bool)
     n_valid_B = valid_BT.sum(axis=1)
@@ -274,7 +276,7 @@ def encode_symbols(text: str, num_symbols: int) -> np.ndarray:
         elif word.isdigit() and int(word) < num_symbols:
             ids.append(NUM_SPECIAL + int(word))
         else:
-            raise ValueError(
+            raise DataError(
                 f"{word!r} is neither a special token nor a symbol 0..{num_symbols - 1}"
             )
     return np.array(ids, np.int32)
@@ -297,5 +299,5 @@ def encode_addition(text: str) -> np.ndarray:
         elif token.isdigit():
             ids.append(NUM_SPECIAL + int(token))
         else:
-            raise ValueError(f"addition text may hold only digits, '+' and <bos>/<eos>: {token!r}")
+            raise DataError(f"addition text may hold only digits, '+' and <bos>/<eos>: {token!r}")
     return np.array(ids, np.int32)

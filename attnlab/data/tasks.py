@@ -35,6 +35,7 @@ import numpy as np
 from attnlab.data import fetch, synthetic
 from attnlab.data.corpus import DEFAULT_MAX_CHARS, load_text, split_train_val, stdlib_corpus
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, validate_ids
+from attnlab.errors import DataError
 
 TASK_KINDS = (
     "text",
@@ -75,7 +76,7 @@ _DEFAULTS = {
 def batch_rng(seed: int, step: int, stream: int = TRAIN_STREAM) -> np.random.Generator:
     """The generator for one batch: a pure function of (seed, step, stream)."""
     if min(seed, step, stream) < 0:
-        raise ValueError(f"seed, step and stream must be >= 0, got {seed}, {step}, {stream}")
+        raise DataError(f"seed, step and stream must be >= 0, got {seed}, {step}, {stream}")
     return np.random.default_rng([int(seed), int(step), int(stream)])
 
 
@@ -101,7 +102,7 @@ class Task:
         val_ids: np.ndarray | None = None,
     ):
         if kind not in ID_FIELDS:
-            raise ValueError(f"Task kind must be one of {tuple(ID_FIELDS)}, got {kind!r}")
+            raise DataError(f"Task kind must be one of {tuple(ID_FIELDS)}, got {kind!r}")
         self.name, self.kind, self.vocab_size = name, kind, vocab_size
         self.tokenizer = tokenizer
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = pad_id, bos_id, eos_id, mask_id
@@ -133,7 +134,7 @@ class Task:
 
     def encode(self, text: str) -> np.ndarray:
         if self._encode is None:
-            raise ValueError(f"data.kind={self.name!r} has no text encoding")
+            raise DataError(f"data.kind={self.name!r} has no text encoding")
         return self._encode(text)
 
     def describe(self, batch: dict, row: int = 0) -> str:
@@ -190,16 +191,19 @@ def _text_tokenizer(name, text, workdir, vocab_size=0):
     elif name.endswith(".json") or pathlib.Path(name).is_file():
         build, kind = (lambda: load_tokenizer(name)), None
     else:
-        raise ValueError(
+        raise DataError(
             f"data.tokenizer must be 'char', 'byte', 'bpe' or a tokenizer.json path, got {name!r}"
         )
     if workdir is None:
-        return build()
+        try:
+            return build()
+        except ValueError as e:
+            raise DataError(f"data.path: {e}; use a non-empty text") from None
     path = pathlib.Path(workdir) / TOKENIZER_FILE
     if path.exists():
         tokenizer = load_tokenizer(path)
         if kind is not None and tokenizer.kind != kind:
-            raise ValueError(
+            raise DataError(
                 f"{path} holds a {tokenizer.kind} tokenizer but data.tokenizer={name!r}"
             )
         return tokenizer
@@ -235,7 +239,7 @@ def _text_task(cfg, workdir, mlm, host=(0, 1)):
         ids = tokenizer.encode(text)
     except ValueError as err:
         where = f" (vocabulary loaded from {pathlib.Path(workdir) / TOKENIZER_FILE})"
-        raise ValueError(f"data.path: {err}{where if workdir is not None else ''}") from err
+        raise DataError(f"data.path: {err}{where if workdir is not None else ''}") from err
     train, val = split_train_val(ids, _field(cfg, "val_fraction"))
     return token_task(cfg, name, tokenizer, train, val, mlm=mlm, host=host)
 
@@ -246,9 +250,11 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1)) -> T
     window = seq_len if mlm else seq_len + 1
     for split, part in (("train", train), ("validation", val)):
         if len(part) < window:
-            raise ValueError(
+            raise DataError(
                 f"the {split} split has {len(part)} tokens, fewer than one window of {window} "
-                f"(data.seq_len={seq_len}, data.val_fraction={_field(cfg, 'val_fraction')})"
+                f"(data.seq_len={seq_len}, data.val_fraction={_field(cfg, 'val_fraction')}): "
+                "use a longer text, a smaller --config.data.seq_len or another "
+                "--config.data.val_fraction"
             )
     common = dict(name=name, tokenizer=tokenizer, encode=tokenizer.encode)
     common.update(train_ids=train, val_ids=val)
@@ -382,7 +388,7 @@ def make_task(data_cfg, workdir=None, host=(0, 1)) -> Task:
     """
     name = _field(data_cfg, "kind")
     if name not in TASK_KINDS:
-        raise ValueError(f"data.kind must be one of {', '.join(TASK_KINDS)}; got {name!r}")
+        raise DataError(f"data.kind must be one of {', '.join(TASK_KINDS)}; got {name!r}")
     if name in ("text", "mlm_text"):
         return _text_task(data_cfg, workdir, mlm=name == "mlm_text", host=host)
     if name == "prepared":

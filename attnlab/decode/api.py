@@ -16,6 +16,7 @@ from attnlab.decode import checks
 from attnlab.decode.compiled import Decoder
 from attnlab.decode.recompute import recompute_loop
 from attnlab.decode.sampling import SamplingConfig
+from attnlab.errors import DecodeError
 
 STOP_REASONS = ("eos", "max_new_tokens", "capacity")
 
@@ -183,25 +184,25 @@ def generate(
     """
     graphdef, params, cfg, special = _split(model)
     if cfg.arch == "encoder":
-        raise ValueError("ModelConfig.arch='encoder' has no causal decoder to generate with")
+        raise DecodeError("ModelConfig.arch='encoder' has no causal decoder to generate with")
     seq2seq = cfg.arch == "encoder_decoder"
     eos_id = special["eos_id"] if eos_id == "config" else eos_id
     pad_id = cfg.pad_id if pad_id is None else pad_id
     if on_overflow not in ("raise", "stop"):
-        raise ValueError(f"on_overflow={on_overflow!r} must be 'raise' or 'stop'")
+        raise DecodeError(f"on_overflow={on_overflow!r} must be 'raise' or 'stop'")
     sampling = SamplingConfig(temperature, top_k, top_p, min_p)
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams={num_beams!r} must be an int >= 1")
+        raise DecodeError(f"num_beams={num_beams!r} must be an int >= 1")
     recompute = recompute or not (seq2seq or cfg.causal)
     if num_beams > 1:
         if not sampling.greedy:
-            raise ValueError("num_beams > 1 is deterministic beam search: leave temperature 0")
+            raise DecodeError("num_beams > 1 is deterministic beam search: leave temperature 0")
         if return_logits:
-            raise ValueError("return_logits is only available with num_beams=1")
+            raise DecodeError("return_logits is only available with num_beams=1")
         if recompute:
-            raise ValueError("num_beams > 1 needs the KV cache: recompute supports num_beams=1")
+            raise DecodeError("num_beams > 1 needs the KV cache: recompute supports num_beams=1")
         if 2 * num_beams > cfg.vocab_size:
-            raise ValueError(f"num_beams={num_beams} needs vocab_size >= {2 * num_beams}")
+            raise DecodeError(f"num_beams={num_beams} needs vocab_size >= {2 * num_beams}")
     n = checks.check_count(max_new_tokens)
     checks.check_token("eos_id", eos_id, cfg.vocab_size, optional=True)
     checks.check_token("pad_id", pad_id, cfg.vocab_size)
@@ -210,7 +211,7 @@ def generate(
     if seq2seq:
         start_id = special["start_id"] if start_id is None else start_id
         if start_id is None:
-            raise ValueError(
+            raise DecodeError(
                 "start_id is required for encoder-decoder models: pass the decoder start id"
             )
         checks.check_token("start_id", start_id, cfg.vocab_size)
@@ -220,7 +221,7 @@ def generate(
         else:
             valid_BS = np.asarray(source_valid).astype(bool)
             if valid_BS.shape != src_BS.shape:
-                raise ValueError(
+                raise DecodeError(
                     f"source_valid has shape {valid_BS.shape} but source_ids {src_BS.shape}: "
                     "they must match"
                 )
@@ -231,7 +232,7 @@ def generate(
         lengths_B = np.ones((src_BS.shape[0],), np.int64)
     else:
         if start_id is not None or source_valid is not None:
-            raise ValueError(
+            raise DecodeError(
                 "start_id and source_valid apply to encoder-decoder models; a decoder-only "
                 "model continues prompt_ids (mark padding with prompt_lengths)"
             )
@@ -240,7 +241,7 @@ def generate(
         )
         empty = np.flatnonzero(lengths_B == 0)
         if empty.size:
-            raise ValueError(
+            raise DecodeError(
                 f"prompt row {int(empty[0])} is empty (length 0): a decoder-only model needs "
                 "at least one prompt token (e.g. a BOS id) to condition on"
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.config import ModelConfig
+from attnlab.errors import DecodeError
 
 
 def _is_int(value) -> bool:
@@ -23,7 +24,7 @@ def check_ids(ids, vocab_size: int, name: str, *, valid=None, what: str = "vocab
     """
     arr = np.asarray(ids)
     if arr.size and (arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(
+        raise DecodeError(
             f"{name} must hold integer token ids, got dtype {arr.dtype}: pass integers"
         )
     bad = (arr < 0) | (arr >= vocab_size)
@@ -33,7 +34,7 @@ def check_ids(ids, vocab_size: int, name: str, *, valid=None, what: str = "vocab
         index = tuple(int(i) for i in np.argwhere(bad)[0])
         where = index[0] if len(index) == 1 else index
         note = "" if valid is None else " (pad positions past a row's length are not checked)"
-        raise ValueError(
+        raise DecodeError(
             f"{name}: id {int(arr[index])} at index {where} is not a token id: it is outside "
             f"the valid range [0, {vocab_size}) of {what}={vocab_size}{note}"
         )
@@ -45,23 +46,23 @@ def check_token(name: str, value, vocab_size: int, *, optional: bool = False):
     if value is None and optional:
         return
     if not _is_int(value):
-        raise ValueError(f"{name}={value!r} must be an int token id")
+        raise DecodeError(f"{name}={value!r} must be an int token id")
     if not 0 <= value < vocab_size:
-        raise ValueError(f"{name}={value} is outside [0, vocab_size={vocab_size})")
+        raise DecodeError(f"{name}={value} is outside [0, vocab_size={vocab_size})")
 
 
 def check_count(max_new_tokens) -> int:
     if not _is_int(max_new_tokens):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
+        raise DecodeError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        raise DecodeError(f"max_new_tokens={max_new_tokens} must be >= 0")
     return int(max_new_tokens)
 
 
 def check_length(name: str, length: int, max_len: int, fix: str = "shorten it"):
     """A sequence the model reads must fit its ``max_len`` positions."""
     if length > max_len:
-        raise ValueError(
+        raise DecodeError(
             f"{name} has length {length} but the model has max_len={max_len} positions "
             f"(ModelConfig.max_len): {fix}"
         )
@@ -76,26 +77,26 @@ def rows(ids, lengths, pad_id: int, name: str, vocab_size: int | None):
         out = np.full((len(rows_), max([len(r) for r in rows_], default=0)), pad_id, np.int64)
         for b, r in enumerate(rows_):
             if r.size and not np.issubdtype(r.dtype, np.integer):
-                raise ValueError(f"{name}[{b}] must hold integer token ids, got dtype {r.dtype}")
+                raise DecodeError(f"{name}[{b}] must hold integer token ids, got dtype {r.dtype}")
             out[b, : len(r)] = r
     else:
         out = np.asarray(ids)
         if out.ndim != 2:
-            raise ValueError(
+            raise DecodeError(
                 f"{name} must be 2-D [batch, length] (or a list of lists), got shape "
                 f"{out.shape}; use ids[None] for one sequence"
             )
         check_ids(out[:, :0], 1, name)  # the dtype
         default_lengths = np.full((out.shape[0],), out.shape[1], np.int64)
     if out.shape[0] == 0:
-        raise ValueError(f"{name} has no rows")
+        raise DecodeError(f"{name} has no rows")
     lengths = default_lengths if lengths is None else np.asarray(lengths).astype(np.int64)
     if lengths.shape != (out.shape[0],):
-        raise ValueError(f"{name} lengths must have shape [{out.shape[0]}], got {lengths.shape}")
+        raise DecodeError(f"{name} lengths must have shape [{out.shape[0]}], got {lengths.shape}")
     bad = np.flatnonzero((lengths < 0) | (lengths > out.shape[1]))
     if bad.size:
         b = int(bad[0])
-        raise ValueError(f"row {b} of {name} has length {lengths[b]}, outside [0, {out.shape[1]}]")
+        raise DecodeError(f"row {b} of {name} has length {lengths[b]}, outside [0, {out.shape[1]}]")
     if vocab_size is not None:
         valid = np.arange(out.shape[1])[None, :] < lengths[:, None]
         check_ids(out, vocab_size, name, valid=valid)
@@ -107,9 +108,9 @@ def capacity(cfg: ModelConfig, max_len) -> int:
     if max_len is None:
         return cfg.max_len
     if not _is_int(max_len) or max_len < 1:
-        raise ValueError(f"max_len={max_len!r} must be a positive int (the cache capacity)")
+        raise DecodeError(f"max_len={max_len!r} must be a positive int (the cache capacity)")
     if max_len > cfg.max_len:
-        raise ValueError(
+        raise DecodeError(
             f"max_len={max_len} exceeds ModelConfig.max_len={cfg.max_len}: the model has no "
             "positions beyond it; pass max_len <= ModelConfig.max_len"
         )
@@ -126,10 +127,10 @@ def check_fits(what: str, used: int, n: int, cfg: ModelConfig, max_len, *, stop_
         bound = f"the cache capacity max_len={cap}"
         larger = "" if cap == cfg.max_len else f", raise max_len (up to {cfg.max_len})"
     if used > cap:
-        raise ValueError(f"{what} alone exceeds {bound}: shorten it{larger}")
+        raise DecodeError(f"{what} alone exceeds {bound}: shorten it{larger}")
     if used + n > cap:
         stop = ", or pass on_overflow='stop' to stop rows at capacity" if stop_hint else ""
-        raise ValueError(
+        raise DecodeError(
             f"{what} + max_new_tokens {n} = {used + n} exceeds {bound}: shorten the input, "
             f"lower max_new_tokens{larger}{stop}"
         )

@@ -16,6 +16,7 @@ from flax import nnx
 
 from attnlab.config import ModelConfig
 from attnlab.decode.loops import beam_loop, sample_loop
+from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
 
 
@@ -29,7 +30,7 @@ class Decoder:
 
     def __init__(self, graphdef, cfg: ModelConfig):
         if cfg.arch == "encoder":
-            raise ValueError("ModelConfig.arch='encoder' has no causal decoder to generate with")
+            raise DecodeError("ModelConfig.arch='encoder' has no causal decoder to generate with")
         self.graphdef, self.cfg = graphdef, cfg
         self.seq2seq = cfg.arch == "encoder_decoder"
         self.traces = collections.Counter()

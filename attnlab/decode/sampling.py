@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from attnlab.errors import DecodeError
+
 
 def _concrete(x) -> bool:
     return isinstance(x, int | float | np.number) and not isinstance(x, bool)
@@ -42,13 +44,13 @@ class SamplingConfig:
     def __post_init__(self):
         t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
         if isinstance(t, bool) or (_concrete(t) and not t >= 0):
-            raise ValueError(f"temperature={t!r} must be >= 0 (0 = greedy)")
+            raise DecodeError(f"temperature={t!r} must be >= 0 (0 = greedy)")
         if isinstance(k, bool | float) or (_concrete(k) and k < 0):
-            raise ValueError(f"top_k={k!r} must be an integer >= 0 (0 = off)")
+            raise DecodeError(f"top_k={k!r} must be an integer >= 0 (0 = off)")
         if _concrete(p) and not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p={p!r} must lie in (0, 1] (1 = off)")
+            raise DecodeError(f"top_p={p!r} must lie in (0, 1] (1 = off)")
         if _concrete(m) and not 0.0 <= m <= 1.0:
-            raise ValueError(f"min_p={m!r} must lie in [0, 1] (0 = off)")
+            raise DecodeError(f"min_p={m!r} must lie in [0, 1] (0 = off)")
 
     @property
     def greedy(self) -> bool:

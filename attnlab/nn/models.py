@@ -7,16 +7,23 @@
 
 Each returns a ``ModelOutput`` pytree. Decoders take an optional ``KVCache`` and return the
 updated one; nothing is stored on the module between calls.
+
+Token ids are checked where they enter (``checked_ids``), always on: concrete ids outside
+``[0, vocab_size)`` raise a ``DecodeError`` naming the id and its position; under ``jit``,
+where values cannot raise, such ids embed as NaN, so the logits are NaN and the training
+loop's divergence check stops the run (a gather would otherwise clamp or wrap silently).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
 from attnlab.nn.blocks import Stack
 from attnlab.nn.layers import Embed, Norm, normal
@@ -91,12 +98,30 @@ class _LMHead(nnx.Module):
         return constrain(logits_BTV.astype(jnp.float32), "batch", "length", "act_vocab")
 
 
+def checked_ids(ids_BT, vocab_size: int):
+    """``ids_BT`` with ids outside ``[0, vocab_size)`` raising (concrete ids) or mapped to
+    ``vocab_size``, which the embedding gather fills with NaN (traced ids)."""
+    if not isinstance(ids_BT, jax.core.Tracer):
+        arr = np.asarray(ids_BT)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise DecodeError(f"token ids must be integers, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= vocab_size)
+        if bad.any():
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise DecodeError(
+                f"token id {int(arr[index])} at index {index} is outside [0, vocab_size="
+                f"{vocab_size}): pass ids the tokenizer produced, or raise model.vocab_size"
+            )
+    return jnp.where(ids_BT < 0, vocab_size, ids_BT)
+
+
 class _Embedder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.tokens = Embed(cfg, rngs=rngs)
 
     def __call__(self, ids_BT):
+        ids_BT = checked_ids(ids_BT, self.cfg.vocab_size)
         x_BTD = self.tokens(ids_BT).astype(jnp.dtype(self.cfg.dtype))
         return x_BTD * (self.cfg.d_model**0.5) if self.cfg.embed_scale else x_BTD
 

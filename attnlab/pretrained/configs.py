@@ -16,9 +16,10 @@ import json
 import os
 
 from attnlab.config import ModelConfig
+from attnlab.errors import PretrainedError
 
 
-class UnsupportedCheckpointError(ValueError):
+class UnsupportedCheckpointError(PretrainedError, ValueError):
     """The checkpoint's family, or one of its config.json settings, has no attnlab equivalent."""
 
 

@@ -23,12 +23,13 @@ import safetensors
 from flax import nnx
 
 from attnlab.config import ModelConfig
+from attnlab.errors import PretrainedError
 from attnlab.nn.models import build_model
 from attnlab.pretrained.configs import family_of, model_config_from_hf
 from attnlab.pretrained.mappings import MAPPINGS, TRANSFORMS, Mapping
 
 
-class CheckpointError(Exception):
+class CheckpointError(PretrainedError):
     """A checkpoint's tensors disagree with its config or with the family's table."""
 
     def __str__(self):  # KeyError subclasses would otherwise print the message quoted

@@ -9,7 +9,13 @@ from ``attnlab.train``.
 from attnlab.runs.loading import evaluate, load_run, saved_config
 from attnlab.runs.loop import open_runs, train, train_runs
 from attnlab.runs.progress import Progress
-from attnlab.runs.sampling import continuation, decode_known, sample_text, seq2seq_continuation
+from attnlab.runs.sampling import (
+    continuation,
+    decode_known,
+    default_prompt,
+    sample_text,
+    seq2seq_continuation,
+)
 from attnlab.runs.stacked import STACKABLE, stack_key, train_stacked
 from attnlab.runs.workdir import (
     CONFIG_FILE,
@@ -34,6 +40,7 @@ __all__ = [
     "check_config",
     "continuation",
     "decode_known",
+    "default_prompt",
     "evaluate",
     "load_run",
     "open_runs",

@@ -6,12 +6,14 @@ process: loading ``DIR/config.json`` imports the experiment file it records firs
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 from attnlab import experiment, sharding
 from attnlab.checkpoint import Checkpointer
 from attnlab.data import make_task
-from attnlab.runs.workdir import CONFIG_FILE
+from attnlab.errors import CheckpointError, WorkdirError
+from attnlab.runs.workdir import CHECKPOINTS, CONFIG_FILE, check_workdir, restore_newest
 from attnlab.train import Trainer
 
 
@@ -19,29 +21,54 @@ def saved_config(workdir):
     """The saved config of the run in ``workdir``, its experiment's variants registered."""
     workdir = pathlib.Path(workdir)
     path = workdir / CONFIG_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: is {workdir} an attnlab work directory?")
-    cfg = experiment.from_json(path.read_text())
+    check_workdir(workdir)
+    if not path.is_file():
+        raise WorkdirError(
+            f"--workdir {workdir}: no {CONFIG_FILE}; is it an attnlab work directory (one that "
+            "`attnlab train` wrote)?"
+        )
+    try:
+        cfg = experiment.from_json(path.read_text())
+    except (OSError, ValueError) as e:
+        raise WorkdirError(f"{path} cannot be read ({e}); restore it from a backup") from None
     experiment.register_variants(cfg)
     return cfg
 
 
-def load_run(workdir):
-    """(cfg, trainer, task, params, step) of the latest checkpoint in ``workdir``."""
+def load_run(workdir, step: int | None = None):
+    """(cfg, trainer, task, params, step) of checkpoint ``step`` in ``workdir``.
+
+    The default is the newest checkpoint that can be read (unreadable newer ones are reported
+    on stderr); parameters that are not finite are refused with a ``CheckpointError``.
+    """
     workdir = pathlib.Path(workdir)
     cfg = saved_config(workdir)
     task = make_task(cfg.data, workdir)
     trainer = Trainer(cfg, kind=task.kind, mesh=sharding.mesh_from_config(cfg))
-    with Checkpointer(workdir / "checkpoints") as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
-        state = ckpt.restore(trainer.abstract_state(), step)
+    if not (workdir / CHECKPOINTS).is_dir():
+        raise CheckpointError(f"no checkpoint in {workdir / CHECKPOINTS}; train the run first")
+    with Checkpointer(workdir / CHECKPOINTS) as ckpt:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {ckpt.directory}; train the run first")
+        if step is not None and int(step) not in steps:
+            raise CheckpointError(
+                f"--step {step}: no such checkpoint in {ckpt.directory} (available: {steps})"
+            )
+        chosen = steps if step is None else [int(step)]
+        state, step = restore_newest(ckpt, trainer.abstract_state(), chosen, trainer.all_finite)
     return cfg, trainer, task, state["params"], step
 
 
-def evaluate(workdir) -> dict:
-    """Evaluates the latest checkpoint of a run on its validation split."""
-    cfg, trainer, task, params, step = load_run(workdir)
+def evaluate(workdir, step: int | None = None) -> dict:
+    """Evaluates checkpoint ``step`` (default: the newest readable one) on the validation
+    split; a non-finite result is a ``CheckpointError``."""
+    cfg, trainer, task, params, step = load_run(workdir, step)
     batches = task.eval_batches(int(cfg.eval.batch_size), max(int(cfg.eval.batches), 1))
-    return {"step": step, **trainer.evaluate(params, batches)}
+    record = trainer.evaluate(params, batches)
+    if not math.isfinite(record["eval_loss"]):
+        raise CheckpointError(
+            f"checkpoint step {step} in {pathlib.Path(workdir) / CHECKPOINTS} gives a non-finite "
+            "eval_loss; pick an older step with --step N"
+        )
+    return {"step": step, **record}

@@ -4,11 +4,17 @@ Every ``train.log_every_steps`` (and at each evaluation and the last step) each 
 record to its ``metrics.jsonl``; evaluations also append a sample to ``samples.jsonl`` for
 language models. Checkpoints are written every ``checkpoint.every_steps``, at the end and when
 a signal (SIGTERM/SIGINT) or ``stop_after`` stops the loop.
+
+Divergence: the step counts non-finite losses and gradient norms on device
+(``acc["nonfinite"]``); the loop reads the count where it syncs anyway, at log lines and
+before every checkpoint, and never writes a checkpoint of a state that saw one (or whose
+parameters are not finite). With ``train.on_nonfinite="stop"`` the run stops with a
+``DivergenceError`` naming the step and the last good checkpoint, which is kept; with
+``"skip"`` such steps change nothing and are counted in the records (``skipped_steps``).
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import jax
@@ -17,6 +23,7 @@ import numpy as np
 
 from attnlab import experiment, sharding
 from attnlab.checkpoint import PreemptionGuard
+from attnlab.errors import DivergenceError
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
 from attnlab.runs.tracking import Profiler, Tracker, describe
@@ -24,23 +31,53 @@ from attnlab.runs.workdir import METRICS_FILE, SAMPLES_FILE, Run
 from attnlab.train import Trainer, injected_hyperparams, lr_multiplier, zeros_acc
 
 
-def open_runs(cfgs, workdirs):
-    """Opens each run and builds its trainer (its own seed and initialisation)."""
+def open_runs(cfgs, workdirs, *, step=None, allow_changes=False):
+    """Opens each run and builds its trainer (its own seed and initialisation).
+
+    Everything is checked before any run's directory is locked and written (``Run.begin``).
+    """
     runs, trainers = [], []
     try:
         mesh = sharding.mesh_from_config(cfgs[0])
         for cfg, workdir in zip(cfgs, workdirs, strict=True):
             mcfg = experiment.validate(cfg)
-            runs.append(Run(cfg, workdir, mcfg))
+            runs.append(Run(cfg, workdir, mcfg, step=step, allow_changes=allow_changes))
             trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind, mesh=mesh))
-            runs[-1].tracker = Tracker(cfg, workdir, start_step=runs[-1].start or 0)
+        for run in runs:
+            run.begin()
+            run.tracker = Tracker(run.cfg, run.workdir, start_step=run.start or 0)
     except BaseException:
         for run in runs:
-            run.ckpt.close()
+            run.close()
             if getattr(run, "tracker", None) is not None:
                 run.tracker.close()
         raise
     return runs, trainers
+
+
+def divergence(trainer, run, acc, params, step) -> DivergenceError | None:
+    """The error of a run whose steps since the last log line (``acc``, on the host) or
+    whose ``params`` are not finite; None when the state may be saved."""
+    bad = int(acc["nonfinite"]) > 0 and not trainer.skip_nonfinite
+    if not bad and bool(trainer.all_finite(params)):
+        return None
+    at = int(acc["first_nonfinite"]) if bad else step
+    last = run.ckpt.latest_step()
+    what = "training loss or gradient norm" if bad else "parameters"
+    where = f"step {last} in {run.ckpt.directory} (kept)" if last is not None else "none"
+    return DivergenceError(
+        f"training diverged: non-finite {what} at step {at}; the last good checkpoint is "
+        f"{where}. Lower "
+        "--config.optim.learning_rate (resume with --allow-changes), or pass "
+        "--config.train.on_nonfinite=skip to skip such steps"
+    )
+
+
+def save_checked(trainer, run, step, state):
+    """Saves ``state`` unless it diverged, in which case the run fails and nothing is written."""
+    run.failure = divergence(trainer, run, jax.device_get(state["acc"]), state["params"], step)
+    if run.failure is None:
+        run.save(step, state)
 
 
 def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None) -> bool:
@@ -116,6 +153,9 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
                 for i, r in active():
                     r.elapsed += window
                     a = view(acc, i)
+                    if int(a["nonfinite"]) and not trainer.skip_nonfinite:
+                        r.failure = divergence(trainer, r, a, None, step)
+                        continue
                     record = {
                         "step": step,
                         "train_loss": float(a["loss_sum"] / max(a["tokens"], 1.0)),
@@ -124,12 +164,10 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
                         "tokens_per_sec": window_steps * tokens_per_step / max(window, 1e-9),
                         "elapsed_sec": r.elapsed,
                     }
+                    if trainer.skip_nonfinite:
+                        record["skipped_steps"] = int(a["nonfinite"])
                     if do_eval:
                         record.update(evals[i])
-                    if not math.isfinite(record["train_loss"]):
-                        r.log(record)
-                        r.failure = FloatingPointError(f"non-finite training loss at step {step}")
-                        continue
                     if do_eval:
                         text = sample_text(trainer, r.task, view(state["params"], i), r.cfg, step)
                         if text is not None:
@@ -143,12 +181,12 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
             bar.update(1, logged)
             if step % cfg.checkpoint.every_steps == 0 or step == total:
                 for i, r in active():
-                    r.save(step, view(state, i))
+                    save_checked(trainer, r, step, view(state, i))
             if guard.requested or (stop_after is not None and step >= stop_after):
                 for i, r in active():
                     if r.ckpt.latest_step() != step:
                         # Steps past the last log line stay in ``acc``, which is saved too.
-                        r.save(step, view(state, i))
+                        save_checked(trainer, r, step, view(state, i))
                 why = guard.signal_name or f"stop_after={stop_after}"
                 where = runs[0].workdir if n == 1 else runs[0].workdir.parent
                 print(f"stopped at step {step} ({why}); checkpoint saved in {where}", flush=True)
@@ -158,12 +196,12 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
     return stopped_by_signal
 
 
-def train_runs(cfgs, workdirs, *, stacked, progress, stop_after):
+def train_runs(cfgs, workdirs, *, stacked, progress, stop_after, step=None, allow_changes=False):
     """Opens, restores and trains the runs; stacked runs at different steps train in turn.
 
     Returns the ``Run`` objects (closed) and whether a signal stopped the training.
     """
-    runs, trainers = open_runs(cfgs, workdirs)
+    runs, trainers = open_runs(cfgs, workdirs, step=step, allow_changes=allow_changes)
     profiler = Profiler(runs[0].cfg, runs[0].workdir)
     try:
         if len(runs) == 1 and runs[0].start is None and jax.process_index() == 0:
@@ -197,19 +235,34 @@ def train_runs(cfgs, workdirs, *, stacked, progress, stop_after):
     finally:
         profiler.stop()
         for r in runs:
-            r.ckpt.close()
+            r.close()
             r.tracker.close()
 
 
-def train(cfg, workdir, *, progress: bool = True, stop_after: int | None = None) -> dict:
+def train(
+    cfg,
+    workdir,
+    *,
+    progress: bool = True,
+    stop_after: int | None = None,
+    step: int | None = None,
+    allow_changes: bool = False,
+) -> dict:
     """Trains (or resumes) the experiment ``cfg`` in ``workdir``; returns the final record.
 
     ``stop_after`` stops (with a checkpoint) once that many steps are done, as a preemption
-    would: used to test exact resumption. A non-finite training loss raises
-    ``FloatingPointError`` once its record is logged.
+    would: used to test exact resumption. ``step`` resumes from that checkpoint (default: the
+    newest readable one); ``allow_changes`` resumes with changed optimiser/training values.
+    A diverging run raises ``DivergenceError`` (see the module docstring).
     """
     (run,), _ = train_runs(
-        [cfg], [workdir], stacked=False, progress=progress, stop_after=stop_after
+        [cfg],
+        [workdir],
+        stacked=False,
+        progress=progress,
+        stop_after=stop_after,
+        step=step,
+        allow_changes=allow_changes,
     )
     if run.failure is not None:
         raise run.failure

@@ -48,11 +48,18 @@ def decode_known(task, tokens) -> str:
     return task.decode(tokens[(tokens >= 0) & (tokens < task.vocab_size)])
 
 
+def default_prompt(cfg, task) -> str:
+    """The run's sample prompt: ``eval.sample_prompt``, else the validation text's first token."""
+    if cfg.eval.sample_prompt:
+        return cfg.eval.sample_prompt
+    return task.decode(task.val_ids[:1]) if task.val_ids is not None else ""
+
+
 def sample_text(trainer, task, params, cfg, step):
     """A short sample from a language model (None for other tasks); unknown ids are dropped."""
     if trainer.kind != "lm" or task.tokenizer is None or cfg.eval.sample_tokens <= 0:
         return None
-    prompt = cfg.eval.sample_prompt or task.decode(task.val_ids[:1])
+    prompt = default_prompt(cfg, task)
     ids = task.encode(prompt)
     room = trainer.mcfg.max_len - len(ids)
     n = min(int(cfg.eval.sample_tokens), room)

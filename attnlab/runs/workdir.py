@@ -4,22 +4,41 @@
 repeats the run), ``DIR/metrics.jsonl`` and ``DIR/samples.jsonl`` hold one JSON record per
 logged step, ``DIR/checkpoints/`` the orbax checkpoints. A resumed run first drops the records
 logged after its checkpoint, so they are logged again exactly once.
+
+Opening a run writes nothing: the directory, config, data, tokenizer and model are checked
+first, and only ``Run.begin`` (once the run is known to start) takes ``DIR/lock`` (an
+``fcntl`` lock the system releases when its process dies, so a stale lock never blocks) and
+writes ``config.json``, ``tokenizer.json`` and the checkpoint directory. A newest checkpoint
+that cannot be read is reported and the newest readable one is used; nothing is deleted.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
+import socket
+import sys
 
 import jax
+import jax.numpy as jnp
 
 from attnlab import experiment
-from attnlab.checkpoint import Checkpointer
+from attnlab.checkpoint import Checkpointer, CorruptCheckpointError
 from attnlab.config import ModelConfig
 from attnlab.data import make_task
+from attnlab.data.tasks import TOKENIZER_FILE
+from attnlab.errors import CheckpointError, WorkdirError, one_line
+from attnlab.train import injected_hyperparams
 
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
+LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
+# Values that may change when a run resumes (they change no state and no step's result).
+FREE_ON_RESUME = ("name", "experiment_file", "eval.", "checkpoint.", "train.log_every_steps")
+FREE_ON_RESUME += ("train.on_nonfinite",)
+# The optimiser values held in its state: a resumed run with --allow-changes updates them.
+INJECTED = ("learning_rate", "weight_decay", "b1", "b2", "eps")
 
 
 def is_writer() -> bool:
@@ -56,26 +75,88 @@ def append_jsonl(path: pathlib.Path, record: dict):
         f.write(json.dumps(record) + "\n")
 
 
-def check_config(workdir: pathlib.Path, cfg):
-    """Refuses a work directory that holds a run of another model or data config."""
-    saved_path = workdir / CONFIG_FILE
-    if not saved_path.exists():
-        return
-    saved = json.loads(saved_path.read_text())
-    # Compared as JSON would hold them (tuples are lists there).
-    now = {g: json.loads(json.dumps(cfg[g].to_dict())) for g in ("model", "data")}
-    if any(saved.get(g) != now[g] for g in now):
-        diff = sorted(
-            f"{g}.{k}"
-            for g in now
-            for k in set(saved.get(g, {})) | set(now[g])
-            if saved.get(g, {}).get(k) != now[g].get(k)
-        )
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(workdir: pathlib.Path, cfg) -> list[str]:
+    """``key: saved -> now`` for each value ``cfg`` changes against ``DIR/config.json``."""
+    path = workdir / CONFIG_FILE
+    if not path.is_file():
+        return []
+    try:
+        saved = _flat(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise WorkdirError(
+            f"{path} cannot be read ({one_line(e)}); restore it or use a new --workdir"
+        ) from None
+    now = _flat(json.loads(experiment.to_json(cfg)))  # as JSON holds them (tuples are lists)
+    return [
+        f"{k}: {saved.get(k)!r} -> {now.get(k)!r}"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k) and not k.startswith(FREE_ON_RESUME)
+    ]
+
+
+def check_config(workdir: pathlib.Path, cfg, allow_changes: bool = False) -> list[str]:
+    """The changed values of a resumed run; refuses model/data changes, and others unless
+    ``allow_changes``."""
+    changes = config_changes(pathlib.Path(workdir), cfg)
+    saved_path = pathlib.Path(workdir) / CONFIG_FILE
+    fixed = [c for c in changes if c.startswith(("model.", "data."))]
+    if fixed:
         raise experiment.ExperimentError(
-            f"{workdir} holds a run with a different model/data config (differs in {diff}); "
-            "use a new --workdir, or repeat the run with --config "
-            f"{saved_path}"
+            f"{workdir} holds a run with a different model/data config (differs in "
+            f"{[c.split(':')[0] for c in fixed]}); use a new --workdir, or repeat the run with "
+            f"--config {saved_path}"
         )
+    if changes and not allow_changes:
+        raise experiment.ExperimentError(
+            f"{workdir} holds a run with other values ({'; '.join(changes)}); pass "
+            "--allow-changes to resume with them (applied from the resumed step on, the "
+            f"learning-rate schedule included), repeat the run with --config {saved_path}, "
+            "or use a new --workdir"
+        )
+    return changes
+
+
+def check_workdir(workdir: pathlib.Path):
+    """Refuses a path that cannot become a work directory, before anything is written."""
+    for where in (workdir / CHECKPOINTS, workdir, *workdir.parents):
+        if where.exists() and not where.is_dir():
+            raise WorkdirError(
+                f"{where} is a file, not a directory; move it away or choose another --workdir"
+            )
+
+
+class Lock:
+    """An exclusive ``fcntl`` lock on ``DIR/lock`` holding the owner's pid and host."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.path = workdir / LOCK_FILE
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise WorkdirError(
+                f"{workdir} is in use by another attnlab process ({owner}); wait for it to "
+                "finish, or choose another --workdir"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    def release(self):
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
 
 
 def _host() -> tuple[int, int]:
@@ -85,34 +166,79 @@ def _host() -> tuple[int, int]:
 
 
 class Run:
-    """One run's work directory: its config, task, checkpoints, logs and where it stands."""
+    """One run's work directory: its config, task, checkpoints, logs and where it stands.
 
-    def __init__(self, cfg, workdir, mcfg: ModelConfig):
+    The constructor checks and writes nothing; ``begin`` locks the directory and writes.
+    ``step`` picks the checkpoint to resume from (default: the newest readable one).
+    """
+
+    def __init__(self, cfg, workdir, mcfg: ModelConfig, *, step=None, allow_changes=False):
         self.cfg, self.workdir = cfg, pathlib.Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        check_config(self.workdir, cfg)
-        atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(cfg))
-        self.task = make_task(cfg.data, self.workdir, host=_host())
+        check_workdir(self.workdir)
+        self.changes = check_config(self.workdir, cfg, allow_changes)
+        tokenizer_saved = (self.workdir / TOKENIZER_FILE).is_file()
+        self.task = make_task(cfg.data, self.workdir if tokenizer_saved else None, host=_host())
         vocab = self.task.vocab_size
         if vocab > mcfg.vocab_size:
             raise experiment.ExperimentError(
                 f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary "
                 f"({vocab} ids); set --config.model.vocab_size={vocab}"
             )
-        keep = int(cfg.checkpoint.max_to_keep)
-        self.ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=keep)
-        self.start = self.ckpt.latest_step()
+        self.requested = step
+        self.ckpt: Checkpointer | None = None
+        self.lock: Lock | None = None
+        self.start: int | None = None
         self.elapsed, self.step = 0.0, 0
         self.record: dict | None = None  # the record logged at the last step, if any
         self.failure: Exception | None = None
 
+    def begin(self):
+        """Locks the directory and writes the config and tokenizer: the run starts."""
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            self.lock = Lock(self.workdir)
+            check_config(self.workdir, self.cfg, allow_changes=bool(self.changes))
+            atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(self.cfg))
+            tokenizer = self.task.tokenizer
+            if tokenizer is not None and not (self.workdir / TOKENIZER_FILE).exists():
+                tokenizer.save(self.workdir / TOKENIZER_FILE)
+            keep = int(self.cfg.checkpoint.max_to_keep)
+            self.ckpt = Checkpointer(self.workdir / CHECKPOINTS, max_to_keep=keep)
+        except OSError as e:
+            self.close()
+            raise WorkdirError(
+                f"cannot write to {self.workdir} ({e.strerror or one_line(e)}); choose a "
+                "writable --workdir"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        steps = self.ckpt.all_steps()
+        if self.requested is not None and int(self.requested) not in steps:
+            self.close()
+            raise CheckpointError(
+                f"--step {self.requested}: {self.workdir / CHECKPOINTS} has no such checkpoint "
+                f"(available steps: {steps})"
+            )
+
+    def close(self):
+        if self.ckpt is not None:
+            self.ckpt.close()
+        if self.lock is not None:
+            self.lock.release()
+
     def initial_state(self, trainer, abstract):
-        """A fresh train state, or the latest checkpoint's (dropping later log records)."""
-        if self.start is None:
+        """A fresh train state, or the chosen checkpoint's (dropping later log records)."""
+        steps = self.ckpt.all_steps()
+        if self.requested is not None:
+            steps = [int(self.requested)]
+        if not steps:
             self.start = 0
             return trainer.init_state()
-        state = self.ckpt.restore(abstract, self.start)
+        state, self.start = restore_newest(self.ckpt, abstract, steps, trainer.all_finite)
         self.elapsed = float(self.ckpt.restore_metadata(self.start).get("elapsed_sec", 0.0))
+        if self.changes:
+            apply_optim_values(state["opt_state"], self.cfg.optim)
         truncate_jsonl(self.workdir / METRICS_FILE, self.start)
         truncate_jsonl(self.workdir / SAMPLES_FILE, self.start)
         if self.start >= int(self.cfg.train.steps):
@@ -126,8 +252,49 @@ class Run:
         return state
 
     def save(self, step, state):
+        """Writes ``state`` as ``step``, replacing an older checkpoint of the same step."""
+        if step in self.ckpt.all_steps():
+            self.ckpt.delete(step)
         meta = {"elapsed_sec": self.elapsed, "step": step}
         self.ckpt.save(step, state, metadata=meta, force=True)
 
     def log(self, record: dict, file: str = METRICS_FILE):
         append_jsonl(self.workdir / file, record)
+
+
+def apply_optim_values(opt_state, o):
+    """Sets the optimiser values held in ``opt_state`` to those of the config ``o``."""
+    hyper = injected_hyperparams(opt_state)
+    for name in INJECTED:
+        hyper[name] = jnp.asarray(float(o[name]), jnp.asarray(hyper[name]).dtype)
+
+
+def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite):
+    """``(state, step)`` of the newest of ``steps`` that restores with finite parameters.
+
+    A checkpoint that cannot be read is reported on stderr and skipped (it stays on disk);
+    when ``steps`` is one step, its error is raised as it is.
+    """
+    errors = []
+    for step in sorted(steps, reverse=True):
+        try:
+            state = ckpt.restore(abstract, step)
+        except CorruptCheckpointError as e:
+            if len(steps) == 1:
+                raise
+            errors.append(step)
+            print(f"attnlab: warning: {one_line(e).split('. The directory')[0]}", file=sys.stderr)
+            continue
+        if not bool(all_finite(state["params"])):
+            older = [s for s in ckpt.all_steps() if s < step]
+            raise CheckpointError(
+                f"checkpoint step {step} in {ckpt.directory} holds non-finite parameters (the "
+                f"run diverged); pick an older step with --step N (available: {older})"
+            )
+        if errors:
+            print(f"attnlab: warning: using checkpoint step {step} instead", file=sys.stderr)
+        return state, step
+    raise CheckpointError(
+        f"no checkpoint in {ckpt.directory} can be restored (steps {errors} are unreadable); "
+        "train again in a new --workdir"
+    )

@@ -7,6 +7,12 @@ norm between log lines *inside* the state, so a run resumed from a checkpoint lo
 what the uninterrupted run logs. Dropout keys are ``fold_in(key(seed), step)``, with the
 seed's key data kept in the state so stacked trials can each carry their own.
 
+Divergence is watched on device at every step without a host sync: ``acc["nonfinite"]``
+counts the steps whose loss or gradient norm was not finite and ``acc["first_nonfinite"]``
+holds the first such step (1-based), read by the loop where it syncs anyway (log lines and
+before every checkpoint). With ``train.on_nonfinite="skip"`` such a step leaves the
+parameters and optimiser state unchanged; with ``"stop"`` (the default) the loop stops.
+
 The stacked variants take every state leaf with a leading trial axis (``jax.vmap`` of the same
 step); evaluation batches are shared by the trials.
 """
@@ -34,7 +40,15 @@ def zeros_acc():
         "tokens": jnp.zeros((), jnp.float32),
         "grad_norm_sum": jnp.zeros((), jnp.float32),
         "steps": jnp.zeros((), jnp.int32),
+        "nonfinite": jnp.zeros((), jnp.int32),
+        "first_nonfinite": jnp.zeros((), jnp.int32),
     }
+
+
+def all_finite(tree) -> jax.Array:
+    """True when every floating leaf of ``tree`` is finite (one fused reduction)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
 class Trainer:
@@ -57,6 +71,8 @@ class Trainer:
         abstract_params = jax.eval_shape(lambda: init_params(self.mcfg, jnp.uint32(0)))
         self.tx = make_optimizer(cfg.optim, self.total_steps, abstract_params)
         self.accum = int(cfg.optim.grad_accum_steps)
+        self.skip_nonfinite = cfg.train.get("on_nonfinite", "stop") == "skip"
+        self.all_finite = jax.jit(all_finite)
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.rules = sharding.resolve_rules(cfg.get("mesh", {}).get("rules"))
         init_out, step_out = {}, {}
@@ -153,13 +169,24 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / jnp.maximum(tokens, 1.0), grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
+        new_params = optax.apply_updates(params, updates)
+        ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        if self.skip_nonfinite:  # a non-finite step changes nothing but the counters
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+            params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
+        else:
+            params = new_params
         acc = state["acc"]
+        zero = jnp.zeros((), jnp.float32)
         acc = {
-            "loss_sum": acc["loss_sum"] + loss_sum,
-            "tokens": acc["tokens"] + tokens,
-            "grad_norm_sum": acc["grad_norm_sum"] + grad_norm,
-            "steps": acc["steps"] + 1,
+            "loss_sum": acc["loss_sum"] + jnp.where(ok, loss_sum, zero),
+            "tokens": acc["tokens"] + jnp.where(ok, tokens, zero),
+            "grad_norm_sum": acc["grad_norm_sum"] + jnp.where(ok, grad_norm, zero),
+            "steps": acc["steps"] + ok.astype(jnp.int32),
+            "nonfinite": acc["nonfinite"] + (~ok).astype(jnp.int32),
+            "first_nonfinite": jnp.where(
+                (acc["first_nonfinite"] == 0) & ~ok, step + 1, acc["first_nonfinite"]
+            ),
         }
         new = {
             "params": params,
