@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     try:
         args.fn(args, overrides)
     except AttnlabError as e:
-        if args.debug or os.environ.get("ATTNLAB_DEBUG") == "1":
+        if getattr(args, "debug", False) or os.environ.get("ATTNLAB_DEBUG") == "1":
             raise
         print(f"attnlab {args.command}: error: {one_line(e)}", file=sys.stderr)
         return e.exit_code
