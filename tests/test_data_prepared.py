@@ -91,4 +91,4 @@ def test_a_corpus_larger_than_the_process_may_read_is_memory_mapped(tmp_path):
         check=True,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin"},
     )
-    assert int(out.stdout.split()[-1]) < 1024  # MiB, against a 6144 MiB file
+    assert int(out.stdout.split()[-1]) < 2048  # MiB (imports included), against a 6144 MiB file

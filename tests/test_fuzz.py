@@ -84,7 +84,7 @@ def test_train_runs_or_fails_with_one_named_error(capsys, overrides, choice, tex
             + BASE + argv,
         )  # fmt: skip
         if rc == 0:
-            record = json.loads(out.strip().splitlines()[-1])
+            record = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
             assert math.isfinite(record["train_loss"]), out
         else:
             assert rc in (1, 2), (rc, err)

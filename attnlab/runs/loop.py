@@ -153,9 +153,6 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
                 for i, r in active():
                     r.elapsed += window
                     a = view(acc, i)
-                    if int(a["nonfinite"]) and not trainer.skip_nonfinite:
-                        r.failure = divergence(trainer, r, a, None, step)
-                        continue
                     record = {
                         "step": step,
                         "train_loss": float(a["loss_sum"] / max(a["tokens"], 1.0)),
@@ -164,6 +161,11 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
                         "tokens_per_sec": window_steps * tokens_per_step / max(window, 1e-9),
                         "elapsed_sec": r.elapsed,
                     }
+                    if int(a["nonfinite"]) and not trainer.skip_nonfinite:
+                        # The record that shows the divergence; no checkpoint follows it.
+                        r.log(record, METRICS_FILE)
+                        r.failure = divergence(trainer, r, a, None, step)
+                        continue
                     if trainer.skip_nonfinite:
                         record["skipped_steps"] = int(a["nonfinite"])
                     if do_eval:
