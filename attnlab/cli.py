@@ -286,6 +286,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def compilation_cache():
+    """JAX's persistent compilation cache for CLI runs, so a second run of a config starts
+    its first step in seconds: in the user's cache directory by default,
+    ``ATTNLAB_COMPILATION_CACHE=DIR`` puts it elsewhere and ``=off`` turns it off."""
+    where = os.environ.get("ATTNLAB_COMPILATION_CACHE", "")
+    if where.lower() in ("off", "0", "false", "no"):
+        return None
+    if not where:
+        from attnlab.data.fetch import cache_dir
+
+        where = str(cache_dir() / "jax")
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return where
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -294,6 +312,7 @@ def main(argv=None) -> int:
     unknown = [a for a in extra if not a.startswith("--config.")]
     if unknown or (overrides and not getattr(args, "overrides", False)):
         parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
+    compilation_cache()
     try:
         args.fn(args, overrides)
     except AttnlabError as e:

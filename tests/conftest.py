@@ -2,8 +2,14 @@
 
 import os
 import pathlib
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# One persistent compilation cache for the session, shared with the processes the tests
+# start (the CLI, notebooks, sweeps): the same tiny programs compile once. Never the user's.
+_CACHE = os.environ.setdefault("ATTNLAB_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jaxcache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

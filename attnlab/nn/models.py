@@ -312,7 +312,7 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None
     if rngs is not None:
         return cls(cfg, rngs=rngs)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, _init_jit(cfg, jnp.asarray(seed, jnp.uint32)))
+    return nnx.merge(graphdef, _init_jit(cfg, np.uint32(seed)))
 
 
 def init_params(cfg: ModelConfig, seed):
