@@ -190,7 +190,7 @@ def test_a_second_process_is_refused_and_a_stale_lock_is_not(tiny_lm_run, tmp_pa
     assert "pid" in (run / "lock").read_text()  # left behind, as by a killed process
     rc, out, err = cli(capsys, *argv)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert rc == 0 and last["step"] == 3 and "step=3" in out, err
+    assert rc == 0 and last["step"] == 3 and "holds step 3 of 3" in out, err
 
 
 @pytest.mark.parametrize("where", ["workdir", "checkpoints"])

@@ -15,6 +15,7 @@ parameters are not finite). With ``train.on_nonfinite="stop"`` the run stops wit
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -75,9 +76,13 @@ def divergence(trainer, run, acc, params, step) -> DivergenceError | None:
 
 def save_checked(trainer, run, step, state):
     """Saves ``state`` unless it diverged, in which case the run fails and nothing is written."""
-    run.failure = divergence(trainer, run, jax.device_get(state["acc"]), state["params"], step)
+    acc = jax.device_get(state["acc"])
+    run.failure = divergence(trainer, run, acc, state["params"], step)
     if run.failure is None:
         run.save(step, state)
+    else:  # the record that shows the divergence (sweeps collect the run as failed)
+        loss = float(acc["loss_sum"] / max(float(acc["tokens"]), 1.0))
+        run.log({"step": step, "train_loss": loss if not math.isfinite(loss) else math.nan})
 
 
 def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None) -> bool:
@@ -162,8 +167,9 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
                         "elapsed_sec": r.elapsed,
                     }
                     if int(a["nonfinite"]) and not trainer.skip_nonfinite:
-                        # The record that shows the divergence; no checkpoint follows it.
-                        r.log(record, METRICS_FILE)
+                        # The record that shows the divergence (non-finite steps are not
+                        # accumulated, so the loss is marked); no checkpoint follows it.
+                        r.log({**record, "train_loss": math.nan}, METRICS_FILE)
                         r.failure = divergence(trainer, r, a, None, step)
                         continue
                     if trainer.skip_nonfinite:

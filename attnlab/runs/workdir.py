@@ -196,7 +196,8 @@ class Run:
         """Locks the directory and writes the config and tokenizer: the run starts."""
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
-            self.lock = Lock(self.workdir)
+            # The processes of one multi-host run share the directory: process 0 holds it.
+            self.lock = Lock(self.workdir) if is_writer() else None
             check_config(self.workdir, self.cfg, allow_changes=bool(self.changes))
             atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(self.cfg))
             tokenizer = self.task.tokenizer
