@@ -21,6 +21,10 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "dots")
+DECODE_LAYERS = ("auto", "unstacked", "scan")
+# Beyond this many decoder layers, "auto" decoding scans: the unrolled loop body's compile
+# time grows with depth (about 0.5 s a layer on a 2-core CPU) and stops paying for itself.
+UNSTACKED_DECODE_MAX_LAYERS = 12
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +42,14 @@ class ModelConfig:
     unrolls the same parameters in a Python loop. ``remat`` rematerialises each layer in
     the backward pass: ``"none"``, ``"full"`` (save only the layer inputs) or ``"dots"``
     (save the outputs of the weight matmuls, recompute the rest).
+
+    ``decode_layers`` is how the generation loops (sampling, beam search) run the decoder:
+    ``"unstacked"`` slices the stacked weights into separate blocks once per call and
+    unrolls the layers in the loop body, so each token reads every weight where it lies
+    (fastest per token; the program grows with depth); ``"scan"`` scans the stacked
+    weights at every token (program flat in depth, but each step slices every layer's
+    weights: on CPU, a copy); ``"auto"`` is ``"unstacked"`` up to
+    ``UNSTACKED_DECODE_MAX_LAYERS`` decoder layers and ``"scan"`` beyond.
     """
 
     arch: str = "decoder"
@@ -89,6 +101,7 @@ class ModelConfig:
 
     scan_layers: bool = True
     remat: str = "none"
+    decode_layers: str = "auto"  # how generation loops run the decoder's layers
 
     dtype: str = "float32"  # activation / compute dtype
     param_dtype: str = "float32"
@@ -111,6 +124,13 @@ class ModelConfig:
                 derived.add(name)
         object.__setattr__(self, "_derived", frozenset(derived))
         validate(self)
+
+    @property
+    def decode_unstacked(self) -> bool:
+        """Whether generation loops run the decoder's layers unstacked (``decode_layers``)."""
+        if self.decode_layers == "auto":
+            return self.stack_layers <= UNSTACKED_DECODE_MAX_LAYERS
+        return self.decode_layers == "unstacked"
 
     @property
     def stack_layers(self) -> int:
@@ -200,6 +220,7 @@ def validate(cfg: ModelConfig) -> None:
     _choice(cfg, "param_dtype", DTYPES)
     _choice(cfg, "sinusoidal_layout", ("interleaved", "split"))
     _choice(cfg, "remat", REMAT)
+    _choice(cfg, "decode_layers", DECODE_LAYERS)
     if not isinstance(cfg.scan_layers, bool):
         _fail("scan_layers", cfg.scan_layers, "must be True (lax.scan) or False (unrolled)")
     chosen = cfg.sliding_window_layers

@@ -7,7 +7,9 @@ Prints JSON: the machine, the settings, then
   to the host) and by full recomputation (one jitted loop that re-runs the model over a
   fixed ``[B, prompt + new]`` buffer for every token, the head on the needed position only);
 * ``compile``: seconds of the first cached generation (tracing and compiling every program)
-  and of a steady one, for 4, 16 and 32 layers of one width, scanned and unrolled;
+  and of a steady one, for 4, 16 and 32 layers of one width: the stack scanned with the
+  generation loop scanning too (``decode_layers="scan"``) or running separate blocks
+  (``"unstacked"``), and the stack unrolled;
 * ``per_token``: milliseconds per generated token at each context length (batch 1): cached
   = the slope of the generation loop's time against the tokens it generates after a
   ``context``-token prefill, recompute = one full forward pass over ``context`` tokens.
@@ -200,9 +202,13 @@ def compile_time(args):
     """First-call (compile) and steady seconds of a cached generation against depth, for
     scanned and unrolled stacks of the same width."""
     rows = []
-    for scan in (True, False):
+    # The stack scanned or unrolled (the prefill), the generation loop scanned or unstacked.
+    modes = [(True, "scan"), (True, "unstacked"), (False, "unstacked")]
+    for scan, decode_layers in modes:
         for L in args.compile_layers:
-            cfg = ModelConfig(**COMPILE_MODEL, n_layers=L, scan_layers=scan)
+            cfg = ModelConfig(
+                **COMPILE_MODEL, n_layers=L, scan_layers=scan, decode_layers=decode_layers
+            )
             model = build_model(cfg, seed=0)
             ids = prompts(1, args.prompt_len, cfg.vocab_size)
             start = time.perf_counter()
@@ -213,6 +219,7 @@ def compile_time(args):
                 dict(
                     n_layers=L,
                     scan_layers=scan,
+                    decode_layers=decode_layers,
                     first_call_sec=round(first, 3),
                     steady_sec=round(steady, 4),
                     compile_sec=round(first - steady, 3),
@@ -241,13 +248,16 @@ def main(argv=None):
     parser.add_argument("--skip-contexts", action="store_true")
     parser.add_argument("--compile-layers", type=ints, default=[4, 16, 32])
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument(
+        "--decode-layers", default="auto", help="ModelConfig.decode_layers for the throughput"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.contexts, args.repeats = "small", [64, 256], 2
     out = dict(machine=machine(), settings=vars(args) | {"dtype": "float32"}, models={})
     out["throughput"], out["per_token"] = [], []
     for name in args.models.split(","):
-        cfg = ModelConfig(**MODELS[name])
+        cfg = ModelConfig(**MODELS[name], decode_layers=args.decode_layers)
         if not args.skip_contexts and max(args.contexts) + 4 + args.slope_tokens > cfg.max_len:
             # Room to generate after the longest context: the position table grows; the
             # throughput figures use the same model.

@@ -34,6 +34,7 @@ class Decoder:
         self.graphdef, self.cfg = graphdef, cfg
         self.seq2seq = cfg.arch == "encoder_decoder"
         self.traces = collections.Counter()
+        self.unstack_layers = cfg.decode_unstacked
         jit = functools.partial(jax.jit, donate_argnames="cache")
         self.prefill = jit(self.prefill_fn)
         self.decode_step = jit(self.decode_step_fn)
@@ -53,9 +54,15 @@ class Decoder:
         graphdef, params = nnx.split(model)
         return cls.for_graph(graphdef, model.cfg), params
 
-    def step_fn(self, params):
-        """The model as a loop sees it: ``(tokens_BT, cache) -> (logits_BTV, cache)``."""
+    def step_fn(self, params, *, unstack=False):
+        """The model as a loop sees it: ``(tokens_BT, cache) -> (logits_BTV, cache)``.
+
+        ``unstack``: slice the decoder's stacked layers into separate blocks here, once,
+        outside the loop that calls ``step`` (``Stack.unstack``).
+        """
         model = nnx.merge(self.graphdef, params)
+        if unstack:
+            model.decoder.unstack()
         call = model.decode if self.seq2seq else model
 
         def step(tokens_BT, cache):
@@ -94,7 +101,7 @@ class Decoder:
     ):
         self.traces["sample_loop"] += 1
         return sample_loop(
-            self.step_fn(params),
+            self.step_fn(params, unstack=self.unstack_layers),
             logits_BV,
             cache,
             key,
@@ -109,7 +116,7 @@ class Decoder:
         self, params, cache, logits_BV, max_new, eos_id, pad_id, penalty, *, num_beams
     ):
         self.traces["beam_loop"] += 1
-        step = self.step_fn(params)
+        step = self.step_fn(params, unstack=self.unstack_layers)
         return beam_loop(
             step, logits_BV, cache, max_new, eos_id, pad_id, penalty, num_beams=num_beams
         )

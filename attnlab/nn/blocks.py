@@ -135,6 +135,24 @@ class Stack(nnx.Module):
         # Static per-layer data: each layer's window (None: full attention).
         self.windows = cfg.layer_windows(n_layers) if causal else (None,) * n_layers
 
+    def unstack(self):
+        """Holds the layers as ``L`` separate blocks (sliced from the stacked parameters).
+
+        For loops that run the model many times over the same weights, such as decoding:
+        a scan over stacked parameters slices (on CPU: copies) every layer's weights at
+        every call, while separate blocks are read where they lie. The stack then runs its
+        layers unrolled, so the traced program grows with depth again.
+        """
+        if isinstance(self.layers, nnx.List):
+            return
+        graphdef, params = nnx.split(self.layers)
+        self.layers = nnx.List(
+            [
+                nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], params))
+                for i in range(self.n_layers)
+            ]
+        )
+
     def _self_mask(self, T, S, positions_BT, valid_BS, segment_ids_BT, cache_start_B):
         offset = 0 if cache_start_B is None else cache_start_B
         causal = ops.causal(T, S, offset=offset) if self.causal else None
@@ -237,17 +255,24 @@ class Stack(nnx.Module):
             policy = REMAT_POLICIES[self.cfg.remat]
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
 
-        graphdef, params = nnx.split(self.layers)
         if cross_cache is not None:
             cross_cache = tuple(jnp.swapaxes(c, 2, 3) for c in cross_cache)  # [L, B, S, K, H]
-        xs = (params, jnp.arange(self.n_layers, dtype=jnp.int32), window_L, cross_cache)
+        per_layer_data = (jnp.arange(self.n_layers, dtype=jnp.int32), window_L, cross_cache)
         carry = (x_BTD, None if cache is None else tuple(cache))
-        if self.cfg.scan_layers:
-            carry, weights = jax.lax.scan(layer, carry, xs)
+        if isinstance(self.layers, nnx.List):  # separate blocks (see ``unstack``)
+            graphdef = nnx.graphdef(self.layers[0])
+            layer_params = [nnx.state(block) for block in self.layers]
+        else:
+            graphdef, params = nnx.split(self.layers)
+            layer_params = None
+        if layer_params is None and self.cfg.scan_layers:
+            carry, weights = jax.lax.scan(layer, carry, (params,) + per_layer_data)
         else:
             per_layer = []
             for i in range(self.n_layers):
-                carry, w = layer(carry, jax.tree.map(lambda a, i=i: a[i], xs))
+                data = jax.tree.map(lambda a, i=i: a[i], per_layer_data)
+                p = jax.tree.map(lambda a, i=i: a[i], params) if layer_params is None else None
+                carry, w = layer(carry, (p if p is not None else layer_params[i],) + data)
                 per_layer.append(w)
             weights = jax.tree.map(lambda *ws: jnp.stack(ws), *per_layer)
         x_BTD, new_cache = carry
