@@ -5,7 +5,7 @@ attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir
 attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
               [--parallel vmap|sequential] [--max-trials N] [--print-commands]
 attnlab sweep --collect DIR
-attnlab eval --workdir DIR [--step N]
+attnlab eval --workdir DIR [--step N] [--full]
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflow stop|raise]
                [--temperature T ...] [--step N]
@@ -48,7 +48,7 @@ def _train(args, overrides):
 def _eval(args, overrides):
     from attnlab import runs
 
-    print(json.dumps(runs.evaluate(args.workdir, args.step)))
+    print(json.dumps(runs.evaluate(args.workdir, args.step, full=args.full)))
 
 
 def _plot(args, overrides):
@@ -224,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", parents=[debug, step], help="evaluate the latest checkpoint on the validation split"
     )
     e.add_argument("--workdir", required=True)
+    e.add_argument(
+        "--full",
+        action="store_true",
+        help="every token of the validation split once (non-overlapping context windows)",
+    )
     e.set_defaults(fn=_eval)
 
     pl = sub.add_parser(

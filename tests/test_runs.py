@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from attnlab import experiment, runs
+from attnlab.errors import DataError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -155,3 +156,35 @@ def test_eval_matches_manual_loss(tmp_path):
     logp -= logits.max(-1, keepdims=True)
     nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
     assert result["eval_loss"] == pytest.approx(nll.mean(), rel=1e-5)
+
+
+def test_full_eval_scores_every_validation_token_once(tmp_path, capsys):
+    """``eval --full``: the mean NLL over every target of the validation split (tail
+    included), against each window run on its own and scored in float64 NumPy."""
+    cfg = tiny("char_lm.py", "--config.eval.sample_tokens=0", "--config.data.val_fraction=0.02")
+    runs.train(cfg, tmp_path, progress=False)
+    from attnlab import cli
+
+    assert cli.main(["eval", "--workdir", str(tmp_path), "--full"]) in (0, None)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    _, trainer, task, params, _ = runs.load_run(tmp_path)
+    val, T = np.asarray(task.val_ids), int(cfg.data.seq_len)
+    assert (len(val) - 1) % T, "the split should end in a partial window"
+    model = trainer.model(params)
+    nll = []
+    for start in range(0, len(val) - 1, T):
+        ids = val[start : start + T + 1]
+        logits = np.asarray(model(jnp.asarray(ids[None, :-1])).logits[0], np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        nll.extend(-logp[np.arange(len(ids) - 1), ids[1:]])
+    assert result["eval_tokens"] == len(val) - 1 == len(nll)
+    assert result["eval_loss"] == pytest.approx(np.mean(nll), rel=1e-5)
+    assert result["eval_loss"] != pytest.approx(runs.evaluate(tmp_path)["eval_loss"], rel=1e-4)
+
+
+def test_full_eval_refuses_a_task_without_a_validation_split(tmp_path):
+    cfg = tiny("reverse_seq2seq.py", "--config.eval.sample_tokens=0", "--config.train.steps=1")
+    runs.train(cfg, tmp_path, progress=False)
+    with pytest.raises(DataError, match="--full"):
+        runs.evaluate(tmp_path, full=True)

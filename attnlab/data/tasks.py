@@ -28,7 +28,7 @@ tasks use the tokenizer's ids; ``mlm_text`` adds one mask id after them.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -92,6 +92,7 @@ class Task:
         sample: Callable[[np.random.Generator, int], dict],
         decode: Callable[[np.ndarray], str],
         eval_batches: Callable[[int, int], list[dict]] | None = None,
+        full_eval_batches: Callable[[int], Iterator[dict]] | None = None,
         encode: Callable[[str], np.ndarray] | None = None,
         tokenizer=None,
         pad_id: int | None = None,
@@ -108,6 +109,7 @@ class Task:
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = pad_id, bos_id, eos_id, mask_id
         self.train_ids, self.val_ids = train_ids, val_ids
         self._sample, self._eval_batches = sample, eval_batches
+        self._full_eval_batches = full_eval_batches
         self._decode, self._encode = decode, encode
 
     def _checked(self, batch: dict) -> dict:
@@ -128,6 +130,19 @@ class Task:
                 for i in range(num_batches)
             ]
         return [self._checked(b) for b in batches]
+
+    def full_eval_batches(self, batch_size: int) -> Iterator[dict]:
+        """Every token of the validation split, once: consecutive non-overlapping windows
+        of the model's context, the shorter tail included (its padding and the rows that
+        fill the last batch carry ``loss_mask`` 0), in batches of ``batch_size`` rows."""
+        if self._full_eval_batches is None:
+            raise DataError(
+                f"data.kind={self.name!r} has no fixed validation split to evaluate in full: "
+                "--full is for language-model runs on text (data.kind=text, prepared or a "
+                "cache: corpus); leave out --full to use the run's eval.batches"
+            )
+        for batch in self._full_eval_batches(batch_size):
+            yield self._checked(batch)
 
     def decode(self, ids) -> str:
         return self._decode(np.asarray(ids))
@@ -226,6 +241,24 @@ def _windows(ids, starts, length):
     return ids[np.asarray(starts)[:, None] + np.arange(length)[None, :]].astype(np.int32)
 
 
+def _consecutive_windows(ids, seq_len, batch_size):
+    """LM batches over all of ``ids``: window ``i`` predicts ``ids[i*T+1 : (i+1)*T+1]`` from
+    the tokens before each, so every token after the first is a target exactly once."""
+    n_targets = len(ids) - 1
+    starts = np.arange(0, n_targets, seq_len)
+    for first in range(0, len(starts), batch_size):
+        rows = starts[first : first + batch_size]
+        inputs = np.zeros((batch_size, seq_len), np.int32)
+        targets = np.zeros((batch_size, seq_len), np.int32)
+        loss_mask = np.zeros((batch_size, seq_len), np.float32)
+        for r, s in enumerate(rows):
+            n = min(seq_len, n_targets - s)
+            inputs[r, :n] = ids[s : s + n]
+            targets[r, :n] = ids[s + 1 : s + n + 1]
+            loss_mask[r, :n] = 1.0
+        yield {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
+
+
 def _spread_starts(ids, length, count):
     """``count`` window starts spread evenly over ``ids``."""
     return np.rint(np.linspace(0, len(ids) - length, count)).astype(np.int64)
@@ -273,11 +306,15 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1)) -> T
             starts = _spread_starts(val, window, batch_size * num_batches)
             return [lm(_windows(val, s, window)) for s in np.split(starts, num_batches)]
 
+        def evaluate_all(batch_size):
+            yield from _consecutive_windows(val, seq_len, batch_size)
+
         return Task(
             kind="lm",
             vocab_size=tokenizer.vocab_size,
             sample=sample,
             eval_batches=evaluate,
+            full_eval_batches=evaluate_all,
             decode=tokenizer.decode,
             **common,
         )

@@ -60,15 +60,23 @@ def load_run(workdir, step: int | None = None):
     return cfg, trainer, task, state["params"], step
 
 
-def evaluate(workdir, step: int | None = None) -> dict:
+def evaluate(workdir, step: int | None = None, *, full: bool = False) -> dict:
     """Evaluates checkpoint ``step`` (default: the newest readable one) on the validation
-    split; a non-finite result is a ``CheckpointError``."""
+    split: the run's ``eval.batches`` batches, or with ``full`` every token of the split
+    once (``Task.full_eval_batches``; the record then counts the ``eval_tokens``). A
+    non-finite result is a ``CheckpointError``."""
     cfg, trainer, task, params, step = load_run(workdir, step)
-    batches = task.eval_batches(int(cfg.eval.batch_size), max(int(cfg.eval.batches), 1))
+    batch_size = int(cfg.eval.batch_size)
+    if full:
+        batches = list(task.full_eval_batches(batch_size))
+    else:
+        batches = task.eval_batches(batch_size, max(int(cfg.eval.batches), 1))
     record = trainer.evaluate(params, batches)
     if not math.isfinite(record["eval_loss"]):
         raise CheckpointError(
             f"checkpoint step {step} in {pathlib.Path(workdir) / CHECKPOINTS} gives a non-finite "
             "eval_loss; pick an older step with --step N"
         )
+    if full:
+        record["eval_tokens"] = int(sum(b["loss_mask"].sum() for b in batches))
     return {"step": step, **record}
