@@ -35,7 +35,7 @@ def test_readme_cli_commands_run_as_written(tiny_lm_run, tmp_path, capsys):
         if line.startswith(("attnlab eval", "attnlab plot", "attnlab sample"))
         and "--pretrained" not in line  # needs a Hugging Face folder (tests/test_text_generation)
     ]
-    assert [c.split()[1] for c in commands] == ["eval", "plot", "sample"]
+    assert [c.split()[1] for c in commands] == ["eval", "eval", "plot", "sample"]
     for command in commands:
         command = re.sub(r"\[[^\]]*\]", "", command).replace("DIR", str(workdir))
         capsys.readouterr()
