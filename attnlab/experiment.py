@@ -84,7 +84,10 @@ def base_config() -> ConfigDict:
     )
     c.optim = ConfigDict(
         dict(
+            name="adamw",  # or "muon": matrices by Muon, the rest by Adam
             learning_rate=1e-3,
+            adam_learning_rate=3e-3,  # muon only: the Adam-trained parameters' peak rate
+            muon_beta=0.95,  # muon only: momentum
             warmup_steps=100,
             schedule="cosine",
             min_lr_ratio=0.1,
@@ -154,6 +157,8 @@ def _real(value) -> bool:
 # (key, test, what the value must be) for every numeric field outside ``model``.
 _DOMAINS = [
     ("optim.learning_rate", lambda v: v > 0, "a positive finite number"),
+    ("optim.adam_learning_rate", lambda v: v > 0, "a positive finite number"),
+    ("optim.muon_beta", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("optim.b1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("optim.b2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
@@ -215,6 +220,7 @@ def validate(cfg: ConfigDict) -> ModelConfig:
     _require(e.batches >= 0, "eval.batches", e.batches, "must be >= 0 (0 disables evaluation)")
     _require(o.learning_rate > 0, "optim.learning_rate", o.learning_rate, "must be positive")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(o.name in ("adamw", "muon"), "optim.name", o.name, "use 'adamw' or 'muon'")
     _require(
         o.schedule in ("cosine", "constant", "linear"),
         "optim.schedule",

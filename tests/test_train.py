@@ -170,3 +170,36 @@ def test_an_experiment_file_runs_once_so_its_variants_register_once(tmp_path):
     saved = tmp_path / "config.json"
     saved.write_text(experiment.to_json(again))
     assert experiment.load_config(str(saved)).to_dict() == again.to_dict()
+
+
+def test_muon_orthogonalises_each_layer_matrix_as_plain_optax_muon_does():
+    """Stacked ``q_DNH [L, D, N, H]`` and ``o_NHD``: layer ``l``'s update equals
+    ``optax.contrib.muon`` on the 2-D matrix ``[D, N*H]`` (``[N*H, D]``) alone; the
+    embedding and norms go to Adam."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from attnlab import ModelConfig, build_model
+
+    model = build_model(ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=11, d_ff=24))
+    params = nnx.state(model, nnx.Param)
+    c = experiment.base_config()
+    c.optim.update(name="muon", clip_norm=0.0, warmup_steps=0, weight_decay=0.0)
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
+    tx = train.make_optimizer(c.optim, 10, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    plain = optax.contrib.muon(learning_rate=c.optim.learning_rate, beta=c.optim.muon_beta)
+    attn_g, attn_u = grads["decoder"]["layers"]["attn"], updates["decoder"]["layers"]["attn"]
+    for name, rows in (("q_DNH", 16), ("o_NHD", 16)):
+        for layer in range(2):
+            g = jnp.asarray(attn_g[name][...][layer])
+            g2 = g.reshape(rows, -1) if name == "q_DNH" else g.reshape(-1, 16)
+            want, _ = plain.update(g2, plain.init(g2), g2)
+            got = np.asarray(attn_u[name][...][layer]).reshape(g2.shape)
+            np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-6)
+    # Nesterov Adam's first step moves every entry by lr * (1 + b1 / (1 + b1)), whatever
+    # the gradient (the bias-corrected moments are g and g^2).
+    emb = np.abs(np.asarray(updates["embed"]["tokens"]["embedding_VD"][...]))
+    b1 = c.optim.b1
+    np.testing.assert_allclose(emb, c.optim.adam_learning_rate * (1 + b1 / (1 + b1)), rtol=1e-3)

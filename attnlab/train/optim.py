@@ -1,4 +1,11 @@
-"""The optimiser: AdamW with global-norm clipping, a decay mask, and warmup + decay.
+"""The optimiser: AdamW or Muon with global-norm clipping, a decay mask, warmup + decay.
+
+``optim.name="muon"`` orthogonalises the momentum of every weight matrix (Newton-Schulz,
+``optax.contrib.muon``) at ``learning_rate`` and trains the rest (embeddings, norms,
+biases, position tables) with Adam at ``optim.adam_learning_rate``. Which axes of a weight
+are the matrix's input and which its output is read from the parameter's shape suffix
+(``q_DNH``: D in, N x H out; ``o_NHD``: N x H in, D out); a stack's layer axis is a batch
+axis, so each layer's matrix is orthogonalised on its own.
 
 No weight decay on norms, biases, embeddings and position tables unless
 ``optim.decay_embeddings``. The peak learning rate and weight decay sit in the optimiser state
@@ -52,18 +59,56 @@ def decay_mask(params, decay_embeddings: bool = False):
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
+def muon_dimensions(params):
+    """Muon's reading of each weight: ``MuonDimensionNumbers`` for the matrices of the
+    attention and feed-forward layers, None (Adam) for everything else."""
+
+    def decide(path, x):
+        name = jax.tree_util.keystr(path)
+        stacked = any(getattr(k, "key", None) == "layers" for k in path)
+        if x.ndim - stacked < 2 or any(n in name for n in NO_DECAY_NAMES):
+            return None
+        keys = [getattr(k, "key", getattr(k, "name", "")) for k in path]
+        suffix = next(str(k) for k in reversed(keys) if str(k) not in ("value", "raw_value"))
+        suffix = suffix.rsplit("_", 1)[-1]
+        axes = tuple(range(int(stacked), x.ndim))
+        if suffix.startswith("D"):  # from the model width to the rest (q_DNH, w_in_DF)
+            return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:1], output_axis=axes[1:])
+        return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:-1], output_axis=axes[-1:])
+
+    return jax.tree_util.tree_map_with_path(decide, params)
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
 def make_optimizer(o, total_steps: int, params):
-    """AdamW (hyperparameters injected into the state), clipping and the schedule."""
-    adamw = optax.inject_hyperparams(optax.adamw)(
-        learning_rate=o.learning_rate,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        mask=decay_mask(params, o.decay_embeddings),
-    )
+    """AdamW or Muon (hyperparameters injected into the state), clipping and the schedule."""
+    name = o.get("name", "adamw")
+    mask = decay_mask(params, o.decay_embeddings)
+    if name == "muon":
+        core = optax.inject_hyperparams(optax.contrib.muon)(
+            learning_rate=o.learning_rate,
+            beta=o.get("muon_beta", 0.95),
+            weight_decay=o.weight_decay,
+            weight_decay_mask=mask,
+            adam_b1=o.b1,
+            adam_b2=o.b2,
+            eps=o.eps,
+            adam_learning_rate=o.get("adam_learning_rate", 3e-3),
+            muon_weight_dimension_numbers=muon_dimensions(params),
+        )
+    else:
+        core = optax.inject_hyperparams(optax.adamw)(
+            learning_rate=o.learning_rate,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            mask=mask,
+        )
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
-    return optax.chain(*parts, adamw, optax.scale_by_schedule(lr_multiplier(o, total_steps)))
+    return optax.chain(*parts, core, optax.scale_by_schedule(lr_multiplier(o, total_steps)))
 
 
 def injected_hyperparams(opt_state) -> dict:
