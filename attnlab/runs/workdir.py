@@ -38,7 +38,9 @@ LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
 FREE_ON_RESUME = ("name", "experiment_file", "eval.", "checkpoint.", "train.log_every_steps")
 FREE_ON_RESUME += ("train.on_nonfinite",)
 # The optimiser values held in its state: a resumed run with --allow-changes updates them.
-INJECTED = ("learning_rate", "weight_decay", "b1", "b2", "eps")
+INJECTED = ("learning_rate", "weight_decay", "b1", "b2", "eps", "adam_learning_rate", "muon_beta")
+# Where Muon keeps them (its Adam moments drive the parameters that are no matrices).
+MUON_NAMES = {"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"}
 
 
 def is_writer() -> bool:
@@ -266,8 +268,11 @@ class Run:
 def apply_optim_values(opt_state, o):
     """Sets the optimiser values held in ``opt_state`` to those of the config ``o``."""
     hyper = injected_hyperparams(opt_state)
+    muon = o.get("name", "adamw") == "muon"
     for name in INJECTED:
-        hyper[name] = jnp.asarray(float(o[name]), jnp.asarray(hyper[name]).dtype)
+        key = MUON_NAMES.get(name, name) if muon else name
+        if key in hyper:
+            hyper[key] = jnp.asarray(float(o[name]), jnp.asarray(hyper[key]).dtype)
 
 
 def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite):
