@@ -70,7 +70,8 @@ class Decoder:
         self.traces["prefill"] += 1
         model = nnx.merge(self.graphdef, params)
         call = model.decode if self.seq2seq else model
-        out = call(tokens_BT, cache=cache)
+        valid_BT = jnp.arange(tokens_BT.shape[1])[None, :] < lengths_B[:, None]
+        out = call(tokens_BT, valid_BT=valid_BT, cache=cache)  # a ring stores no padding
         # The head on each row's last real token only; XLA drops the unused [B, T, V] logits.
         h_B1D = jnp.take_along_axis(out.hidden, (lengths_B - 1)[:, None, None], axis=1)
         logits_BV = model.head(h_B1D, model.embed.tokens)[:, 0]
