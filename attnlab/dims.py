@@ -18,6 +18,8 @@ L     number of layers
 P     learned position table rows (max_len + offset)
 X     relative-position buckets
 Y     token types (BERT segment embeddings)
+C     prefill chunk length (a long prompt fed through the KV cache C tokens at a time)
+I     steps of a scan (prefill chunks, decode steps)
 ====  ======================================================================
 
 Masks are boolean and broadcastable to ``[B, N|1, T, S]``; ``True`` means *may attend*.

@@ -7,12 +7,40 @@ contiguous, so the attention dots read the cache where it lies; an ``[B, S, K, H
 would be transposed, whole, at every decode step. ``write`` takes new keys/values in the
 model's ``[B, T, K, H]`` order and writes them into one layer, in place.
 
-``lengths[b]`` counts the tokens stored for row ``b``; the next token of row ``b`` is written
-at index ``lengths[b]`` and sits at position ``lengths[b]``: rows of a ragged batch keep
-their own lengths and positions. Encoder-decoder caches also hold the cross-attention keys
-and values (same layout), computed once from the encoder output, and the source validity.
+``lengths[b]`` counts the tokens row ``b`` has seen; its next token sits at position
+``lengths[b]``: rows of a ragged batch keep their own lengths and positions. A call of T
+tokens may mark each row's real ones (a right-padded prefix, ``valid_BT``); lengths advance
+by their number. Encoder-decoder caches also hold the cross-attention keys and values (same
+layout), computed once from the encoder output, and the source validity.
 
-Memory: ``2 * L * B * S * K * H * bytes`` for self-attention (``kv_cache_bytes``).
+Two layouts, told apart by the static field ``window`` (part of the pytree's structure, so
+a jitted function compiles one program for each):
+
+* Linear (``window=None``): ``S`` slots, position ``p`` in slot ``p``; a row may hold
+  ``capacity = S`` tokens.
+* Ring buffer (``window=W``): ``S = W`` slots, position ``p`` in slot ``p % W``, so each row
+  keeps its last W tokens and memory stops growing with length; a row may reach
+  ``capacity = max_len`` positions (the static field ``max_len``, at most
+  ``ModelConfig.max_len``). It is exact when every self-attention layer of the decoder
+  slides with the same window W (``ModelConfig.sliding_window``, with
+  ``sliding_window_layers`` None or listing every layer): no query needs an older key.
+  A slot's position is derived from ``lengths`` (``ring_positions``), for the mask and for
+  position biases (ALiBi, relative). ``init_cache(..., ring=None)`` picks a ring whenever
+  the config allows one and ``max_len > W``; a model where only some layers slide keeps the
+  linear cache (its global layers need every key). A call over a ring (``Ring``) attends in
+  one of two ways: a single token is written first and attends over the ring in place (the
+  slot it overwrites holds the one key that just left its window); a longer call (a prompt,
+  a prefill chunk, possibly longer than W) attends over the ring as it was, then its own
+  keys (``[B, W + T]`` keys), and afterwards stores its last W real tokens. Phased loops
+  (``truncate``/``paste``) make no sense for a ring and refuse one; row reordering
+  (``take_rows``, ``repeat_rows``) works on both.
+
+Chunked prefill (``attnlab.decode.Decoder.prefill``, ``chunk``) feeds a long prompt through
+the cache C tokens at a time, so scores are ``[B, N, C, S]`` (``[B, N, C, W + C]`` for a
+ring) rather than ``[B, N, T, T]``.
+
+Memory: ``2 * L * B * S * K * H * bytes`` for self-attention (``kv_cache_bytes``), with
+``S = W`` for a ring.
 """
 
 from __future__ import annotations
@@ -22,20 +50,34 @@ import jax.numpy as jnp
 from flax import struct
 
 from attnlab.config import ModelConfig
+from attnlab.errors import DecodeError
 
 
 @struct.dataclass
 class KVCache:
     k: jax.Array  # [L, B, K, S, H]
     v: jax.Array  # [L, B, K, S, H]
-    lengths: jax.Array  # [B] int32
+    lengths: jax.Array  # [B] int32: tokens seen, the position of the next one
     cross_k: jax.Array | None = None  # [L, B, K, S_src, H]
     cross_v: jax.Array | None = None
     src_valid: jax.Array | None = None  # [B, S_src] bool
+    # Static: a ring buffer's window (its slots) and the positions it serves; None: linear.
+    window: int | None = struct.field(pytree_node=False, default=None)
+    max_len: int | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def ring(self) -> bool:
+        return self.window is not None
+
+    @property
+    def slots(self) -> int:
+        """Slots per row and layer (``S``): what the cache stores."""
+        return self.k.shape[3]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        """Tokens a row may hold in all: the slots, or the positions a ring serves."""
+        return self.max_len if self.ring else self.slots
 
     @property
     def batch_size(self) -> int:
@@ -50,8 +92,42 @@ def _dtype(cfg: ModelConfig, dtype):
     return jnp.dtype(cfg.dtype if dtype is None else dtype)
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache for ``batch_size`` rows of up to ``max_len`` tokens."""
+def ring_window(cfg: ModelConfig) -> int | None:
+    """The window W that a ring buffer of W slots serves exactly, or None.
+
+    A ring keeps each row's last W tokens, enough only when every self-attention layer of
+    the cached stack is causal and slides with the same window W.
+    """
+    if cfg.arch == "encoder" or not cfg.causal:
+        return None
+    windows = set(cfg.layer_windows(cfg.stack_layers))
+    return None if len(windows) != 1 or None in windows else windows.pop()
+
+
+def _ring_slots(cfg: ModelConfig, max_len: int, ring: bool | None) -> int | None:
+    """The ring's slots for ``init_cache``'s ``ring`` argument, or None for a linear cache."""
+    window = ring_window(cfg)
+    if ring is None:
+        return window if window is not None and max_len > window else None
+    if ring and window is None:
+        raise DecodeError(
+            f"ring=True needs every decoder layer to slide with one window, but "
+            f"ModelConfig.sliding_window={cfg.sliding_window}, sliding_window_layers="
+            f"{cfg.sliding_window_layers}, causal={cfg.causal}: set sliding_window and leave "
+            "sliding_window_layers None (or list every layer), or pass ring=False"
+        )
+    return window if ring else None
+
+
+def init_cache(
+    cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, *, ring: bool | None = None
+) -> KVCache:
+    """An empty cache for ``batch_size`` rows of up to ``max_len`` tokens.
+
+    ``ring``: a ring buffer of ``ModelConfig.sliding_window`` slots (True), a linear cache
+    of ``max_len`` slots (False), or a ring whenever the config allows one and ``max_len``
+    exceeds the window (None).
+    """
     if cfg.arch == "encoder":
         raise ValueError("ModelConfig.arch='encoder' has no causal decoder: nothing to cache")
     if max_len > cfg.max_len:
@@ -64,27 +140,39 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> K
             f"init_cache needs batch_size >= 1 and max_len >= 1, got "
             f"batch_size={batch_size}, max_len={max_len}"
         )
-    shape = (cfg.stack_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+    window = _ring_slots(cfg, max_len, ring)
+    slots = max_len if window is None else window
+    shape = (cfg.stack_layers, batch_size, cfg.n_kv_heads, slots, cfg.head_dim)
     dt = _dtype(cfg, dtype)
     # Two buffers (not one shared zeros): a jitted step may then donate the cache.
     return KVCache(
-        k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch_size,), jnp.int32)
+        k=jnp.zeros(shape, dt),
+        v=jnp.zeros(shape, dt),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+        window=window,
+        max_len=None if window is None else max_len,
     )
 
 
-def write(cache_LBKSH, layer, new_BTKH, start_B):
-    """Writes ``new`` into layer ``layer`` of the cache, row ``b`` at index ``start_B[b]``.
+def scatter(cache_LBKSH, layer, new_BTKH, slots_BT):
+    """Writes ``new`` into layer ``layer`` of the cache, token ``t`` of row ``b`` at slot
+    ``slots_BT[b, t]``; slots past the end are dropped.
 
     ``layer`` may be traced (inside a scan over layers). One scatter in the cache's own
-    layout, in place inside a loop; slots past the capacity are dropped.
+    layout, in place inside a loop.
     """
-    B, T = new_BTKH.shape[:2]
+    B = new_BTKH.shape[0]
     rows_B1 = jnp.arange(B)[:, None]
-    slots_BT = start_B[:, None] + jnp.arange(T)[None, :]
     # Advanced indices (layer, rows, slots) broadcast to [B, T] and lead: [B, T, K, H].
     return cache_LBKSH.at[layer, rows_B1, :, slots_BT, :].set(
         new_BTKH.astype(cache_LBKSH.dtype), mode="drop"
     )
+
+
+def write(cache_LBKSH, layer, new_BTKH, start_B):
+    """Writes ``new`` into layer ``layer`` of a linear cache, row ``b`` from ``start_B[b]``."""
+    T = new_BTKH.shape[1]
+    return scatter(cache_LBKSH, layer, new_BTKH, start_B[:, None] + jnp.arange(T)[None, :])
 
 
 def layer(cache_LBKSH, index):
@@ -92,13 +180,81 @@ def layer(cache_LBKSH, index):
     return jax.lax.dynamic_index_in_dim(cache_LBKSH, index, 0, keepdims=False)
 
 
+def ring_positions(end_B, slots: int):
+    """``[B, slots]``: the position each slot of a ring holds once row ``b`` has seen
+    ``end_B[b]`` tokens (the latest ``p < end`` with ``p % slots == s``); negative where
+    the slot is still empty."""
+    last_B1 = jnp.asarray(end_B, jnp.int32)[:, None] - 1
+    return last_B1 - (last_B1 - jnp.arange(slots, dtype=jnp.int32)[None, :]) % slots
+
+
+def ring_slots(start_B, count_B, T: int, slots: int):
+    """``[B, T]``: the ring slot each token of a call goes to, ``p % slots`` for position
+    ``p``. Only each row's last ``slots`` real tokens are written (one write per slot, so
+    the scatter is deterministic); the others, and padding past ``count_B``, get the
+    out-of-range slot ``slots``, which ``scatter`` drops."""
+    t_1T = jnp.arange(T, dtype=jnp.int32)[None, :]
+    position_BT = start_B[:, None] + t_1T
+    keep_BT = (t_1T < count_B[:, None]) & (t_1T >= count_B[:, None] - slots)
+    return jnp.where(keep_BT, position_BT % slots, slots)
+
+
+@struct.dataclass
+class Ring:
+    """One call of T tokens over a ring-buffer cache: what the stack needs to attend.
+
+    ``start_B``: the tokens each row had seen; ``count_B``: the call's real tokens per row
+    (a prefix of its T; only they are stored). A single token is written first and attends
+    over the ring in place; a longer call attends over the ring as it was, then its own
+    keys, and stores its last ``slots`` real tokens afterwards (``LayerView.append``).
+    """
+
+    start_B: jax.Array
+    count_B: jax.Array
+    slots: int = struct.field(pytree_node=False)
+
+    def in_place(self, T: int) -> bool:
+        return T == 1
+
+    def keys(self, T: int, windows: tuple):
+        """``(k_positions_BS, mask_B1TS)`` of the keys the call attends over, with the
+        layers' ``windows`` (one window for all, at most ``slots``) in the mask."""
+        if len(set(windows)) != 1 or windows[0] is None or windows[0] > self.slots:
+            raise ValueError(
+                f"a ring-buffer cache of {self.slots} slots serves layers that all slide with "
+                f"one window of at most {self.slots} keys, but the layers' windows are "
+                f"{windows} (ModelConfig.sliding_window / sliding_window_layers): build the "
+                "cache with init_cache(..., ring=False)"
+            )
+        t_1T = jnp.arange(T, dtype=jnp.int32)[None, :]
+        q_BT = self.start_B[:, None] + t_1T  # the mask lives in slot positions, as a linear one
+        if self.in_place(T):
+            k_BS = ring_positions(self.start_B + self.count_B, self.slots)
+        else:
+            k_BS = jnp.concatenate([ring_positions(self.start_B, self.slots), q_BT], axis=1)
+        q_BT1, k_B1S = q_BT[:, :, None], k_BS[:, None, :]
+        mask_BTS = (k_B1S >= 0) & (k_B1S <= q_BT1) & (k_B1S > q_BT1 - windows[0])
+        return k_BS, mask_BTS[:, None]
+
+
+def _refuse_ring(cache: KVCache, what: str):
+    if cache.ring:
+        raise ValueError(
+            f"{what} cuts a linear cache by slots, but this cache is a ring buffer "
+            f"(KVCache.window={cache.window}) whose slots are not positions: run the loop "
+            "without phases, or build the cache with init_cache(..., ring=False)"
+        )
+
+
 def truncate(cache: KVCache, size: int) -> KVCache:
     """The cache cut to its first ``size`` slots (a copy; cross-attention is left as is)."""
+    _refuse_ring(cache, "truncate")
     return cache.replace(k=cache.k[:, :, :, :size], v=cache.v[:, :, :, :size])
 
 
 def paste(full: KVCache, part: KVCache) -> KVCache:
     """``part`` (from ``truncate``) written back over the first slots of ``full``."""
+    _refuse_ring(full, "paste")
     put = lambda f, p: jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim)
     return part.replace(k=put(full.k, part.k), v=put(full.v, part.v))
 
@@ -119,7 +275,8 @@ def repeat_rows(cache: KVCache, n: int) -> KVCache:
 
 def take_rows(cache: KVCache, rows_B) -> KVCache:
     """The self-attention rows ``rows_B`` (beam reordering); cross-attention is left as is,
-    so ``rows_B`` must map each row to a row of the same source."""
+    so ``rows_B`` must map each row to a row of the same source. A ring's slot positions
+    follow each row's length, so its rows move as they are."""
     return cache.replace(
         k=jnp.take(cache.k, rows_B, axis=1),
         v=jnp.take(cache.v, rows_B, axis=1),
@@ -127,34 +284,56 @@ def take_rows(cache: KVCache, rows_B) -> KVCache:
     )
 
 
-def kv_cache_bytes(cfg: ModelConfig, batch_size: int, max_len: int, dtype="bfloat16") -> int:
-    """Bytes of the self-attention cache: 2 * L * B * S * K * H * itemsize."""
+def kv_cache_bytes(
+    cfg: ModelConfig, batch_size: int, max_len: int, dtype="bfloat16", *, ring: bool | None = None
+) -> int:
+    """Bytes of the self-attention cache ``init_cache`` builds with the same arguments:
+    2 * L * B * S * K * H * itemsize, with S the window for a ring buffer."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(
             f"kv_cache_bytes takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
             "Face config with attnlab.pretrained.model_config_from_hf"
         )
     itemsize = jnp.dtype(dtype).itemsize
-    L, K, H = cfg.stack_layers, cfg.n_kv_heads, cfg.head_dim
-    return 2 * L * batch_size * max_len * K * H * itemsize
+    window = _ring_slots(cfg, max_len, ring)
+    L, K, H, S = cfg.stack_layers, cfg.n_kv_heads, cfg.head_dim, window or max_len
+    return 2 * L * batch_size * S * K * H * itemsize
 
 
 @struct.dataclass
 class LayerView:
     """One layer of a stacked cache inside the scan over layers.
 
-    ``append`` writes a call's keys/values into layer ``index`` at each row's ``start_B``
-    (in place in the stacked arrays) and returns the layer's keys/values ``[B, S, K, H]``
-    for attention: the swap of S and K is folded into the attention dots by XLA.
+    ``append`` writes a call's keys/values into layer ``index`` (in place in the stacked
+    arrays) and returns the keys/values ``[B, S, K, H]`` to attend over: for a linear cache
+    the layer's slots, written from each row's ``start_B``; for a ring (``ring``) those of
+    ``Ring.keys``. The swap of S and K is folded into the attention dots by XLA.
     """
 
     k: jax.Array  # [L, B, K, S, H]
     v: jax.Array
     index: jax.Array  # int32 scalar (traced under scan)
     start_B: jax.Array
+    ring: Ring | None = None
+
+    def _layer_BSKH(self, x):
+        return jnp.swapaxes(layer(x, self.index), 1, 2)
 
     def append(self, k_BTKH, v_BTKH):
+        if self.ring is not None:
+            return self._append_ring(k_BTKH, v_BTKH)
         k = write(self.k, self.index, k_BTKH, self.start_B)
         v = write(self.v, self.index, v_BTKH, self.start_B)
-        k_BSKH, v_BSKH = (jnp.swapaxes(layer(x, self.index), 1, 2) for x in (k, v))
-        return self.replace(k=k, v=v), k_BSKH, v_BSKH
+        return self.replace(k=k, v=v), self._layer_BSKH(k), self._layer_BSKH(v)
+
+    def _append_ring(self, k_BTKH, v_BTKH):
+        ring, T = self.ring, k_BTKH.shape[1]
+        slots_BT = ring_slots(ring.start_B, ring.count_B, T, ring.slots)
+        k = scatter(self.k, self.index, k_BTKH, slots_BT)
+        v = scatter(self.v, self.index, v_BTKH, slots_BT)
+        if ring.in_place(T):
+            return self.replace(k=k, v=v), self._layer_BSKH(k), self._layer_BSKH(v)
+        # The ring as it was (read before the write), then the call's own keys, stored as
+        # the cache stores them.
+        before = lambda x, new: jnp.concatenate([self._layer_BSKH(x), new.astype(x.dtype)], axis=1)
+        return self.replace(k=k, v=v), before(self.k, k_BTKH), before(self.v, v_BTKH)

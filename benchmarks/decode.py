@@ -20,8 +20,13 @@ XLA:CPU runs these steps on one thread, so on a machine shared with other work t
 time is the steadier measure of the code itself (``machine.load_average`` says how busy
 the machine was).
 
+``--sliding-window W`` gives every layer a window of W keys, so the cache is a ring buffer
+of W slots (``--linear-cache`` keeps ``max_len`` slots); ``--prefill-chunk C`` prefills
+prompts C tokens at a time. ``models`` reports the bytes per row of both caches.
+
     python benchmarks/decode.py [--quick] [--models small,gpt2] [--batches 1,8]
                                 [--contexts 64,256,1024] [--skip-recompute]
+                                [--sliding-window 128] [--linear-cache] [--prefill-chunk 256]
 """
 
 from __future__ import annotations
@@ -118,10 +123,13 @@ def last_token_forward(model):
 
 def throughput(name, model, args):
     cfg, rows = model.cfg, []
+    options = dict(ring=args.ring, prefill_chunk=args.prefill_chunk)
     for B in args.batches:
         ids = prompts(B, args.prompt_len, cfg.vocab_size)
         n = args.new_tokens
-        wall, cpu = best_time(lambda ids=ids, n=n: generate(model, ids, n).tokens, args.repeats)
+        wall, cpu = best_time(
+            lambda ids=ids, n=n: generate(model, ids, n, **options).tokens, args.repeats
+        )
         rows.append(
             dict(model=name, batch=B, mode="cached", prompt_len=args.prompt_len, new_tokens=n,
                  cache_len=cfg.max_len, seconds=wall, tokens_per_s=B * n / wall,
@@ -146,13 +154,15 @@ def throughput(name, model, args):
     return rows
 
 
-def loop_seconds(decoder, params, cfg, ids, n, repeats):
+def loop_seconds(decoder, params, cfg, ids, n, args):
     """Best (wall, CPU) seconds of the generation loop alone, after a prefill of ``ids``."""
     runs = []
-    for _ in range(repeats + 1):  # the first run compiles
-        cache = init_cache(cfg, ids.shape[0], cfg.max_len)
+    for _ in range(args.repeats + 1):  # the first run compiles
+        cache = init_cache(cfg, ids.shape[0], cfg.max_len, ring=args.ring)
         lengths = np.full((ids.shape[0],), ids.shape[1], np.int32)
-        logits, cache = jax.block_until_ready(decoder.prefill(params, cache, ids, lengths))
+        logits, cache = jax.block_until_ready(
+            decoder.prefill(params, cache, ids, lengths, chunk=args.prefill_chunk)
+        )
         runs.append(
             timed(
                 lambda logits=logits, cache=cache: decoder.sample_loop(
@@ -164,6 +174,11 @@ def loop_seconds(decoder, params, cfg, ids, n, repeats):
     return min(w for w, _ in runs[1:]), min(c for _, c in runs[1:])
 
 
+def ring_cache(cfg, args) -> bool:
+    """Whether the cached runs use a ring buffer (shapes only: nothing is allocated)."""
+    return jax.eval_shape(lambda: init_cache(cfg, 1, cfg.max_len, ring=args.ring)).ring
+
+
 def per_token(name, model, args):
     cfg, rows = model.cfg, []
     decoder, params = Decoder.for_model(model)
@@ -171,8 +186,8 @@ def per_token(name, model, args):
     forward = last_token_forward(model)
     for c in args.contexts:
         ids = prompts(1, c, cfg.vocab_size)
-        t_short = loop_seconds(decoder, params, cfg, ids, short, args.repeats)
-        t_long = loop_seconds(decoder, params, cfg, ids, long, args.repeats)
+        t_short = loop_seconds(decoder, params, cfg, ids, short, args)
+        t_long = loop_seconds(decoder, params, cfg, ids, long, args)
         row = dict(model=name, context=c, batch=1, cache_len=cfg.max_len,
                    cached_ms=1e3 * (t_long[0] - t_short[0]) / (long - short),
                    cached_cpu_ms=1e3 * (t_long[1] - t_short[1]) / (long - short))  # fmt: skip
@@ -251,13 +266,19 @@ def main(argv=None):
     parser.add_argument(
         "--decode-layers", default="auto", help="ModelConfig.decode_layers for the throughput"
     )
+    parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--linear-cache", action="store_true", help="no ring buffer")
+    parser.add_argument("--prefill-chunk", type=int, default=None)
     args = parser.parse_args(argv)
+    args.ring = False if args.linear_cache else None
     if args.quick:
         args.models, args.contexts, args.repeats = "small", [64, 256], 2
     out = dict(machine=machine(), settings=vars(args) | {"dtype": "float32"}, models={})
     out["throughput"], out["per_token"] = [], []
     for name in args.models.split(","):
-        cfg = ModelConfig(**MODELS[name], decode_layers=args.decode_layers)
+        cfg = ModelConfig(
+            **MODELS[name], decode_layers=args.decode_layers, sliding_window=args.sliding_window
+        )
         if not args.skip_contexts and max(args.contexts) + 4 + args.slope_tokens > cfg.max_len:
             # Room to generate after the longest context: the position table grows; the
             # throughput figures use the same model.
@@ -267,7 +288,13 @@ def main(argv=None):
             MODELS[name],
             max_len=cfg.max_len,
             params=count_params(cfg),
-            kv_cache_bytes_per_row=kv_cache_bytes(cfg, 1, cfg.max_len, "float32"),
+            kv_cache_bytes_per_row=kv_cache_bytes(cfg, 1, cfg.max_len, "float32", ring=False),
+            ring_kv_cache_bytes_per_row=(
+                kv_cache_bytes(cfg, 1, cfg.max_len, "float32", ring=True)
+                if args.sliding_window
+                else None
+            ),
+            cache="ring" if ring_cache(cfg, args) else "linear",
         )
         out["throughput"] += throughput(name, model, args)
         if not args.skip_contexts:

@@ -87,3 +87,64 @@ def test_repeat_and_take_rows():
     np.testing.assert_array_equal(np.asarray(picked.k)[:, :, 0, 0, 0], [[0, 0, 0, 1, 1, 1]] * 3)
     np.testing.assert_array_equal(picked.lengths, [1, 1, 1, 2, 2, 2])
     assert jax.tree.structure(picked) == jax.tree.structure(wide)
+
+
+# ------------------------------------------------------------------------------------------
+# Ring buffers: W slots, position p in slot p % W
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "window_layers, max_len, ring, slots",
+    [
+        (None, 100, None, 16),  # every layer slides and max_len > W: a ring by default
+        (None, 16, None, 16),  # max_len <= W: linear (no saving)
+        (None, 10, True, 16),  # asked for: W slots
+        (None, 100, False, 100),
+        ((0, 1, 2), 100, None, 16),  # every layer listed
+        ((0, 2), 100, None, 100),  # a global layer needs every key: linear
+    ],
+)
+def test_ring_cache_has_window_slots_and_bytes_agree(window_layers, max_len, ring, slots):
+    cfg = ModelConfig(**CFG, n_kv_heads=2, sliding_window=16, sliding_window_layers=window_layers)
+    cache = init_cache(cfg, 2, max_len, ring=ring)
+    assert cache.k.shape == cache.v.shape == (3, 2, 2, slots, 8)  # [L, B, K, W, H]
+    assert cache.slots == slots and cache.capacity == max_len
+    assert cache.ring == (cache.window is not None) and cache.window in (None, slots)
+    nbytes = kv_cache_bytes(cfg, 2, max_len, "float32", ring=ring)
+    assert cache.k.nbytes + cache.v.nbytes == nbytes
+    assert nbytes == 2 * 3 * 2 * slots * 2 * 8 * 4
+    # Static: the layout is part of the tree structure, not a leaf.
+    assert len(jax.tree.leaves(cache)) == 3
+
+
+def test_ring_positions_follow_the_rows_lengths():
+    """Slot s holds the latest position p < length with p % W == s; negative: empty."""
+    got = np.asarray(kvc.ring_positions(jnp.array([0, 3, 4, 11]), 4))
+    np.testing.assert_array_equal(
+        got, [[-4, -3, -2, -1], [0, 1, 2, -1], [0, 1, 2, 3], [8, 9, 10, 7]]
+    )
+
+
+def test_ring_write_keeps_each_rows_last_real_tokens():
+    """A call of T = 7 tokens over a 4-slot ring: row 0 starts at 2 with 7 real tokens
+    (positions 2..8, the last four kept), row 1 at 0 with 2 real ones (the padding after
+    them must not overwrite anything)."""
+    start_B, count_B = jnp.array([2, 0]), jnp.array([7, 2])
+    slots_BT = np.asarray(kvc.ring_slots(start_B, count_B, 7, 4))
+    np.testing.assert_array_equal(slots_BT, [[4, 4, 4, 1, 2, 3, 0], [0, 1, 4, 4, 4, 4, 4]])
+    new_BTKH = (jnp.arange(7.0)[None, :, None, None] + 1) * jnp.array([1.0, 10.0])[
+        :, None, None, None
+    ]
+    out = np.asarray(kvc.scatter(jnp.zeros((1, 2, 1, 4, 1)), 0, new_BTKH, slots_BT))
+    np.testing.assert_array_equal(out[0, :, 0, :, 0], [[7, 4, 5, 6], [10, 20, 0, 0]])
+    np.testing.assert_array_equal(
+        kvc.ring_positions(start_B + count_B, 4), [[8, 5, 6, 7], [0, 1, -2, -1]]
+    )
+
+
+def test_rows_of_a_ring_keep_its_layout():
+    cfg = ModelConfig(**CFG, sliding_window=4)
+    cache = init_cache(cfg, 2, 32)
+    for moved in (kvc.repeat_rows(cache, 3), kvc.take_rows(cache, jnp.array([1, 0]))):
+        assert moved.window == 4 and moved.capacity == 32 and moved.slots == 4

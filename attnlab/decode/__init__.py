@@ -20,11 +20,17 @@ Conventions:
 * Phases: a loop over a large cache runs over growing prefixes of it (``phases``: the
   capacity halved up to three times, none below 128 slots), so a step's attention reads
   about as much cache as the sequence needs, not the whole capacity, in the same program.
+  A ring-buffer cache (``attnlab.kv_cache``: W slots for a model whose every layer slides
+  with window W, the default for such a model when ``max_len`` exceeds W) runs in one phase;
+  its memory stays W slots however long the generation.
+* Prefill: a prompt longer than ``compiled.PREFILL_CHUNK`` (1024) tokens, or than
+  ``prefill_chunk``, goes through the cache in chunks, so no ``[T, T]`` scores are formed.
 * Ragged batches: row ``b`` has ``prompt_lengths[b]`` real tokens; its ``i``-th new token sits
   at position ``prompt_lengths[b] + i``. A row stops at its own EOS (and then emits
   ``pad_id``) or after ``max_new_tokens``; stopped rows no longer move in the cache.
 * Capacity: a row's whole sequence (prompt + new tokens; for encoder-decoder models the
-  start token + new tokens) must fit in the cache. Too long raises a ``ValueError`` before
+  start token + new tokens) must fit in the cache's ``max_len`` positions (a ring buffer
+  serves them with fewer slots). Too long raises a ``ValueError`` before
   any computation (``checks``), unless ``on_overflow="stop"``, where such rows stop with
   reason ``"capacity"``.
 * Recomputation (``recompute``) runs the same sampling loop over a token buffer instead of

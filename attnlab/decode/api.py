@@ -13,7 +13,7 @@ from flax import nnx
 
 from attnlab import kv_cache
 from attnlab.decode import checks
-from attnlab.decode.compiled import Decoder
+from attnlab.decode.compiled import Decoder, chunk_size
 from attnlab.decode.recompute import recompute_loop
 from attnlab.decode.sampling import SamplingConfig
 from attnlab.errors import DecodeError
@@ -88,14 +88,15 @@ class Placed:
         return {k: None if v is None or k == "cache" else np.asarray(v)[:B] for k, v in out.items()}
 
 
-def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap) -> Placed:
+def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring=None) -> Placed:
     """Places a generation on ``mesh`` (rows padded to the batch axes, the cache sharded:
     rows over the batch axes, kv heads over ``tensor`` where they divide), or leaves it on
-    the default device when there is no mesh of several devices."""
+    the default device when there is no mesh of several devices. ``ring``: as for
+    ``init_cache``."""
     B = tokens_BT.shape[0]
     as_jnp = lambda x: None if x is None else jnp.asarray(x)
     if mesh is None or mesh.size == 1:
-        cache = kv_cache.init_cache(cfg, B, cap)
+        cache = kv_cache.init_cache(cfg, B, cap, ring=ring)
         lengths = jnp.asarray(lengths_B, jnp.int32)
         return Placed(params, cache, as_jnp(tokens_BT), lengths, as_jnp(src), as_jnp(valid), B,
                       contextlib.nullcontext())  # fmt: skip
@@ -115,7 +116,7 @@ def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap) -> Placed:
     )
     kv = "tensor" if cfg.n_kv_heads % mesh.shape["tensor"] == 0 else None
     cache_spec = sharding.P(None, rules["batch"], kv, None, None)
-    cache = kv_cache.init_cache(cfg, B + pad, cap)
+    cache = kv_cache.init_cache(cfg, B + pad, cap, ring=ring)
     cache = cache.replace(
         k=jax.device_put(cache.k, sharding.NamedSharding(mesh, cache_spec)),
         v=jax.device_put(cache.v, sharding.NamedSharding(mesh, cache_spec)),
@@ -159,6 +160,8 @@ def generate(
     start_id: int | None = None,
     source_valid=None,
     recompute: bool = False,
+    ring: bool | None = None,
+    prefill_chunk: int | None = None,
     mesh=None,
 ) -> GenerationResult:
     """Generates up to ``max_new_tokens`` tokens per row with a model or a ``Pretrained``.
@@ -170,13 +173,20 @@ def generate(
     and ``None`` defaults take a ``Pretrained`` handle's eos, decoder start and pad ids
     (plain models: no EOS, ``ModelConfig.pad_id``); ``eos_id=None`` never stops early.
 
-    ``max_len`` is the cache capacity (default ``ModelConfig.max_len``); ``on_overflow``:
-    ``"raise"`` (a ValueError before any computation) or ``"stop"`` (rows stop with reason
-    ``"capacity"``). ``num_beams > 1`` runs beam search (greedy scores over summed
-    log-probs / ``length ** length_penalty``, in ``.scores``). ``recompute=True``, implied
-    for a decoder with ``ModelConfig.causal=False``, re-runs the whole sequence per token
-    instead of using the cache. ``.tokens`` holds the new ids only, ``.sequences`` the
-    prompt (or start token) too.
+    ``max_len`` is the cache capacity (default ``ModelConfig.max_len``): the positions a row
+    may reach; ``on_overflow``: ``"raise"`` (a ValueError before any computation) or
+    ``"stop"`` (rows stop with reason ``"capacity"``). ``num_beams > 1`` runs beam search
+    (greedy scores over summed log-probs / ``length ** length_penalty``, in ``.scores``).
+    ``recompute=True``, implied for a decoder with ``ModelConfig.causal=False``, re-runs the
+    whole sequence per token instead of using the cache. ``.tokens`` holds the new ids only,
+    ``.sequences`` the prompt (or start token) too.
+
+    ``ring``: a ring-buffer cache of ``ModelConfig.sliding_window`` slots, for models whose
+    every layer slides with that window (True), a linear cache of ``max_len`` slots
+    (False), or a ring where the config allows one and ``max_len`` exceeds the window
+    (None): a ring's memory does not grow with ``max_len`` (see ``attnlab.kv_cache``).
+    ``prefill_chunk``: feed the prompt through the cache that many tokens at a time (None:
+    in chunks of ``Decoder``'s ``PREFILL_CHUNK`` = 1024 tokens above that length).
 
     ``mesh`` (a ``jax.sharding.Mesh``, see ``attnlab.sharding``) decodes on it: parameters
     sharded by their logical axes, the cache's rows over the batch axes and its kv heads over
@@ -203,6 +213,14 @@ def generate(
             raise DecodeError("num_beams > 1 needs the KV cache: recompute supports num_beams=1")
         if 2 * num_beams > cfg.vocab_size:
             raise DecodeError(f"num_beams={num_beams} needs vocab_size >= {2 * num_beams}")
+    if ring and recompute:
+        raise DecodeError(
+            "ring=True asks for a ring-buffer KV cache, but recompute=True (implied by "
+            "ModelConfig.causal=False) uses no cache: pass ring=None, or recompute=False"
+        )
+    if ring is not None and not isinstance(ring, bool):
+        raise DecodeError(f"ring={ring!r} must be True, False or None (ring where it fits)")
+    chunk_size(1, prefill_chunk)  # checks the value before any computation
     n = checks.check_count(max_new_tokens)
     checks.check_token("eos_id", eos_id, cfg.vocab_size, optional=True)
     checks.check_token("pad_id", pad_id, cfg.vocab_size)
@@ -278,12 +296,15 @@ def generate(
 
     decoder = Decoder.for_graph(graphdef, cfg)
     tokens_BT = padded(ids_BP, lengths_B, bucket(int(lengths_B.max()), cap), pad_id)
-    placed = on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap)
+    placed = on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring)
     with placed.context:
         cache = placed.cache
         if seq2seq:
             cache = decoder.encode(placed.params, cache, placed.src, placed.valid)
-        logits_BV, cache = decoder.prefill(placed.params, cache, placed.tokens, placed.lengths)
+        logits_BV, cache = decoder.prefill(
+            placed.params, cache, placed.tokens, placed.lengths,
+            chunk=chunk_size(tokens_BT.shape[1], prefill_chunk),
+        )  # fmt: skip
         if num_beams > 1:
             out = decoder.beam_loop(
                 placed.params, cache, logits_BV, *specials, np.float32(length_penalty),

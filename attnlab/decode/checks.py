@@ -104,7 +104,9 @@ def rows(ids, lengths, pad_id: int, name: str, vocab_size: int | None):
 
 
 def capacity(cfg: ModelConfig, max_len) -> int:
-    """The cache capacity: ``max_len``, default ``ModelConfig.max_len``."""
+    """The cache capacity: the positions a row may reach, ``max_len``, default
+    ``ModelConfig.max_len``. A ring-buffer cache serves them with only its window's slots,
+    so a sliding-window model generates past its window up to this limit."""
     if max_len is None:
         return cfg.max_len
     if not _is_int(max_len) or max_len < 1:

@@ -2,6 +2,11 @@
 
 Every function takes the parameter state first and merges it inside (``nnx.merge``), so
 new weights never recompile; one ``Decoder`` serves every model of a graph.
+
+Chunked prefill: a prompt longer than ``PREFILL_CHUNK`` tokens (or than ``chunk``, when
+given) runs through the cache ``C`` tokens at a time in a ``lax.scan``, each chunk attending
+over the cache so far and itself: scores are ``[B, N, C, S]`` (``[B, N, C, W + C]`` over a
+ring buffer), never ``[B, N, T, T]``, so a long prompt's temporaries follow C, not T.
 """
 
 from __future__ import annotations
@@ -18,6 +23,18 @@ from attnlab.config import ModelConfig
 from attnlab.decode.loops import beam_loop, sample_loop
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
+
+PREFILL_CHUNK = 1024  # prompts longer than this are prefilled in chunks of this many tokens
+
+
+def chunk_size(T: int, chunk: int | None) -> int:
+    """The chunk a ``T``-token prefill runs in: ``chunk``, or by default all ``T`` tokens at
+    once up to ``PREFILL_CHUNK`` tokens and chunks of ``PREFILL_CHUNK`` above."""
+    if chunk is None:
+        return min(T, PREFILL_CHUNK)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise DecodeError(f"prefill_chunk={chunk!r} must be an int >= 1 (or None: the default)")
+    return min(T, chunk)
 
 
 class Decoder:
@@ -36,7 +53,7 @@ class Decoder:
         self.traces = collections.Counter()
         self.unstack_layers = cfg.decode_unstacked
         jit = functools.partial(jax.jit, donate_argnames="cache")
-        self.prefill = jit(self.prefill_fn)
+        self.prefill = jit(self.prefill_fn, static_argnames="chunk")
         self.decode_step = jit(self.decode_step_fn)
         self.encode = jit(self.encode_fn)
         self.sample_loop = jit(self.sample_loop_fn, static_argnames="return_logits")
@@ -72,16 +89,49 @@ class Decoder:
         return step
 
     # The unjitted bodies (public so tests can run them inside their own programs).
-    def prefill_fn(self, params, cache: KVCache, tokens_BT, lengths_B):
-        """Appends each row's ``lengths_B[b]`` prompt tokens; logits at each row's last one."""
+    def prefill_fn(self, params, cache: KVCache, tokens_BT, lengths_B, *, chunk=None):
+        """Appends each row's ``lengths_B[b]`` prompt tokens; logits at each row's last one.
+
+        ``chunk`` (static): run the prompt in chunks of that many tokens (``chunk_size``
+        gives the default). Only real tokens are stored, so a ring buffer keeps each row's
+        last prompt tokens, not its padding.
+        """
         self.traces["prefill"] += 1
         model = nnx.merge(self.graphdef, params)
         call = model.decode if self.seq2seq else model
-        out = call(tokens_BT, cache=cache)
-        # The head on each row's last real token only; XLA drops the unused [B, T, V] logits.
-        h_B1D = jnp.take_along_axis(out.hidden, (lengths_B - 1)[:, None, None], axis=1)
-        logits_BV = model.head(h_B1D, model.embed.tokens)[:, 0]
-        return logits_BV, out.cache.replace(lengths=cache.lengths + lengths_B)
+        B, T = tokens_BT.shape
+        C = chunk_size(T, chunk)
+        n = -(-T // C)
+        start_B = cache.lengths
+        top = self.cfg.max_len - 1
+
+        def run(cache, i, tokens_BC):
+            """One chunk; the hidden state at each row's last prompt token if it lies here."""
+            t_1C = i * C + jnp.arange(C, dtype=jnp.int32)[None, :]
+            # Padding past a row's prompt gets a position the model has (it is not stored).
+            positions_BC = jnp.minimum(start_B[:, None] + t_1C, top)
+            out = call(
+                tokens_BC, positions_BT=positions_BC, valid_BT=t_1C < lengths_B[:, None],
+                cache=cache,
+            )  # fmt: skip
+            at_B11 = jnp.clip(lengths_B - 1 - i * C, 0, C - 1)[:, None, None]
+            return out.cache, jnp.take_along_axis(out.hidden, at_B11, axis=1)[:, 0]
+
+        if n == 1:
+            cache, h_BD = run(cache, 0, tokens_BT)
+        else:
+            pad = ((0, 0), (0, n * C - T))
+            tokens_BT = jnp.pad(tokens_BT, pad, constant_values=self.cfg.pad_id)
+            tokens_IBC = jnp.swapaxes(tokens_BT.reshape(B, n, C), 0, 1)
+            cache, h_IBD = jax.lax.scan(
+                lambda cache, xs: run(cache, *xs),
+                cache,
+                (jnp.arange(n, dtype=jnp.int32), tokens_IBC),
+            )
+            h_BD = h_IBD[(lengths_B - 1) // C, jnp.arange(B)]  # the chunk of the last token
+        # The head on each row's last real token only: no [B, T, V] logits.
+        logits_BV = model.head(h_BD[:, None], model.embed.tokens)[:, 0]
+        return logits_BV, cache.replace(lengths=start_B + lengths_B)
 
     def decode_step_fn(self, params, cache: KVCache, token_B):
         """Appends one token per row; returns the next-token logits ``[B, V]``."""

@@ -32,9 +32,11 @@ def while_in_phases(cond, body, state, next_slot, *, phased=True):
     length (to a factor of 2) rather than the capacity, in one static program. Phase ``i``
     runs while ``next_slot(state)`` (the largest index a step writes) fits its prefix; the
     prefix is copied out of the full cache once and pasted back once. ``phased=False`` (a
-    cache that is not a ``KVCache``) runs one plain loop.
+    cache that is not a ``KVCache``) runs one plain loop, as does a ring buffer: it holds
+    only its window's slots, and they are not positions.
     """
     full = state.cache
+    phased = phased and not (isinstance(full, kv_cache.KVCache) and full.ring)
     for size in phases(full.capacity) if phased else [full.capacity]:
         if size == full.capacity:
             return jax.lax.while_loop(cond, body, state.replace(cache=full))
@@ -115,7 +117,8 @@ def sample_loop(
 
     def body(state):
         logits_BTV, cache = step_fn(state.token_B[:, None], state.cache)
-        # Stopped rows keep their length: their pad input only rewrites one unused slot.
+        # Stopped rows keep their length: their pad input only rewrites one slot they no
+        # longer need (unused in a linear cache, their oldest token in a ring buffer).
         cache = cache.replace(lengths=jnp.where(state.done_B, state.cache.lengths, cache.lengths))
         return emit(state.replace(cache=cache), logits_BTV[:, 0])
 

@@ -195,13 +195,15 @@ class Stack(nnx.Module):
         cache=None,
         cross_cache=None,
         cache_start_B=None,
+        ring=None,
         key=None,
         return_weights=False,
     ):
         """Runs the stack over ``x``.
 
         ``cache``: ``(k_LBKSH, v_LBKSH)`` to append this call's keys/values to, at
-        ``cache_start_B``; ``cross_cache``: ``(k_LBKSH, v_LBKSH)`` of the encoder output.
+        ``cache_start_B``, or by ``ring`` (a ``kv_cache.Ring``) when the cache is a ring
+        buffer; ``cross_cache``: ``(k_LBKSH, v_LBKSH)`` of the encoder output.
         Returns ``(x_BTD, (k_LBKSH, v_LBKSH) | None, weights)``, with ``weights`` a tuple of
         per-layer dicts when asked for.
         """
@@ -215,6 +217,8 @@ class Stack(nnx.Module):
         else:
             S, k_positions_BS = T, positions_BT
         mask = self._self_mask(T, S, positions_BT, valid_BS, segment_ids_BT, cache_start_B)
+        if ring is not None:  # keys at a ring's slot positions, its own mask (kv_cache.Ring)
+            k_positions_BS, mask = ring.keys(T, self.windows)
         bias = self._bias(positions_BT, k_positions_BS)
         cross_mask = None if enc_valid_BS is None else ops.padding(k_valid_BS=enc_valid_BS)
 
@@ -223,7 +227,7 @@ class Stack(nnx.Module):
         windows = set(self.windows)
         window_L = jnp.array([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
         offset = 0 if cache_start_B is None else cache_start_B
-        if len(windows) == 1 and None not in windows:
+        if len(windows) == 1 and None not in windows and ring is None:
             mask = ops.combine(mask, ops.sliding_window(T, S, window=min(windows), offset=offset))
         per_layer_window = len(windows) > 1
 
@@ -235,7 +239,7 @@ class Stack(nnx.Module):
             if per_layer_window:
                 window_mask = ops.sliding_window(T, S, window=window, offset=offset)
                 layer_mask = ops.combine(mask, window_mask)
-            view = None if kv is None else kv_cache.LayerView(*kv, index, cache_start_B)
+            view = None if kv is None else kv_cache.LayerView(*kv, index, cache_start_B, ring)
             x_BTD, view, weights = block(
                 x_BTD,
                 positions_BT=positions_BT,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from attnlab import ops
+from attnlab import kv_cache, ops
 from attnlab.config import ModelConfig
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
@@ -43,14 +43,25 @@ def _default_positions(B, T):
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
 
 
-def _run_decoder(stack, x_BTD, positions_BT, cache, **kw):
+def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
     """Runs a causal stack over new tokens, after what ``cache`` holds when one is given.
 
-    New tokens sit at ``cache.lengths + t`` (or ``0..T-1`` without a cache). Returns
-    ``(x_BTD, new_cache, weights)`` with the written keys/values and lengths advanced by T.
+    New tokens sit at ``cache.lengths + t`` (or ``0..T-1`` without a cache). With a cache,
+    ``valid_BS`` (right-padded) marks each row's real new tokens: lengths advance by their
+    number, and a ring buffer stores only them (padding would overwrite real tokens).
+    Returns ``(x_BTD, new_cache, weights)`` with the written keys/values and new lengths.
     """
     B, T, _ = x_BTD.shape
     start_B = None if cache is None else cache.lengths
+    ring = None
+    if cache is not None:
+        count_B = (
+            jnp.full((B,), T, jnp.int32)
+            if valid_BS is None
+            else jnp.sum(valid_BS, axis=1, dtype=jnp.int32)
+        )
+        if cache.ring:
+            ring = kv_cache.Ring(start_B, count_B, cache.slots)
     if positions_BT is None:
         positions_BT = (
             _default_positions(B, T)
@@ -60,13 +71,15 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, **kw):
     x_BTD, new_kv, weights = stack(
         x_BTD,
         positions_BT=positions_BT,
+        valid_BS=valid_BS,
         cache=None if cache is None else (cache.k, cache.v),
         cache_start_B=start_B,
+        ring=ring,
         **kw,
     )
     if cache is not None:
         k, v = new_kv
-        cache = cache.replace(k=k, v=v, lengths=cache.lengths + T)
+        cache = cache.replace(k=k, v=v, lengths=cache.lengths + count_B)
     return x_BTD, cache, weights
 
 
@@ -146,7 +159,8 @@ class DecoderLM(nnx.Module):
     ) -> ModelOutput:
         """Logits for ``tokens``; with ``cache``, the tokens follow what the cache holds.
 
-        ``valid_BT`` marks real tokens (keys elsewhere are masked); ``segment_ids_BT`` packs
+        ``valid_BT`` marks real tokens (keys elsewhere are masked; with a cache, each row's
+        real new tokens, right-padded: the cache keeps only those); ``segment_ids_BT`` packs
         several documents into one row (attention stays within a segment).
         """
         x_BTD, new_cache, weights = _run_decoder(
@@ -256,11 +270,13 @@ class EncoderDecoder(nnx.Module):
         enc_BSD=None,
         src_valid_BS=None,
         positions_BT=None,
+        valid_BT=None,
         cache: KVCache | None = None,
         key=None,
         return_weights=False,
     ) -> ModelOutput:
-        """Decoder logits. With a cache from ``init_cross_cache``, ``enc_BSD`` is not needed."""
+        """Decoder logits. With a cache from ``init_cross_cache``, ``enc_BSD`` is not needed.
+        ``valid_BT`` marks real target tokens, as for ``DecoderLM``."""
         cross_cache = None
         if cache is not None and cache.cross_k is not None:
             cross_cache = (cache.cross_k, cache.cross_v)
@@ -272,6 +288,7 @@ class EncoderDecoder(nnx.Module):
             self.embed(tgt_BT),
             positions_BT,
             cache,
+            valid_BS=valid_BT,
             enc_BSD=enc_BSD,
             enc_valid_BS=src_valid_BS,
             cross_cache=cross_cache,
