@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import attnlab
 from attnlab import ModelConfig, build_model, init_cache, kv_cache_bytes
 from attnlab.decode import Decoder, SamplingConfig, generate, phases
 
@@ -398,3 +399,21 @@ def test_zero_new_tokens(lm, s2s):
     np.testing.assert_array_equal(out.sequences[1], PROMPTS[1])
     beams = generate(s2s, SOURCES, 0, num_beams=4, start_id=1, eos_id=2)
     assert beams.tokens.shape == (2, 0) and list(beams.lengths) == [0, 0]
+
+
+def test_bfloat16_decoding_follows_the_float32_model():
+    """``generate(dtype="bfloat16")``: weights cast once, cache and activations in bf16;
+    its logits stay within bf16 rounding of the float32 ones, and the caller's model
+    keeps its float32 weights."""
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=50,
+                      max_len=64, position="rope", norm="rmsnorm", ffn="swiglu")  # fmt: skip
+    model = build_model(cfg, seed=3)
+    ids = np.random.default_rng(0).integers(1, 50, (2, 7))
+    full = attnlab.generate(model, ids, 6, return_logits=True)
+    half = attnlab.generate(model, ids, 6, return_logits=True, dtype="bfloat16")
+    scale = np.abs(full.logits).max()
+    assert 0 < np.abs(half.logits - full.logits).max() < 0.02 * scale
+    assert half.logits.dtype == np.float32
+    assert model.decoder.layers.attn.q_DNH[...].dtype == jnp.float32
+    with pytest.raises(attnlab.errors.DecodeError, match="dtype"):
+        attnlab.generate(model, ids, 2, dtype="float8")

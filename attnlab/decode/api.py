@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from attnlab import kv_cache
+from attnlab.config import DTYPES
 from attnlab.decode import checks
 from attnlab.decode.compiled import Decoder, chunk_size
 from attnlab.decode.recompute import recompute_loop
@@ -128,6 +130,24 @@ def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring=None)
                   by_rows(valid), B, sharding.activate(mesh, rules))  # fmt: skip
 
 
+def in_dtype(graphdef, params, cfg, dtype: str):
+    """The model's graph and parameters computing in ``dtype`` (floating weights cast)."""
+    if dtype not in DTYPES:
+        raise DecodeError(f"dtype={dtype!r} is not one of {DTYPES}")
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    graphdef = _graph(cfg)
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return graphdef, jax.tree.map(cast, params), cfg
+
+
+@functools.lru_cache(maxsize=16)
+def _graph(cfg):
+    """The graph of ``cfg``'s architecture (a pretrained model's is built the same way)."""
+    from attnlab.nn.models import ARCHITECTURES
+
+    return nnx.graphdef(nnx.eval_shape(lambda: ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(0))))
+
+
 def _split(model):
     """``(graphdef, params, cfg, special ids)``; a ``Pretrained`` handle is split already."""
     from attnlab.pretrained.handle import Pretrained  # the handle imports this package
@@ -162,6 +182,7 @@ def generate(
     recompute: bool = False,
     ring: bool | None = None,
     prefill_chunk: int | None = None,
+    dtype: str | None = None,
     mesh=None,
 ) -> GenerationResult:
     """Generates up to ``max_new_tokens`` tokens per row with a model or a ``Pretrained``.
@@ -188,6 +209,10 @@ def generate(
     ``prefill_chunk``: feed the prompt through the cache that many tokens at a time (None:
     in chunks of ``Decoder``'s ``PREFILL_CHUNK`` = 1024 tokens above that length).
 
+    ``dtype`` (e.g. ``"bfloat16"``) decodes with the weights, activations and cache in that
+    dtype (the weights cast once per call; logits and sampling stay float32): half the bytes
+    a token streams at batch 1, at bfloat16's precision.
+
     ``mesh`` (a ``jax.sharding.Mesh``, see ``attnlab.sharding``) decodes on it: parameters
     sharded by their logical axes, the cache's rows over the batch axes and its kv heads over
     ``tensor`` where they divide, the batch padded to the batch axes and cut afterwards.
@@ -195,6 +220,8 @@ def generate(
     graphdef, params, cfg, special = _split(model)
     if cfg.arch == "encoder":
         raise DecodeError("ModelConfig.arch='encoder' has no causal decoder to generate with")
+    if dtype is not None and (dtype != cfg.dtype or dtype != cfg.param_dtype):
+        graphdef, params, cfg = in_dtype(graphdef, params, cfg, dtype)
     seq2seq = cfg.arch == "encoder_decoder"
     eos_id = special["eos_id"] if eos_id == "config" else eos_id
     pad_id = cfg.pad_id if pad_id is None else pad_id
