@@ -123,7 +123,7 @@ def last_token_forward(model):
 
 def throughput(name, model, args):
     cfg, rows = model.cfg, []
-    options = dict(ring=args.ring, prefill_chunk=args.prefill_chunk)
+    options = dict(ring=args.ring, prefill_chunk=args.prefill_chunk, dtype=args.dtype)
     for B in args.batches:
         ids = prompts(B, args.prompt_len, cfg.vocab_size)
         n = args.new_tokens
@@ -273,7 +273,7 @@ def main(argv=None):
     args.ring = False if args.linear_cache else None
     if args.quick:
         args.models, args.contexts, args.repeats = "small", [64, 256], 2
-    out = dict(machine=machine(), settings=vars(args) | {"dtype": "float32"}, models={})
+    out = dict(machine=machine(), settings=vars(args) | {"dtype": args.dtype or "float32"}, models={})
     out["throughput"], out["per_token"] = [], []
     for name in args.models.split(","):
         cfg = ModelConfig(
