@@ -267,13 +267,17 @@ def main(argv=None):
         "--decode-layers", default="auto", help="ModelConfig.decode_layers for the throughput"
     )
     parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument(
+        "--dtype", default=None, help="decode in this dtype (generate's dtype), e.g. bfloat16"
+    )
     parser.add_argument("--linear-cache", action="store_true", help="no ring buffer")
     parser.add_argument("--prefill-chunk", type=int, default=None)
     args = parser.parse_args(argv)
     args.ring = False if args.linear_cache else None
     if args.quick:
         args.models, args.contexts, args.repeats = "small", [64, 256], 2
-    out = dict(machine=machine(), settings=vars(args) | {"dtype": args.dtype or "float32"}, models={})
+    settings = vars(args) | {"dtype": args.dtype or "float32"}
+    out = dict(machine=machine(), settings=settings, models={})
     out["throughput"], out["per_token"] = [], []
     for name in args.models.split(","):
         cfg = ModelConfig(
