@@ -103,6 +103,7 @@ def main():
     p.add_argument("--memory-fraction", type=float, default=0.5)
     args = p.parse_args()
     budget = memory_budget(args.memory_fraction)
+    host = machine()  # load_average: how busy the machine was when the runs began
     rows = []
     for T in (int(x) for x in args.lengths.split(",")):
         for impl in args.impls.split(","):
@@ -114,7 +115,7 @@ def main():
             print(json.dumps(row), flush=True)
     out = dict(
         benchmark="attention",
-        machine=machine() | {"load_average_end": list(os.getloadavg())},
+        machine=host | {"load_average_end": list(os.getloadavg())},
         settings=vars(args) | {"causal": True, "budget_gib": round(budget / 2**30, 1)},
         results=rows,
     )
