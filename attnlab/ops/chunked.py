@@ -80,7 +80,7 @@ def _slice_TS(x, i, j, st: _Static):
     return x
 
 
-def _mask_block(mask, i, j, st: _Static, T_pad, S_pad):
+def _mask_block(mask, i, j, st: _Static, S_pad):
     """[B|1, K|1, G|1, tq, tk] bool of block (i, j), or None when nothing is masked."""
     tq, tk = st.block_q, st.block_k
     if isinstance(mask, MaskSpec):
@@ -90,7 +90,7 @@ def _mask_block(mask, i, j, st: _Static, T_pad, S_pad):
     else:
         out = None
     if S_pad != st.S:  # padded keys
-        real_k = (j * tk + jnp.arange(tk)) < st.S
+        real_k = ((j * tk + jnp.arange(tk)) < st.S)[None, None, None, None, :]
         out = real_k if out is None else out & real_k
     return out
 
@@ -112,7 +112,9 @@ def _block_grid(mask, st: _Static, nq, nk):
     if mask is None:
         return jnp.ones((nq, nk), bool)
     Bm, Km, Gm, Tm, Sm = mask.shape
-    rows, cols = (nq, st.block_q) if Tm != 1 else (1, 1), (nk, st.block_k) if Sm != 1 else (1, 1)
+    # [.., T|1, S|1] -> [.., nq|1, tq|1, nk|1, tk|1], then any() over all but the block axes.
+    rows = (nq, st.block_q) if Tm != 1 else (1, 1)
+    cols = (nk, st.block_k) if Sm != 1 else (1, 1)
     per_block = mask.reshape(Bm * Km * Gm, *rows, *cols).any(axis=(0, 2, 4))
     return jnp.broadcast_to(per_block, (nq, nk))
 
@@ -124,15 +126,15 @@ def _visit_order(grid):
     return order, grid.sum(1).astype(jnp.int32)
 
 
-def _logits(st, q_blk, k_blk, mask, bias, i, j, shapes, params=None):
+def _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad):
     """Block (i, j) logits in float32, masked; and its mask (None when nothing is masked)."""
-    K, G, T_pad, S_pad = shapes
+    _, K, G, _, _ = q_blk.shape
     s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=jnp.float32)
     s = s * st.scale
-    b = _bias_block(bias, i, j, st, K, G, params)
+    b = _bias_block(bias, i, j, st, K, G)
     if b is not None:
         s = s + b
-    allowed = _mask_block(mask, i, j, st, T_pad, S_pad)
+    allowed = _mask_block(mask, i, j, st, S_pad)
     if allowed is not None:
         s = jnp.where(allowed, s, _MASK_VALUE)
     return s, allowed
@@ -144,7 +146,6 @@ def _forward(st: _Static, q, k, v, mask, bias):
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq, nk = T_pad // tq, S_pad // tk
-    shapes = (K, G, T_pad, S_pad)
     order, count = _visit_order(_block_grid(mask, st, nq, nk))
 
     def query_block(_, i):
@@ -155,7 +156,7 @@ def _forward(st: _Static, q, k, v, mask, bias):
             j = order[i, c]
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
-            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, shapes)
+            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             if allowed is not None:  # a row masked so far has m_new == _MASK_VALUE: p = 1
@@ -208,7 +209,6 @@ def _backward(st: _Static, res, dout):
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq, nk = T_pad // tq, S_pad // tk
-    shapes = (K, G, T_pad, S_pad)
     order, count = _visit_order(_block_grid(mask, st, nq, nk).T)  # query blocks per key block
     d_BKGT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
     dense_bias = bias is not None and not isinstance(bias, PositionBias)
@@ -232,7 +232,7 @@ def _backward(st: _Static, res, dout):
             do_blk = jax.lax.dynamic_slice_in_dim(dout, i * tq, tq, 3)
             lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * tq, tq, 3)
             d_blk = jax.lax.dynamic_slice_in_dim(d_BKGT, i * tq, tq, 3)
-            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, shapes)
+            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
             p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
             if allowed is not None:
                 p = jnp.where(allowed, p, 0.0)
