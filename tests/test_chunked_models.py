@@ -5,7 +5,8 @@ to the full forward pass. (Memory: ``test_chunked_memory.py``.)
 Blocks are tiny (4 x 8) so that 13 tokens span several blocks, with padding. Two models
 cover the stacks: a decoder (ALiBi, GQA, a window on layer 1 only: per-layer data in the
 scan, packed segments) and an encoder-decoder (T5 relative positions, MQA, QK-norm, source
-padding: a bidirectional encoder with padding, a causal decoder, cross-attention).
+padding: a bidirectional encoder with padding, a causal decoder with a window on layer 1,
+cross-attention).
 """
 
 import jax
@@ -22,8 +23,13 @@ CASES = {
     "decoder-alibi-gqa-window_on_layer_1-segments": dict(
         position="alibi", n_kv_heads=2, sliding_window=3, sliding_window_layers=(1,)
     ),
-    "encoder_decoder-relative-mqa-padding": dict(
-        arch="encoder_decoder", position="relative", n_kv_heads=1, qk_norm=True
+    "encoder_decoder-relative-mqa-padding-window_on_layer_1": dict(
+        arch="encoder_decoder",
+        position="relative",
+        n_kv_heads=1,
+        qk_norm=True,
+        sliding_window=4,  # the causal decoder's layer 1
+        sliding_window_layers=(1,),
     ),
 }
 B, T = 2, 13
@@ -91,9 +97,10 @@ def cached_logits(model, cfg, ids):
     return jnp.concatenate(outs, axis=1)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_chunked_cached_decoding_equals_the_full_forward(case):
-    cfg, _, chunked = models(case)
+def test_chunked_cached_decoding_equals_the_full_forward():
+    """Prefill, single steps and a multi-token step after a cache: per-row offsets, written
+    lengths, the decoder's per-layer window, relative positions and cross-attention."""
+    cfg, _, chunked = models("encoder_decoder-relative-mqa-padding-window_on_layer_1")
     ids = jax.random.randint(jax.random.key(4), (B, T), 0, cfg.vocab_size)
 
     @jax.jit

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import reference as ref
 
-from attnlab.ops import MaskSpec, PositionBias, dot_product_attention, masks, positions
+from attnlab.ops import MaskSpec, PositionBias, dot_product_attention, positions
 
 B, H = 2, 8
 BLOCKS = dict(block_q=8, block_k=16)
@@ -170,13 +170,6 @@ def test_bidirectional_masks_t_differs_from_s_gqa(kind):
     _check(q, k, v, w, _spec(21, S, causal=False, **CROSS_CASES[kind]))
 
 
-def test_no_mask_mha_and_jax_nn():
-    q, k, v, w = _qkv(3, T, S, 4, 4)
-    out, _ = _check(q, k, v, w, None)
-    want = jax.nn.dot_product_attention(q, k, v, implementation="xla")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOL)
-
-
 def test_dense_masks_mha_fully_masked_rows_zero_with_zero_gradients():
     """A dense per-head mask (sliced per block) where some rows, then all, see nothing."""
     q, k, v, w = _qkv(4, 21, T, 4, 4)
@@ -190,12 +183,13 @@ def test_dense_masks_mha_fully_masked_rows_zero_with_zero_gradients():
         np.testing.assert_array_equal(np.asarray(x), 0.0)
 
 
-def test_dense_bias_and_dense_padding_mask():
-    """A bias shared by the batch (its gradient summed over it), and a [B, 1, 1, S] mask."""
-    q, k, v, w = _qkv(6, T, T, 4, 2)
-    bias = jnp.asarray(np.random.default_rng(7).standard_normal((1, 4, T, T)), jnp.float32)
-    mask = masks.padding(k_valid_BS=np.arange(T)[None] < np.array([[T], [20]]))
-    _check(q, k, v, w, mask, bias, grad_bias=True)
+def test_no_mask_dense_bias_mha_and_jax_nn():
+    """A bias shared by the batch (its gradient summed over it), no mask: also jax.nn."""
+    q, k, v, w = _qkv(3, T, S, 4, 4)
+    bias = jnp.asarray(np.random.default_rng(7).standard_normal((1, 4, T, S)), jnp.float32)
+    out, _ = _check(q, k, v, w, None, bias, grad_bias=True)
+    want = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOL)
 
 
 def test_alibi_as_a_function_of_positions():
@@ -221,9 +215,12 @@ def test_relative_bias_as_a_function_of_positions_with_table_gradient():
     assert np.abs(np.asarray(grads[3])).max() > 0  # the table learns
 
 
-def test_bfloat16_inputs_float32_accumulation():
+def test_bfloat16_inputs_float32_accumulation_and_a_key_bias():
+    """bf16 in and out; with a [B, 1, 1, S] bias (a key-padding style bias, broadcast over
+    heads and queries, its gradient summed over them)."""
     q, k, v, w = _qkv(11, T, T, 4, 2, dtype=jnp.bfloat16)
-    out, grads = _check(q, k, v, w, _spec(T, T, window=11), tol=BF16_TOL)
+    bias = jnp.asarray(np.random.default_rng(12).standard_normal((B, 1, 1, T)), jnp.bfloat16)
+    out, grads = _check(q, k, v, w, _spec(T, T, window=11), bias, grad_bias=True, tol=BF16_TOL)
     assert out.dtype == jnp.bfloat16
     assert all(g.dtype == jnp.bfloat16 for g in grads)
 
