@@ -28,8 +28,9 @@ def temp_bytes(impl, T):
 
 
 def test_memory_is_linear_in_the_sequence_length():
-    """Compiled only: chunked temporaries double with T (about 150 MiB at T=8192, most of
-    it the layers' saved activations and the [T, V] logits); dense ones quadruple."""
+    """Compiled only: chunked temporaries double with T (about 150 MiB at T=8192, nearly
+    all of it the activations the layers save for the backward pass: remat="full" halves
+    it); the dense ones quadruple."""
     at_4k, at_8k = temp_bytes("chunked", 4096), temp_bytes("chunked", 8192)
     assert at_8k < 256 * 2**20, at_8k
     assert at_8k / at_4k < 2.6, (at_4k, at_8k)
