@@ -41,7 +41,9 @@ class ModelConfig:
     layer axis) with ``lax.scan``, so the traced program does not grow with depth; False
     unrolls the same parameters in a Python loop. ``remat`` rematerialises each layer in
     the backward pass: ``"none"``, ``"full"`` (save only the layer inputs) or ``"dots"``
-    (save the outputs of the weight matmuls, recompute the rest).
+    (save the outputs of the weight matmuls, recompute the rest). ``attention_impl`` picks
+    the attention implementation (``attnlab.ops.attention``); ``"chunked"`` is blockwise with
+    memory linear in the sequence length, its blocks ``attention_block_q``/``_k``.
 
     ``decode_layers`` is how the generation loops (sampling, beam search) run the decoder:
     ``"unstacked"`` slices the stacked weights into separate blocks once per call and
@@ -97,6 +99,8 @@ class ModelConfig:
     sliding_window_layers: tuple[int, ...] | None = None  # layers with a window; None = all
     attn_scale: float | None = None  # logit scale; defaults to head_dim ** -0.5
     attention_impl: str = "xla"
+    attention_block_q: int | None = None  # chunked only: query block (None: its default)
+    attention_block_k: int | None = None  # chunked only: key block (None: its default)
     attention_fn: str = "softmax"  # a name from attnlab.nn.attention_variants()
 
     scan_layers: bool = True
@@ -201,7 +205,8 @@ def validate_raw(cfg: ModelConfig) -> None:
         value = getattr(cfg, field)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             _fail(field, value, "must be a positive integer")
-    for field in ("n_decoder_layers", "n_kv_heads", "head_dim", "d_ff", "sliding_window"):
+    optional = ("n_decoder_layers", "n_kv_heads", "head_dim", "d_ff", "sliding_window")
+    for field in optional + ("attention_block_q", "attention_block_k"):
         value = getattr(cfg, field)
         if value is not None and (not isinstance(value, int) or value <= 0):
             _fail(field, value, "must be a positive integer, or None for the default")
@@ -221,6 +226,19 @@ def validate(cfg: ModelConfig) -> None:
     _choice(cfg, "sinusoidal_layout", ("interleaved", "split"))
     _choice(cfg, "remat", REMAT)
     _choice(cfg, "decode_layers", DECODE_LAYERS)
+    for field in ("attention_block_q", "attention_block_k"):
+        value = getattr(cfg, field)
+        if value is not None and cfg.attention_impl != "chunked":
+            _fail(
+                field, value, "block sizes apply to attention_impl='chunked' only; set it or None"
+            )
+    if cfg.attention_impl == "chunked" and cfg.attention_dropout > 0:
+        _fail(
+            "attention_dropout",
+            cfg.attention_dropout,
+            "attention_impl='chunked' has no attention dropout: set it to 0, or use "
+            "attention_impl='reference'",
+        )
     if not isinstance(cfg.scan_layers, bool):
         _fail("scan_layers", cfg.scan_layers, "must be True (lax.scan) or False (unrolled)")
     chosen = cfg.sliding_window_layers

@@ -13,6 +13,13 @@ dropout applies: evaluation, decoding). It returns ``out_BTNH``, or
 ``(out_BTNH, weights_BNTS)`` when ``return_weights``. ``register_attention`` checks the
 signature (a ``**kwargs`` catch-all satisfies every keyword).
 
+With ``attention_impl="chunked"`` the model passes descriptions instead of arrays: ``mask``
+is an ``ops.MaskSpec`` and ``bias`` an ``ops.PositionBias`` (ALiBi, relative positions),
+and, when the config sets ``attention_block_q``/``attention_block_k``, the keywords
+``block_q``/``block_k`` too. A variant that forwards them to ``dot_product_attention`` keeps
+the blockwise path; one that needs arrays calls ``mask.dense()`` and ``bias.dense()``
+(building ``[T, S]``, as the other implementations do).
+
 The function is resolved when a model is built and held by its attention modules, so it is
 part of the model's graph: every compiled program (training, evaluation, cached decoding)
 of a model runs the same function, and re-registering a name changes what models built

@@ -3,11 +3,13 @@
 A few fixed sizes are reused throughout: on CPU each new shape costs a compilation.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attnlab.ops import masks
+from attnlab.ops.masks import MaskSpec
 
 B, N, T, S = 3, 4, 4, 6
 
@@ -230,3 +232,164 @@ def test_combine_with_per_head_mask():
     heads_BNTS = np.random.default_rng(0).random((B, N, S, S)) < 0.5
     got = masks.combine(masks.causal(S), jnp.asarray(heads_BNTS))
     _check(got, heads_BNTS & np.tril(np.ones((S, S), bool))[None, None])
+
+
+# --------------------------------------------------------------------------------------------
+# MaskSpec: the same masks as descriptions
+# --------------------------------------------------------------------------------------------
+
+OFFSETS_B = np.array([0, 1, 2])
+SEGMENTS_BS = np.array([[1, 1, 2, 2, 2, 3], [1, 1, 1, 1, 0, 0], [1, 2, 2, 2, 3, 3]])
+PREFIX_B = np.array([0, 2, 4])
+K_LEN_B = np.array([6, 3, 1])
+
+SPEC_CASES = {  # name: (MaskSpec, the same mask from the functions above)
+    "causal": (MaskSpec.for_sequence(S, causal=True), masks.causal(S)),
+    "causal_T_S_offsets": (
+        MaskSpec.for_sequence(T, S, causal=True, offset=OFFSETS_B),
+        masks.causal(T, S, offset=OFFSETS_B),
+    ),
+    "sliding_window": (
+        MaskSpec.for_sequence(S, causal=True, window=2),
+        masks.sliding_window(S, window=2),
+    ),
+    "window_offsets": (
+        MaskSpec.for_sequence(T, S, window=3, offset=OFFSETS_B),
+        masks.sliding_window(T, S, window=3, offset=OFFSETS_B),
+    ),
+    "segments": (MaskSpec.for_sequence(S, segment_ids=SEGMENTS_BS), masks.segment(SEGMENTS_BS)),
+    "segments_differ": (
+        MaskSpec.for_sequence(T, S, segment_ids=SEGMENTS_BS[:, :T], k_segment_ids=SEGMENTS_BS),
+        masks.segment(SEGMENTS_BS[:, :T], SEGMENTS_BS),
+    ),
+    "prefix_lm_offsets": (
+        MaskSpec.for_sequence(
+            1, S, causal=True, prefix_length=PREFIX_B, offset=np.array([0, 2, 5])
+        ),
+        masks.prefix_lm(PREFIX_B, 1, S, offset=np.array([0, 2, 5])),
+    ),
+    "padding": (
+        MaskSpec.for_sequence(T, S, q_valid=Q_VALID_BT, k_valid=K_VALID_BS),
+        masks.padding(Q_VALID_BT, K_VALID_BS),
+    ),
+    "lengths": (
+        MaskSpec.for_sequence(T, S, k_length=K_LEN_B),
+        masks.padding_from_lengths(k_lengths_B=K_LEN_B, S=S),
+    ),
+    "causal_window_segments_padding": (
+        MaskSpec.for_sequence(
+            S, causal=True, window=3, segment_ids=SEGMENTS_BS, k_valid=K_VALID_BS
+        ),
+        masks.combine(
+            masks.causal(S),
+            masks.sliding_window(S, window=3),
+            masks.segment(SEGMENTS_BS),
+            masks.padding(k_valid_BS=K_VALID_BS),
+        ),
+    ),
+    "prefix_lm_lengths": (
+        MaskSpec.for_sequence(S, causal=True, prefix_length=PREFIX_B, k_length=K_LEN_B),
+        masks.combine(
+            masks.prefix_lm(PREFIX_B, S), masks.padding_from_lengths(k_lengths_B=K_LEN_B, S=S)
+        ),
+    ),
+    "cache": (  # T new queries at each row's length, over S slots
+        MaskSpec.for_cache(2, S, np.array([0, 3, 4]), window=2),
+        masks.combine(
+            masks.causal(2, S, offset=np.array([0, 3, 4])),
+            masks.sliding_window(2, S, window=2, offset=np.array([0, 3, 4])),
+            masks.padding_from_lengths(k_lengths_B=np.array([2, 5, 6]), S=S),
+        ),
+    ),
+    "nothing": (MaskSpec.for_sequence(T, S), np.ones((1, 1, T, S), bool)),
+}
+
+
+@pytest.mark.parametrize("case", SPEC_CASES)
+def test_mask_spec_dense_equals_the_mask_functions(case):
+    spec, want = SPEC_CASES[case]
+    got = spec.dense()
+    assert got.shape[2:] == spec.shape and got.dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(np.asarray(want), got.shape))
+    assert got.shape[1] == 1 and got.shape[0] in (1, B)
+
+
+@pytest.mark.parametrize("case", ["causal_window_segments_padding", "cache", "padding"])
+def test_mask_spec_blocks_are_slices_of_the_dense_mask(case):
+    spec, _ = SPEC_CASES[case]
+    dense = np.asarray(spec.dense())
+    T_, S_ = spec.shape
+    for q0, tq in ((0, T_), (T_ - 1, 1), (1, T_ - 1)):
+        for k0, tk in ((0, S_), (S_ - 2, 2), (1, 3)):
+            got = np.asarray(spec.block(q0, tq, k0, tk))
+            np.testing.assert_array_equal(got, dense[:, :, q0 : q0 + tq, k0 : k0 + tk])
+
+
+def _random_spec(rng, T_, S_, causal):
+    """A spec with random positions (cache offsets), window, segments, lengths, validity."""
+    return MaskSpec.for_sequence(
+        T_,
+        S_,
+        causal=causal,
+        window=int(rng.integers(1, 8)) if rng.random() < 0.5 else None,
+        segment_ids=np.sort(rng.integers(0, 4, (B, T_)), axis=1),
+        k_segment_ids=np.sort(rng.integers(0, 4, (B, S_)), axis=1),
+        k_valid=rng.random((B, S_)) < 0.8,
+        q_valid=rng.random((B, T_)) < 0.9,
+        k_length=rng.integers(0, S_ + 1, (B,)),
+        prefix_length=rng.integers(0, 5, (B,)) if causal else None,
+        offset=rng.integers(0, S_ - T_ + 1, (B,)),
+    )
+
+
+def test_block_any_never_rules_out_an_allowed_block():
+    """False in block_any means no allowed entry (so skipping is exact); for plain causal
+    masks it is exactly the blocks that hold one."""
+    rng = np.random.default_rng(0)
+    tq, tk = 4, 4
+    for trial in range(12):
+        spec = _random_spec(rng, 8, 16, causal=trial % 2 == 0)
+        dense = np.asarray(spec.dense()).reshape(B, 2, tq, 4, tk)
+        holds = dense.any(axis=(0, 2, 4))  # [nq, nk]
+        got = np.asarray(spec.block_any(tq, tk))
+        assert got.shape == (2, 4)
+        assert not (holds & ~got).any(), trial
+    for spec in (MaskSpec.for_sequence(16, causal=True), SPEC_CASES["cache"][0].padded(4, 8)):
+        T_, S_ = spec.shape
+        holds = np.asarray(spec.dense()).reshape(-1, T_ // 2, 2, S_ // 4, 4).any(axis=(0, 2, 4))
+        np.testing.assert_array_equal(np.asarray(spec.block_any(2, 4)), holds)
+
+
+def test_mask_spec_padded_keeps_the_mask():
+    spec, _ = SPEC_CASES["causal_window_segments_padding"]
+    padded = spec.padded(8, 12)
+    assert padded.shape == (8, 12)
+    np.testing.assert_array_equal(
+        np.asarray(padded.dense())[:, :, :S, :S], np.asarray(spec.dense())
+    )
+
+
+def test_mask_spec_traced_window_inside_a_scan():
+    """Per-layer windows are data: one scan over layers builds each layer's mask."""
+    spec = MaskSpec.for_sequence(S, causal=True)
+    windows = jnp.array([1, 3, np.iinfo(np.int32).max], jnp.int32)
+
+    def layer(carry, window):
+        return carry, spec.replace(window=window).dense()
+
+    _, got = jax.jit(lambda w: jax.lax.scan(layer, 0, w))(windows)
+    for i, window in enumerate((1, 3, S)):
+        np.testing.assert_array_equal(
+            np.asarray(got[i]), np.asarray(masks.sliding_window(S, window=window))
+        )
+
+
+def test_mask_spec_rejects_bad_fields():
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        MaskSpec.for_sequence(S, causal=True, window=0)
+    with pytest.raises(ValueError, match="prefix_length relaxes the causal rule"):
+        MaskSpec.for_sequence(S, prefix_length=PREFIX_B)
+    with pytest.raises(ValueError, match="pass k_segment_ids"):
+        MaskSpec.for_sequence(T, S, segment_ids=SEGMENTS_BS[:, :T])
+    with pytest.raises(ValueError, match="multiples"):
+        MaskSpec.for_sequence(S).block_any(4, 4)

@@ -4,7 +4,9 @@ Projections are stored as ``q_DNH``, ``k_DKH``, ``v_DKH`` and ``o_NHD``, so ``he
 independent of ``d_model / n_heads``. The module computes q, k, v, applies QK-norm and RoPE,
 optionally appends k and v to its layer of an explicit cache (a ``kv_cache.LayerView``),
 and calls the attention function that ``ModelConfig.attention_fn`` named when the module
-was built (``attnlab.variants``). It returns ``(out_BTD, cache, weights_BNTS | None)``.
+was built (``attnlab.variants``), passing ``block_q``/``block_k`` too when the config sets
+``attention_block_q``/``attention_block_k``. It returns ``(out_BTD, cache, weights_BNTS |
+None)``.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ class Attention(nnx.Module):
         else:
             cache, k_BSKH, v_BSKH = cache.append(*self.project_kv(x_BTD, positions_BT))
         dt = q_BTNH.dtype
+        blocks = {
+            name: value
+            for name, value in (
+                ("block_q", cfg.attention_block_q),
+                ("block_k", cfg.attention_block_k),
+            )
+            if value is not None
+        }
         result = self.attend(
             q_BTNH,
             k_BSKH.astype(dt),
@@ -98,6 +108,7 @@ class Attention(nnx.Module):
             implementation=cfg.attention_impl,
             dropout_rate=cfg.attention_dropout,
             dropout_key=key if cfg.attention_dropout > 0 else None,
+            **blocks,
         )
         out_BTNH, weights_BNTS = result if return_weights else (result, None)
         out_BTD = dense(out_BTNH, self.o_NHD[...], n_in=2)

@@ -4,7 +4,10 @@ A ``Block`` is self-attention, optional cross-attention and a feed-forward netwo
 residual sub-layer in pre-norm (``x + f(norm(x))``) or post-norm (``norm(x + f(x))``)
 placement. A ``Stack`` owns what is per-stack: absolute or relative positions, an optional
 embedding norm, the blocks and an optional final norm; it builds the masks and position
-biases once and shares them across its blocks.
+biases once and shares them across its blocks. With ``attention_impl="chunked"`` these are
+descriptions (``ops.MaskSpec``, ``ops.PositionBias``) that attention evaluates block by
+block, so no ``[T, S]`` array is built anywhere in the stack; other implementations get
+dense arrays.
 
 Layers are a stack: the ``L`` blocks are one ``Block`` whose parameters carry a leading
 layer axis (``layers.attn.q_DNH`` is ``[L, D, N, H]``), applied by ``lax.scan`` so the
@@ -153,7 +156,17 @@ class Stack(nnx.Module):
             ]
         )
 
+    @property
+    def chunked(self):
+        return self.cfg.attention_impl == "chunked"
+
     def _self_mask(self, T, S, positions_BT, valid_BS, segment_ids_BT, cache_start_B):
+        if self.chunked:
+            if cache_start_B is not None:
+                return ops.MaskSpec.for_cache(T, S, cache_start_B, causal=self.causal)
+            return ops.MaskSpec.for_sequence(
+                T, causal=self.causal, segment_ids=segment_ids_BT, k_valid=valid_BS
+            )
         offset = 0 if cache_start_B is None else cache_start_B
         causal = ops.causal(T, S, offset=offset) if self.causal else None
         if cache_start_B is not None:
@@ -165,12 +178,20 @@ class Stack(nnx.Module):
 
     def _bias(self, q_positions_BT, k_positions_BS):
         if self.relative is not None:
+            if self.chunked:
+                return self.relative.describe(q_positions_BT, k_positions_BS)
             return self.relative(q_positions_BT, k_positions_BS)
         if self.cfg.position == "alibi":
-            return ops.alibi_bias(
-                ops.alibi_slopes(self.cfg.n_heads), q_positions_BT, k_positions_BS
-            )
+            slopes_N = ops.alibi_slopes(self.cfg.n_heads)
+            if self.chunked:
+                return ops.PositionBias.alibi(slopes_N, q_positions_BT, k_positions_BS)
+            return ops.alibi_bias(slopes_N, q_positions_BT, k_positions_BS)
         return None
+
+    def _with_window(self, mask, T, S, window, offset):
+        if self.chunked:
+            return mask.replace(window=jnp.asarray(window, jnp.int32))
+        return ops.combine(mask, ops.sliding_window(T, S, window=window, offset=offset))
 
     def embed_positions(self, x_BTD, positions_BT):
         cfg = self.cfg
@@ -220,7 +241,12 @@ class Stack(nnx.Module):
         if ring is not None:  # keys at a ring's slot positions, its own mask (kv_cache.Ring)
             k_positions_BS, mask = ring.keys(T, self.windows)
         bias = self._bias(positions_BT, k_positions_BS)
-        cross_mask = None if enc_valid_BS is None else ops.padding(k_valid_BS=enc_valid_BS)
+        if enc_valid_BS is None:
+            cross_mask = None
+        elif self.chunked:
+            cross_mask = ops.MaskSpec.for_sequence(T, enc_valid_BS.shape[1], k_valid=enc_valid_BS)
+        else:
+            cross_mask = ops.padding(k_valid_BS=enc_valid_BS)
 
         # Windows are static; a stack where they differ between layers builds each layer's
         # window mask inside the scan from the layer's window (per-layer data).
@@ -228,7 +254,7 @@ class Stack(nnx.Module):
         window_L = jnp.array([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
         offset = 0 if cache_start_B is None else cache_start_B
         if len(windows) == 1 and None not in windows and ring is None:
-            mask = ops.combine(mask, ops.sliding_window(T, S, window=min(windows), offset=offset))
+            mask = self._with_window(mask, T, S, min(windows), offset)
         per_layer_window = len(windows) > 1
 
         def layer(carry, xs):
@@ -237,8 +263,7 @@ class Stack(nnx.Module):
             block = nnx.merge(graphdef, params)
             layer_mask = mask
             if per_layer_window:
-                window_mask = ops.sliding_window(T, S, window=window, offset=offset)
-                layer_mask = ops.combine(mask, window_mask)
+                layer_mask = self._with_window(mask, T, S, window, offset)
             view = None if kv is None else kv_cache.LayerView(*kv, index, cache_start_B, ring)
             x_BTD, view, weights = block(
                 x_BTD,

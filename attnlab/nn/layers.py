@@ -83,6 +83,16 @@ class RelativeBias(nnx.Module):
             max_distance=self.max_distance,
         )
 
+    def describe(self, q_positions_BT, k_positions_BS):
+        """The same bias as an ``ops.PositionBias``, for attention to evaluate per block."""
+        return ops.PositionBias.relative(
+            self.table_XN[...],
+            q_positions_BT,
+            k_positions_BS,
+            bidirectional=self.bidirectional,
+            max_distance=self.max_distance,
+        )
+
 
 class FeedForward(nnx.Module):
     """Position-wise FFN, plain (ReLU, GELU) or gated (SwiGLU, GeGLU)."""

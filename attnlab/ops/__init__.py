@@ -1,6 +1,6 @@
 """Pure JAX functions for attention: no Flax, no state. See ``attnlab.dims`` for names."""
 
-from attnlab.ops import activations, linear, masks, norms, positions
+from attnlab.ops import activations, chunked, linear, masks, norms, positions
 from attnlab.ops.activations import (
     FFN_KINDS,
     feed_forward,
@@ -13,8 +13,10 @@ from attnlab.ops.activations import (
     swiglu,
 )
 from attnlab.ops.attention import IMPLEMENTATIONS, dot_product_attention, reference_attention
+from attnlab.ops.chunked import chunked_attention
 from attnlab.ops.linear import add_bias, dense, dropout, fold
 from attnlab.ops.masks import (
+    MaskSpec,
     causal,
     combine,
     cross,
@@ -27,6 +29,7 @@ from attnlab.ops.masks import (
 )
 from attnlab.ops.norms import layer_norm, rms_norm
 from attnlab.ops.positions import (
+    PositionBias,
     alibi_bias,
     alibi_slopes,
     apply_rope,
@@ -39,12 +42,16 @@ from attnlab.ops.positions import (
 __all__ = [
     "FFN_KINDS",
     "IMPLEMENTATIONS",
+    "MaskSpec",
+    "PositionBias",
     "activations",
     "add_bias",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
     "causal",
+    "chunked",
+    "chunked_attention",
     "combine",
     "cross",
     "dense",

@@ -2,9 +2,11 @@
 
 Conventions (see ``attnlab.dims``): ``q_BTNH``, ``k_BSKH``, ``v_BSKH`` with K dividing N
 (MHA when K == N, GQA when 1 < K < N, MQA when K == 1). Masks are boolean, broadcastable to
-``[B, N|1, T, S]``, True = may attend. ``bias`` is added to the logits and broadcastable to
-``[B, N|1, T, S]``. The softmax always runs in float32. A query row whose keys are all masked
-gets an all-zero output and all-zero weights, with finite gradients.
+``[B, N|1, T, S]``, True = may attend, or a ``masks.MaskSpec`` describing one. ``bias`` is
+added to the logits and broadcastable to ``[B, N|1, T, S]``, or a ``positions.PositionBias``
+describing one. The dense implementations build descriptions with ``.dense()``; the chunked
+one evaluates them block by block. The softmax always runs in float32. A query row whose
+keys are all masked gets an all-zero output and all-zero weights, with finite gradients.
 
 Implementations, all behind one signature:
 
@@ -12,6 +14,10 @@ Implementations, all behind one signature:
 * ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")``.
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only).
 * ``"auto"``: ``jax.nn.dot_product_attention`` choosing for itself.
+* ``"chunked"``: ``attnlab.ops.chunked``, blockwise with an online softmax and a custom
+  backward pass: memory linear in T and S, masked-out blocks skipped, pure JAX (any
+  backend). ``block_q``/``block_k`` set its block sizes. It has no ``logits_fn`` and no
+  attention dropout (both raise a ``ValueError``).
 
 ``return_weights=True`` always runs the reference path, since the fused kernels do not
 materialise the weights.
@@ -24,9 +30,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.chunked import chunked_attention
 from attnlab.ops.linear import dropout
+from attnlab.ops.masks import MaskSpec
+from attnlab.ops.positions import PositionBias
 
-IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto")
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto", "chunked")
 
 # Finite stand-in for -inf: keeps softmax and its gradient free of NaN on masked rows.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -134,19 +143,23 @@ def dot_product_attention(
     logits_fn: Callable | None = None,
     dropout_rate: float = 0.0,
     dropout_key=None,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ):
     """Scaled dot-product attention.
 
     Args:
       q_BTNH, k_BSKH, v_BSKH: queries, keys, values; K must divide N.
-      mask: boolean, broadcastable to [B, N|1, T, S]; True = may attend.
-      bias: added to the logits, broadcastable to [B, N|1, T, S] (ALiBi, relative bias).
+      mask: boolean, broadcastable to [B, N|1, T, S]; True = may attend; or a ``MaskSpec``.
+      bias: added to the logits, broadcastable to [B, N|1, T, S] (ALiBi, relative bias); or
+        a ``PositionBias``.
       scale: logit scale; defaults to 1/sqrt(H).
       return_weights: also return the attention weights [B, N, T, S] (float32).
       implementation: one of ``IMPLEMENTATIONS``.
       logits_fn: optional map of the logits (reference path only), for score variants.
       dropout_rate, dropout_key: attention dropout on the weights (reference path); no
         dropout without a key.
+      block_q, block_k: the chunked implementation's block sizes (None: its defaults).
 
     Returns:
       ``out_BTNH``, or ``(out_BTNH, weights_BNTS)`` when ``return_weights``.
@@ -157,6 +170,34 @@ def dot_product_attention(
             f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
         )
     drop = dropout_key is not None and dropout_rate > 0.0
+    if (block_q is not None or block_k is not None) and implementation != "chunked":
+        raise ValueError(
+            f"block_q/block_k set the chunked implementation's blocks; implementation="
+            f"{implementation!r} has none: leave them None or use implementation='chunked'"
+        )
+    if implementation == "chunked" and not return_weights:
+        if logits_fn is not None:
+            raise ValueError(
+                "logits_fn is not supported by implementation='chunked' (its backward pass "
+                "is written for plain softmax attention): use implementation='reference'"
+            )
+        if drop:
+            raise ValueError(
+                f"attention dropout (dropout_rate={dropout_rate}) is not supported by "
+                "implementation='chunked': set the rate to 0 or use implementation='reference'"
+            )
+        blocks = {
+            name: value
+            for name, value in (("block_q", block_q), ("block_k", block_k))
+            if value is not None
+        }
+        return chunked_attention(
+            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, **blocks
+        )
+    if isinstance(mask, MaskSpec):
+        mask = mask.dense()
+    if isinstance(bias, PositionBias):
+        bias = bias.dense()
     if return_weights or implementation == "reference" or logits_fn is not None or drop:
         out_BTNH, weights_BNTS = reference_attention(
             q_BTNH,

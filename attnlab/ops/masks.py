@@ -5,10 +5,22 @@ Every mask is built from *positions*, so the same functions serve a full forward
 of a longer cache: pass ``offset=p`` (a scalar, or one offset per batch row, ``[B]``).
 Functions that take an offset return ``[1, 1, T, S]`` for a scalar offset and
 ``[B, 1, T, S]`` for a per-row one. ``combine`` ANDs any number of masks (``None`` = no mask).
+
+A ``MaskSpec`` describes a mask instead of holding it: absolute query and key positions
+plus the rules (causal, sliding window, segments, padding, cache lengths, prefix-LM) that
+the functions here apply to them. It costs ``O(T + S)`` memory, gives any block of the mask
+on demand (``block``), the whole mask (``dense``, equal to what the functions here build),
+and a cheap per-block test of which (query block, key block) pairs can hold an allowed
+entry at all (``block_any``), so blockwise attention (``implementation="chunked"``) never
+builds ``[T, S]`` and skips the blocks the rules rule out.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 
 
@@ -98,3 +110,228 @@ def combine(*masks):
         m = jnp.asarray(m, bool)
         out = m if out is None else out & m
     return out
+
+
+def _static(default=None):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+def _and(a, b):
+    return b if a is None else a & b
+
+
+def _pad_last(x, size, *, value=None):
+    """``x`` padded on its last axis to ``size``: with ``value``, else repeating the edge."""
+    if x is None or x.shape[-1] == size:
+        return x
+    widths = [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])]
+    if value is None:
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _block_range(x_BT, block):
+    """Per-block (min, max) of ``x`` over its last axis: two ``[B, n]`` arrays."""
+    x = x_BT.reshape(x_BT.shape[0], -1, block)
+    return x.min(-1), x.max(-1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """A mask as positions and rules; entry ``(b, t, s)`` may attend when every rule given
+    allows it (``p = q_pos[b, t]``, ``k = k_pos[b, s]``):
+
+    * ``causal``: ``k <= p``, or with ``prefix_length`` also ``k < prefix_length[b]``
+      (prefix-LM: bidirectional over the prefix, causal after, as ``prefix_lm``);
+    * ``window`` (an int or a traced int32 scalar, one layer's window inside a scan over
+      layers): ``p - window < k <= p``, as ``sliding_window``;
+    * ``q_segment``/``k_segment``: equal non-zero segment ids (0 = padding), as ``segment``;
+    * ``k_length``: key index ``s < k_length[b]`` (padding, or the written part of a cache);
+    * ``k_valid``/``q_valid``: ``k_valid[b, s]`` and ``q_valid[b, t]``, as ``padding``.
+
+    Positions are ``[B|1, T]`` / ``[B|1, S]`` int32; per-row fields are ``[B, ...]``. The
+    class is a pytree (``causal`` is static), so it passes through ``jit`` and ``scan``.
+    Build one with ``for_sequence`` or ``for_cache``; ``replace`` changes fields.
+    """
+
+    q_pos: Any  # [B|1, T] int32
+    k_pos: Any  # [B|1, S] int32
+    causal: bool = _static(False)
+    window: Any = None  # None, int or int32 scalar
+    q_segment: Any = None  # [B, T] int32
+    k_segment: Any = None  # [B, S] int32
+    k_length: Any = None  # [B] int32
+    k_valid: Any = None  # [B, S] bool
+    q_valid: Any = None  # [B, T] bool
+    prefix_length: Any = None  # [B] int32
+
+    @classmethod
+    def for_sequence(
+        cls,
+        T,
+        S=None,
+        *,
+        causal=False,
+        window=None,
+        segment_ids=None,
+        k_segment_ids=None,
+        k_valid=None,
+        q_valid=None,
+        k_length=None,
+        prefix_length=None,
+        offset=0,
+    ):
+        """Queries at ``offset + 0..T-1`` over keys at ``0..S-1`` (``S`` defaults to ``T``).
+
+        ``segment_ids`` are the queries' (and, without ``k_segment_ids``, the keys')
+        segments; ``k_valid`` / ``q_valid`` mark real keys / queries.
+        """
+        S = T if S is None else S
+        if isinstance(window, int) and window < 1:
+            raise ValueError(f"MaskSpec: window must be >= 1, got {window}")
+        if prefix_length is not None and not causal:
+            raise ValueError("MaskSpec: prefix_length relaxes the causal rule; pass causal=True")
+        if segment_ids is not None and k_segment_ids is None:
+            if T != S:
+                raise ValueError(f"MaskSpec: T={T} != S={S}: pass k_segment_ids for the keys")
+            k_segment_ids = segment_ids
+        arr = lambda x, dt: None if x is None else jnp.asarray(x, dt)
+        return cls(
+            q_pos=_query_positions(T, offset),
+            k_pos=jnp.arange(S, dtype=jnp.int32)[None, :],
+            causal=causal,
+            window=arr(window, jnp.int32),
+            q_segment=arr(segment_ids, jnp.int32),
+            k_segment=arr(k_segment_ids, jnp.int32),
+            k_length=arr(k_length, jnp.int32),
+            k_valid=arr(k_valid, bool),
+            q_valid=arr(q_valid, bool),
+            prefix_length=arr(prefix_length, jnp.int32),
+        )
+
+    @classmethod
+    def for_cache(cls, T, S, start_B, *, causal=True, window=None):
+        """``T`` new queries of row ``b`` at ``start_B[b] + t`` over ``S`` cache slots, of
+        which the first ``start_B[b] + T`` are written (the new keys included)."""
+        start_B = jnp.asarray(start_B, jnp.int32)
+        return cls.for_sequence(
+            T, S, causal=causal, window=window, k_length=start_B + T, offset=start_B
+        )
+
+    @property
+    def shape(self):
+        """``(T, S)``."""
+        return self.q_pos.shape[-1], self.k_pos.shape[-1]
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def _allowed(self, q_pos, k_pos, k_index_S, q_seg, k_seg, q_valid, k_valid):
+        """[B|1, 1, t, s] mask of the given slices of the position-indexed fields."""
+        p, k = q_pos[:, :, None], k_pos[:, None, :]
+        out = None
+        if self.causal:
+            rule = k <= p
+            if self.prefix_length is not None:
+                rule = rule | (k < jnp.asarray(self.prefix_length)[:, None, None])
+            out = rule
+        if self.window is not None:
+            window = jnp.asarray(self.window, jnp.int32)
+            out = _and(out, (k <= p) & (k > p - window))
+        if (q_seg is None) != (k_seg is None):
+            raise ValueError("MaskSpec: give both q_segment and k_segment, or neither")
+        if q_seg is not None:
+            q, kk = q_seg[:, :, None], k_seg[:, None, :]
+            out = _and(out, (q == kk) & (q > 0) & (kk > 0))
+        if self.k_length is not None:
+            length = jnp.asarray(self.k_length)[:, None, None]
+            out = _and(out, k_index_S[None, None, :] < length)
+        if k_valid is not None:
+            out = _and(out, k_valid[:, None, :])
+        if q_valid is not None:
+            out = _and(out, q_valid[:, :, None])
+        t, s = q_pos.shape[-1], k_pos.shape[-1]
+        if out is None:
+            out = jnp.ones((1, t, s), bool)
+        return jnp.broadcast_to(out, (out.shape[0], t, s))[:, None]
+
+    def dense(self):
+        """The whole ``[B|1, 1, T, S]`` mask."""
+        T, S = self.shape
+        return self._allowed(
+            self.q_pos,
+            self.k_pos,
+            jnp.arange(S, dtype=jnp.int32),
+            self.q_segment,
+            self.k_segment,
+            self.q_valid,
+            self.k_valid,
+        )
+
+    def block(self, q_start, size_q, k_start, size_k):
+        """The ``[B|1, 1, size_q, size_k]`` block of queries ``q_start + 0..size_q-1`` and
+        keys ``k_start + 0..size_k-1`` (starts may be traced; blocks must lie inside)."""
+        q = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, q_start, size_q, 1)
+        k = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, k_start, size_k, 1)
+        k_index_S = k_start + jnp.arange(size_k, dtype=jnp.int32)
+        return self._allowed(
+            q(self.q_pos),
+            k(self.k_pos),
+            k_index_S,
+            q(self.q_segment),
+            k(self.k_segment),
+            q(self.q_valid),
+            k(self.k_valid),
+        )
+
+    def padded(self, T, S):
+        """The spec over ``T >= T0`` queries and ``S >= S0`` keys: positions and segments
+        repeat the last one, validity is False. The added keys are *not* masked by every
+        spec (only with ``k_valid`` or ``k_length``): a caller that pads masks them itself."""
+        return self.replace(
+            q_pos=_pad_last(self.q_pos, T),
+            k_pos=_pad_last(self.k_pos, S),
+            q_segment=_pad_last(self.q_segment, T),
+            k_segment=_pad_last(self.k_segment, S),
+            q_valid=_pad_last(self.q_valid, T, value=False),
+            k_valid=_pad_last(self.k_valid, S, value=False),
+        )
+
+    def block_any(self, block_q, block_k):
+        """``[T / block_q, S / block_k]`` bool: False where no entry of the (query block,
+        key block) pair may attend, from per-block position, segment and validity ranges.
+
+        True is conservative (a block may still be fully masked); False is exact, so a
+        blockwise kernel may skip those blocks. T and S must be multiples of the blocks.
+        """
+        T, S = self.shape
+        if T % block_q or S % block_k:
+            raise ValueError(f"block_any: T={T}, S={S} must be multiples of {block_q}, {block_k}")
+        nk = S // block_k
+        q_min, q_max = (x[:, :, None] for x in _block_range(self.q_pos, block_q))
+        k_min, k_max = (x[:, None, :] for x in _block_range(self.k_pos, block_k))
+        out = None  # [B|1, nq, nk]
+        if self.causal:
+            rule = k_min <= q_max
+            if self.prefix_length is not None:
+                rule = rule | (k_min < jnp.asarray(self.prefix_length)[:, None, None])
+            out = rule
+        if self.window is not None:
+            window = jnp.asarray(self.window, jnp.int32)
+            out = _and(out, (k_min <= q_max) & (k_max > q_min - window))
+        if self.q_segment is not None:
+            qs_min, qs_max = (x[:, :, None] for x in _block_range(self.q_segment, block_q))
+            ks_min, ks_max = (x[:, None, :] for x in _block_range(self.k_segment, block_k))
+            out = _and(out, (qs_min <= ks_max) & (ks_min <= qs_max) & (qs_max > 0) & (ks_max > 0))
+        if self.k_length is not None:
+            starts = jnp.arange(nk, dtype=jnp.int32) * block_k
+            out = _and(out, starts[None, None, :] < jnp.asarray(self.k_length)[:, None, None])
+        if self.k_valid is not None:
+            out = _and(out, self.k_valid.reshape(self.k_valid.shape[0], 1, nk, block_k).any(-1))
+        if self.q_valid is not None:
+            any_q = self.q_valid.reshape(self.q_valid.shape[0], -1, block_q).any(-1)
+            out = _and(out, any_q[:, :, None])
+        if out is None:
+            return jnp.ones((T // block_q, nk), bool)
+        return jnp.broadcast_to(out, (out.shape[0], T // block_q, nk)).any(0)

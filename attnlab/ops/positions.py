@@ -6,14 +6,21 @@
   layout used by Llama, Mistral and Qwen.
 * ALiBi: ``alibi_slopes(N)`` and ``alibi_bias`` (``-slope * |q_pos - k_pos|``).
 * T5 relative position bias: ``relative_position_bucket`` and ``relative_position_bias``.
+* ``PositionBias``: ALiBi, T5 or any bias of the same form as a *description* (the
+  function, its parameters and the positions) that attention evaluates block by block, so
+  that blockwise attention never builds ``[B, N, T, S]``.
 
 Learned absolute positions are parameters, so they live in ``attnlab.nn``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -111,3 +118,53 @@ def relative_position_bias(
         max_distance=max_distance,
     )
     return jnp.transpose(table_XN[buckets_BTS], (0, 3, 1, 2))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PositionBias:
+    """An additive logit bias ``fn(params, q_pos_BT, k_pos_BS, **options)`` ->
+    ``[B|1, N|1, T, S]``, kept as a description so it can be evaluated per block.
+
+    ``params`` is the pytree of arrays the bias reads (ALiBi slopes, a learned relative
+    table); it is an explicit input rather than something ``fn`` closes over, so blockwise
+    attention can return its gradient from a custom backward pass. ``fn`` and ``options``
+    are static (hashable): pass a module-level function, not a fresh lambda, so that jitted
+    functions taking a ``PositionBias`` do not retrace. ``dense()`` is the whole bias.
+    """
+
+    params: Any
+    q_pos: Any  # [B|1, T] int32
+    k_pos: Any  # [B|1, S] int32
+    fn: Callable = dataclasses.field(default=None, metadata=dict(static=True))
+    options: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    @classmethod
+    def alibi(cls, slopes_N, q_positions_BT, k_positions_BS):
+        return cls(slopes_N, q_positions_BT, k_positions_BS, fn=alibi_bias)
+
+    @classmethod
+    def relative(
+        cls, table_XN, q_positions_BT, k_positions_BS, *, bidirectional=True, max_distance=128
+    ):
+        options = (("bidirectional", bidirectional), ("max_distance", max_distance))
+        return cls(
+            table_XN, q_positions_BT, k_positions_BS, fn=relative_position_bias, options=options
+        )
+
+    def __call__(self, q_pos_BT, k_pos_BS, params=None):
+        """The bias between the given positions (with other ``params`` when given)."""
+        params = self.params if params is None else params
+        return self.fn(params, q_pos_BT, k_pos_BS, **dict(self.options))
+
+    def dense(self):
+        return self(self.q_pos, self.k_pos)
+
+    def block(self, q_start, size_q, k_start, size_k, params=None):
+        """The ``[B|1, N|1, size_q, size_k]`` block at (``q_start``, ``k_start``)."""
+        q_pos = jax.lax.dynamic_slice_in_dim(self.q_pos, q_start, size_q, 1)
+        k_pos = jax.lax.dynamic_slice_in_dim(self.k_pos, k_start, size_k, 1)
+        return self(q_pos, k_pos, params)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,386 @@
+"""Memory-efficient attention: blockwise over queries and keys, in pure JAX.
+
+``chunked_attention`` computes the same function as ``reference_attention`` (see
+``attnlab.ops.attention`` for the conventions) without building the ``[B, N, T, S]``
+logits: queries are cut into blocks of ``block_q`` and keys into blocks of ``block_k``,
+and each query block runs the online softmax over its key blocks (the FlashAttention
+recurrence, in float32): a running row maximum ``m``, normaliser ``denom`` and output
+accumulator, rescaled by ``exp(m_old - m_new)`` when the maximum grows.
+
+Memory is linear in T and S. The backward pass is a ``jax.custom_vjp`` whose residuals are
+the inputs, the output and the per-row log-sum-exp; it recomputes each block's weights
+``p = exp(s - lse)`` and, looping over key blocks (and, inside, their query blocks), builds
+``dV += p^T dO``, ``dS = p * (dO V^T - D)`` with ``D = rowsum(dO * O)``, ``dK += dS^T Q``
+and ``dQ += dS K``. Without it, JAX would save every block's weights for the backward pass,
+which is the ``[T, S]`` memory this function exists to avoid.
+
+Masks and biases may be dense (sliced per block) or descriptions: a ``masks.MaskSpec``
+(positions and rules, evaluated per block) and a ``positions.PositionBias`` (ALiBi or T5
+buckets evaluated per block, gradients to its parameters included). The (query block, key
+block) pairs that the mask rules out entirely are never computed: each query block loops
+only over the key blocks that ``MaskSpec.block_any`` (or, for a dense mask, its per-block
+``any``) keeps, and the backward pass likewise, so causal attention does about half the
+work. Lengths need not divide the blocks: inputs are padded and the padded keys masked.
+GQA/MQA: queries are grouped ``[B, K, G, T, H]``, keys and values are never repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnlab.ops.masks import MaskSpec
+from attnlab.ops.positions import PositionBias
+
+# Measured on a 2-core CPU (benchmarks/attention.py, H=64): 128-256 blocks run the block
+# dots at about the speed of one dense [T, S] dot; 512 was 1.5x and 1024 3x slower (their
+# [tq, tk] float32 logits fall out of cache), and smaller blocks skip causal work more finely.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+
+# Finite stand-in for -inf (as in attnlab.ops.attention): masked logits never make NaN.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class _Static(NamedTuple):
+    """What the custom VJP treats as static: the logit scale and the blocking."""
+
+    scale: float
+    block_q: int
+    block_k: int
+    S: int  # keys before padding: keys at index >= S are masked
+
+
+def _to_BKG(x, K, G):
+    """[B|1, N|1, ...] -> [B|1, K|1, G|1, ...] (a bias's or a mask's head axis grouped)."""
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], K, G, *x.shape[2:])
+
+
+def _pad_axis(x, axis, size, value=0):
+    if x.shape[axis] in (1, size):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _slice_TS(x, i, j, st: _Static):
+    """Block (i, j) of a [B|1, K|1, G|1, T|1, S|1] array (axes of size 1 are kept)."""
+    if x.shape[3] != 1:
+        x = jax.lax.dynamic_slice_in_dim(x, i * st.block_q, st.block_q, 3)
+    if x.shape[4] != 1:
+        x = jax.lax.dynamic_slice_in_dim(x, j * st.block_k, st.block_k, 4)
+    return x
+
+
+def _mask_block(mask, i, j, st: _Static, S_pad):
+    """[B|1, K|1, G|1, tq, tk] bool of block (i, j), or None when nothing is masked."""
+    tq, tk = st.block_q, st.block_k
+    if isinstance(mask, MaskSpec):
+        out = mask.block(i * tq, tq, j * tk, tk)[:, :, None]  # [B|1, 1, 1, tq, tk]
+    elif mask is not None:
+        out = _slice_TS(mask, i, j, st)
+    else:
+        out = None
+    if S_pad != st.S:  # padded keys
+        real_k = ((j * tk + jnp.arange(tk)) < st.S)[None, None, None, None, :]
+        out = real_k if out is None else out & real_k
+    return out
+
+
+def _bias_block(bias, i, j, st: _Static, K, G, params=None):
+    """[B|1, K|1, G|1, tq|1, tk|1] float32 bias of block (i, j), or None."""
+    if bias is None:
+        return None
+    if isinstance(bias, PositionBias):
+        b = bias.block(i * st.block_q, st.block_q, j * st.block_k, st.block_k, params)
+        return _to_BKG(b, K, G).astype(jnp.float32)
+    return _slice_TS(bias, i, j, st).astype(jnp.float32)
+
+
+def _block_grid(mask, st: _Static, nq, nk):
+    """[nq, nk] bool: the (query block, key block) pairs that may hold an allowed entry."""
+    if isinstance(mask, MaskSpec):
+        return mask.block_any(st.block_q, st.block_k)
+    if mask is None:
+        return jnp.ones((nq, nk), bool)
+    Bm, Km, Gm, Tm, Sm = mask.shape
+    # [.., T|1, S|1] -> [.., nq|1, tq|1, nk|1, tk|1], then any() over all but the block axes.
+    rows = (nq, st.block_q) if Tm != 1 else (1, 1)
+    cols = (nk, st.block_k) if Sm != 1 else (1, 1)
+    per_block = mask.reshape(Bm * Km * Gm, *rows, *cols).any(axis=(0, 2, 4))
+    return jnp.broadcast_to(per_block, (nq, nk))
+
+
+def _visit_order(grid):
+    """For each row of ``grid``: the indices of its True entries first (in order), and
+    their count. A loop over ``order[r, :count[r]]`` visits exactly the needed blocks."""
+    order = jnp.argsort(~grid, axis=1, stable=True).astype(jnp.int32)
+    return order, grid.sum(1).astype(jnp.int32)
+
+
+def _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad):
+    """Block (i, j) logits in float32, masked; and its mask (None when nothing is masked)."""
+    _, K, G, _, _ = q_blk.shape
+    s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=jnp.float32)
+    s = s * st.scale
+    b = _bias_block(bias, i, j, st, K, G)
+    if b is not None:
+        s = s + b
+    allowed = _mask_block(mask, i, j, st, S_pad)
+    if allowed is not None:
+        s = jnp.where(allowed, s, _MASK_VALUE)
+    return s, allowed
+
+
+def _forward(st: _Static, q, k, v, mask, bias):
+    """(out [B, K, G, T, H], lse [B, K, G, T]) of padded, head-major inputs."""
+    B, K, G, T_pad, H = q.shape
+    S_pad = k.shape[2]
+    tq, tk = st.block_q, st.block_k
+    nq, nk = T_pad // tq, S_pad // tk
+    order, count = _visit_order(_block_grid(mask, st, nq, nk))
+
+    def query_block(_, i):
+        q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
+
+        def key_block(c, carry):
+            m, denom, acc = carry
+            j = order[i, c]
+            k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
+            v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
+            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            if allowed is not None:  # a row masked so far has m_new == _MASK_VALUE: p = 1
+                p = jnp.where(allowed, p, 0.0)
+            correction = jnp.exp(m - m_new)
+            denom = denom * correction + p.sum(-1)
+            pv = jnp.einsum(
+                "BKGts,BKsH->BKGtH", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32
+            )
+            return m_new, denom, acc * correction[..., None] + pv
+
+        init = (
+            jnp.full((B, K, G, tq), _MASK_VALUE, jnp.float32),
+            jnp.zeros((B, K, G, tq), jnp.float32),
+            jnp.zeros((B, K, G, tq, H), jnp.float32),
+        )
+        m, denom, acc = jax.lax.fori_loop(0, count[i], key_block, init)
+        seen = denom > 0.0  # False: a fully masked row, whose output is zero
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), jnp.inf)
+        return None, (out.astype(q.dtype), lse)
+
+    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(nq, dtype=jnp.int32))
+    out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, T_pad, H)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, T_pad)
+    return out, lse
+
+
+def _zero_cotangent(x):
+    """Zero cotangents for a pytree of non-differentiable inputs (masks, positions)."""
+
+    def zero(leaf):
+        leaf = jnp.asarray(leaf)
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            return jnp.zeros_like(leaf)
+        return np.zeros(leaf.shape, jax.dtypes.float0)
+
+    return jax.tree.map(zero, x)
+
+
+def _reduce_to(x, shape):
+    """``x`` summed over the axes where ``shape`` has 1 (the broadcast axes), keepdims."""
+    axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 != n)
+    return x.sum(axes, keepdims=True) if axes else x
+
+
+def _backward(st: _Static, res, dout):
+    q, k, v, mask, bias, out, lse = res
+    B, K, G, T_pad, H = q.shape
+    S_pad = k.shape[2]
+    tq, tk = st.block_q, st.block_k
+    nq, nk = T_pad // tq, S_pad // tk
+    order, count = _visit_order(_block_grid(mask, st, nq, nk).T)  # query blocks per key block
+    d_BKGT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    dense_bias = bias is not None and not isinstance(bias, PositionBias)
+    fn_bias = isinstance(bias, PositionBias)
+    if dense_bias:
+        dbias0 = jnp.zeros(bias.shape, jnp.float32)
+    elif fn_bias:
+        dbias0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), bias.params)
+    else:
+        dbias0 = None
+
+    def key_block(carry, j):
+        dq, dbias = carry
+        k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
+        v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
+
+        def query_block(c, inner):
+            dk, dv, dq, dbias = inner
+            i = order[j, c]
+            q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
+            do_blk = jax.lax.dynamic_slice_in_dim(dout, i * tq, tq, 3)
+            lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * tq, tq, 3)
+            d_blk = jax.lax.dynamic_slice_in_dim(d_BKGT, i * tq, tq, 3)
+            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
+            p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
+            if allowed is not None:
+                p = jnp.where(allowed, p, 0.0)
+            dv = dv + jnp.einsum(
+                "BKGts,BKGtH->BKsH",
+                p.astype(dout.dtype),
+                do_blk,
+                preferred_element_type=jnp.float32,
+            )
+            dp = jnp.einsum("BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=jnp.float32)
+            ds = p * (dp - d_blk[..., None])  # d logits (before the scale)
+            dq_blk = jnp.einsum(
+                "BKGts,BKsH->BKGtH", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32
+            )
+            start = i * tq
+            dq = jax.lax.dynamic_update_slice_in_dim(
+                dq, jax.lax.dynamic_slice_in_dim(dq, start, tq, 3) + st.scale * dq_blk, start, 3
+            )
+            dk = dk + st.scale * jnp.einsum(
+                "BKGts,BKGtH->BKsH", ds.astype(q.dtype), q_blk, preferred_element_type=jnp.float32
+            )
+            if dense_bias:
+                at = (
+                    0,
+                    0,
+                    0,
+                    start if bias.shape[3] != 1 else 0,
+                    j * tk if bias.shape[4] != 1 else 0,
+                )
+                block = _reduce_to(ds, bias.shape)
+                dbias = jax.lax.dynamic_update_slice(
+                    dbias, jax.lax.dynamic_slice(dbias, at, block.shape) + block, at
+                )
+            elif fn_bias:
+                dbias = jax.tree.map(jnp.add, dbias, _bias_param_grad(bias, ds, i, j, st, K, G))
+            return dk, dv, dq, dbias
+
+        zeros = jnp.zeros((B, K, tk, H), jnp.float32)
+        dk, dv, dq, dbias = jax.lax.fori_loop(0, count[j], query_block, (zeros, zeros, dq, dbias))
+        return (dq, dbias), (dk, dv)
+
+    dq0 = jnp.zeros(q.shape, jnp.float32)
+    (dq, dbias), (dk, dv) = jax.lax.scan(key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32))
+    head_major = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, K, S_pad, H)
+    dk, dv = head_major(dk).astype(k.dtype), head_major(dv).astype(v.dtype)
+    if dense_bias:
+        dbias = dbias.astype(bias.dtype)
+    elif fn_bias:
+        dparams = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), dbias, bias.params)
+        dbias = _zero_cotangent(bias).replace(params=dparams)
+    return dq.astype(q.dtype), dk, dv, _zero_cotangent(mask), dbias
+
+
+def _bias_param_grad(bias: PositionBias, ds, i, j, st: _Static, K, G):
+    """Cotangent of ``bias.params`` from block (i, j)'s logit cotangent ``ds``."""
+    block, vjp = jax.vjp(
+        lambda p: bias.block(i * st.block_q, st.block_q, j * st.block_k, st.block_k, p),
+        bias.params,
+    )
+    ct = _reduce_to(ds, _to_BKG(block, K, G).shape).reshape(block.shape)
+    (grad,) = vjp(ct.astype(block.dtype))
+    return jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(st, q, k, v, mask, bias):
+    return _forward(st, q, k, v, mask, bias)[0]
+
+
+def _attention_fwd(st, q, k, v, mask, bias):
+    out, lse = _forward(st, q, k, v, mask, bias)
+    return out, (q, k, v, mask, bias, out, lse)
+
+
+_attention.defvjp(_attention_fwd, _backward)
+
+
+def _static_scale(scale, H):
+    if scale is None:
+        return H**-0.5
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise ValueError(
+            "implementation='chunked' needs a Python number for scale (it is static in the "
+            "custom backward pass); pass a float, or use implementation='reference'"
+        ) from None
+
+
+def chunked_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    mask=None,
+    bias=None,
+    scale=None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+):
+    """Blockwise attention; returns ``out_BTNH`` (dtype of ``q``), as ``reference_attention``.
+
+    Args:
+      q_BTNH, k_BSKH, v_BSKH: queries, keys, values (bf16 or f32); K must divide N.
+      mask: None, a ``MaskSpec``, or a boolean array broadcastable to [B, N|1, T, S].
+      bias: None, a ``PositionBias``, or an array broadcastable to [B, N|1, T, S].
+      scale: logit scale (a Python number); defaults to 1/sqrt(H).
+      block_q, block_k: block sizes (capped at T and S); need not divide T or S.
+    """
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    G = N // K
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"chunked attention: {name}={value!r} must be a positive integer")
+    tq, tk = min(block_q, T), min(block_k, S)
+    T_pad, S_pad = tq * math.ceil(T / tq), tk * math.ceil(S / tk)
+    st = _Static(scale=_static_scale(scale, H), block_q=tq, block_k=tk, S=S)
+
+    q = jnp.transpose(q_BTNH.reshape(B, T, K, G, H), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
+    q = _pad_axis(q, 3, T_pad)
+    k, v = (_pad_axis(jnp.swapaxes(x, 1, 2), 2, S_pad) for x in (k_BSKH, v_BSKH))
+
+    if isinstance(mask, MaskSpec):
+        if mask.shape != (T, S):
+            raise ValueError(f"MaskSpec covers (T, S)={mask.shape}, the inputs ({T}, {S})")
+        mask = mask.padded(T_pad, S_pad)
+    elif mask is not None:
+        mask = jnp.asarray(mask, bool)
+        if mask.ndim != 4:
+            raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {mask.shape}")
+        mask = _pad_axis(_pad_axis(_to_BKG(mask, K, G), 3, T_pad, False), 4, S_pad, False)
+    if isinstance(bias, PositionBias):
+        bias = bias.replace(
+            q_pos=_pad_edge(jnp.asarray(bias.q_pos), T_pad),
+            k_pos=_pad_edge(jnp.asarray(bias.k_pos), S_pad),
+        )
+    elif bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.ndim != 4:
+            raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {bias.shape}")
+        bias = _pad_axis(_pad_axis(_to_BKG(bias, K, G), 3, T_pad), 4, S_pad)
+
+    out = _attention(st, q, k, v, mask, bias)[:, :, :, :T]  # [B, K, G, T, H]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+
+
+def _pad_edge(x_BT, size):
+    if x_BT.shape[-1] == size:
+        return x_BT
+    return jnp.pad(x_BT, [(0, 0), (0, size - x_BT.shape[-1])], mode="edge")

@@ -1,0 +1,127 @@
+"""Attention alone, forward + backward, against the sequence length, per implementation.
+
+Prints JSON: the machine, the settings, then one row per (implementation, T) with the
+milliseconds of a jitted ``value_and_grad`` of ``sum(attention(q, k, v) * w)`` over q, k
+and v (causal self-attention, B=1, N heads of H=64), the same in process CPU time, and the
+temporaries XLA's memory analysis reports for the compiled program (``temp_mib``).
+
+Implementations: ``reference``, ``xla``, ``chunked`` (a ``MaskSpec``, causal blocks
+skipped), ``chunked_full`` (chunked with no mask: every block computed, the measure of what
+skipping saves) and ``cudnn`` (GPU only, on by default there). A dense path whose compiled
+program needs more memory than ``--memory-fraction`` of the device's (or the host's) is
+reported as skipped, not run. Each figure is the best of ``--repeats`` after a warm-up.
+float32 on CPU; bfloat16 on GPU (``--dtype`` changes it).
+
+    python benchmarks/attention.py [--lengths 512,1024,2048,4096] [--impls reference,chunked]
+                                   [--block-q 256] [--block-k 256] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from decode import machine  # benchmarks/decode.py: the machine description all scripts print
+
+from attnlab import ops
+from attnlab.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+from attnlab.ops.masks import MaskSpec
+
+
+def memory_budget(fraction):
+    """Bytes a compiled program may use: a fraction of the device's memory (GPU) or RAM."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return fraction * stats["bytes_limit"]
+    return fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def program(impl, T, args):
+    """A jitted value-and-grad of one attention call, and its arguments."""
+    shape_q = (args.batch, T, args.heads, args.head_dim)
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, w = (jax.random.normal(key, shape_q, jnp.float32).astype(dtype) for key in keys)
+    blocks = dict(block_q=args.block_q, block_k=args.block_k)
+    if impl == "chunked":
+        mask, kw = MaskSpec.for_sequence(T, causal=True), dict(implementation="chunked", **blocks)
+    elif impl == "chunked_full":
+        mask, kw = None, dict(implementation="chunked", **blocks)
+    else:
+        mask, kw = ops.causal(T), dict(implementation=impl)
+
+    def loss(q, k, v, w, mask):
+        out = ops.dot_product_attention(q, k, v, mask=mask, **kw)
+        return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, w, mask)
+
+
+def measure(impl, T, args, budget):
+    fn, inputs = program(impl, T, args)
+    row = dict(impl=impl, T=T)
+    t0 = time.perf_counter()
+    compiled = fn.lower(*inputs).compile()
+    row["compile_sec"] = round(time.perf_counter() - t0, 2)
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+    row["temp_mib"] = None if temp is None else round(temp / 2**20, 1)
+    if temp is not None and temp > budget:
+        row["skipped"] = f"needs {temp / 2**30:.1f} GiB of temporaries, over the budget"
+        return row
+    jax.block_until_ready(compiled(*inputs))  # warm-up
+    wall, cpu = [], []
+    for _ in range(args.repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        jax.block_until_ready(compiled(*inputs))
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    row["ms"] = round(1e3 * min(wall), 2)
+    row["cpu_ms"] = round(1e3 * min(cpu), 2)
+    return row
+
+
+def main():
+    gpu = jax.default_backend() == "gpu"
+    p = argparse.ArgumentParser()
+    p.add_argument("--lengths", default="512,1024,2048,4096,8192,16384")
+    p.add_argument(
+        "--impls", default="reference,xla,chunked,chunked_full" + (",cudnn" if gpu else "")
+    )
+    p.add_argument("--block-q", type=int, default=DEFAULT_BLOCK_Q)
+    p.add_argument("--block-k", type=int, default=DEFAULT_BLOCK_K)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16" if gpu else "float32")
+    p.add_argument("--memory-fraction", type=float, default=0.5)
+    args = p.parse_args()
+    budget = memory_budget(args.memory_fraction)
+    host = machine()  # load_average: how busy the machine was when the runs began
+    rows = []
+    for T in (int(x) for x in args.lengths.split(",")):
+        for impl in args.impls.split(","):
+            try:
+                row = measure(impl, T, args, budget)
+            except Exception as e:  # noqa: BLE001 - a path that cannot run is a result too
+                row = dict(impl=impl, T=T, skipped=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = dict(
+        benchmark="attention",
+        machine=host | {"load_average_end": list(os.getloadavg())},
+        settings=vars(args) | {"causal": True, "budget_gib": round(budget / 2**30, 1)},
+        results=rows,
+    )
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()
