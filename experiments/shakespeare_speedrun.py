@@ -12,34 +12,17 @@ the characters are the validation split) and the same 4 x 128 RoPE/RMSNorm/SwiGL
 What each change bought is in the table at the end of this docstring.
 """
 
-from attnlab.experiment import base_config
+import pathlib
+
+from attnlab.experiment import import_experiment
+
+# The shape and data this run starts from.
+shakespeare_char = import_experiment(pathlib.Path(__file__).with_name("shakespeare_char.py"))
 
 
 def get_config(variant=None):
-    c = base_config()
+    c = shakespeare_char.get_config(variant)
     c.name = "shakespeare_speedrun"
-    c.model.update(
-        arch="decoder",
-        vocab_size=65,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        max_len=64,
-        position="rope",
-        norm="rmsnorm",
-        norm_bias=False,
-        ffn="swiglu",
-        d_ff=352,
-        tie_embeddings=True,
-    )
-    c.data.update(
-        kind="text",
-        path="cache:shakespeare",
-        tokenizer="char",
-        seq_len=64,
-        val_fraction=0.1,
-        max_chars=0,
-    )
     c.optim.update(
         name="muon",
         learning_rate=0.02,
@@ -49,13 +32,11 @@ def get_config(variant=None):
         schedule="linear",
         min_lr_ratio=0.0,
     )
-    c.train.update(steps=300, batch_size=12, seed=1337, log_every_steps=50)
+    c.train.update(steps=300, batch_size=12, log_every_steps=50)
     # One evaluation and one checkpoint, at the end: `attnlab eval --full` checks the claim.
     c.eval.update(every_steps=300, batches=8, batch_size=64, sample_tokens=0)
     c.checkpoint.update(every_steps=300, max_to_keep=1)
     if variant == "tiny":
-        c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=16)
-        c.data.update(seq_len=16, max_chars=20_000)
         c.train.update(steps=3, batch_size=4, log_every_steps=1)
         c.eval.update(every_steps=3, batches=1, batch_size=4)
         c.checkpoint.update(every_steps=3)
