@@ -1,0 +1,531 @@
+"""Context parallelism: self-attention over a sequence split across devices along T.
+
+With C devices on the mesh's ``context`` axis, each holds T/C queries and the keys and
+values of the same T/C tokens. Two ways to attend, both pure functions called inside
+``jax.shard_map`` over that axis (``context_parallel_attention`` does the ``shard_map``):
+
+* ``ring_attention``: each device keeps its queries and passes its key/value chunk round
+  the ring (``lax.ppermute`` to the next device, C - 1 times), together with the chunk's
+  positions, segment ids and validity. Each visit updates an online softmax in float32
+  (running max ``m``, normaliser ``l``, unnormalised output ``acc``; the max carries no
+  gradient, since the result does not depend on it), so no device ever holds more than two
+  chunks of keys. The transfer of the next chunk is independent of the work on the
+  current one, so XLA can overlap them.
+* ``all_gather_attention``: each device gathers every key and value (``lax.all_gather``)
+  and attends its queries over all of them in one dense call (``dot_product_attention``,
+  any implementation): one collective instead of C - 1, but the whole K/V and a ``[T/C,
+  T]`` score matrix per device.
+
+Masks are never ``[T, S]`` arrays: ``chunk_mask`` evaluates causal, sliding-window,
+segment (packed documents) and key-validity rules for one (query chunk, key chunk) pair
+from the chunks' positions, and a position bias (ALiBi, T5 relative) is a function of the
+positions, ``bias_fn(q_pos_BT, k_pos_BS)``, evaluated per pair too. Because every rule
+reads positions rather than array indices, the functions do not care how tokens are laid
+out over the devices. A query row whose keys are all masked gives zeros (finite
+gradients), as ``dot_product_attention`` does. K/V keep their K heads (GQA/MQA): queries
+are grouped ``[.., K, G, ..]``, never K/V repeated.
+
+Load balancing. Under a causal mask the device holding the last chunk of a contiguous
+split attends to everything and the first to almost nothing, and a ring moves at the pace
+of its slowest device. The zigzag layout splits the sequence into 2C chunks and gives
+device i chunks i and 2C-1-i (``zigzag_indices``): then at every ring step after the
+first, each device has exactly two of its four (query half, key half) blocks to compute,
+and ``ring_attention(load_balance=True)`` skips the other two (``lax.cond`` on whether the
+block's mask allows anything). ``zigzag`` moves arrays between the contiguous and the
+zigzag layout with two ``ppermute`` of half a chunk each. Positions travel with the
+tokens, so RoPE, ALiBi and masks see the true positions in either layout.
+
+Differentiation. ``ppermute`` and ``all_gather`` have transpose rules, so both functions
+are differentiated by plain autodiff (no custom VJP). Each block update is rematerialised
+(``jax.checkpoint``), so the backward pass does not keep the ``[T/C, T/C]`` probabilities
+of every step; it keeps, per device, every key/value chunk the ring passed (the whole
+K/V, as the all-gather does) and the running statistics per step. A custom VJP that
+passes key/value gradients round the ring would keep only the local chunk: the memory
+to win back if sequences outgrow this.
+
+When each wins. The ring holds O(T/C) keys in the forward pass and, with the zigzag
+layout, skips half of the causal work evenly; its C - 1 transfers hide behind compute
+when a block's matmuls take longer than moving a chunk (long chunks, many heads). The
+all-gather is simpler and faster when K/V are small (few kv heads, short sequences, fast
+links) and its memory fits; it does the masked half of causal attention too.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from attnlab.ops.attention import _MASK_VALUE, _to_BKGTS, dot_product_attention
+
+METHODS = ("ring", "all_gather")
+
+
+def chunk_mask(
+    q_pos_BT,
+    k_pos_BS,
+    *,
+    causal=False,
+    window=None,
+    q_segment_BT=None,
+    k_segment_BS=None,
+    k_valid_BS=None,
+):
+    """``[B|1, 1, T, S]`` mask (True = may attend) of queries and keys at the given
+    positions, or None when no rule applies.
+
+    ``causal``: ``k <= q``; ``window`` (int or traced scalar): ``q - window < k <= q``, as
+    ``masks.sliding_window`` (it implies causal); segments: equal non-zero ids, as
+    ``masks.segment``; ``k_valid_BS``: real keys, as ``masks.padding``.
+    """
+    if (q_segment_BT is None) != (k_segment_BS is None):
+        raise ValueError("chunk_mask: give both q_segment_BT and k_segment_BS, or neither")
+    mask_BTS = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if causal or window is not None:
+        d_BTS = jnp.asarray(q_pos_BT)[:, :, None] - jnp.asarray(k_pos_BS)[:, None, :]
+        mask_BTS = d_BTS >= 0
+        if window is not None:
+            mask_BTS = mask_BTS & (d_BTS < jnp.asarray(window, d_BTS.dtype))
+    if q_segment_BT is not None:
+        q_BT1, k_B1S = q_segment_BT[:, :, None], k_segment_BS[:, None, :]
+        mask_BTS = both(mask_BTS, (q_BT1 == k_B1S) & (q_BT1 > 0) & (k_B1S > 0))
+    if k_valid_BS is not None:
+        mask_BTS = both(mask_BTS, jnp.asarray(k_valid_BS, bool)[:, None, :])
+    return None if mask_BTS is None else mask_BTS[:, None]
+
+
+def zigzag_indices(T: int, C: int) -> np.ndarray:
+    """The token order of the zigzag layout: device i's T/C tokens are chunks i and
+    2C-1-i of 2C equal chunks, devices in order (``x[:, zigzag_indices(T, C)]``)."""
+    if T % (2 * C):
+        raise ValueError(f"zigzag: T={T} must be a multiple of 2 x {C} devices")
+    chunks = np.arange(T).reshape(2 * C, T // (2 * C))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * C - 1 - i]]) for i in range(C)])
+
+
+def _zigzag_perms(C):
+    """Where each device sends its first and its second half-chunk (contiguous -> zigzag).
+
+    Device d holds chunks 2d and 2d+1; chunk c < C goes to device c (its first half), a
+    chunk c >= C to device 2C-1-c (its second half)."""
+    dest = lambda c: c if c < C else 2 * C - 1 - c
+    return [(d, dest(2 * d)) for d in range(C)], [(d, dest(2 * d + 1)) for d in range(C)]
+
+
+def to_zigzag(x, axis_name="context"):
+    """The local chunk of ``x`` (sequence on axis 1, contiguous layout) in the zigzag
+    layout; inside ``shard_map``. Even devices receive their first half from the even
+    chunks' transfer, odd devices from the odd chunks'."""
+    C = lax.axis_size(axis_name)
+    perm0, perm1 = _zigzag_perms(C)
+    half0, half1 = jnp.split(x, 2, axis=1)
+    got0, got1 = lax.ppermute(half0, axis_name, perm0), lax.ppermute(half1, axis_name, perm1)
+    even = lax.axis_index(axis_name) % 2 == 0
+    return jnp.concatenate([jnp.where(even, got0, got1), jnp.where(even, got1, got0)], axis=1)
+
+
+def from_zigzag(x, axis_name="context"):
+    """The inverse of ``to_zigzag``: each half goes back the way it came."""
+    C = lax.axis_size(axis_name)
+    inverse = lambda perm: [(dst, src) for src, dst in perm]
+    perm0, perm1 = _zigzag_perms(C)
+    first, second = jnp.split(x, 2, axis=1)
+    even = lax.axis_index(axis_name) % 2 == 0
+    back0 = lax.ppermute(jnp.where(even, first, second), axis_name, inverse(perm0))
+    back1 = lax.ppermute(jnp.where(even, second, first), axis_name, inverse(perm1))
+    return jnp.concatenate([back0, back1], axis=1)
+
+
+def _block_update(stats, q_BTKGH, k_BSKH, v_BSKH, q_meta, k_meta, *, rules, bias_fn, scale, drop):
+    """One online-softmax update of ``stats = (m_BKGT, l_BKGT, acc_BKGTH)`` by a key block.
+
+    ``q_meta``/``k_meta`` hold the positions (and segments, validity) the mask and bias are
+    computed from here, inside the rematerialised function, so neither is a residual.
+    ``drop``: None, or ``(key, rate)`` for attention dropout on the probabilities (the
+    normaliser counts every key, as dropout after the softmax does).
+    """
+    m_BKGT, l_BKGT, acc_BKGTH = stats
+    B, T, K, G, _ = q_BTKGH.shape
+    S = k_BSKH.shape[1]
+    s_BKGTS = (
+        jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
+    )
+    if bias_fn is not None:
+        bias = bias_fn(q_meta["pos"], k_meta["pos"])
+        s_BKGTS = s_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+    mask_B1TS = _meta_mask(q_meta, k_meta, rules)
+    if mask_B1TS is not None:
+        mask_B11TS = mask_B1TS[:, :, None]
+        s_BKGTS = jnp.where(mask_B11TS, s_BKGTS, _MASK_VALUE)
+    m_new_BKGT = lax.stop_gradient(jnp.maximum(m_BKGT, s_BKGTS.max(-1)))
+    correction_BKGT = jnp.exp(m_BKGT - m_new_BKGT)
+    p_BKGTS = jnp.exp(s_BKGTS - m_new_BKGT[..., None])
+    if mask_B1TS is not None:
+        p_BKGTS = jnp.where(mask_B11TS, p_BKGTS, 0.0)
+    l_BKGT = l_BKGT * correction_BKGT + p_BKGTS.sum(-1)
+    if drop is not None:
+        key, rate = drop
+        keep_BKGTS = jax.random.bernoulli(key, 1.0 - rate, p_BKGTS.shape)
+        p_BKGTS = jnp.where(keep_BKGTS, p_BKGTS / (1.0 - rate), 0.0)
+    pv_BKGTH = jnp.einsum(
+        "BKGTS,BSKH->BKGTH",
+        p_BKGTS.astype(v_BSKH.dtype),
+        v_BSKH,
+        preferred_element_type=jnp.float32,
+    )
+    acc_BKGTH = acc_BKGTH * correction_BKGT[..., None] + pv_BKGTH
+    return m_new_BKGT, l_BKGT, acc_BKGTH
+
+
+def _meta_mask(q_meta, k_meta, rules):
+    causal, window = rules
+    return chunk_mask(
+        q_meta["pos"],
+        k_meta["pos"],
+        causal=causal,
+        window=window,
+        q_segment_BT=q_meta.get("segment"),
+        k_segment_BS=k_meta.get("segment"),
+        k_valid_BS=k_meta.get("valid"),
+    )
+
+
+def _fold(key, *data):
+    if key is None:
+        return None
+    for d in data:
+        key = jax.random.fold_in(key, d)
+    return key
+
+
+def _prepare(q_BTNH, k_BSKH, v_BSKH, scale):
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if k_BSKH.shape != v_BSKH.shape or N % K or k_BSKH.shape[3] != H:
+        raise ValueError(
+            f"context-parallel attention expects q [B, T, N, H] and k, v [B, S, K, H] with K "
+            f"dividing N; got q={q_BTNH.shape}, k={k_BSKH.shape}, v={v_BSKH.shape}"
+        )
+    return (B, T, N, H, K, N // K), H**-0.5 if scale is None else scale
+
+
+def ring_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    q_pos_BT,
+    k_pos_BS,
+    causal=False,
+    window=None,
+    q_segment_BT=None,
+    k_segment_BS=None,
+    k_valid_BS=None,
+    bias_fn: Callable | None = None,
+    scale=None,
+    axis_name="context",
+    load_balance=True,
+    dropout_rate=0.0,
+    dropout_key=None,
+):
+    """Ring attention of this device's queries over every device's keys; inside
+    ``shard_map`` over ``axis_name``. Arguments are this device's chunks.
+
+    ``q_pos_BT``/``k_pos_BS`` (``[B|1, ...]`` int) are the tokens' positions, which the
+    mask rules (see ``chunk_mask``) and ``bias_fn(q_pos_BT, k_pos_BS) -> [B|1, N|1, T, S]``
+    (this device's heads) read. ``load_balance``: the chunks are zigzag pairs (see
+    ``to_zigzag``), so each is attended as two halves and the (query half, key half)
+    blocks that the mask rules out are skipped; without it, whole chunks are skipped.
+    Attention dropout (``dropout_key``) draws each block's bits from the key folded with
+    the block's chunk ids: a valid dropout, not the bits of the dense path.
+    """
+    (B, T, N, H, K, G), scale = _prepare(q_BTNH, k_BSKH, v_BSKH, scale)
+    C = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    n = 2 if load_balance else 1
+    S = k_BSKH.shape[1]
+    if T % n or S % n:
+        raise ValueError(f"ring_attention(load_balance=True) needs even chunks, got T={T}, S={S}")
+    drop = dropout_key is not None and dropout_rate > 0.0
+    rules = (causal, window)
+
+    def parts(x):  # [n, B|1, T/n, ...]: the n parts of the sequence axis, stacked
+        return jnp.moveaxis(x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]), 1, 0)
+
+    q_nBTKGH = parts(q_BTNH.reshape(B, T, K, G, H))
+    q_meta = {"pos": parts(jnp.broadcast_to(q_pos_BT, (q_pos_BT.shape[0], T)))}
+    if q_segment_BT is not None:
+        q_meta["segment"] = parts(q_segment_BT)
+    kv = {"k": k_BSKH, "v": v_BSKH, "pos": jnp.broadcast_to(k_pos_BS, (k_pos_BS.shape[0], S))}
+    for name, x in (("segment", k_segment_BS), ("valid", k_valid_BS)):
+        if x is not None:
+            kv[name] = x
+
+    def visit(stats, kv, src):
+        """Updates every query part by every part of the key chunk from device ``src``: a
+        scan over the n x n blocks, so the program holds one block however many there are."""
+        kv_parts = jax.tree.map(parts, kv)
+
+        def block(stats, ij):
+            i, j = ij // n, ij % n
+            take = lambda tree, index: jax.tree.map(lambda x: x[index], tree)
+            chunk = take(kv_parts, j)
+            k_meta = {name: chunk[name] for name in ("pos", "segment", "valid") if name in chunk}
+            q = take(q_meta, i)
+            key = _fold(dropout_key, me * n + i, src * n + j) if drop else None
+            update = jax.checkpoint(
+                functools.partial(
+                    _block_update,
+                    rules=rules,
+                    bias_fn=bias_fn,
+                    scale=scale,
+                    drop=(key, dropout_rate) if drop else None,
+                )
+            )
+            args = (q_nBTKGH[i], chunk["k"], chunk["v"], q, k_meta)
+            mask = _meta_mask(q, k_meta, rules)
+            mine = take(stats, i)
+            if mask is None:
+                mine = update(mine, *args)
+            else:  # skip blocks the rules rule out (causal: future chunks)
+                mine = lax.cond(mask.any(), lambda s, a: update(s, *a), lambda s, a: s, mine, args)
+            return jax.tree.map(lambda all_, x: all_.at[i].set(x), stats, mine), None
+
+        return lax.scan(block, stats, jnp.arange(n * n))[0]
+
+    ring = [(d, (d + 1) % C) for d in range(C)]
+
+    def step(carry, s):
+        stats, kv = carry
+        passed = jax.tree.map(lambda x: lax.ppermute(x, axis_name, ring), kv)
+        return (visit(stats, kv, (me - s) % C), passed), None
+
+    zero_nBKGTH = jnp.zeros_like(jnp.moveaxis(q_nBTKGH, 2, 4), jnp.float32)
+    zero_nBKGT = zero_nBKGTH[..., 0]
+    stats = (zero_nBKGT + _MASK_VALUE, zero_nBKGT, zero_nBKGTH)  # m, l, acc of each part
+    if C > 1:
+        (stats, kv), _ = lax.scan(step, (stats, kv), jnp.arange(C - 1))
+    _, l_nBKGT, acc_nBKGTH = visit(stats, kv, (me - (C - 1)) % C)
+    out_nBKGTH = acc_nBKGTH / jnp.where(l_nBKGT > 0, l_nBKGT, 1.0)[..., None]
+    out_BnTKGH = jnp.moveaxis(out_nBKGTH, (0, 4), (1, 2))
+    return out_BnTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def all_gather_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    q_pos_BT,
+    k_pos_BS,
+    causal=False,
+    window=None,
+    q_segment_BT=None,
+    k_segment_BS=None,
+    k_valid_BS=None,
+    bias_fn: Callable | None = None,
+    scale=None,
+    axis_name="context",
+    load_balance=True,
+    dropout_rate=0.0,
+    dropout_key=None,
+    implementation="reference",
+):
+    """This device's queries over every device's keys, gathered (``lax.all_gather``);
+    inside ``shard_map`` over ``axis_name``. The arguments are those of
+    ``ring_attention`` (``load_balance`` is accepted and changes nothing: the work is the
+    same on every device), plus the ``dot_product_attention`` implementation."""
+    del load_balance
+    _, scale = _prepare(q_BTNH, k_BSKH, v_BSKH, scale)
+
+    def gather(x):
+        return None if x is None else lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+    k_pos_BS = jnp.broadcast_to(k_pos_BS, (k_pos_BS.shape[0], k_BSKH.shape[1]))
+    all_pos_BS = gather(k_pos_BS)
+    mask = chunk_mask(
+        q_pos_BT,
+        all_pos_BS,
+        causal=causal,
+        window=window,
+        q_segment_BT=q_segment_BT,
+        k_segment_BS=gather(k_segment_BS),
+        k_valid_BS=gather(k_valid_BS),
+    )
+    return dot_product_attention(
+        q_BTNH,
+        gather(k_BSKH),
+        gather(v_BSKH),
+        mask=mask,
+        bias=None if bias_fn is None else bias_fn(q_pos_BT, all_pos_BS),
+        scale=scale,
+        implementation=implementation,
+        dropout_rate=dropout_rate,
+        dropout_key=_fold(dropout_key, lax.axis_index(axis_name)),
+    )
+
+
+def _fit(mesh, axes, size, taken=()):
+    """The axes among ``axes`` (larger than 1, not ``taken``) that evenly split ``size``:
+    greedily, as ``sharding.constrain`` places an activation."""
+    out = []
+    for axis in axes:
+        if axis in taken or mesh.shape[axis] == 1:
+            continue
+        if size % (math.prod(mesh.shape[a] for a in out) * mesh.shape[axis]) == 0:
+            out.append(axis)
+    return tuple(out)
+
+
+def _spec_axes(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def context_parallel_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    mesh,
+    method="ring",
+    q_pos_BT,
+    k_pos_BS,
+    causal=False,
+    window=None,
+    q_segment_BT=None,
+    k_segment_BS=None,
+    k_valid_BS=None,
+    bias_fn: Callable | None = None,
+    bias_params=None,
+    scale=None,
+    load_balance=True,
+    implementation="reference",
+    dropout_rate=0.0,
+    dropout_key=None,
+    axis_name="context",
+    batch_axes=("data", "fsdp"),
+    head_axes=("tensor",),
+):
+    """``ring_attention`` or ``all_gather_attention`` (``method``) of global arrays, under
+    ``shard_map`` on ``mesh`` (a ``Mesh`` or the current abstract mesh).
+
+    The sequence axis is split over ``axis_name`` (T must be a multiple of its size, twice
+    that with ``load_balance``: the arrays are then in the zigzag layout, see ``zigzag``),
+    the batch over ``batch_axes`` and the heads over ``head_axes``, each where the size
+    divides (as ``sharding.constrain`` places activations). When the kv heads are fewer
+    than the head shards, each shard slices the one kv head its query heads share.
+    ``bias_fn(bias_params, q_pos_BT, k_pos_BS) -> [B|1, N, T, S]`` is a position bias whose
+    parameters have the heads on their last axis (ALiBi slopes ``[N]``, a relative table
+    ``[X, N]``); they are split with the heads. ``window`` may be traced.
+    """
+    if method not in METHODS:
+        raise ValueError(f"context parallelism method={method!r}: use one of {METHODS}")
+    B, T, N, _ = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    C = mesh.shape[axis_name]
+    if T % (C * (2 if load_balance else 1)) or k_BSKH.shape[1] != T:
+        raise ValueError(
+            f"context parallelism over {C} devices needs T = S divisible by "
+            f"{C * (2 if load_balance else 1)}; got T={T}, S={k_BSKH.shape[1]}"
+        )
+    batch = _fit(mesh, batch_axes, B, taken=(axis_name,))
+    heads = _fit(mesh, head_axes, N, taken=(axis_name, *batch))
+    shards = math.prod(mesh.shape[a] for a in heads)
+    slice_kv = K % shards != 0
+    if slice_kv and shards % K:
+        heads, shards, slice_kv = (), 1, False  # no head split fits both: keep heads whole
+    b, c, h = _spec_axes(batch), axis_name, _spec_axes(heads)
+    rows = lambda x: b if x.shape[0] > 1 else None
+    args = {"q": q_BTNH, "k": k_BSKH, "v": v_BSKH, "q_pos": q_pos_BT, "k_pos": k_pos_BS}
+    specs = {
+        "q": P(b, c, h, None),
+        "k": P(b, c, None if slice_kv else h, None),
+        "v": P(b, c, None if slice_kv else h, None),
+        "q_pos": P(rows(q_pos_BT), c),
+        "k_pos": P(rows(k_pos_BS), c),
+    }
+    optional = {
+        "q_segment": q_segment_BT,
+        "k_segment": k_segment_BS,
+        "k_valid": k_valid_BS,
+        "window": None if window is None else jnp.asarray(window, jnp.int32),
+        "bias_params": bias_params,
+        "dropout_key": dropout_key if dropout_rate > 0.0 else None,
+    }
+    for name, x in optional.items():
+        if x is None:
+            continue
+        args[name] = x
+        if name in ("window", "dropout_key"):
+            specs[name] = P()
+        elif name == "bias_params":
+            specs[name] = P(*([None] * (x.ndim - 1)), h)
+        else:
+            specs[name] = P(rows(x), c)
+    attend = ring_attention if method == "ring" else all_gather_attention
+    extra = {} if method == "ring" else {"implementation": implementation}
+
+    def local(a):
+        k, v = a["k"], a["v"]
+        if slice_kv:  # this shard's query heads all read kv head index // (shards / K)
+            index = lax.axis_index(heads) // (shards // K)
+            k, v = (lax.dynamic_slice_in_dim(x, index, 1, axis=2) for x in (k, v))
+        local_bias = None
+        if bias_fn is not None:
+            local_bias = functools.partial(bias_fn, a["bias_params"])
+        key = a.get("dropout_key")
+        if key is not None and batch + heads:
+            key = jax.random.fold_in(key, lax.axis_index(batch + heads))
+        return attend(
+            a["q"],
+            k,
+            v,
+            q_pos_BT=a["q_pos"],
+            k_pos_BS=a["k_pos"],
+            causal=causal,
+            window=a.get("window"),
+            q_segment_BT=a.get("q_segment"),
+            k_segment_BS=a.get("k_segment"),
+            k_valid_BS=a.get("k_valid"),
+            bias_fn=local_bias,
+            scale=scale,
+            axis_name=axis_name,
+            load_balance=load_balance,
+            dropout_rate=dropout_rate,
+            dropout_key=key,
+            **extra,
+        )
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=specs["q"])(args)
+
+
+def zigzag(tree, *, mesh, inverse=False, axis_name="context", batch_axes=("data", "fsdp")):
+    """Arrays ``[B|1, T, ...]`` moved between the contiguous and the zigzag layout over
+    ``axis_name`` (``inverse``: back to contiguous); global arrays, ``shard_map`` inside.
+    Equals ``x[:, zigzag_indices(T, C)]`` (and its inverse), moving half a chunk per
+    device twice instead of gathering the sequence."""
+    C = mesh.shape[axis_name]
+    move = from_zigzag if inverse else to_zigzag
+
+    def one(x):
+        if x is None:
+            return None
+        if x.shape[1] % (2 * C):
+            raise ValueError(f"zigzag: T={x.shape[1]} must be a multiple of 2 x {C} devices")
+        batch = _fit(mesh, batch_axes, x.shape[0], taken=(axis_name,)) if x.shape[0] > 1 else ()
+        spec = P(_spec_axes(batch), axis_name, *([None] * (x.ndim - 2)))
+        return jax.shard_map(
+            functools.partial(move, axis_name=axis_name), mesh=mesh, in_specs=spec, out_specs=spec
+        )(x)
+
+    return jax.tree.map(one, tree)
