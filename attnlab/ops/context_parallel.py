@@ -146,13 +146,12 @@ def from_zigzag(x, axis_name="context"):
     return jnp.concatenate([back0, back1], axis=1)
 
 
-def _block_update(stats, q_BTKGH, k_BSKH, v_BSKH, q_meta, k_meta, *, rules, bias_fn, scale, drop):
+def _block_update(stats, q_BTKGH, k_BSKH, v_BSKH, mask_B1TS, bias, *, scale, drop):
     """One online-softmax update of ``stats = (m_BKGT, l_BKGT, acc_BKGTH)`` by a key block.
 
-    ``q_meta``/``k_meta`` hold the positions (and segments, validity) the mask and bias are
-    computed from here, inside the rematerialised function, so neither is a residual.
-    ``drop``: None, or ``(key, rate)`` for attention dropout on the probabilities (the
-    normaliser counts every key, as dropout after the softmax does).
+    ``mask_B1TS`` and ``bias`` (``[B|1, N|1, T, S]``) may be None. ``drop``: None, or
+    ``(key, rate)`` for attention dropout on the probabilities (the normaliser counts every
+    key, as dropout after the softmax does).
     """
     m_BKGT, l_BKGT, acc_BKGTH = stats
     B, T, K, G, _ = q_BTKGH.shape
@@ -160,10 +159,8 @@ def _block_update(stats, q_BTKGH, k_BSKH, v_BSKH, q_meta, k_meta, *, rules, bias
     s_BKGTS = (
         jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
     )
-    if bias_fn is not None:
-        bias = bias_fn(q_meta["pos"], k_meta["pos"])
+    if bias is not None:
         s_BKGTS = s_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
-    mask_B1TS = _meta_mask(q_meta, k_meta, rules)
     if mask_B1TS is not None:
         mask_B11TS = mask_B1TS[:, :, None]
         s_BKGTS = jnp.where(mask_B11TS, s_BKGTS, _MASK_VALUE)
@@ -198,6 +195,22 @@ def _meta_mask(q_meta, k_meta, rules):
         k_segment_BS=k_meta.get("segment"),
         k_valid_BS=k_meta.get("valid"),
     )
+
+
+def _vary_like(x, like):
+    """``x`` varying over every manual mesh axis that ``like`` varies over (inside
+    ``shard_map``; unchanged outside it or without float values)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    missing = tuple(sorted(_varying(like) - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _varying(x) -> set:
+    """The manual mesh axes ``x`` varies over (its type's varying-axes set)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)  # JAX 0.10; earlier releases: ``vma``
+    return set(kind.varying if kind is not None else getattr(aval, "vma", ()))
 
 
 def _fold(key, *data):
@@ -271,29 +284,35 @@ def ring_attention(
         if x is not None:
             kv[name] = x
 
+    # A collective inside a branch of the skip's lax.cond would wait for devices that took
+    # the other branch. Autodiff puts one (a psum, the transpose of an implicit pvary) where
+    # a float that varies over fewer mesh axes than the queries meets them: so k and v are
+    # made varying here, and the bias (which may read a table replicated over the ring) is
+    # computed before the cond, inside the rematerialised block.
+    vary = functools.partial(_vary_like, like=q_nBTKGH)
+    kv["k"], kv["v"] = vary(kv["k"]), vary(kv["v"])
+
     def visit(stats, kv, src):
         """Updates every query part by every part of the key chunk from device ``src``: a
-        scan over the n x n blocks, so the program holds one block however many there are."""
+        scan over the n x n blocks, so the program holds one block however many there are.
+        Each block is rematerialised in the backward pass: neither its probabilities nor
+        its mask and bias are kept."""
         kv_parts = jax.tree.map(parts, kv)
 
+        @jax.checkpoint
         def block(stats, ij):
             i, j = ij // n, ij % n
             take = lambda tree, index: jax.tree.map(lambda x: x[index], tree)
             chunk = take(kv_parts, j)
             k_meta = {name: chunk[name] for name in ("pos", "segment", "valid") if name in chunk}
             q = take(q_meta, i)
-            key = _fold(dropout_key, me * n + i, src * n + j) if drop else None
-            update = jax.checkpoint(
-                functools.partial(
-                    _block_update,
-                    rules=rules,
-                    bias_fn=bias_fn,
-                    scale=scale,
-                    drop=(key, dropout_rate) if drop else None,
-                )
-            )
-            args = (q_nBTKGH[i], chunk["k"], chunk["v"], q, k_meta)
             mask = _meta_mask(q, k_meta, rules)
+            bias = None if bias_fn is None else bias_fn(q["pos"], k_meta["pos"])
+            key = _fold(dropout_key, me * n + i, src * n + j) if drop else None
+            update = functools.partial(
+                _block_update, scale=scale, drop=(key, dropout_rate) if drop else None
+            )
+            args = (q_nBTKGH[i], chunk["k"], chunk["v"], mask, bias)
             mine = take(stats, i)
             if mask is None:
                 mine = update(mine, *args)
@@ -301,6 +320,8 @@ def ring_attention(
                 mine = lax.cond(mask.any(), lambda s, a: update(s, *a), lambda s, a: s, mine, args)
             return jax.tree.map(lambda all_, x: all_.at[i].set(x), stats, mine), None
 
+        if n == 1:
+            return block(stats, 0)[0]
         return lax.scan(block, stats, jnp.arange(n * n))[0]
 
     ring = [(d, (d + 1) % C) for d in range(C)]
@@ -482,7 +503,10 @@ def context_parallel_attention(
             k, v = (lax.dynamic_slice_in_dim(x, index, 1, axis=2) for x in (k, v))
         local_bias = None
         if bias_fn is not None:
-            local_bias = functools.partial(bias_fn, a["bias_params"])
+            # Varying over the ring here, so the table's gradient is summed over the
+            # devices once, not at every block that reads it.
+            params = _vary_like(a["bias_params"], like=a["q"])
+            local_bias = functools.partial(bias_fn, params)
         key = a.get("dropout_key")
         if key is not None and batch + heads:
             key = jax.random.fold_in(key, lax.axis_index(batch + heads))
