@@ -213,25 +213,39 @@ def test_zigzag_layout_and_batch_placement_on_a_context_mesh():
 
 
 @on_mesh
-def test_attention_dropout_on_the_ring_is_a_dropout():
-    """Dropout on the ring's blocks: the keys decide, the expectation is the dense output."""
+def test_attention_dropout_on_the_ring_is_a_dropout_with_its_own_gradients():
+    """Dropout on the ring's blocks: the key decides the bits, the mean over keys is the
+    dense output, and the custom backward pass drops the same entries as the forward
+    (its gradient against a finite difference, with a relative-bias table)."""
     mesh = sharding.make_mesh({"data": 2, "context": 4})
     x = _inputs(2)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    fn, _ = _bias("relative")
 
-    @jax.jit
-    def run(key):
+    def attend(q, k, v, table, key):
         return cp.context_parallel_attention(
-            x["q"], x["k"], x["v"], mesh=mesh, q_pos_BT=pos, k_pos_BS=pos, causal=True,
-            load_balance=False, dropout_rate=0.1, dropout_key=key,
+            q, k, v, mesh=mesh, q_pos_BT=pos, k_pos_BS=pos, causal=True, load_balance=False,
+            bias_fn=fn, bias_params=table, dropout_rate=0.1, dropout_key=key,
         )  # fmt: skip
 
+    run = jax.jit(attend)
+    args = (x["q"], x["k"], x["v"], x["table"])
     keys = jax.random.split(jax.random.key(0), 32)
-    outs = np.stack([np.asarray(run(k)) for k in keys[:2]])
+    outs = np.stack([np.asarray(run(*args, k)) for k in keys])
     assert np.isfinite(outs).all() and np.abs(outs[0] - outs[1]).max() > 0.01
-    mean = np.mean([np.asarray(run(k)) for k in keys], axis=0)
-    want = ops.dot_product_attention(x["q"], x["k"], x["v"], mask=ops.causal(T))
-    assert np.abs(mean - want).mean() < 0.1 * np.abs(want).mean()
+    bias = fn(x["table"], pos, pos)
+    want = ops.dot_product_attention(*args[:3], mask=ops.causal(T), bias=bias)
+    assert np.abs(outs.mean(0) - want).mean() < 0.1 * np.abs(want).mean()
+    # The gradient along a random direction against a central difference (the same bits).
+    loss = lambda *a: (run(*a, keys[0]) * x["cotangent"]).sum()
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+    rng = np.random.default_rng(3)
+    direction = [jnp.asarray(rng.normal(size=a.shape), jnp.float32) for a in args]
+    eps = 1e-2
+    moved = lambda sign: loss(*[a + sign * eps * d for a, d in zip(args, direction, strict=True)])
+    numeric = (float(moved(1)) - float(moved(-1))) / (2 * eps)
+    analytic = sum(float((g * d).sum()) for g, d in zip(grads, direction, strict=True))
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-3)
 
 
 # Models and training on 8 devices --------------------------------------------------------------
