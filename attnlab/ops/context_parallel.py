@@ -612,10 +612,11 @@ def context_parallel_attention(
     """``ring_attention`` or ``all_gather_attention`` (``method``) of global arrays, under
     ``shard_map`` on ``mesh`` (a ``Mesh`` or the current abstract mesh).
 
-    The sequence axis is split over ``axis_name`` (T must be a multiple of its size, twice
-    that with ``load_balance``: the arrays are then in the zigzag layout, see ``zigzag``),
-    the batch over ``batch_axes`` and the heads over ``head_axes``, each where the size
-    divides (as ``sharding.constrain`` places activations). When the kv heads are fewer
+    The sequence axis is split over ``axis_name`` (T must be a multiple of its size; twice
+    that with ``load_balance``, for which the caller puts the arrays in the zigzag layout
+    with ``zigzag`` and takes the output back), the batch over ``batch_axes`` and the heads
+    over ``head_axes``, each where the size divides (as ``sharding.constrain`` places
+    activations). When the kv heads are fewer
     than the head shards, each shard slices the one kv head its query heads share.
     ``bias_fn(bias_params, q_pos_BT, k_pos_BS) -> [B|1, N, T, S]`` is a position bias whose
     parameters have the heads on their last axis (ALiBi slopes ``[N]``, a relative table
