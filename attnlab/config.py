@@ -13,6 +13,7 @@ from typing import Any
 
 from attnlab.ops.activations import FFN_KINDS
 from attnlab.ops.attention import IMPLEMENTATIONS
+from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
 from attnlab.variants import attention_variants
 
 ARCHS = ("decoder", "encoder", "encoder_decoder")
@@ -52,6 +53,12 @@ class ModelConfig:
     weights at every token (program flat in depth, but each step slices every layer's
     weights: on CPU, a copy); ``"auto"`` is ``"unstacked"`` up to
     ``UNSTACKED_DECODE_MAX_LAYERS`` decoder layers and ``"scan"`` beyond.
+
+    ``context_parallel`` is how self-attention runs when the mesh splits the sequence
+    (``mesh.context > 1``; see ``attnlab.ops.context_parallel``): ``"ring"`` passes
+    key/value chunks round the devices, ``"all_gather"`` gathers them all on each device.
+    ``context_load_balance`` gives causal stacks the zigzag layout under the ring, so every
+    device does the same work. Neither changes anything on a mesh without a context axis.
     """
 
     arch: str = "decoder"
@@ -102,6 +109,8 @@ class ModelConfig:
     attention_block_q: int | None = None  # chunked only: query block (None: its default)
     attention_block_k: int | None = None  # chunked only: key block (None: its default)
     attention_fn: str = "softmax"  # a name from attnlab.nn.attention_variants()
+    context_parallel: str = "ring"  # self-attention over mesh.context > 1: or "all_gather"
+    context_load_balance: bool = True  # zigzag layout for causal stacks under the ring
 
     scan_layers: bool = True
     remat: str = "none"
@@ -239,6 +248,9 @@ def validate(cfg: ModelConfig) -> None:
             "attention_impl='chunked' has no attention dropout: set it to 0, or use "
             "attention_impl='reference'",
         )
+    _choice(cfg, "context_parallel", CONTEXT_PARALLEL)
+    if not isinstance(cfg.context_load_balance, bool):
+        _fail("context_load_balance", cfg.context_load_balance, "must be True or False")
     if not isinstance(cfg.scan_layers, bool):
         _fail("scan_layers", cfg.scan_layers, "must be True (lax.scan) or False (unrolled)")
     chosen = cfg.sliding_window_layers

@@ -216,16 +216,46 @@ def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
 
 def place_batch(batch, mesh, rules, *, axis: int = 0):
     """Host arrays (this process's rows) as global arrays sharded over the batch axes;
-    ``axis`` is the batch axis (1 for stacked trials)."""
+    ``axis`` is the batch axis (1 for stacked trials). The axis after it, the sequence of
+    ``[B, T]`` arrays, is split by the ``length`` rule (over ``context``) where that divides
+    it; every process holds whole sequences, so only the rows are per process."""
 
     def one(x):
         x = np.asarray(x)
         spec = [None] * x.ndim
         spec[axis] = rules.get("batch")
+        global_shape = None
+        if x.ndim > axis + 1:
+            length = [a for a in _flat(rules.get("length")) if mesh.shape[a] > 1]
+            if length and x.shape[axis + 1] % axis_size(mesh, tuple(length)) == 0:
+                spec[axis + 1] = length[0] if len(length) == 1 else tuple(length)
+                # The sequence is whole on every process: say so (the default would take it
+                # for this process's part of a longer one); the rows are as inferred.
+                global_shape = list(x.shape)
+                global_shape[axis] *= _process_share(mesh, rules.get("batch"))
+                global_shape = tuple(global_shape)
         sharding_ = NamedSharding(mesh, P(*spec))
-        return jax.make_array_from_process_local_data(sharding_, x)
+        return jax.make_array_from_process_local_data(sharding_, x, global_shape)
 
     return jax.tree.map(one, batch)
+
+
+def _flat(axes) -> tuple[str, ...]:
+    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def _process_share(mesh, axes) -> int:
+    """How many processes' rows make the global batch: the shards of ``axes`` over the
+    shards this process's devices hold (what ``make_array_from_process_local_data``
+    infers for an axis split evenly)."""
+    axes = [a for a in _flat(axes) if mesh.shape[a] > 1]
+    where = [mesh.axis_names.index(a) for a in axes]
+    mine = {
+        tuple(index[i] for i in where)
+        for index in np.ndindex(mesh.devices.shape)
+        if mesh.devices[index].process_index == jax.process_index()
+    }
+    return axis_size(mesh, tuple(axes)) // len(mine) if axes else 1
 
 
 def process_rows(global_batch: int) -> slice:
@@ -269,6 +299,11 @@ def activate(mesh, rules):
             yield mesh
     finally:
         _RULES.reset(token)
+
+
+def current_rules():
+    """The rules ``activate`` made current, or None outside it."""
+    return _RULES.get()
 
 
 def constrain(x, *names):

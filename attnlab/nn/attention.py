@@ -16,6 +16,7 @@ from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.nn.context_parallel import ContextMask
 from attnlab.nn.layers import Norm, normal
 from attnlab.ops.linear import add_bias, dense
 from attnlab.sharding import constrain
@@ -73,6 +74,8 @@ class Attention(nnx.Module):
         Self-attention with ``cache`` (a ``kv_cache.LayerView``) appends this call's keys
         and values and attends over the layer's whole cache (the mask selects what is
         valid). Cross-attention with ``cache=(k_BSKH, v_BSKH)`` uses those as they are.
+        Given a ``ContextMask`` as its mask (``attnlab.nn.context_parallel``: the sequence
+        split over the mesh), self-attention runs context-parallel, without weights.
         """
         cfg = self.cfg
         q_BTNH = self._project(x_BTD, self.q_DNH, self.q_bias_NH)
@@ -88,6 +91,16 @@ class Attention(nnx.Module):
             k_BSKH, v_BSKH = self.project_kv(x_BTD, positions_BT)
         else:
             cache, k_BSKH, v_BSKH = cache.append(*self.project_kv(x_BTD, positions_BT))
+        if isinstance(mask, ContextMask) and not self.cross:  # the sequence is split
+            out_BTNH = mask.attend(
+                q_BTNH,
+                k_BSKH.astype(q_BTNH.dtype),
+                v_BSKH.astype(q_BTNH.dtype),
+                scale=cfg.attn_scale,
+                dropout_rate=cfg.attention_dropout,
+                dropout_key=key if cfg.attention_dropout > 0 else None,
+            )
+            return self._output(out_BTNH), cache, None
         dt = q_BTNH.dtype
         blocks = {
             name: value
@@ -111,7 +124,10 @@ class Attention(nnx.Module):
             **blocks,
         )
         out_BTNH, weights_BNTS = result if return_weights else (result, None)
+        return self._output(out_BTNH), cache, weights_BNTS
+
+    def _output(self, out_BTNH):
         out_BTD = dense(out_BTNH, self.o_NHD[...], n_in=2)
         if self.o_bias_D is not None:
             out_BTD = add_bias(out_BTD, self.o_bias_D[...])
-        return out_BTD, cache, weights_BNTS
+        return out_BTD

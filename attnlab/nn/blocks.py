@@ -26,6 +26,7 @@ from flax import nnx
 
 from attnlab import kv_cache, ops
 from attnlab.config import ModelConfig
+from attnlab.nn import context_parallel
 from attnlab.nn.attention import Attention
 from attnlab.nn.layers import FeedForward, LearnedPositions, Norm, RelativeBias
 from attnlab.ops.linear import dropout, fold
@@ -232,6 +233,13 @@ class Stack(nnx.Module):
         x_BTD = dropout(
             self.embed_positions(x_BTD, positions_BT), self.cfg.dropout, fold(key, 1_000_000)
         )
+        context = context_parallel.plan(
+            self, T, cached=cache is not None, return_weights=return_weights
+        )
+        if context is not None:  # the sequence split over the mesh's context axis
+            x_BTD, positions_BT, valid_BS, segment_ids_BT = context.enter(
+                x_BTD, positions_BT, valid_BS, segment_ids_BT
+            )
         if cache is not None:
             S = cache[0].shape[3]  # [L, B, K, S, H]
             k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
@@ -256,12 +264,15 @@ class Stack(nnx.Module):
         if len(windows) == 1 and None not in windows and ring is None:
             mask = self._with_window(mask, T, S, min(windows), offset)
         per_layer_window = len(windows) > 1
+        if context is not None:  # described per chunk: the dense masks above go unused
+            mask, bias = context.describe(self, positions_BT, valid_BS, segment_ids_BT), None
+            per_layer_window = False
 
         def layer(carry, xs):
             x_BTD, kv = carry
             params, index, window, cross_kv = xs
             block = nnx.merge(graphdef, params)
-            layer_mask = mask
+            layer_mask = mask if context is None else mask.with_window(window)
             if per_layer_window:
                 layer_mask = self._with_window(mask, T, S, window, offset)
             view = None if kv is None else kv_cache.LayerView(*kv, index, cache_start_B, ring)
@@ -305,6 +316,8 @@ class Stack(nnx.Module):
                 per_layer.append(w)
             weights = jax.tree.map(lambda *ws: jnp.stack(ws), *per_layer)
         x_BTD, new_cache = carry
+        if context is not None:
+            x_BTD = context.leave(x_BTD)
         if self.final_norm is not None:
             x_BTD = self.final_norm(x_BTD)
         if return_weights:

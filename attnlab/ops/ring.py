@@ -1,0 +1,418 @@
+"""Ring attention: this device's queries over every device's key/value chunks, passed
+round the mesh's context axis, with an online softmax and a custom VJP.
+
+The algorithm, the layouts and the memory it keeps are described in
+``attnlab.ops.context_parallel``, which calls it under ``shard_map``; ``chunk_mask`` is the
+mask of one (query chunk, key chunk) pair, evaluated from positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnlab.ops.attention import _MASK_VALUE, _to_BKGTS
+
+
+def chunk_mask(
+    q_pos_BT,
+    k_pos_BS,
+    *,
+    causal=False,
+    window=None,
+    q_segment_BT=None,
+    k_segment_BS=None,
+    k_valid_BS=None,
+):
+    """``[B|1, 1, T, S]`` mask (True = may attend) of queries and keys at the given
+    positions, or None when no rule applies.
+
+    ``causal``: ``k <= q``; ``window`` (int or traced scalar): ``q - window < k <= q``, as
+    ``masks.sliding_window`` (it implies causal); segments: equal non-zero ids, as
+    ``masks.segment``; ``k_valid_BS``: real keys, as ``masks.padding``.
+    """
+    if (q_segment_BT is None) != (k_segment_BS is None):
+        raise ValueError("chunk_mask: give both q_segment_BT and k_segment_BS, or neither")
+    mask_BTS = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if causal or window is not None:
+        d_BTS = jnp.asarray(q_pos_BT)[:, :, None] - jnp.asarray(k_pos_BS)[:, None, :]
+        mask_BTS = d_BTS >= 0
+        if window is not None:
+            mask_BTS = mask_BTS & (d_BTS < jnp.asarray(window, d_BTS.dtype))
+    if q_segment_BT is not None:
+        q_BT1, k_B1S = q_segment_BT[:, :, None], k_segment_BS[:, None, :]
+        mask_BTS = both(mask_BTS, (q_BT1 == k_B1S) & (q_BT1 > 0) & (k_B1S > 0))
+    if k_valid_BS is not None:
+        mask_BTS = both(mask_BTS, jnp.asarray(k_valid_BS, bool)[:, None, :])
+    return None if mask_BTS is None else mask_BTS[:, None]
+
+
+META = ("pos", "segment", "valid")  # what travels with a key chunk besides k and v
+
+
+def _meta_mask(q_meta, k_meta, causal, window):
+    return chunk_mask(
+        q_meta["pos"],
+        k_meta["pos"],
+        causal=causal,
+        window=window,
+        q_segment_BT=q_meta.get("segment"),
+        k_segment_BS=k_meta.get("segment"),
+        k_valid_BS=k_meta.get("valid"),
+    )
+
+
+def _vary_like(x, like):
+    """``x`` varying over every manual mesh axis that ``like`` varies over (inside
+    ``shard_map``; unchanged outside it or without float values)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    missing = tuple(sorted(_varying(like) - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _varying(x) -> set:
+    """The manual mesh axes ``x`` varies over (its type's varying-axes set)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)  # JAX 0.10; earlier releases: ``vma``
+    return set(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def _fold(key, *data):
+    if key is None:
+        return None
+    for d in data:
+        key = jax.random.fold_in(key, d)
+    return key
+
+
+def _prepare(q_BTNH, k_BSKH, v_BSKH, scale):
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if k_BSKH.shape != v_BSKH.shape or N % K or k_BSKH.shape[3] != H:
+        raise ValueError(
+            f"context-parallel attention expects q [B, T, N, H] and k, v [B, S, K, H] with K "
+            f"dividing N; got q={q_BTNH.shape}, k={k_BSKH.shape}, v={v_BSKH.shape}"
+        )
+    return (B, T, N, H, K, N // K), H**-0.5 if scale is None else scale
+
+
+def _parts(x, n):
+    """``[n, B|1, T/n, ...]``: the n parts of the sequence axis of ``[B|1, T, ...]``."""
+    return jnp.moveaxis(x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]), 1, 0)
+
+
+def _unparts(x):
+    """The inverse of ``_parts``."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _take(tree, index):
+    return jax.tree.map(lambda x: x[index], tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The static part of one ring attention call."""
+
+    axis_name: str
+    n: int  # parts per chunk: 2 in the zigzag layout, else 1
+    causal: bool
+    scale: float
+    rate: float  # attention dropout; 0 for none
+    key_impl: Any  # the dropout key's PRNG implementation
+    bias: Callable | None  # bias(q_pos, k_pos, *bias_args), closure-converted
+
+
+def _logits(ring, q_BTKGH, k_BSKH, q_meta, k_meta, window, bias_args):
+    """One block's float32 logits, scaled, biased and masked, and its ``[B|1,1,1,T,S]`` mask."""
+    B, T, K, G, _ = q_BTKGH.shape
+    S = k_BSKH.shape[1]
+    s_BKGTS = jnp.einsum(
+        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+    ) * jnp.float32(ring.scale)
+    if ring.bias is not None:
+        bias = ring.bias(q_meta["pos"], k_meta["pos"], *bias_args)
+        s_BKGTS = s_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+    mask = _meta_mask(q_meta, k_meta, ring.causal, window)
+    if mask is None:
+        return s_BKGTS, None
+    mask_B11TS = mask[:, :, None]
+    return jnp.where(mask_B11TS, s_BKGTS, _MASK_VALUE), mask_B11TS
+
+
+def _keep(ring, key_data, me, src, i, j, shape):
+    """Attention dropout's keep mask of query part ``i`` of this device and key part ``j``
+    of device ``src``'s chunk: the same bits in the forward and the backward pass."""
+    key = jax.random.wrap_key_data(key_data, impl=ring.key_impl)
+    key = _fold(key, me * ring.n + i, src * ring.n + j)
+    return jax.random.bernoulli(key, 1.0 - ring.rate, shape)
+
+
+def _blocks(n, block, carry):
+    """``block(carry, ij)`` over the n x n (query part, key part) pairs: a scan, so the
+    program holds one block however many there are."""
+    if n == 1:
+        return block(carry, 0)[0]
+    return lax.scan(block, carry, jnp.arange(n * n))[0]
+
+
+def _ring_forward(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data):
+    """The ring's output and each query's log-sum-exp ``[n, B, K, G, T/n]``."""
+    n, name = ring.n, ring.axis_name
+    C, me = lax.axis_size(name), lax.axis_index(name)
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    G = N // K
+    q_nBTKGH = _parts(q_BTNH.reshape(B, T, K, G, H), n)
+    q_meta_n = jax.tree.map(lambda x: _parts(x, n), q_meta)
+
+    def visit(stats, kv, src):
+        """Updates every query part's online softmax by every part of ``src``'s chunk."""
+        kv_n = jax.tree.map(lambda x: _parts(x, n), kv)
+
+        def block(stats, ij):
+            i, j = ij // n, ij % n
+            chunk, q_m = _take(kv_n, j), _take(q_meta_n, i)
+            k_m = {key: chunk[key] for key in META if key in chunk}
+
+            def update(st):
+                m_BKGT, l_BKGT, acc_BKGTH = st
+                s_BKGTS, mask = _logits(ring, q_nBTKGH[i], chunk["k"], q_m, k_m, window, bias_args)
+                m_new_BKGT = jnp.maximum(m_BKGT, s_BKGTS.max(-1))
+                correction_BKGT = jnp.exp(m_BKGT - m_new_BKGT)
+                p_BKGTS = jnp.exp(s_BKGTS - m_new_BKGT[..., None])
+                if mask is not None:
+                    p_BKGTS = jnp.where(mask, p_BKGTS, 0.0)
+                l_BKGT = l_BKGT * correction_BKGT + p_BKGTS.sum(-1)
+                if ring.rate:  # dropout after the softmax: the normaliser counts every key
+                    keep = _keep(ring, key_data, me, src, i, j, p_BKGTS.shape)
+                    p_BKGTS = jnp.where(keep, p_BKGTS / (1.0 - ring.rate), 0.0)
+                pv_BKGTH = jnp.einsum(
+                    "BKGTS,BSKH->BKGTH",
+                    p_BKGTS.astype(chunk["v"].dtype),
+                    chunk["v"],
+                    preferred_element_type=jnp.float32,
+                )
+                return m_new_BKGT, l_BKGT, acc_BKGTH * correction_BKGT[..., None] + pv_BKGTH
+
+            mine = _take(stats, i)
+            mask = _meta_mask(q_m, k_m, ring.causal, window)
+            if mask is None:
+                mine = update(mine)
+            else:  # skip blocks the rules rule out (causal: future chunks)
+                mine = lax.cond(mask.any(), update, lambda st: st, mine)
+            return jax.tree.map(lambda all_, x: all_.at[i].set(x), stats, mine), None
+
+        return _blocks(n, block, stats)
+
+    ring_perm = [(d, (d + 1) % C) for d in range(C)]
+
+    def step(carry, s):
+        stats, kv = carry
+        passed = jax.tree.map(lambda x: lax.ppermute(x, name, ring_perm), kv)
+        return (visit(stats, kv, (me - s) % C), passed), None
+
+    zero_nBKGTH = jnp.zeros_like(jnp.moveaxis(q_nBTKGH, 2, 4), jnp.float32)
+    zero_nBKGT = zero_nBKGTH[..., 0]
+    stats = (zero_nBKGT + _MASK_VALUE, zero_nBKGT, zero_nBKGTH)  # m, l, acc of each part
+    kv = {"k": k_BSKH, "v": v_BSKH, **kv_meta}
+    if C > 1:
+        (stats, kv), _ = lax.scan(step, (stats, kv), jnp.arange(C - 1))
+    m_nBKGT, l_nBKGT, acc_nBKGTH = visit(stats, kv, (me - (C - 1)) % C)
+    seen_nBKGT = l_nBKGT > 0  # rows with no allowed key give zeros
+    l_nBKGT = jnp.where(seen_nBKGT, l_nBKGT, 1.0)
+    out_nBTKGH = jnp.moveaxis(acc_nBKGTH / l_nBKGT[..., None], 4, 2)
+    out_BTNH = _unparts(out_nBTKGH).reshape(B, T, N, H).astype(q_BTNH.dtype)
+    return out_BTNH, jnp.where(seen_nBKGT, m_nBKGT + jnp.log(l_nBKGT), 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data):
+    return _ring_forward(
+        ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data
+    )[0]
+
+
+def _ring_fwd(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data):
+    args = (q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data)
+    out_BTNH, lse_nBKGT = _ring_forward(ring, *args)
+    return out_BTNH, (args, out_BTNH, lse_nBKGT)
+
+
+def _ring_bwd(ring, residuals, dout_BTNH):
+    """Gradients by a second trip round the ring: the key/value chunks travel again, each
+    with the gradient of its keys and values accumulated so far, which a last transfer
+    brings home. Probabilities are recomputed from the saved log-sum-exp."""
+    (q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data), out, lse = residuals
+    n, name = ring.n, ring.axis_name
+    C, me = lax.axis_size(name), lax.axis_index(name)
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    G = N // K
+    split = lambda x: _parts(x.reshape(B, T, K, G, H), n)
+    q_nBTKGH, do_nBTKGH = split(q_BTNH), split(dout_BTNH).astype(jnp.float32)
+    delta_nBKGT = jnp.einsum("nBTKGH,nBTKGH->nBKGT", do_nBTKGH, split(out).astype(jnp.float32))
+    q_meta_n = jax.tree.map(lambda x: _parts(x, n), q_meta)
+    scale = jnp.float32(ring.scale)
+
+    def visit(carry, kv, src):
+        dq_nBTKGH, dkv, d_args = carry
+        kv_n = jax.tree.map(lambda x: _parts(x, n), kv)
+
+        def block(carry, ij):
+            dq_nBTKGH, dkv_n, d_args = carry
+            i, j = ij // n, ij % n
+            chunk, q_m = _take(kv_n, j), _take(q_meta_n, i)
+            k_m = {key: chunk[key] for key in META if key in chunk}
+            q_BTKGH, do_BTKGH = q_nBTKGH[i], do_nBTKGH[i]
+            k_BSKH, v_BSKH = chunk["k"], chunk["v"]
+
+            def grads(_):
+                s_BKGTS, mask = _logits(ring, q_BTKGH, k_BSKH, q_m, k_m, window, bias_args)
+                p_BKGTS = jnp.exp(s_BKGTS - lse[i][..., None])
+                if mask is not None:
+                    p_BKGTS = jnp.where(mask, p_BKGTS, 0.0)
+                dp_BKGTS = jnp.einsum(
+                    "BTKGH,BSKH->BKGTS", do_BTKGH, v_BSKH, preferred_element_type=jnp.float32
+                )
+                used_BKGTS = p_BKGTS
+                if ring.rate:
+                    keep = _keep(ring, key_data, me, src, i, j, p_BKGTS.shape)
+                    used_BKGTS = jnp.where(keep, p_BKGTS / (1.0 - ring.rate), 0.0)
+                    dp_BKGTS = jnp.where(keep, dp_BKGTS / (1.0 - ring.rate), 0.0)
+                ds_BKGTS = p_BKGTS * (dp_BKGTS - delta_nBKGT[i][..., None])
+                f32 = dict(preferred_element_type=jnp.float32)
+                dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds_BKGTS, k_BSKH, **f32) * scale
+                dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds_BKGTS, q_BTKGH, **f32) * scale
+                dv = jnp.einsum("BKGTS,BTKGH->BSKH", used_BKGTS, do_BTKGH, **f32)
+                return dq, dk, dv, ds_BKGTS
+
+            def skip(_):
+                zeros = lambda x: jnp.zeros_like(x, jnp.float32)
+                ds = _vary_like(jnp.zeros((B, K, G, T // n, k_BSKH.shape[1]), jnp.float32), q_BTKGH)
+                return zeros(q_BTKGH), zeros(k_BSKH), zeros(v_BSKH), ds
+
+            mask = _meta_mask(q_m, k_m, ring.causal, window)
+            if mask is None:
+                dq, dk, dv, ds = grads(None)
+            else:  # blocks the rules rule out contribute nothing
+                dq, dk, dv, ds = lax.cond(mask.any(), grads, skip, None)
+            dq_nBTKGH = dq_nBTKGH.at[i].add(dq)
+            dkv_n = {"k": dkv_n["k"].at[j].add(dk), "v": dkv_n["v"].at[j].add(dv)}
+            if ring.bias is not None:  # outside the cond: it may hold a psum (see ring_attention)
+                Tn, Sn = ds.shape[-2:]
+
+                def bias_BKGTS(*args):
+                    bias = ring.bias(q_m["pos"], k_m["pos"], *args)
+                    return _to_BKGTS(bias, B, K, G, Tn, Sn).astype(jnp.float32)
+
+                d_args = jax.tree.map(jnp.add, d_args, jax.vjp(bias_BKGTS, *bias_args)[1](ds))
+            return (dq_nBTKGH, dkv_n, d_args), None
+
+        dkv_n = jax.tree.map(lambda x: _parts(x, n), dkv)
+        dq_nBTKGH, dkv_n, d_args = _blocks(n, block, (dq_nBTKGH, dkv_n, d_args))
+        return dq_nBTKGH, jax.tree.map(_unparts, dkv_n), d_args
+
+    ring_perm = [(d, (d + 1) % C) for d in range(C)]
+    send = lambda tree: jax.tree.map(lambda x: lax.ppermute(x, name, ring_perm), tree)
+
+    def step(carry, s):
+        grads, kv = carry
+        passed = send(kv)  # the next chunk moves while this one is worked on
+        dq, dkv, d_args = visit(grads, kv, (me - s) % C)
+        return ((dq, send(dkv), d_args), passed), None
+
+    kv = {"k": k_BSKH, "v": v_BSKH, **kv_meta}
+    zeros = lambda x: jnp.zeros_like(x, jnp.float32)
+    grads = (zeros(q_nBTKGH), {"k": zeros(k_BSKH), "v": zeros(v_BSKH)})
+    grads += (jax.tree.map(jnp.zeros_like, bias_args),)
+    if C > 1:
+        (grads, kv), _ = lax.scan(step, (grads, kv), jnp.arange(C - 1))
+    dq_nBTKGH, dkv, d_args = visit(grads, kv, (me - (C - 1)) % C)
+    dkv = send(dkv)  # the last chunk's gradients go home
+    dq_BTNH = _unparts(dq_nBTKGH).reshape(B, T, N, H).astype(q_BTNH.dtype)
+    dk_BSKH, dv_BSKH = dkv["k"].astype(k_BSKH.dtype), dkv["v"].astype(v_BSKH.dtype)
+    return dq_BTNH, dk_BSKH, dv_BSKH, None, None, None, d_args, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    q_pos_BT,
+    k_pos_BS,
+    causal=False,
+    window=None,
+    q_segment_BT=None,
+    k_segment_BS=None,
+    k_valid_BS=None,
+    bias_fn: Callable | None = None,
+    scale=None,
+    axis_name="context",
+    load_balance=True,
+    dropout_rate=0.0,
+    dropout_key=None,
+):
+    """Ring attention of this device's queries over every device's keys; inside
+    ``shard_map`` over ``axis_name``. Arguments are this device's chunks.
+
+    ``q_pos_BT``/``k_pos_BS`` (``[B|1, ...]`` int) are the tokens' positions, which the
+    mask rules (see ``chunk_mask``) and ``bias_fn(q_pos_BT, k_pos_BS) -> [B|1, N|1, T, S]``
+    (this device's heads) read. ``load_balance``: the chunks are zigzag pairs (see
+    ``to_zigzag``), so each is attended as two halves and the (query half, key half)
+    blocks that the mask rules out are skipped; without it, whole chunks are skipped.
+    Attention dropout (``dropout_key``) draws each block's bits from the key folded with
+    the block's chunk ids: a valid dropout, not the bits of the dense path. ``scale`` is
+    a Python number (part of the program).
+    """
+    (B, T, N, H, K, G), scale = _prepare(q_BTNH, k_BSKH, v_BSKH, scale)
+    n = 2 if load_balance else 1
+    S = k_BSKH.shape[1]
+    if T % n or S % n:
+        raise ValueError(f"ring_attention(load_balance=True) needs even chunks, got T={T}, S={S}")
+    drop = dropout_key is not None and dropout_rate > 0.0
+    q_meta = {"pos": jnp.broadcast_to(q_pos_BT, (q_pos_BT.shape[0], T))}
+    if q_segment_BT is not None:
+        q_meta["segment"] = q_segment_BT
+    kv_meta = {"pos": jnp.broadcast_to(k_pos_BS, (k_pos_BS.shape[0], S))}
+    for key, x in (("segment", k_segment_BS), ("valid", k_valid_BS)):
+        if x is not None:
+            kv_meta[key] = x
+    # A collective inside a branch of the skip's lax.cond would wait for devices that took
+    # the other branch, and autodiff puts one (a psum, the transpose of an implicit pvary)
+    # where a float that varies over fewer mesh axes than the queries meets them. So k and v
+    # are made varying here, and the bias's arrays (perhaps a table replicated over the
+    # ring) become explicit arguments whose gradient is taken outside the cond.
+    k_BSKH, v_BSKH = _vary_like(k_BSKH, q_BTNH), _vary_like(v_BSKH, q_BTNH)
+    bias, bias_args = None, ()
+    if bias_fn is not None:
+        example = (q_meta["pos"][:, : T // n], kv_meta["pos"][:, : S // n])
+        bias, bias_args = jax.closure_convert(bias_fn, *example)
+    ring = _Ring(
+        axis_name=axis_name,
+        n=n,
+        causal=bool(causal),
+        scale=float(scale),
+        rate=float(dropout_rate) if drop else 0.0,
+        key_impl=jax.random.key_impl(dropout_key) if drop else None,
+        bias=bias,
+    )
+    window = None if window is None else jnp.asarray(window, jnp.int32)
+    key_data = jax.random.key_data(dropout_key) if drop else None
+    return _ring(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, tuple(bias_args), key_data)
