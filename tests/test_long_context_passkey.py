@@ -31,6 +31,7 @@ def test_tiny_run_warm_starts_and_scores_by_distance(tmp_path, capsys):
     assert len(buckets) == 4 and sum(b["rows"] for b in buckets) == 10
     assert buckets[0]["lo"] == 5 and buckets[-1]["hi"] == 64 - 4 - 2  # every drawn distance
     assert all(b["lo"] == a["hi"] + 1 for a, b in zip(buckets, buckets[1:], strict=False))
+    assert sum(k["rows"] for k in result["keys"].values()) == 10
     for b in [result, *buckets]:
         assert b["exact_match"] is None or 0.0 <= b["exact_match"] <= b["token_accuracy"] <= 1.0
     png = tmp_path / "short" / "passkey_accuracy_64.png"
