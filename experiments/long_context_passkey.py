@@ -3,7 +3,7 @@
 Each row is 8192 tokens of filler with a 4-symbol key hidden after a SEP at a uniformly drawn
 distance; a second SEP at the end asks for it (``data.kind="passkey"``). The model: 2 layers,
 d_model 64, 4 heads, RMSNorm, SwiGLU, ``attention_impl="chunked"``, no position encoding, and
-a first layer that sees only the previous token (``sliding_window=2`` on layer 0). Retrieval
+a first layer that sees only each token and the one before it (``sliding_window=2``). Retrieval
 is then an induction head (layer 0 writes the previous token, layer 1 finds the position
 whose previous token is the current one and copies it), and nothing in it depends on
 absolute or relative position, so what is learnt at 64 tokens holds at 8192.
