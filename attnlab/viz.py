@@ -1,5 +1,6 @@
 """Plots: attention weights and masks as heat maps, position tables, per-head scores, loss
-curves of training runs; and the small readers and scores behind them.
+curves of training runs, accuracy against distance; and the small readers and scores behind
+them.
 
 Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot state), so they work
 under any backend, including Agg in tests; a notebook displays the returned figure.
@@ -296,3 +297,28 @@ def read_samples(workdir) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_accuracy_by_distance(buckets, *, title: str = "retrieval accuracy") -> Figure:
+    """Accuracy against distance: one point per bucket of ``{"lo", "hi", "exact_match",
+    "token_accuracy"}`` (distances ``lo..hi``), drawn at the bucket's centre; None (an empty
+    bucket) leaves a gap."""
+    if not buckets:
+        raise ValueError("plot_accuracy_by_distance needs at least one bucket")
+    centre = [(b["lo"] + b["hi"]) / 2 for b in buckets]
+    fig = Figure(figsize=(7, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for key, label, marker in (
+        ("exact_match", "whole key", "o"),
+        ("token_accuracy", "per token", "s"),
+    ):
+        values = [math.nan if b[key] is None else b[key] for b in buckets]
+        ax.plot(centre, values, marker=marker, ms=4, label=label)
+    ax.set_xlim(buckets[0]["lo"], buckets[-1]["hi"])
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("distance from the hidden key to the query (tokens)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower left")
+    return fig

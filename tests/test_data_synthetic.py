@@ -60,6 +60,38 @@ def test_induction_answer_is_value_of_query_key():
         np.testing.assert_array_equal(answer, values[keys == query])
 
 
+def test_passkey_answer_is_the_hidden_key():
+    batch, distance = synthetic.passkey_batch(
+        _rng(), B, T, num_symbols=NUM_SYMBOLS, min_len=2, max_len=5, return_distance=True
+    )
+    filler = (NUM_SPECIAL + NUM_SYMBOLS, NUM_SPECIAL + NUM_SYMBOLS + synthetic.PASSKEY_FILLER)
+    seq_BT = np.concatenate([batch["inputs"][:, :1], batch["targets"]], axis=1)
+    for b, seq in enumerate(seq_BT):
+        hidden, query = np.flatnonzero(seq == SEP)  # the marker appears exactly twice
+        assert seq[0] == BOS and query == T - 5 - 1 and query - hidden == distance[b]
+        answer_at = np.flatnonzero(batch["loss_mask"][b]) + 1  # target i is seq[i + 1]
+        n = len(answer_at)
+        assert 2 <= n <= 5
+        np.testing.assert_array_equal(answer_at, query + 1 + np.arange(n))
+        key = seq[hidden + 1 : hidden + 1 + n]
+        assert np.all((key >= NUM_SPECIAL) & (key < NUM_SPECIAL + NUM_SYMBOLS))
+        np.testing.assert_array_equal(seq[answer_at], key)
+        assert seq[query + n + 1] == EOS and np.all(seq[query + n + 2 :] == PAD)
+        rest = np.delete(seq[1:query], np.arange(hidden - 1, hidden + n))
+        assert np.all((rest >= filler[0]) & (rest < filler[1]))
+    np.testing.assert_array_equal(synthetic.passkey_distances(batch["inputs"]), distance)
+
+
+def test_passkey_distances_cover_every_offset():
+    _, distance = synthetic.passkey_batch(
+        _rng(), 4000, T, num_symbols=NUM_SYMBOLS, min_len=4, max_len=4, return_distance=True
+    )
+    # from the key right before the query (4 + 1) to the key right after BOS
+    np.testing.assert_array_equal(np.unique(distance), np.arange(5, T - 4 - 2 + 1))
+    with pytest.raises(ValueError, match="two SEP"):
+        synthetic.passkey_distances(np.full((2, T), synthetic.PASSKEY_FILLER))
+
+
 def test_seq2seq_reverse_layout():
     batch = synthetic.seq2seq_reverse_batch(
         _rng(), B, T, num_symbols=NUM_SYMBOLS, min_len=1, max_len=T - 1
@@ -130,7 +162,9 @@ def test_same_generator_state_same_batch():
         np.testing.assert_array_equal(a[key], b[key])
 
 
-@pytest.mark.parametrize("kind", ["copy", "induction", "seq2seq_reverse", "addition", "mlm"])
+@pytest.mark.parametrize(
+    "kind", ["copy", "induction", "passkey", "seq2seq_reverse", "addition", "mlm"]
+)
 def test_max_len_too_long_is_rejected(kind):
     limit = synthetic.max_len_for(kind, T, NUM_SYMBOLS)
     with pytest.raises(ValueError, match="data.max_len"):

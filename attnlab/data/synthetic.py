@@ -3,11 +3,16 @@
 Ids 0..3 are reserved: ``PAD=0``, ``BOS=1``, ``EOS=2`` and id 3, which is ``SEP`` in the
 decoder-only tasks and ``MASK`` in masked LM. Content symbols follow from id 4.
 
-* Decoder-only (``copy``, ``reverse``, ``sort``, ``induction``): one sequence
+* Decoder-only (``copy``, ``reverse``, ``sort``, ``induction``, ``passkey``): one sequence
   ``BOS problem SEP answer EOS PAD...`` of length ``seq_len + 1``, split into inputs and
   targets shifted by one; ``loss_mask`` is 1 exactly where the target is an answer token.
   ``induction`` is associative recall: the problem is key/value pairs (distinct keys) and then
   one of the keys; the answer is the value paired with it.
+* ``passkey`` is long-context retrieval: ``BOS filler SEP key filler SEP key EOS``, the key
+  (the problem length) hidden after the first SEP at a random depth in filler drawn from
+  ``PASSKEY_FILLER`` ids that follow the key alphabet; the second SEP, which closes the
+  problem, asks for it. Rows fill ``seq_len`` and the distance between the two SEPs is uniform
+  over every value that fits (``passkey_distances`` reads it back from a batch).
 * Encoder-decoder (``seq2seq_reverse``, ``addition``): ``src`` is the problem, the target is
   ``BOS answer`` in, ``answer EOS`` out. Addition writes numbers most-significant digit first
   with a ``+`` symbol between them.
@@ -31,7 +36,8 @@ PAD, BOS, EOS, SEP, MASK = 0, 1, 2, 3, 3
 NUM_SPECIAL = 4
 PLUS = NUM_SPECIAL + 10  # addition: digits 0-9 are ids 4..13, '+' is 14
 ADDITION_VOCAB_SIZE = NUM_SPECIAL + 11
-DECODER_TASKS = ("copy", "reverse", "sort", "induction")
+DECODER_TASKS = ("copy", "reverse", "sort", "induction", "passkey")
+PASSKEY_FILLER = 8  # filler ids of the passkey task, after the key alphabet
 SEQ2SEQ_TASKS = ("seq2seq_reverse", "addition")
 
 
@@ -45,6 +51,8 @@ def max_len_for(kind: str, seq_len: int, num_symbols: int | None = None) -> int:
         return (seq_len - 2) // 2  # BOS n SEP n EOS in seq_len + 1
     if kind == "induction":
         return min((seq_len - 4) // 2, num_symbols)  # BOS 2n+1 SEP 1 EOS; distinct keys
+    if kind == "passkey":
+        return (seq_len - 3) // 2  # BOS SEP n SEP n EOS in seq_len + 1, no filler
     if kind == "seq2seq_reverse":
         return seq_len - 1  # BOS n / n EOS
     if kind == "addition":
@@ -156,6 +164,41 @@ def induction_batch(rng, batch_size, seq_len, *, num_symbols, min_len, max_len):
     problem[rows, 2 * n_B] = keys_BP[rows, query_B]
     answer = values_BP[rows, query_B][:, None]
     return pack_lm(problem, 2 * n_B + 1, answer, np.ones(B, np.int64), seq_len)
+
+
+def passkey_batch(
+    rng, batch_size, seq_len, *, num_symbols, min_len, max_len, return_distance=False
+):
+    """``BOS filler SEP key filler SEP key EOS``: the answer is the key hidden after the first SEP.
+
+    Keys are ``min_len..max_len`` symbols; the second SEP sits at ``seq_len - max_len - 1``
+    (rows with shorter keys end in PAD) and the first one ``distance`` tokens before it,
+    uniform over ``[n + 1, seq_len - max_len - 2]`` for a key of ``n`` symbols: from the key
+    right before the query to the key right after BOS. ``distance`` is also the offset between
+    each key symbol and its copy in the answer. With ``return_distance`` the result is
+    ``(batch, distance_B)``.
+    """
+    check_lengths("passkey", seq_len, num_symbols, min_len, max_len)
+    B, rows = batch_size, np.arange(batch_size)
+    n_B = _lengths(rng, B, min_len, max_len)
+    key_BP = _symbols(rng, (B, max_len), num_symbols)
+    query = seq_len - max_len - 1  # the second SEP (pack_lm puts it after the problem)
+    distance_B = rng.integers(n_B + 1, query)
+    filler = NUM_SPECIAL + num_symbols + rng.integers(0, PASSKEY_FILLER, size=(B, query - 1))
+    hidden_B = query - distance_B - 1  # the first SEP, as an index of the problem
+    filler[rows, hidden_B] = SEP
+    _scatter_rows(filler, hidden_B + 1, key_BP, n_B)
+    batch = pack_lm(filler, np.full(B, query - 1), key_BP, n_B, seq_len)
+    return (batch, distance_B) if return_distance else batch
+
+
+def passkey_distances(inputs_BT) -> np.ndarray:
+    """``[B]`` distance between the two SEPs of each passkey row: how far back its key is hidden."""
+    inputs_BT = np.asarray(inputs_BT)
+    b, t = np.nonzero(inputs_BT == SEP)
+    if not np.array_equal(np.bincount(b, minlength=len(inputs_BT)), np.full(len(inputs_BT), 2)):
+        raise DataError("passkey_distances: every row needs exactly two SEP tokens")
+    return t[1::2] - t[0::2]
 
 
 def _seq2seq(src_BP, src_len_B, tgt_BP, tgt_len_B, seq_len):

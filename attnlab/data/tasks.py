@@ -9,7 +9,7 @@ training (seed, step) can reach.
 
 Batch formats (ids int32, masks float32, validity bool; B batch, T ``seq_len``, S source len):
 
-``kind == "lm"`` (``text``, ``copy``, ``reverse``, ``sort``, ``induction``)
+``kind == "lm"`` (``text``, ``copy``, ``reverse``, ``sort``, ``induction``, ``passkey``)
     ``inputs [B, T]``, ``targets [B, T]`` (inputs shifted by one: both are cut from one
     window of T + 1 tokens), ``loss_mask [B, T]`` (1 where the target counts; all ones for
     text, the answer tokens for synthetic tasks).
@@ -43,6 +43,7 @@ TASK_KINDS = (
     "reverse",
     "sort",
     "induction",
+    "passkey",
     "seq2seq_reverse",
     "addition",
     "mlm",
@@ -361,6 +362,7 @@ _GENERATORS = {
     "reverse": synthetic.reverse_batch,
     "sort": synthetic.sort_batch,
     "induction": synthetic.induction_batch,
+    "passkey": synthetic.passkey_batch,
     "seq2seq_reverse": synthetic.seq2seq_reverse_batch,
     "addition": synthetic.addition_batch,
     "mlm": synthetic.mlm_batch,
@@ -387,13 +389,15 @@ def _synthetic_task(cfg):
         vocab_size = synthetic.ADDITION_VOCAB_SIZE
         decode, encode = synthetic.decode_addition, synthetic.encode_addition
     else:
-        vocab_size = synthetic.symbols_vocab_size(num_symbols)
+        # passkey: the filler ids follow the key alphabet and read as symbols after it
+        symbols = num_symbols + (synthetic.PASSKEY_FILLER if name == "passkey" else 0)
+        vocab_size = synthetic.symbols_vocab_size(symbols)
 
         def decode(ids):
             return synthetic.decode_symbols(ids, mask=name == "mlm")
 
         def encode(text):
-            return synthetic.encode_symbols(text, num_symbols)
+            return synthetic.encode_symbols(text, symbols)
 
     if name == "mlm":
         kind, special = "mlm", {"mask_id": synthetic.MASK}
