@@ -233,3 +233,18 @@ def test_sample_uses_the_run_prompt_and_stops_at_the_context(tiny_lm_run, capsys
     rc, out, err = cli(capsys, "sample", "--workdir", tiny_lm_run, "--max-new-tokens", "200",
                        "--on-overflow", "raise")  # fmt: skip
     assert rc == 2 and out == "" and "--max-new-tokens 28 or less" in one_error_line(err)
+
+
+def test_how_a_launch_finds_its_peers_is_not_a_change_of_run(tiny_lm_run, tmp_path):
+    """Each process of one multi-host run carries its own process_id, and a resumed run may
+    start on other hosts: none of that is a changed value the workdir refuses."""
+    run = copy_run(tiny_lm_run, tmp_path)
+    cfg = runs.saved_config(run)
+    cfg.distributed.process_id = 1
+    cfg.distributed.num_processes = 2
+    cfg.distributed.coordinator_address = "localhost:1234"
+    assert runs.workdir.config_changes(run, cfg) == []
+    cfg.train.steps += 1
+    assert runs.workdir.config_changes(run, cfg) == [
+        f"train.steps: {cfg.train.steps - 1} -> {cfg.train.steps}"
+    ]

@@ -37,6 +37,9 @@ LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
 # Values that may change when a run resumes (they change no state and no step's result).
 FREE_ON_RESUME = ("name", "experiment_file", "eval.", "checkpoint.", "train.log_every_steps")
 FREE_ON_RESUME += ("train.on_nonfinite",)
+# How a launch finds its peers (coordinator, process count and this process's index): each
+# process of one run has its own, and a resumed run may start on other hosts.
+FREE_ON_RESUME += ("distributed.",)
 # The optimiser values held in its state: a resumed run with --allow-changes updates them.
 INJECTED = ("learning_rate", "weight_decay", "b1", "b2", "eps", "adam_learning_rate", "muon_beta")
 # Where Muon keeps them (its Adam moments drive the parameters that are no matrices).
@@ -201,10 +204,11 @@ class Run:
             # The processes of one multi-host run share the directory: process 0 holds it.
             self.lock = Lock(self.workdir) if is_writer() else None
             check_config(self.workdir, self.cfg, allow_changes=bool(self.changes))
-            atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(self.cfg))
-            tokenizer = self.task.tokenizer
-            if tokenizer is not None and not (self.workdir / TOKENIZER_FILE).exists():
-                tokenizer.save(self.workdir / TOKENIZER_FILE)
+            if is_writer():
+                atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(self.cfg))
+                tokenizer = self.task.tokenizer
+                if tokenizer is not None and not (self.workdir / TOKENIZER_FILE).exists():
+                    tokenizer.save(self.workdir / TOKENIZER_FILE)
             keep = int(self.cfg.checkpoint.max_to_keep)
             self.ckpt = Checkpointer(self.workdir / CHECKPOINTS, max_to_keep=keep)
         except OSError as e:
