@@ -55,8 +55,10 @@ from attnlab.errors import DecodeError
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array  # [L, B, K, S, H]
+    # [L, B, K, S, H]; inside a generation loop over separate blocks, a tuple of L arrays
+    # [1, B, K, S, H] (``split_layers``).
+    k: jax.Array
+    v: jax.Array
     lengths: jax.Array  # [B] int32: tokens seen, the position of the next one
     cross_k: jax.Array | None = None  # [L, B, K, S_src, H]
     cross_v: jax.Array | None = None
@@ -70,9 +72,18 @@ class KVCache:
         return self.window is not None
 
     @property
+    def split(self) -> bool:
+        """Whether the layers are held as separate arrays (``split_layers``)."""
+        return isinstance(self.k, tuple)
+
+    @property
+    def _layer0(self) -> jax.Array:
+        return self.k[0] if self.split else self.k
+
+    @property
     def slots(self) -> int:
         """Slots per row and layer (``S``): what the cache stores."""
-        return self.k.shape[3]
+        return self._layer0.shape[3]
 
     @property
     def capacity(self) -> int:
@@ -81,11 +92,32 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self._layer0.shape[1]
 
     @property
     def n_layers(self) -> int:
-        return self.k.shape[0]
+        return len(self.k) if self.split else self.k.shape[0]
+
+
+def split_layers(cache: KVCache) -> KVCache:
+    """The cache with each layer's keys/values as a separate ``[1, B, K, S, H]`` array.
+
+    For a loop that runs separate blocks (``Stack.unstack``): each block then writes and
+    reads its own buffer where it lies, in place, while a block reading its layer of a
+    stacked array gets a copy of that layer at every step (XLA's dynamic slice). One copy
+    here, one in ``join_layers``, instead of one per layer and step.
+    """
+    if cache.split:
+        return cache
+    cut = lambda x: None if x is None else tuple(x[i : i + 1] for i in range(x.shape[0]))
+    return cache.replace(k=cut(cache.k), v=cut(cache.v))
+
+
+def join_layers(cache: KVCache) -> KVCache:
+    """The stacked cache back from ``split_layers``."""
+    if not cache.split:
+        return cache
+    return cache.replace(k=jnp.concatenate(cache.k), v=jnp.concatenate(cache.v))
 
 
 def _dtype(cfg: ModelConfig, dtype):
@@ -249,19 +281,20 @@ def _refuse_ring(cache: KVCache, what: str):
 def truncate(cache: KVCache, size: int) -> KVCache:
     """The cache cut to its first ``size`` slots (a copy; cross-attention is left as is)."""
     _refuse_ring(cache, "truncate")
-    return cache.replace(k=cache.k[:, :, :, :size], v=cache.v[:, :, :, :size])
+    cut = lambda x: x[:, :, :, :size]
+    return cache.replace(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v))
 
 
 def paste(full: KVCache, part: KVCache) -> KVCache:
     """``part`` (from ``truncate``) written back over the first slots of ``full``."""
     _refuse_ring(full, "paste")
     put = lambda f, p: jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim)
-    return part.replace(k=put(full.k, part.k), v=put(full.v, part.v))
+    return part.replace(k=jax.tree.map(put, full.k, part.k), v=jax.tree.map(put, full.v, part.v))
 
 
 def repeat_rows(cache: KVCache, n: int) -> KVCache:
     """Each row repeated ``n`` times in place (row ``b`` becomes rows ``b*n .. b*n+n-1``)."""
-    per_layer = lambda x: None if x is None else jnp.repeat(x, n, axis=1)
+    per_layer = lambda x: jax.tree.map(lambda a: jnp.repeat(a, n, axis=1), x)
     per_row = lambda x: None if x is None else jnp.repeat(x, n, axis=0)
     return cache.replace(
         k=per_layer(cache.k),
@@ -277,9 +310,10 @@ def take_rows(cache: KVCache, rows_B) -> KVCache:
     """The self-attention rows ``rows_B`` (beam reordering); cross-attention is left as is,
     so ``rows_B`` must map each row to a row of the same source. A ring's slot positions
     follow each row's length, so its rows move as they are."""
+    take = lambda x: jax.tree.map(lambda a: jnp.take(a, rows_B, axis=1), x)
     return cache.replace(
-        k=jnp.take(cache.k, rows_B, axis=1),
-        v=jnp.take(cache.v, rows_B, axis=1),
+        k=take(cache.k),
+        v=take(cache.v),
         lengths=jnp.take(cache.lengths, rows_B, axis=0),
     )
 

@@ -89,6 +89,79 @@ def test_repeat_and_take_rows():
     assert jax.tree.structure(picked) == jax.tree.structure(wide)
 
 
+def test_split_layers_round_trip_and_rows():
+    cfg = ModelConfig(**CFG)
+    cache = init_cache(cfg, 2, 4)
+    cache = cache.replace(
+        k=jax.random.normal(jax.random.key(0), cache.k.shape), lengths=jnp.array([1, 3])
+    )
+    split = kvc.split_layers(cache)
+    assert (
+        split.split and len(split.k) == cfg.n_layers and split.k[1].shape == (1, *cache.k.shape[1:])
+    )
+    assert (split.n_layers, split.batch_size, split.slots) == (cache.n_layers, 2, 4)
+    np.testing.assert_array_equal(split.k[1][0], cache.k[1])
+    back = kvc.join_layers(split)
+    np.testing.assert_array_equal(back.k, cache.k)
+    np.testing.assert_array_equal(back.v, cache.v)
+    rows = jnp.array([1, 1, 0])
+    np.testing.assert_array_equal(
+        kvc.join_layers(kvc.take_rows(split, rows)).k, kvc.take_rows(cache, rows).k
+    )
+    wide = kvc.join_layers(kvc.repeat_rows(split, 2))
+    np.testing.assert_array_equal(wide.k, kvc.repeat_rows(cache, 2).k)
+    cut = kvc.truncate(split, 2)
+    np.testing.assert_array_equal(kvc.join_layers(cut).k, kvc.truncate(cache, 2).k)
+    pasted = kvc.paste(split, kvc.truncate(kvc.split_layers(cache.replace(k=cache.k + 1)), 2))
+    np.testing.assert_array_equal(
+        kvc.join_layers(pasted).k, kvc.paste(cache, kvc.truncate(cache.replace(k=cache.k + 1), 2)).k
+    )
+
+
+def test_a_split_cache_steps_like_the_stacked_one():
+    """Separate blocks over a split cache write the same keys/values and give the same
+    logits as the scanned stack over the stacked cache."""
+    from attnlab import build_model
+
+    cfg = ModelConfig(**CFG)
+    model = build_model(cfg, seed=0)
+    cache = init_cache(cfg, 2, 8)
+    tokens = jnp.array([[3, 4, 5], [6, 7, 8]])
+    want = model(tokens, cache=cache)
+    model.decoder.unstack()
+    got = model(tokens, cache=kvc.split_layers(cache))
+    assert got.cache.split
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(kvc.join_layers(got.cache).k, want.cache.k, atol=1e-6)
+    np.testing.assert_allclose(kvc.join_layers(got.cache).v, want.cache.v, atol=1e-6)
+    np.testing.assert_array_equal(got.cache.lengths, [3, 3])
+
+
+def test_the_sampling_loop_copies_no_layer_out_of_the_cache():
+    """Over separate blocks the loop holds one cache array per layer: the compiled loop has
+    no dynamic slice that cuts a layer [B, K, S, H] out of a stacked [L, B, K, S, H]."""
+    import re
+
+    from attnlab import build_model
+    from attnlab.decode.compiled import Decoder
+    from attnlab.decode.sampling import SamplingConfig
+
+    cfg = ModelConfig(**CFG)
+    assert cfg.decode_unstacked
+    dec, params = Decoder.for_model(build_model(cfg, seed=0))
+    B, S = 2, 16
+    cache = init_cache(cfg, B, S)
+    args = (jnp.zeros((B, cfg.vocab_size)), jax.random.key(0), 4, -1, 0, SamplingConfig().traced())
+    hlo = dec.sample_loop.lower(params, cache, *args, return_logits=False).compile().as_text()
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    layer_shape = rf"f32\[{B},{K},{S},{H}\]"
+    cuts = [
+        line for line in hlo.splitlines()
+        if re.search(rf"= {layer_shape}\S* (dynamic-slice|fusion)\(", line) and "dynamic" in line
+    ]  # fmt: skip
+    assert not cuts, cuts[:2]
+
+
 # ------------------------------------------------------------------------------------------
 # Ring buffers: W slots, position p in slot p % W
 # ------------------------------------------------------------------------------------------

@@ -240,8 +240,9 @@ class Stack(nnx.Module):
             x_BTD, positions_BT, valid_BS, segment_ids_BT = context.enter(
                 x_BTD, positions_BT, valid_BS, segment_ids_BT
             )
+        split = cache is not None and isinstance(cache[0], tuple)  # kv_cache.split_layers
         if cache is not None:
-            S = cache[0].shape[3]  # [L, B, K, S, H]
+            S = (cache[0][0] if split else cache[0]).shape[3]  # [L, B, K, S, H]
             k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
         else:
             S, k_positions_BS = T, positions_BT
@@ -275,7 +276,9 @@ class Stack(nnx.Module):
             layer_mask = mask if context is None else mask.with_window(window)
             if per_layer_window:
                 layer_mask = self._with_window(mask, T, S, window, offset)
-            view = None if kv is None else kv_cache.LayerView(*kv, index, cache_start_B, ring)
+            # A layer's own cache array (a split cache) holds it at index 0.
+            slot = index if kv is None or kv[0].shape[0] > 1 else 0
+            view = None if kv is None else kv_cache.LayerView(*kv, slot, cache_start_B, ring)
             x_BTD, view, weights = block(
                 x_BTD,
                 positions_BT=positions_BT,
@@ -306,14 +309,26 @@ class Stack(nnx.Module):
             graphdef, params = nnx.split(self.layers)
             layer_params = None
         if layer_params is None and self.cfg.scan_layers:
+            if split:  # the scan needs the layers stacked again
+                carry = (x_BTD, tuple(jnp.concatenate(c) for c in cache))
             carry, weights = jax.lax.scan(layer, carry, (params,) + per_layer_data)
+            if split:
+                carry = (
+                    carry[0],
+                    tuple(tuple(c[i : i + 1] for i in range(c.shape[0])) for c in carry[1]),
+                )
         else:
-            per_layer = []
+            per_layer, written = [], []
             for i in range(self.n_layers):
                 data = jax.tree.map(lambda a, i=i: a[i], per_layer_data)
                 p = jax.tree.map(lambda a, i=i: a[i], params) if layer_params is None else None
+                if split:
+                    carry = (carry[0], (cache[0][i], cache[1][i]))
                 carry, w = layer(carry, (p if p is not None else layer_params[i],) + data)
+                written.append(carry[1])
                 per_layer.append(w)
+            if split:
+                carry = (carry[0], tuple(zip(*written, strict=True)))
             weights = jax.tree.map(lambda *ws: jnp.stack(ws), *per_layer)
         x_BTD, new_cache = carry
         if context is not None:
