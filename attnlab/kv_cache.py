@@ -105,12 +105,12 @@ def split_layers(cache: KVCache) -> KVCache:
     For a loop that runs separate blocks (``Stack.unstack``): each block then writes and
     reads its own buffer where it lies, in place, while a block reading its layer of a
     stacked array gets a copy of that layer at every step (XLA's dynamic slice). One copy
-    here, one in ``join_layers``, instead of one per layer and step.
+    here and one in ``join_layers`` (or none: ``truncate(..., split=True)`` and ``paste``
+    split while they copy a prefix anyway), instead of one per layer and step.
     """
     if cache.split:
         return cache
-    cut = lambda x: None if x is None else tuple(x[i : i + 1] for i in range(x.shape[0]))
-    return cache.replace(k=cut(cache.k), v=cut(cache.v))
+    return cache.replace(k=_layers(cache.k), v=_layers(cache.v))
 
 
 def join_layers(cache: KVCache) -> KVCache:
@@ -278,18 +278,38 @@ def _refuse_ring(cache: KVCache, what: str):
         )
 
 
-def truncate(cache: KVCache, size: int) -> KVCache:
-    """The cache cut to its first ``size`` slots (a copy; cross-attention is left as is)."""
+def truncate(cache: KVCache, size: int, *, split: bool = False) -> KVCache:
+    """The cache cut to its first ``size`` slots (a copy; cross-attention is left as is);
+    ``split``: cut into one array per layer as well (``split_layers``), in the same copy."""
     _refuse_ring(cache, "truncate")
+    if split or cache.split:
+        cut = lambda x: tuple(a[:, :, :, :size] for a in _layers(x))
+        return cache.replace(k=cut(cache.k), v=cut(cache.v))
     cut = lambda x: x[:, :, :, :size]
-    return cache.replace(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v))
+    return cache.replace(k=cut(cache.k), v=cut(cache.v))
+
+
+def _layers(x) -> tuple:
+    """One ``[1, B, K, S, H]`` array per layer of a stacked array (or of a split one)."""
+    return x if isinstance(x, tuple) else tuple(x[i : i + 1] for i in range(x.shape[0]))
 
 
 def paste(full: KVCache, part: KVCache) -> KVCache:
-    """``part`` (from ``truncate``) written back over the first slots of ``full``."""
+    """``part`` (from ``truncate``, split or not) written back over the first slots of
+    ``full``; the result is laid out as ``full``."""
     _refuse_ring(full, "paste")
-    put = lambda f, p: jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim)
-    return part.replace(k=jax.tree.map(put, full.k, part.k), v=jax.tree.map(put, full.v, part.v))
+    put = lambda f, p, i=0: jax.lax.dynamic_update_slice(f, p, (i,) + (0,) * (f.ndim - 1))
+
+    def paste_one(f, p):
+        if isinstance(f, tuple):  # split into split
+            return tuple(put(a, b) for a, b in zip(f, _layers(p), strict=True))
+        if isinstance(p, tuple):  # each layer's part into the stacked array
+            for i, b in enumerate(p):
+                f = put(f, b, i)
+            return f
+        return put(f, p)
+
+    return part.replace(k=paste_one(full.k, part.k), v=paste_one(full.v, part.v))
 
 
 def repeat_rows(cache: KVCache, n: int) -> KVCache:

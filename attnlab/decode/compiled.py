@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab import kv_cache
 from attnlab.config import ModelConfig
 from attnlab.decode.loops import beam_loop, sample_loop
 from attnlab.errors import DecodeError
@@ -151,34 +150,28 @@ class Decoder:
         self, params, cache, logits_BV, key, max_new, eos_id, pad_id, sampling, *, return_logits
     ):
         self.traces["sample_loop"] += 1
-        out = sample_loop(
+        return sample_loop(
             self.step_fn(params, unstack=self.unstack_layers),
             logits_BV,
-            self._loop_cache(cache),
+            cache,
             key,
             max_new,
             eos_id,
             pad_id,
             sampling,
             return_logits=return_logits,
+            split=self.unstack_layers,
         )
-        return dict(out, cache=kv_cache.join_layers(out["cache"]))
 
     def beam_loop_fn(
         self, params, cache, logits_BV, max_new, eos_id, pad_id, penalty, *, num_beams
     ):
         self.traces["beam_loop"] += 1
         step = self.step_fn(params, unstack=self.unstack_layers)
-        out = beam_loop(
-            step, logits_BV, self._loop_cache(cache), max_new, eos_id, pad_id, penalty,
-            num_beams=num_beams,
+        return beam_loop(
+            step, logits_BV, cache, max_new, eos_id, pad_id, penalty,
+            num_beams=num_beams, split=self.unstack_layers,
         )  # fmt: skip
-        return dict(out, cache=kv_cache.join_layers(out["cache"]))
-
-    def _loop_cache(self, cache):
-        """The cache as the loop's step holds it: one array per layer for separate blocks,
-        so no step copies a layer out of the stacked arrays (``kv_cache.split_layers``)."""
-        return kv_cache.split_layers(cache) if self.unstack_layers else cache
 
 
 @functools.lru_cache(maxsize=16)

@@ -25,28 +25,45 @@ def phases(capacity: int, smallest: int = 128, most: int = 4) -> list[int]:
     return [s for s in sizes if s >= smallest] or [capacity]
 
 
-def while_in_phases(cond, body, state, next_slot, *, phased=True):
+def while_in_phases(cond, body, state, next_slot, *, phased=True, split=False):
     """``lax.while_loop(cond, body, state)``, run over growing prefixes of ``state.cache``.
 
     Each step's attention reads only the current prefix, so its cost follows the sequence
     length (to a factor of 2) rather than the capacity, in one static program. Phase ``i``
     runs while ``next_slot(state)`` (the largest index a step writes) fits its prefix; the
-    prefix is copied out of the full cache once and pasted back once. ``phased=False`` (a
-    cache that is not a ``KVCache``) runs one plain loop, as does a ring buffer: it holds
-    only its window's slots, and they are not positions.
+    prefix is copied out of the full cache once and pasted back once, and a phase the loop
+    never reaches is skipped (``lax.cond``), copies included. ``phased=False`` (a cache that
+    is not a ``KVCache``) runs one plain loop, as does a ring buffer: it holds only its
+    window's slots, and they are not positions.
+
+    ``split``: the steps run separate blocks (``Stack.unstack``), so each phase holds one
+    array per layer (``kv_cache.split_layers``), cut from the full cache in the same copy as
+    its prefix: a block then reads its layer where it lies instead of copying it out of
+    the stacked arrays at every step. The returned cache is stacked again.
     """
-    full = state.cache
-    phased = phased and not (isinstance(full, kv_cache.KVCache) and full.ring)
-    for size in phases(full.capacity) if phased else [full.capacity]:
-        if size == full.capacity:
-            return jax.lax.while_loop(cond, body, state.replace(cache=full))
-        state = jax.lax.while_loop(
-            lambda s, size=size: cond(s) & (next_slot(s) < size),
-            body,
-            state.replace(cache=kv_cache.truncate(full, size)),
-        )
-        full = kv_cache.paste(full, state.cache)
-    raise AssertionError("phases() always ends with the full capacity")
+    is_kv = isinstance(state.cache, kv_cache.KVCache)
+    phased = phased and is_kv and not state.cache.ring
+    split = split and is_kv
+    capacity = state.cache.capacity
+    for size in phases(capacity) if phased else [capacity]:
+        last = size == capacity
+
+        def run(state, size=size, last=last):
+            full = state.cache
+            part = full if last else kv_cache.truncate(full, size, split=split)
+            if last and split:
+                part = kv_cache.split_layers(part)
+            go = cond if last else (lambda s: cond(s) & (next_slot(s) < size))
+            state = jax.lax.while_loop(go, body, state.replace(cache=part))
+            if last:
+                return state.replace(cache=kv_cache.join_layers(state.cache)) if split else state
+            return state.replace(cache=kv_cache.paste(full, state.cache))
+
+        if not phased:
+            return run(state)
+        enter = cond(state) if last else cond(state) & (next_slot(state) < size)
+        state = jax.lax.cond(enter, run, lambda s: s, state)
+    return state
 
 
 @struct.dataclass
@@ -73,6 +90,7 @@ def sample_loop(
     *,
     return_logits: bool,
     phased: bool = True,
+    split: bool = False,
 ) -> dict:
     """Samples up to ``max_new`` tokens per row after a prefill that gave ``logits_BV``.
 
@@ -128,6 +146,7 @@ def sample_loop(
         state,
         lambda s: jnp.max(jnp.where(s.done_B, 0, s.cache.lengths)),
         phased=phased,
+        split=split,
     )
     return {
         "tokens_BS": state.tokens_BS,
@@ -150,7 +169,9 @@ class BeamState:
     best_len_B: jax.Array
 
 
-def beam_loop(step_fn, logits_BV, cache, max_new, eos_id, pad_id, length_penalty, *, num_beams):
+def beam_loop(
+    step_fn, logits_BV, cache, max_new, eos_id, pad_id, length_penalty, *, num_beams, split=False
+):
     """Beam search after a prefill that gave ``logits_BV``; scores are summed log-probs
     divided by ``length ** length_penalty`` (length = generated tokens, EOS included).
 
@@ -220,7 +241,7 @@ def beam_loop(step_fn, logits_BV, cache, max_new, eos_id, pad_id, length_penalty
         logp_BWV = jax.nn.log_softmax(logits_BTV[:, 0].astype(jnp.float32), axis=-1)
         return expand(state.replace(cache=cache), logp_BWV.reshape(B, W, V))
 
-    state = while_in_phases(cond, body, state, lambda s: jnp.max(s.cache.lengths))
+    state = while_in_phases(cond, body, state, lambda s: jnp.max(s.cache.lengths), split=split)
     alive_score_BW = state.alive_lp_BW / norm(state.step)
     w_B = jnp.argmax(alive_score_BW, axis=1)
     alive_B = jnp.take_along_axis(alive_score_BW, w_B[:, None], axis=1)[:, 0]
