@@ -35,6 +35,10 @@ def get_config(variant=None):
         d_ff=352,
         dropout=0.0,
         tie_embeddings=True,
+        # Unrolled: at 4 layers this narrow, a scanned stack's steps ran 0.75-0.84x as fast
+        # (slicing each layer's weights per step costs as much as its matmuls); scanning
+        # wins from 6 x 384 on (1.22x) and keeps compile time flat in depth.
+        scan_layers=False,
     )
     c.data.update(
         kind="text",
