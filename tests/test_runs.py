@@ -52,6 +52,29 @@ def test_short_run_lowers_the_loss(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 60
 
 
+def test_the_train_step_compiles_once_across_logs_and_evaluations(tmp_path, caplog):
+    """Resetting the accumulators at a log once committed part of the state, and the step
+    compiled again for each new mix of committed arguments (three times in all)."""
+    cfg = tiny(
+        "char_lm.py",
+        "--config.train.steps=6",
+        "--config.train.log_every_steps=2",
+        "--config.eval.every_steps=3",
+        "--config.eval.sample_tokens=0",
+        "--config.checkpoint.every_steps=6",
+    )
+    # "Compiling jit(...)" is logged for every compilation, persistent-cache hits included.
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+        runs.train(cfg, tmp_path, progress=False)
+    compiled = [
+        r.getMessage()[:80]
+        for r in caplog.records
+        if "Compiling jit(_train_step)" in r.getMessage()
+    ]
+    assert len(compiled) == 1, compiled
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # steps 2, 3, 4, 6
+
+
 DETERMINISTIC = ("step", "train_loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy")
 
 

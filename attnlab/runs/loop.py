@@ -96,6 +96,10 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
     cfg, n = runs[0].cfg, len(runs)
     t, e = cfg.train, cfg.eval
     total, batch_size = trainer.total_steps, int(t.batch_size)
+    # Every leaf committed to where it lies, as the step's outputs and the accumulators
+    # reset at each log are: a jitted step is compiled again for each mix of committed
+    # and uncommitted arguments (three compilations of the same step otherwise).
+    state = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), state)
     eval_batches = runs[0].task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
     tokens_per_step = batch_size * int(cfg.data.seq_len)
     train_step = trainer.stacked_train_step if stacked else trainer.train_step
