@@ -114,8 +114,11 @@ def decode_throughput(batch, new_tokens=64, prompt_len=16, repeats=3):
             t0 = time.perf_counter()
             model.generate(ids, **kw)
             best = min(best, time.perf_counter() - t0)
-    return dict(batch=batch, new_tokens=new_tokens, prompt_len=prompt_len,
-                tokens_per_s=round(batch * new_tokens / best, 1), seconds=round(best, 3))  # fmt: skip
+    tokens_per_s = round(batch * new_tokens / best, 1)
+    return dict(
+        batch=batch, new_tokens=new_tokens, prompt_len=prompt_len, tokens_per_s=tokens_per_s,
+        seconds=round(best, 3),
+    )  # fmt: skip
 
 
 def main():
@@ -129,9 +132,13 @@ def main():
     args = p.parse_args()
     out = dict(
         benchmark="torch_reference",
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
-                     load_average=list(os.getloadavg()), torch=torch.__version__,
-                     threads=torch.get_num_threads()),  # fmt: skip
+        machine=dict(
+            platform=platform.platform(),
+            cpus=os.cpu_count(),
+            load_average=list(os.getloadavg()),
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+        ),  # fmt: skip
         train=[],
         decode=[],
     )
