@@ -110,7 +110,7 @@ def split_layers(cache: KVCache) -> KVCache:
     """
     if cache.split:
         return cache
-    return cache.replace(k=_layers(cache.k), v=_layers(cache.v))
+    return cache.replace(k=layer_arrays(cache.k), v=layer_arrays(cache.v))
 
 
 def join_layers(cache: KVCache) -> KVCache:
@@ -283,14 +283,15 @@ def truncate(cache: KVCache, size: int, *, split: bool = False) -> KVCache:
     ``split``: cut into one array per layer as well (``split_layers``), in the same copy."""
     _refuse_ring(cache, "truncate")
     if split or cache.split:
-        cut = lambda x: tuple(a[:, :, :, :size] for a in _layers(x))
+        cut = lambda x: tuple(a[:, :, :, :size] for a in layer_arrays(x))
         return cache.replace(k=cut(cache.k), v=cut(cache.v))
     cut = lambda x: x[:, :, :, :size]
     return cache.replace(k=cut(cache.k), v=cut(cache.v))
 
 
-def _layers(x) -> tuple:
-    """One ``[1, B, K, S, H]`` array per layer of a stacked array (or of a split one)."""
+def layer_arrays(x) -> tuple:
+    """One ``[1, B, K, S, H]`` array per layer of a stacked array (or of a split one);
+    ``jnp.concatenate`` stacks them again."""
     return x if isinstance(x, tuple) else tuple(x[i : i + 1] for i in range(x.shape[0]))
 
 
@@ -302,7 +303,7 @@ def paste(full: KVCache, part: KVCache) -> KVCache:
 
     def paste_one(f, p):
         if isinstance(f, tuple):  # split into split
-            return tuple(put(a, b) for a, b in zip(f, _layers(p), strict=True))
+            return tuple(put(a, b) for a, b in zip(f, layer_arrays(p), strict=True))
         if isinstance(p, tuple):  # each layer's part into the stacked array
             for i, b in enumerate(p):
                 f = put(f, b, i)

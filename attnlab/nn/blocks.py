@@ -313,10 +313,7 @@ class Stack(nnx.Module):
                 carry = (x_BTD, tuple(jnp.concatenate(c) for c in cache))
             carry, weights = jax.lax.scan(layer, carry, (params,) + per_layer_data)
             if split:
-                carry = (
-                    carry[0],
-                    tuple(tuple(c[i : i + 1] for i in range(c.shape[0])) for c in carry[1]),
-                )
+                carry = (carry[0], tuple(kv_cache.layer_arrays(c) for c in carry[1]))
         else:
             per_layer, written = [], []
             for i in range(self.n_layers):
