@@ -32,10 +32,11 @@ from attnlab.errors import AttnlabError, ConfigError, DecodeError, WorkdirError,
 
 
 def _train(args, overrides):
-    from attnlab import experiment, runs, sharding
+    from attnlab import devices, experiment, runs, sharding
 
     cfg = experiment.load_config(args.config, overrides)
-    sharding.initialize_distributed(cfg.distributed)  # before anything else uses JAX
+    devices.apply(devices.choose(cfg))  # before anything else uses JAX
+    sharding.initialize_distributed(cfg.distributed)
     runs.train(  # logs its records itself
         cfg,
         args.workdir,

@@ -22,8 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from attnlab import experiment, sharding, train
+from attnlab import devices, experiment, sharding, train
 
 SHAPES = {
     # The shakespeare_char baseline shape and a 6-layer / 384-wide / 256-context one.
@@ -33,14 +34,18 @@ SHAPES = {
 
 
 def matmul_peak_flops(n=2048, repeats=10):
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    """A large float32 matmul on every device at once: the machine's peak, whether its
+    cores serve one device or one device each."""
+    d = jax.device_count()
+    a = jax.random.normal(jax.random.key(0), (d, n, n), jnp.float32)
+    a = jax.device_put(a, jax.sharding.NamedSharding(sharding.make_mesh(), P("data")))
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     t0 = time.perf_counter()
     for _ in range(repeats):
         out = f(a)
     out.block_until_ready()
-    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+    return 2 * d * n**3 * repeats / (time.perf_counter() - t0)
 
 
 def flops_per_token(s, vocab):
@@ -167,8 +172,20 @@ def main():
         help="e.g. data=2: train on a mesh (set XLA_FLAGS=--xla_force_host_platform_device_count"
         "=N for N CPU devices); also reports per-device memory replicated vs FSDP",
     )
+    p.add_argument(
+        "--cpu-devices",
+        default="auto",
+        help="as ATTNLAB_CPU_DEVICES for `attnlab train`: auto (one single-threaded device per "
+        "core, the default of CPU runs), 1 (one multithreaded device) or N",
+    )
     args = p.parse_args()
-    mesh = None
+    mesh, explicit_mesh = None, bool(args.mesh)
+    if not args.mesh:
+        names = args.shapes.split(",")
+        n = min(devices.choose(config_for(SHAPES[k], 65, args.override), args.cpu_devices)
+                for k in names)  # fmt: skip
+        if devices.apply(n):
+            args.mesh = f"data={n}"
     if args.mesh:
         sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
         mesh = sharding.make_mesh(sizes)
@@ -203,8 +220,12 @@ def main():
                 "matmul_peak_gflops": round(peak / 1e9, 1),
                 "results": results,
                 "mesh": args.mesh or None,
+                "cpu_devices_per_core": devices.APPLIED,
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "devices": jax.device_count(),
-                "memory": mesh_memory(args.override, jax.device_count()) if mesh else None,
+                "memory": (
+                    mesh_memory(args.override, jax.device_count()) if explicit_mesh else None
+                ),
                 "compile": None
                 if args.skip_compile
                 else compile_times([int(x) for x in args.compile_layers.split(",")], args.override),

@@ -137,6 +137,14 @@ class Profiler:
             self.active = False
 
 
+def per_core(devices) -> str:
+    from attnlab import devices as cpu_devices
+
+    if cpu_devices.APPLIED and len(devices) > 1 and devices[0].platform == "cpu":
+        return f", one per core ({cpu_devices.ENV}=1: one multithreaded device)"
+    return ""
+
+
 def describe(run, trainer, devices=None) -> str:
     """The start-of-run summary: model size, devices, data, where the files go."""
     from attnlab.nn.models import count_params
@@ -148,7 +156,7 @@ def describe(run, trainer, devices=None) -> str:
         f"run: {run.workdir}",
         f"model: {run.cfg.model.arch}, {count_params(trainer.mcfg):,} parameters",
         f"devices: {len(devices)} x {', '.join(kinds)} ({jax.default_backend()}), "
-        f"{jax.process_count()} process(es)",
+        f"{jax.process_count()} process(es)" + per_core(devices),
         f"data: {run.cfg.data.kind}" + (f" from {run.cfg.data.path}" if run.cfg.data.path else ""),
     ]
     if task.train_ids is not None:
