@@ -179,6 +179,10 @@ def _sweep(args, overrides):
         results = launch_sweep(plan, workdir, launcher=args.launcher, resources=resources)
         print(sweep.markdown_table(results), end="")
         return
+    from attnlab import devices
+
+    # One device per core where every trial's batches divide (trials train in this process).
+    devices.apply(min(devices.choose(t.cfg) for t in plan.trials))
     results = sweep.run_sweep(
         plan,
         workdir,

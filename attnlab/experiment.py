@@ -216,7 +216,7 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         ("optim.grad_accum_steps", o.grad_accum_steps),
     ]:
         _require(value > 0, key, value, "must be a positive integer")
-    _require(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+    _require(0 <= t.seed < 2**32, "train.seed", t.seed, "must be in [0, 2**32)")
     _require(e.batches >= 0, "eval.batches", e.batches, "must be >= 0 (0 disables evaluation)")
     _require(o.learning_rate > 0, "optim.learning_rate", o.learning_rate, "must be positive")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")

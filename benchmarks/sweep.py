@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab import experiment, runs, train
+from attnlab import devices, experiment, runs, train
 
 EXPERIMENT = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "char_lm.py"
 SHAPES = {
@@ -108,7 +108,15 @@ def main():
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--shapes", default="small,tiny", help=f"comma-separated from {list(SHAPES)}")
+    p.add_argument(
+        "--cpu-devices",
+        default="auto",
+        help="as ATTNLAB_CPU_DEVICES for `attnlab train`/`sweep`: auto (one single-threaded "
+        "device per core, their default on CPU), 1 (one multithreaded device) or N",
+    )
     args = p.parse_args()
+    names = args.shapes.split(",")
+    devices.apply(min(devices.choose(small_config(1, 0, k), args.cpu_devices) for k in names))
     result = {
         "config": {
             "experiment": "char_lm:tiny with the shapes below",
@@ -123,6 +131,7 @@ def main():
             "jax": jax.__version__,
             "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()],
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
         },
     }
     with tempfile.TemporaryDirectory() as tmp:

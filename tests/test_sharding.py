@@ -190,7 +190,7 @@ def test_fsdp_holds_one_eighth_of_the_parameters_per_device(fsdp_trainer):
 @on_mesh
 def test_initialisation_is_sharded_from_the_start(fsdp_trainer):
     """The init program's outputs are sharded: no device materialises the whole model."""
-    compiled = fsdp_trainer.jitted_init.lower().compile()
+    compiled = fsdp_trainer.jitted_init.lower(np.uint32(0)).compile()
     whole = sum(
         np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(fsdp_trainer.abstract_state())
     )
@@ -347,3 +347,23 @@ def test_resume_on_the_same_mesh_is_bitwise_and_stacked_trials_train_on_a_mesh(
     batch = jax.tree.map(lambda *xs: np.stack(xs), data[0], data[0])
     _, metrics = whole.stacked_train_step(stacked, batch)
     np.testing.assert_allclose(np.asarray(metrics["loss"]), [one_device.losses[0]] * 2, rtol=1e-5)
+
+
+@on_mesh
+def test_trials_sharing_one_initialisation_program_train_on_a_mesh(one_device):
+    from compile_count import compiles
+
+    mesh = sharding.make_mesh({"data": 4, "tensor": 2})
+    Trainer(one_device.cfg, kind="lm", mesh=mesh).init_state()
+    other = tiny()
+    other.train.seed = int(one_device.cfg.train.seed) + 1
+    other.optim.learning_rate = 3 * float(one_device.cfg.optim.learning_rate)
+    trainer = Trainer(other, kind="lm", mesh=mesh)
+    with compiles() as count:
+        state = trainer.init_state()  # the first trainer's program, this trial's values
+        assert count() == 0
+    _, got = run_steps(trainer, state, one_device.data[:2])
+    alone = Trainer(other, kind="lm")  # one device: a program of its own
+    _, want = run_steps(alone, alone.init_state(), one_device.data[:2])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got != one_device.losses[:2]

@@ -203,3 +203,68 @@ def test_muon_orthogonalises_each_layer_matrix_as_plain_optax_muon_does():
     emb = np.abs(np.asarray(updates["embed"]["tokens"]["embedding_VD"][...]))
     b1 = c.optim.b1
     np.testing.assert_allclose(emb, c.optim.adam_learning_rate * (1 + b1 / (1 + b1)), rtol=1e-3)
+
+
+def _lm_batch(trainer, seed, batch=4, T=16, vocab=None):
+    rng = np.random.default_rng(seed)
+    vocab = vocab or trainer.mcfg.vocab_size
+    ids = rng.integers(0, vocab, (batch, T + 1), dtype=np.int32)
+    return {
+        "inputs": ids[:, :-1],
+        "targets": ids[:, 1:],
+        "loss_mask": np.ones((batch, T), np.float32),
+    }
+
+
+def test_trials_differing_in_seed_and_optimiser_values_share_one_initialisation():
+    from compile_count import compiles
+
+    train.steps._INIT_PROGRAMS.clear()
+    first = train.Trainer(tiny("char_lm.py", "--config.train.seed=0"))
+    with compiles() as count:
+        first.init_state()
+        assert count() >= 1
+    second_cfg = tiny("char_lm.py", "--config.train.seed=7", "--config.optim.learning_rate=0.02")
+    second = train.Trainer(second_cfg)
+    with compiles() as count:
+        shared = second.init_state()
+        assert count() == 0
+    train.steps._INIT_PROGRAMS.clear()  # the same trainer with a program of its own
+    alone = train.Trainer(second_cfg).init_state()
+    for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(shared), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hyper = train.injected_hyperparams(shared["opt_state"])
+    assert float(hyper["learning_rate"]) == pytest.approx(0.02)
+    # a different seed gives different parameters
+    p0, p7 = (jax.tree.leaves(s["params"]) for s in (first.init_state(), shared))
+    assert any(not np.array_equal(a, b) for a, b in zip(p0, p7, strict=True))
+
+
+def test_stacked_steps_mapped_or_vmapped_equal_each_trial_alone():
+    cfgs = [
+        tiny("char_lm.py", f"--config.train.seed={s}", f"--config.optim.learning_rate={lr}")
+        for s, lr in ((0, 1e-3), (1, 3e-3), (2, 1e-2))
+    ]
+    trainers = [train.Trainer(c) for c in cfgs]
+    states = [t.init_state() for t in trainers]
+    batches = [_lm_batch(t, i) for i, t in enumerate(trainers)]
+    want = [
+        t.train_step(jax.tree.map(np.asarray, s), b)
+        for t, s, b in zip(trainers, states, batches, strict=True)
+    ]
+    stacked_batch = jax.tree.map(lambda *xs: np.stack(xs), *batches)
+    for how in ("map", "vmap"):
+        t = train.Trainer(cfgs[0], stack_by=how)
+        stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
+        got_state, got_metrics = t.stacked_train_step(stacked, stacked_batch)
+        for i, (w_state, w_metrics) in enumerate(want):
+            for a, b in zip(
+                jax.tree.leaves(w_state["params"]),
+                jax.tree.leaves(got_state["params"]),
+                strict=True,
+            ):
+                np.testing.assert_allclose(np.asarray(b)[i], a, rtol=1e-5, atol=1e-6, err_msg=how)
+            for k, v in w_metrics.items():
+                np.testing.assert_allclose(np.asarray(got_metrics[k])[i], v, rtol=1e-5, err_msg=k)
+    with pytest.raises(ValueError, match="stack_by"):
+        train.Trainer(cfgs[0], stack_by="pmap")

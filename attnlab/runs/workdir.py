@@ -22,7 +22,6 @@ import socket
 import sys
 
 import jax
-import jax.numpy as jnp
 
 from attnlab import experiment
 from attnlab.checkpoint import Checkpointer, CorruptCheckpointError
@@ -30,7 +29,7 @@ from attnlab.config import ModelConfig
 from attnlab.data import make_task
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import CheckpointError, WorkdirError, one_line
-from attnlab.train import injected_hyperparams
+from attnlab.train import set_optim_values
 
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
 LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
@@ -40,10 +39,6 @@ FREE_ON_RESUME += ("train.on_nonfinite",)
 # How a launch finds its peers (coordinator, process count and this process's index): each
 # process of one run has its own, and a resumed run may start on other hosts.
 FREE_ON_RESUME += ("distributed.",)
-# The optimiser values held in its state: a resumed run with --allow-changes updates them.
-INJECTED = ("learning_rate", "weight_decay", "b1", "b2", "eps", "adam_learning_rate", "muon_beta")
-# Where Muon keeps them (its Adam moments drive the parameters that are no matrices).
-MUON_NAMES = {"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"}
 
 
 def is_writer() -> bool:
@@ -245,7 +240,7 @@ class Run:
         state, self.start = restore_newest(self.ckpt, abstract, steps, trainer.all_finite)
         self.elapsed = float(self.ckpt.restore_metadata(self.start).get("elapsed_sec", 0.0))
         if self.changes:
-            apply_optim_values(state["opt_state"], self.cfg.optim)
+            set_optim_values(state["opt_state"], self.cfg.optim)
         truncate_jsonl(self.workdir / METRICS_FILE, self.start)
         truncate_jsonl(self.workdir / SAMPLES_FILE, self.start)
         if self.start >= int(self.cfg.train.steps):
@@ -267,16 +262,6 @@ class Run:
 
     def log(self, record: dict, file: str = METRICS_FILE):
         append_jsonl(self.workdir / file, record)
-
-
-def apply_optim_values(opt_state, o):
-    """Sets the optimiser values held in ``opt_state`` to those of the config ``o``."""
-    hyper = injected_hyperparams(opt_state)
-    muon = o.get("name", "adamw") == "muon"
-    for name in INJECTED:
-        key = MUON_NAMES.get(name, name) if muon else name
-        if key in hyper:
-            hyper[key] = jnp.asarray(float(o[name]), jnp.asarray(hyper[key]).dtype)
 
 
 def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite):

@@ -12,6 +12,7 @@ from attnlab.train.optim import (
     learning_rate,
     lr_multiplier,
     make_optimizer,
+    set_optim_values,
 )
 from attnlab.train.steps import Trainer, zeros_acc
 
@@ -25,5 +26,6 @@ __all__ = [
     "lr_multiplier",
     "make_optimizer",
     "model_logits",
+    "set_optim_values",
     "zeros_acc",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")
@@ -116,6 +117,25 @@ def injected_hyperparams(opt_state) -> dict:
     return next(
         s for s in jax.tree.leaves(opt_state, is_leaf=_is_injected) if _is_injected(s)
     ).hyperparams
+
+
+# The optimiser values held in its state: a resumed run with --allow-changes updates them,
+# and a sweep's trials share one initialisation program and then set their own.
+INJECTED = ("learning_rate", "weight_decay", "b1", "b2", "eps", "adam_learning_rate", "muon_beta")
+# Where Muon keeps them (its Adam moments drive the parameters that are no matrices).
+MUON_NAMES = {"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"}
+
+
+def set_optim_values(opt_state, o):
+    """Sets the optimiser values held in ``opt_state`` to those of the config ``o``."""
+    hyper = injected_hyperparams(opt_state)
+    muon = o.get("name", "adamw") == "muon"
+    for name in INJECTED:
+        key = MUON_NAMES.get(name, name) if muon else name
+        if key in hyper:
+            old = jnp.asarray(hyper[key])
+            # where the old value lies (replicated over a mesh); no compile for the cast
+            hyper[key] = jax.device_put(np.asarray(float(o[name]), old.dtype), old.sharding)
 
 
 def learning_rate(opt_state, o, total_steps, step):
