@@ -367,3 +367,21 @@ def test_trials_sharing_one_initialisation_program_train_on_a_mesh(one_device):
     _, want = run_steps(alone, alone.init_state(), one_device.data[:2])
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got != one_device.losses[:2]
+
+
+@on_mesh
+def test_muon_orthogonalising_layers_on_separate_devices_equals_one_device(one_device):
+    cfg = tiny(dropout=0.0, attention_dropout=0.0)
+    cfg.optim.name = "muon"
+    cfg.optim.learning_rate = 0.02
+    data = one_device.data[:3]
+    one = Trainer(cfg, kind="lm")
+    end, want = run_steps(one, one.init_state(), data)
+    # 2 layers over data=2: each device runs Newton-Schulz on one layer's matrices
+    many = Trainer(cfg, kind="lm", mesh=sharding.make_mesh({"data": 2, "tensor": 4}))
+    state, got = run_steps(many, many.init_state(), data)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(
+        jax.tree.leaves(host(state["params"])), jax.tree.leaves(host(end["params"])), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from attnlab import sharding
+
 NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")
 
 
@@ -109,7 +111,26 @@ def make_optimizer(o, total_steps: int, params):
             mask=mask,
         )
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+    if name == "muon":
+        core = optax.chain(_layers_over_batch_devices(), core, _layers_over_batch_devices())
     return optax.chain(*parts, core, optax.scale_by_schedule(lr_multiplier(o, total_steps)))
+
+
+def _layers_over_batch_devices():
+    """Asks for the updates of stacked matrices to be split by layer over the devices that
+    split the batch, so each device orthogonalises its share of the layers (Muon's
+    Newton-Schulz iterations) instead of every device doing all of them."""
+
+    def one(u):
+        if u.ndim < 3:
+            return u
+        return sharding.constrain(u, "batch", *[None] * (u.ndim - 1))
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(one, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def injected_hyperparams(opt_state) -> dict:
