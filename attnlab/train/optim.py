@@ -111,26 +111,21 @@ def make_optimizer(o, total_steps: int, params):
             mask=mask,
         )
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
-    if name == "muon":
-        core = optax.chain(_layers_over_batch_devices(), core, _layers_over_batch_devices())
     return optax.chain(*parts, core, optax.scale_by_schedule(lr_multiplier(o, total_steps)))
 
 
-def _layers_over_batch_devices():
-    """Asks for the updates of stacked matrices to be split by layer over the devices that
-    split the batch, so each device orthogonalises its share of the layers (Muon's
-    Newton-Schulz iterations) instead of every device doing all of them."""
+def layers_over_batch_devices(tree):
+    """Asks for every stacked matrix of ``tree`` (gradients or updates) to be split by layer
+    over the devices that split the batch (a sharding constraint; nothing without a mesh).
+    Around Muon's update, each device then orthogonalises its share of the layers
+    (Newton-Schulz iterations) instead of every device doing all of them."""
 
     def one(u):
         if u.ndim < 3:
             return u
         return sharding.constrain(u, "batch", *[None] * (u.ndim - 1))
 
-    def update(updates, state, params=None):
-        del params
-        return jax.tree.map(one, updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return jax.tree.map(one, tree)
 
 
 def injected_hyperparams(opt_state) -> dict:

@@ -13,8 +13,9 @@ holds the first such step (1-based), read by the loop where it syncs anyway (log
 before every checkpoint). With ``train.on_nonfinite="skip"`` such a step leaves the
 parameters and optimiser state unchanged; with ``"stop"`` (the default) the loop stops.
 
-The stacked variants take every state leaf with a leading trial axis (``jax.vmap`` of the same
-step); evaluation batches are shared by the trials.
+The stacked variants take every state leaf with a leading trial axis (``stack_by``: "vmap" of
+the same step, the default off CPU, or "map", the trials one after another inside one
+program, the default on CPU); evaluation batches are shared by the trials.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -32,7 +34,12 @@ from attnlab.config import ModelConfig
 from attnlab.nn import build_model
 from attnlab.nn.models import init_params
 from attnlab.train.objectives import loss_sums
-from attnlab.train.optim import INJECTED, make_optimizer, set_optim_values
+from attnlab.train.optim import (
+    INJECTED,
+    layers_over_batch_devices,
+    make_optimizer,
+    set_optim_values,
+)
 
 _SEED = jax.ShapeDtypeStruct((), jnp.uint32)
 _INIT_PROGRAMS: dict = {}  # what an initialisation depends on -> (its jit, its optim group)
@@ -108,6 +115,7 @@ class Trainer:
         abstract_params = jax.eval_shape(lambda: init_params(self.mcfg, jnp.uint32(0)))
         self.tx = make_optimizer(cfg.optim, self.total_steps, abstract_params)
         self.accum = int(cfg.optim.grad_accum_steps)
+        self.muon = cfg.optim.get("name", "adamw") == "muon"
         self.skip_nonfinite = cfg.train.get("on_nonfinite", "stop") == "skip"
         self.all_finite = jax.jit(all_finite)
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
@@ -122,7 +130,8 @@ class Trainer:
             step_out = dict(out_shardings=(self.state_shardings, replicated))
         # One initialisation program for trainers that differ only in their seed (an
         # argument) and optimiser values (set afterwards): a sweep's trials compile it once.
-        shared = (repr(self.mcfg), _structure(cfg.optim), self.total_steps, self.mesh, kind)
+        shared = (repr(self.mcfg), _structure(cfg.optim), self.total_steps, kind)
+        shared += (self.mesh, repr(sorted(self.rules.items())))
         if shared not in _INIT_PROGRAMS:
             if len(_INIT_PROGRAMS) >= 16:
                 _INIT_PROGRAMS.clear()
@@ -175,7 +184,7 @@ class Trainer:
 
     def init_state(self):
         """The initial train state (sharded over the mesh when there is one)."""
-        seed = jnp.uint32(self.seed)
+        seed = np.uint32(self.seed)
         if self.mesh is None:
             state = self.jitted_init(seed)
         else:
@@ -219,7 +228,11 @@ class Trainer:
             (loss_sum, tokens, grads), _ = jax.lax.scan(body, zero, (jnp.arange(self.accum), micro))
         grads = jax.tree.map(lambda g: g / jnp.maximum(tokens, 1.0), grads)
         grad_norm = optax.tree.norm(grads)
+        if self.muon:  # each batch device orthogonalises its share of the layers
+            grads = layers_over_batch_devices(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
+        if self.muon:
+            updates = layers_over_batch_devices(updates)
         new_params = optax.apply_updates(params, updates)
         ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
         if self.skip_nonfinite:  # a non-finite step changes nothing but the counters
