@@ -44,7 +44,9 @@ class ModelConfig:
     the backward pass: ``"none"``, ``"full"`` (save only the layer inputs) or ``"dots"``
     (save the outputs of the weight matmuls, recompute the rest). ``attention_impl`` picks
     the attention implementation (``attnlab.ops.attention``); ``"chunked"`` is blockwise with
-    memory linear in the sequence length, its blocks ``attention_block_q``/``_k``.
+    memory linear in the sequence length, its blocks ``attention_block_q``/``_k``; the default
+    ``"auto"`` takes the chunked path on CPU from 128 queries on (measured faster there) and
+    lets ``jax.nn.dot_product_attention`` choose elsewhere (cuDNN on a GPU where it applies).
 
     ``decode_layers`` is how the generation loops (sampling, beam search) run the decoder:
     ``"unstacked"`` slices the stacked weights into separate blocks once per call and
@@ -105,7 +107,7 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] | None = None  # layers with a window; None = all
     attn_scale: float | None = None  # logit scale; defaults to head_dim ** -0.5
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
     attention_block_q: int | None = None  # chunked only: query block (None: its default)
     attention_block_k: int | None = None  # chunked only: key block (None: its default)
     attention_fn: str = "softmax"  # a name from attnlab.nn.attention_variants()

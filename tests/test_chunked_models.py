@@ -113,3 +113,57 @@ def test_chunked_cached_decoding_equals_the_full_forward():
 
     got, full = cached_and_full(chunked)
     np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def chunked_calls(monkeypatch):
+    """The block sizes of every call of the chunked path, spied on."""
+    from attnlab.ops import attention as attention_ops
+
+    calls, real = [], attention_ops.chunked_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("block_q"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ops, "chunked_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_auto_runs_blockwise_on_cpu_from_its_threshold_with_the_reference_logits(
+    case, chunked_calls, monkeypatch
+):
+    from attnlab.ops import attention as attention_ops
+
+    assert jax.default_backend() == "cpu"
+    cfg = ModelConfig(**BASE, **CASES[case], attention_impl="reference")
+    auto = cfg.replace(attention_impl="auto")
+    ids = jax.random.randint(jax.random.key(2), (B, T), 0, cfg.vocab_size)
+    want = forward(build_model(cfg, seed=1), cfg, ids)
+    for threshold, blockwise in ((T, True), (T + 1, False)):
+        chunked_calls.clear()
+        monkeypatch.setattr(attention_ops, "AUTO_CHUNKED_MIN_T", threshold)
+        got = forward(build_model(auto, seed=1), auto, ids)
+        assert bool(chunked_calls) == blockwise
+        assert set(chunked_calls) <= {attention_ops.AUTO_BLOCK}
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_the_dense_path_for_weights_and_dropout(chunked_calls):
+    from attnlab.ops import attention as attention_ops
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 128, 2, 8)) for i in range(3))
+    mask = jnp.tril(jnp.ones((128, 128), bool))[None, None]
+    want = attention_ops.dot_product_attention(q, k, v, mask=mask, implementation="reference")
+    got = attention_ops.dot_product_attention(q, k, v, mask=mask, implementation="auto")
+    assert chunked_calls == [attention_ops.AUTO_BLOCK]  # 128 queries on CPU: blockwise
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    chunked_calls.clear()
+    attention_ops.dot_product_attention(
+        q, k, v, mask=mask, implementation="auto", return_weights=True
+    )
+    attention_ops.dot_product_attention(
+        q, k, v, mask=mask, implementation="auto", dropout_rate=0.1, dropout_key=jax.random.key(0)
+    )
+    assert chunked_calls == []

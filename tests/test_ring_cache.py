@@ -111,9 +111,17 @@ def test_generate_past_the_window_with_a_ring_and_chunks():
 
 def test_chunked_prefill_needs_far_less_temporary_memory():
     """Compiled only: a 4096-token prompt in chunks of 256 against one pass, linear and ring
-    caches; the one-shot program holds [B, N, T, T] scores, the chunked [B, N, C, S]."""
+    caches; with dense attention the one-shot program holds [B, N, T, T] scores, the chunked
+    [B, N, C, S]. (The default "auto" attention is blockwise on CPU at this length, which
+    keeps even one pass small: the dense implementation is named here.)"""
     cfg = ModelConfig(
-        vocab_size=64, d_model=16, n_layers=1, n_heads=2, max_len=4096, position="rope"
+        vocab_size=64,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        max_len=4096,
+        position="rope",
+        attention_impl="xla",
     )
     T, C = 4096, 256
     temps = {}

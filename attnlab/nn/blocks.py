@@ -29,6 +29,7 @@ from attnlab.config import ModelConfig
 from attnlab.nn import context_parallel
 from attnlab.nn.attention import Attention
 from attnlab.nn.layers import FeedForward, LearnedPositions, Norm, RelativeBias
+from attnlab.ops.attention import cpu_prefers_chunked
 from attnlab.ops.linear import dropout, fold
 from attnlab.sharding import constrain
 
@@ -157,12 +158,16 @@ class Stack(nnx.Module):
             ]
         )
 
-    @property
-    def chunked(self):
+    def chunked(self, T: int) -> bool:
+        """Whether masks and biases reach attention as descriptions (evaluated per block): with
+        ``attention_impl="chunked"``, and with ``"auto"`` for the built-in softmax where it
+        runs blockwise (variants receive descriptions with "chunked" alone)."""
+        if self.cfg.attention_impl == "auto" and self.cfg.attention_fn == "softmax":
+            return cpu_prefers_chunked(T)
         return self.cfg.attention_impl == "chunked"
 
     def _self_mask(self, T, S, positions_BT, valid_BS, segment_ids_BT, cache_start_B):
-        if self.chunked:
+        if self.chunked(T):
             if cache_start_B is not None:
                 return ops.MaskSpec.for_cache(T, S, cache_start_B, causal=self.causal)
             return ops.MaskSpec.for_sequence(
@@ -179,18 +184,18 @@ class Stack(nnx.Module):
 
     def _bias(self, q_positions_BT, k_positions_BS):
         if self.relative is not None:
-            if self.chunked:
+            if self.chunked(q_positions_BT.shape[1]):
                 return self.relative.describe(q_positions_BT, k_positions_BS)
             return self.relative(q_positions_BT, k_positions_BS)
         if self.cfg.position == "alibi":
             slopes_N = ops.alibi_slopes(self.cfg.n_heads)
-            if self.chunked:
+            if self.chunked(q_positions_BT.shape[1]):
                 return ops.PositionBias.alibi(slopes_N, q_positions_BT, k_positions_BS)
             return ops.alibi_bias(slopes_N, q_positions_BT, k_positions_BS)
         return None
 
     def _with_window(self, mask, T, S, window, offset):
-        if self.chunked:
+        if self.chunked(T):
             return mask.replace(window=jnp.asarray(window, jnp.int32))
         return ops.combine(mask, ops.sliding_window(T, S, window=window, offset=offset))
 
@@ -252,7 +257,7 @@ class Stack(nnx.Module):
         bias = self._bias(positions_BT, k_positions_BS)
         if enc_valid_BS is None:
             cross_mask = None
-        elif self.chunked:
+        elif self.chunked(T):
             cross_mask = ops.MaskSpec.for_sequence(T, enc_valid_BS.shape[1], k_valid=enc_valid_BS)
         else:
             cross_mask = ops.padding(k_valid_BS=enc_valid_BS)
