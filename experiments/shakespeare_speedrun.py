@@ -26,11 +26,16 @@ the 4 layers unrolled (``shakespeare_char``):          same             51.3    
 1.2-1.3x faster steps at this width
 one compilation of the train step (it was compiled     same             44.1        1.8820
 three times, around the first log)
+one single-threaded CPU device per core, the batch     same             42.6        1.8820
+split over them (``attnlab.devices``, now the default)
+Muon's per-layer orthogonalisation divided between     same             40.9        1.8820
+the devices instead of repeated on each
 =====================================================  ===============  ==========  =========
 
-Of the 44 s, about 33 s are the 300 steps (8.6k tokens/s at the end) and the rest start-up:
-imports, the data, compiling the initial state (about 3.5 s) and the step (about 3 s), one
-evaluation and the checkpoint. The 12 s aim is not reached.
+Of the 41 s, 28.6 s are the training loop (its first 50 steps include compiling the step;
+9-11k tokens/s after) and the rest start-up and the end: imports, the data, compiling the
+initial state, one evaluation and the checkpoint. The 12 s aim is not reached: at this
+machine's 9-11k tokens/s the 230k tokens alone take 21-25 s.
 """
 
 import pathlib

@@ -1,8 +1,9 @@
 """Stacked trials: runs that differ only in ``STACKABLE`` values, trained as one program.
 
-Each run is initialised alone, then every state leaf is stacked on a leading trial axis and
-``jax.vmap`` of the same step trains them all; each run's files are written as if it had
-trained alone.
+Each run is initialised by one shared program (its seed an argument, its optimiser values
+set after), then every state leaf is stacked on a leading trial axis and one compiled step
+trains them all: vmapped on an accelerator, one trial after another inside the program on
+CPU (``Trainer.stack_by``); each run's files are written as if it had trained alone.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from attnlab.runs.loop import train_runs
 
 # Trials whose configs differ only in these values have the same array shapes and the same
 # traced program (the optimiser hyperparameters live in the state, initialisation happens
-# before stacking), so they can be stacked on a leading axis and trained by one vmapped step.
+# before stacking), so they can be stacked on a leading axis and trained by one step.
 STACKABLE = (
     "train.seed",
     "optim.learning_rate",
@@ -40,7 +41,7 @@ def train_stacked(cfgs, workdirs, *, progress: bool = True, stop_after: int | No
 
     Each run is initialised from its own config, then params, optimiser state (with its
     hyperparameters), step, accumulators and RNG key data are stacked on a leading axis and
-    trained by one jitted, vmapped step; every step stacks each run's own batch. Each
+    trained by one jitted step; every step stacks each run's own batch. Each
     ``workdirs[i]`` ends up as ``train(cfgs[i], workdirs[i])`` would leave it. A run whose
     loss turns non-finite is dropped from the logs and checkpoints; the others go on.
 

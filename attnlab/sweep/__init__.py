@@ -9,8 +9,9 @@ override dicts, built by hand or with ``grid``, ``random_search`` and ``product`
         return grid({"optim.learning_rate": [3e-4, 1e-3, 3e-3], "train.seed": [0, 1, 2]})
 
 ``attnlab sweep --config experiments/NAME.py --workdir DIR`` trains each trial in ``DIR/<trial>``
-(trials that differ only in stackable values as one vmapped program), then writes
-``DIR/results.{csv,json}`` and plots; see docs/sweeps.md.
+(trials that differ only in stackable values as one stacked program: vmapped on an
+accelerator, mapped on CPU), then writes ``DIR/results.{csv,json}`` and plots; see
+docs/sweeps.md.
 """
 
 from attnlab.sweep.plan import (

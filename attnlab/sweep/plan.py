@@ -7,8 +7,8 @@ the key before anything runs. ``load_sweep`` takes the spec from the experiment 
 ``sweep(variant=None)``.
 
 ``group_trials`` puts trials whose configs differ only in ``attnlab.runs.STACKABLE`` values
-into one group trained by one vmapped program; every other trial (one that changes shapes or
-the traced program) runs on its own.
+into one group trained by one stacked program (vmapped, or mapped on CPU); every other trial
+(one that changes shapes or the traced program) runs on its own.
 """
 
 from __future__ import annotations
