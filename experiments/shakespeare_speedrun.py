@@ -28,11 +28,11 @@ one compilation of the train step (it was compiled     same             44.1    
 three times, around the first log)
 one single-threaded CPU device per core, the batch     same             42.6        1.8820
 split over them (``attnlab.devices``, now the default)
-Muon's per-layer orthogonalisation divided between     same             40.9        1.8820
+Muon's per-layer orthogonalisation divided between     same             40.9, 38.2  1.8820
 the devices instead of repeated on each
 =====================================================  ===============  ==========  =========
 
-Of the 41 s, 28.6 s are the training loop (its first 50 steps include compiling the step;
+Of the 38.2 s, 27.3 s are the training loop (its first 50 steps include compiling the step;
 9-11k tokens/s after) and the rest start-up and the end: imports, the data, compiling the
 initial state, one evaluation and the checkpoint. The 12 s aim is not reached: at this
 machine's 9-11k tokens/s the 230k tokens alone take 21-25 s.
