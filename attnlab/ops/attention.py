@@ -44,8 +44,8 @@ IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto", "chunked")
 # On CPU the blockwise path beats XLA's dense softmax for training from 128 queries on
 # (benchmarks/attention.py, forward + backward, causal, B=8, N=6, H=64, 2 cores, ms for
 # T = 128 / 256 / 512 / 1024: xla 16.9 / 84.3 / 255 / 1,493, chunked with 64 x 64 blocks
-# 14.2 / 48.2 / 148 / 550, with 256 x 256 blocks 13.4 / 76.0 / 216 / 598); in a
-# 6 x 384 model at context 256 it made the train step 1.18x faster.
+# 14.2 / 48.2 / 148 / 550, with 256 x 256 blocks 13.4 / 76.0 / 216 / 598); a 6 x 384
+# model at context 256 trained 1.03-1.14x faster with it.
 AUTO_CHUNKED_MIN_T = 128
 AUTO_BLOCK = 64
 AUTO_BLOCK_MAX_LEN = 1024
