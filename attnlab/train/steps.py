@@ -45,6 +45,23 @@ _SEED = jax.ShapeDtypeStruct((), jnp.uint32)
 _INIT_PROGRAMS: dict = {}  # what an initialisation depends on -> (its jit, its optim group)
 
 
+def _init_program(mcfg, tx):
+    """The train state as a function of the seed: a closure over the model config and the
+    optimiser alone, so the cache of shared programs keeps no trainer alive."""
+
+    def init(seed):
+        params = init_params(mcfg, seed)
+        return {
+            "params": params,
+            "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "acc": zeros_acc(),
+            "key": jax.random.key_data(jax.random.key(seed)),
+        }
+
+    return init
+
+
 def _structure(o) -> str:
     """An optim config group without the values that live in the optimiser state."""
     values = {k: v for k, v in o.to_dict().items() if k not in INJECTED}
@@ -120,6 +137,7 @@ class Trainer:
         self.all_finite = jax.jit(all_finite)
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.rules = sharding.resolve_rules(cfg.get("mesh", {}).get("rules"))
+        self._init_state = _init_program(self.mcfg, self.tx)
         init_out, step_out = {}, {}
         if self.mesh is not None:
             self.check_batch(int(cfg.train.batch_size), "train.batch_size")
@@ -171,16 +189,6 @@ class Trainer:
 
         run.lower = step.lower
         return run
-
-    def _init_state(self, seed):
-        params = init_params(self.mcfg, seed)
-        return {
-            "params": params,
-            "opt_state": self.tx.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "acc": zeros_acc(),
-            "key": jax.random.key_data(jax.random.key(seed)),
-        }
 
     def init_state(self):
         """The initial train state (sharded over the mesh when there is one)."""
