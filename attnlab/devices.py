@@ -4,8 +4,8 @@ XLA:CPU gives each op of a train step every core, and at the widths researchers 
 a laptop or a small server the ops are too small for that to pay: the cores spend the
 step waiting for each other. Splitting the batch over one single-threaded device per core
 (a ``data`` mesh, ``attnlab.sharding``) keeps every core busy on its own half. On 2 cores
-this measured 1.44x the tokens/s of one device at 4 layers x 128 and
-[see ``benchmarks/train_throughput.py`` and the README's performance section].
+this measured 1.44x the tokens/s of one device at 4 layers x 128 and 1.29x at 6 x 384
+(``benchmarks/train_throughput.py --cpu-devices 1`` for the other; the README's benchmarks).
 
 ``ATTNLAB_CPU_DEVICES`` chooses: ``auto`` (the default) one device per core where the
 experiment keeps the default mesh (every device on ``data``) and its batches divide, ``1``
