@@ -193,12 +193,18 @@ def scatter(cache_LBKSH, layer, new_BTKH, slots_BT):
     ``layer`` may be traced (inside a scan over layers). One scatter in the cache's own
     layout, in place inside a loop.
     """
-    B = new_BTKH.shape[0]
-    rows_B1 = jnp.arange(B)[:, None]
-    # Advanced indices (layer, rows, slots) broadcast to [B, T] and lead: [B, T, K, H].
-    return cache_LBKSH.at[layer, rows_B1, :, slots_BT, :].set(
-        new_BTKH.astype(cache_LBKSH.dtype), mode="drop"
+    L, B, K, S, H = cache_LBKSH.shape
+    # Scattered as [L * B * K, S, H] rows, the shape the attention dots read: written in
+    # the 5-D shape, XLA:CPU fuses a second copy of the write into each dot's operand, and
+    # two writes to one buffer cost a copy of the layer's cache at every decoding step.
+    shape_BTK = (*slots_BT.shape, K)
+    rows_BTK = jnp.broadcast_to(
+        (layer * B + jnp.arange(B)[:, None, None]) * K + jnp.arange(K)[None, None, :], shape_BTK
     )
+    slots_BTK = jnp.broadcast_to(slots_BT[..., None], shape_BTK)
+    flat = cache_LBKSH.reshape(L * B * K, S, H)
+    flat = flat.at[rows_BTK, slots_BTK, :].set(new_BTKH.astype(flat.dtype), mode="drop")
+    return flat.reshape(L, B, K, S, H)
 
 
 def write(cache_LBKSH, layer, new_BTKH, start_B):

@@ -162,6 +162,34 @@ def test_the_sampling_loop_copies_no_layer_out_of_the_cache():
     assert not cuts, cuts[:2]
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_decoding_step_copies_no_layers_cache(B):
+    """Each step writes its keys/values into the cache in place and the attention dots read
+    the cache where it lies: the compiled loop holds no copy, transposed or not, of a
+    layer's keys or values (at one row, formerly two per layer and step)."""
+    import math
+    import re
+
+    from attnlab import build_model
+    from attnlab.decode.compiled import Decoder
+    from attnlab.decode.sampling import SamplingConfig
+
+    cfg = ModelConfig(**CFG)
+    dec, params = Decoder.for_model(build_model(cfg, seed=0))
+    S = 16
+    cache = init_cache(cfg, B, S)
+    args = (jnp.zeros((B, cfg.vocab_size)), jax.random.key(0), 4, -1, 0, SamplingConfig().traced())
+    hlo = dec.sample_loop.lower(params, cache, *args, return_logits=False).compile().as_text()
+    size = B * cfg.n_kv_heads * S * cfg.head_dim
+    copies = [
+        line.strip()[:120]
+        for line in hlo.splitlines()
+        if (m := re.search(r"%(?:copy|transpose)\S* = f32\[([\d,]+)\]", line))
+        and math.prod(int(d) for d in m.group(1).split(",")) == size
+    ]
+    assert not copies, copies[:4]
+
+
 # ------------------------------------------------------------------------------------------
 # Ring buffers: W slots, position p in slot p % W
 # ------------------------------------------------------------------------------------------

@@ -316,3 +316,26 @@ def test_mask_of_wrong_rank_raises():
     q, k, v = _qkv(25, 4, 2)
     with pytest.raises(ValueError, match="must be 4-D"):
         dot_product_attention(q, k, v, mask=jnp.ones((T, S), bool))
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
+def test_one_query_path_matches_float64_reference(heads):
+    """A single query per row (a decoding step) under ``"auto"`` on CPU runs
+    ``one_query_attention``; it equals the float64 reference with a padding mask (row 1
+    sees 3 keys), a per-head bias, and a row whose keys are all masked (zeros)."""
+    from attnlab.ops.attention import one_query_attention
+
+    N, K = HEADS[heads]
+    rng = np.random.default_rng(21)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+               ((3, 1, N, H), (3, S, K, H), (3, S, K, H)))  # fmt: skip
+    mask = jnp.asarray(np.arange(S)[None, None, None, :] < np.array([S, 3, 0])[:, None, None, None])
+    bias = jnp.asarray(rng.standard_normal((1, N, 1, S)), jnp.float32)
+    want, _ = ref.attention(q, k, v, mask=mask, bias=bias)
+    assert np.all(want[2] == 0.0)
+    for got in (
+        jax.jit(lambda *a: one_query_attention(*a, mask=mask, bias=bias))(q, k, v),
+        dot_product_attention(q, k, v, mask=mask, bias=bias, implementation="auto"),
+    ):
+        assert got.shape == q.shape and got.dtype == q.dtype
+        np.testing.assert_allclose(np.asarray(got), want, **TOL)

@@ -15,7 +15,8 @@ Implementations, all behind one signature:
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only).
 * ``"auto"`` (the model default): on CPU, ``"chunked"`` from ``AUTO_CHUNKED_MIN_T`` queries
   on, with ``AUTO_BLOCK`` blocks up to ``AUTO_BLOCK_MAX_LEN`` (its own defaults beyond),
-  where no weights, ``logits_fn`` or dropout are asked for; otherwise
+  and ``one_query_attention`` for a single query (a decoding step), where no weights,
+  ``logits_fn`` or dropout are asked for; otherwise
   ``jax.nn.dot_product_attention`` choosing for itself (cuDNN's fused kernel on a GPU where
   it applies, else XLA's).
 * ``"chunked"``: ``attnlab.ops.chunked``, blockwise with an online softmax and a custom
@@ -143,6 +144,37 @@ def _fused_attention(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, implementatio
     return out_BTNH
 
 
+def one_query_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None):
+    """Attention of a single query per row (a decoding step), with the keys and values
+    contracted in ``[B, K, S, H]`` order, the order the KV cache stores them.
+
+    The cache hands a layer over as a transposed view (``[B, S, K, H]``); contracting that
+    view, XLA:CPU copies each layer's keys and values into a new layout at every token
+    (12 copies of 0.1 ms per token for GPT-2 small). Swapping the axes back cancels the
+    view, and the dots read the cache where it lies: 0.29 ms against 1.9 ms for 12 layers'
+    attention over 128 cached tokens (one query, 12 heads of 64, one row).
+    """
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    G = N // K
+    scale = H**-0.5 if scale is None else scale
+    q_BKGH = q_BTNH.reshape(B, K, G, H)
+    k_BKSH, v_BKSH = jnp.swapaxes(k_BSKH, 1, 2), jnp.swapaxes(v_BSKH, 1, 2)
+    f32 = jnp.float32
+    logits_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=f32)
+    logits_BKGS = logits_BKGS * scale
+    if bias is not None:
+        logits_BKGS = logits_BKGS + _to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(f32)
+    if mask is not None:
+        mask_BKGS = _to_BKGTS(mask, B, K, G, 1, S)[:, :, :, 0].astype(bool)
+        logits_BKGS = jnp.where(mask_BKGS, logits_BKGS, _MASK_VALUE)
+    weights_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
+    if mask is not None:
+        weights_BKGS = jnp.where(mask_BKGS, weights_BKGS, 0.0)
+    out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", weights_BKGS.astype(v_BSKH.dtype), v_BKSH)
+    return out_BKGH.reshape(B, 1, N, H)
+
+
 def cpu_prefers_chunked(T: int) -> bool:
     """Whether ``"auto"`` runs the chunked path for ``T`` queries (when nothing rules it out)."""
     return T >= AUTO_CHUNKED_MIN_T and jax.default_backend() == "cpu"
@@ -199,6 +231,12 @@ def dot_product_attention(
         implementation = "chunked"
         if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
             block_q = block_k = AUTO_BLOCK
+    if implementation == "auto" and plain and T == 1 and jax.default_backend() == "cpu":
+        if isinstance(mask, MaskSpec):
+            mask = mask.dense()
+        if isinstance(bias, PositionBias):
+            bias = bias.dense()
+        return one_query_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale)
     if implementation == "chunked" and not return_weights:
         if logits_fn is not None:
             raise ValueError(
