@@ -46,6 +46,7 @@ from flax import nnx
 
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
 from attnlab.decode import Decoder, SamplingConfig, generate
+from attnlab.decode.api import cache_slots
 
 MODELS = {
     "small": dict(n_layers=4, n_heads=4, d_model=128, vocab_size=256, max_len=1024),
@@ -132,7 +133,8 @@ def throughput(name, model, args):
         )
         rows.append(
             dict(model=name, batch=B, mode="cached", prompt_len=args.prompt_len, new_tokens=n,
-                 cache_len=cfg.max_len, seconds=wall, tokens_per_s=B * n / wall,
+                 cache_len=cache_slots(args.prompt_len + n, cfg.max_len), seconds=wall,
+                 tokens_per_s=B * n / wall,
                  cpu_seconds=cpu, tokens_per_cpu_s=B * n / cpu)
         )  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)

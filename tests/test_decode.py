@@ -191,6 +191,37 @@ def test_long_generation_through_cache_phases_matches_full_forward():
         np.testing.assert_array_equal(out.tokens[b], np.argmax(full[b, at], axis=-1))
 
 
+def test_a_short_generation_gets_a_cache_of_the_phase_it_needs(monkeypatch):
+    """The cache holds the smallest loop phase that fits prompt + new tokens (not the
+    whole capacity), and the tokens are those of a generation over the full capacity."""
+    from attnlab.decode.api import cache_slots
+
+    assert [cache_slots(n, 1024) for n in (1, 80, 128, 129, 600, 1024)] == [
+        128, 128, 128, 256, 1024, 1024
+    ]  # fmt: skip
+    assert cache_slots(5, 64) == 64 and cache_slots(300, 1000) == 500
+    model = build_model(ModelConfig(**{**TINY, "max_len": 1024}), seed=2)
+    decoder, params = Decoder.for_model(model)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    sizes = []
+    real_init = attnlab.kv_cache.init_cache
+    monkeypatch.setattr(
+        attnlab.kv_cache, "init_cache", lambda *a, **k: sizes.append(a[2]) or real_init(*a, **k)
+    )
+    out = generate(model, prompts, 12)
+    assert sizes == [128]
+    monkeypatch.undo()
+    # The same greedy loop over a 1024-slot cache, by hand.
+    cache = init_cache(model.cfg, 2, 1024)
+    ids = np.array([[3, 4, 5, 6], [7, 8, 0, 0]], np.int32)
+    logits_BV, cache = decoder.prefill(params, cache, jnp.asarray(ids), jnp.asarray([4, 2]))
+    full = decoder.sample_loop(
+        params, cache, logits_BV, jax.random.key(0), np.int32(12), np.int32(-1), np.int32(0),
+        SamplingConfig().traced(), return_logits=False,
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.tokens, np.asarray(full["tokens_BS"])[:, :12])
+
+
 def test_loop_updates_the_cache_in_place(lm):
     """No cache-sized copy or transpose in the compiled loop: the cache layout matches the
     attention dots and the while loop carries the cache in place."""

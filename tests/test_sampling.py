@@ -154,3 +154,20 @@ def test_new_sampling_values_reuse_the_compiled_loop():
     greedy = generate(model, prompts, 8, return_logits=True)
     np.testing.assert_array_equal(greedy.tokens, np.argmax(greedy.logits, -1))
     np.testing.assert_array_equal(outs[-1].tokens, greedy.tokens)
+
+
+def test_greedy_argmax_is_numpys_first_maximum():
+    """``sampling.argmax`` (a max and a min, faster on CPU) picks what ``np.argmax`` picks:
+    the first of tied maxima, the first NaN, index 0 of an all -inf row."""
+    from attnlab.decode.sampling import argmax
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 50257)).astype(np.float32)
+    x[1, [7, 9000, 40000]] = 9.0  # ties
+    x[2, [5, 17]] = np.nan
+    x[3] = -np.inf
+    x[4, -1] = np.inf
+    x[5] = np.round(x[5])  # many ties
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

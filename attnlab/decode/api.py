@@ -16,6 +16,7 @@ from attnlab import kv_cache
 from attnlab.config import DTYPES
 from attnlab.decode import checks
 from attnlab.decode.compiled import Decoder, chunk_size
+from attnlab.decode.loops import phases
 from attnlab.decode.recompute import recompute_loop
 from attnlab.decode.sampling import SamplingConfig
 from attnlab.errors import DecodeError
@@ -38,6 +39,14 @@ class GenerationResult:
 def bucket(n: int, cap: int, smallest: int = 16) -> int:
     """``n`` rounded up to a power of two (at least ``smallest``, at most ``cap``)."""
     return min(cap, max(smallest, 1 << max(int(n) - 1, 0).bit_length()))
+
+
+def cache_slots(needed: int, cap: int) -> int:
+    """The slots a generation's cache gets: the smallest of the loop's phase sizes
+    (``loops.phases(cap)``) that holds the ``needed`` positions, else ``cap``. A short
+    generation then neither allocates nor carries the whole capacity (604 MB of zeros for
+    GPT-2 small at batch 8), and at most ``len(phases(cap))`` programs serve every length."""
+    return next((size for size in phases(cap) if size >= needed), cap)
 
 
 def padded(ids_BP, lengths_B, width: int, pad_id: int) -> np.ndarray:
@@ -323,7 +332,8 @@ def generate(
 
     decoder = Decoder.for_graph(graphdef, cfg)
     tokens_BT = padded(ids_BP, lengths_B, bucket(int(lengths_B.max()), cap), pad_id)
-    placed = on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring)
+    slots = cache_slots(max(int(lengths_B.max()) + n, tokens_BT.shape[1]), cap)
+    placed = on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, slots, ring)
     with placed.context:
         cache = placed.cache
         if seq2seq:

@@ -119,9 +119,20 @@ def filter_logits(logits_BV, sampling: SamplingConfig):
     return min_p_filter(logits_BV, sampling.min_p)
 
 
+def argmax(logits_BV):
+    """``jnp.argmax`` over the last axis as ``[B]`` int32 (the first maximum; the first NaN
+    where there is one), as a max and a min: XLA:CPU runs ``argmax``'s paired (value,
+    index) reduction about 3x slower over a 50,257-token vocabulary."""
+    V = logits_BV.shape[-1]
+    top_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    index_BV = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
+    hit_BV = (logits_BV == top_B1) | jnp.isnan(logits_BV)
+    return jnp.min(jnp.where(hit_BV, index_BV, V), axis=-1)
+
+
 def sample(logits_BV, key, sampling: SamplingConfig):
     """One token id per row, ``[B]`` int32; exactly the argmax when the temperature is 0."""
-    greedy_fn = lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    greedy_fn = lambda: argmax(logits_BV)
     if _concrete(sampling.temperature) and sampling.temperature == 0.0:
         return greedy_fn()
 
