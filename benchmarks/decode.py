@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
-from attnlab.decode import Decoder, SamplingConfig, generate
+from attnlab.decode import Decoder, SamplingConfig, generate, unstacked
 from attnlab.decode.api import cache_slots
 
 MODELS = {
@@ -268,6 +268,13 @@ def main(argv=None):
     parser.add_argument(
         "--decode-layers", default="auto", help="ModelConfig.decode_layers for the throughput"
     )
+    parser.add_argument(
+        "--unstacked-model",
+        action="store_true",
+        help="generate with attnlab.decode.unstacked(model): the layers held as separate "
+        "blocks once, as a model kept only for generation (default: build_model's stacked "
+        "model, each call slicing the layers itself)",
+    )
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument(
         "--dtype", default=None, help="decode in this dtype (generate's dtype), e.g. bfloat16"
@@ -302,7 +309,9 @@ def main(argv=None):
             ),
             cache="ring" if ring_cache(cfg, args) else "linear",
         )
-        out["throughput"] += throughput(name, model, args)
+        out["throughput"] += throughput(
+            name, unstacked(model) if args.unstacked_model else model, args
+        )
         if not args.skip_contexts:
             out["per_token"] += per_token(name, model, args)
     if not args.skip_compile:

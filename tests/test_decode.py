@@ -222,6 +222,25 @@ def test_a_short_generation_gets_a_cache_of_the_phase_it_needs(monkeypatch):
     np.testing.assert_array_equal(out.tokens, np.asarray(full["tokens_BS"])[:, :12])
 
 
+def test_an_unstacked_model_generates_what_the_stacked_one_does(lm, s2s):
+    """``unstacked(model)`` holds the decoder's layers as separate blocks (the argument keeps
+    its stacked layers) and generates the same tokens and logits, for both decoder
+    architectures; a model whose loop scans its layers comes back as it is."""
+    from attnlab.decode import unstacked
+
+    for model, kw in ((lm, {}), (s2s, dict(start_id=1))):
+        flat = unstacked(model)
+        assert isinstance(flat.decoder.layers, nnx.List)
+        assert not isinstance(model.decoder.layers, nnx.List)
+        for sampling in (dict(), dict(temperature=0.8, seed=3)):
+            a = generate(model, PROMPTS, 9, return_logits=True, **kw, **sampling)
+            b = generate(flat, PROMPTS, 9, return_logits=True, **kw, **sampling)
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logits, b.logits, atol=1e-6, rtol=0)
+    scanned = build_model(ModelConfig(**TINY, decode_layers="scan"), seed=0)
+    assert unstacked(scanned) is scanned
+
+
 def test_loop_updates_the_cache_in_place(lm):
     """No cache-sized copy or transpose in the compiled loop: the cache layout matches the
     attention dots and the while loop carries the cache in place."""

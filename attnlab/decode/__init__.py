@@ -10,13 +10,16 @@ Conventions:
   cache)`` and a cache; nothing in them depends on the architecture. ``prefill`` runs a
   whole right-padded prompt in one pass; ``decode_step`` appends one token per row. Beam
   search repeats each prefilled row ``num_beams`` times, for either architecture.
-* Static shapes: the cache capacity ``S`` (``max_len``, default ``ModelConfig.max_len``)
-  fixes every shape; ``max_new_tokens``, the special ids and every sampling setting
-  (temperature, top-k, top-p, min-p) are traced scalars and generated ids go to a
-  ``[B, S]`` buffer, so generating 10 or 1000 tokens, hot or greedy, runs the same
-  compiled programs. Prompts are padded to the next power of two (at least 16) so prompt
-  lengths share programs too. A smaller ``max_len`` gives a smaller cache and faster
-  compiles.
+* Static shapes: the cache gets the smallest loop phase (below) that holds prompt + new
+  tokens, up to the capacity (``max_len``, default ``ModelConfig.max_len``;
+  ``api.cache_slots``), and that size ``S`` fixes every shape; ``max_new_tokens``, the
+  special ids and every sampling setting (temperature, top-k, top-p, min-p) are traced
+  scalars and generated ids go to a ``[B, S]`` buffer, so generations of any length, hot
+  or greedy, share at most ``len(phases(max_len))`` compiled programs (one below 256
+  slots). Prompts are padded to the next power of two (at least 16) so prompt lengths
+  share programs too. A smaller ``max_len`` gives a smaller cache and faster compiles.
+* ``unstacked(model)``: a model that will only generate, with its decoder's layers held
+  as separate blocks, so no call copies weights out of the stacked layout.
 * Phases: a loop over a large cache runs over growing prefixes of it (``phases``: the
   capacity halved up to three times, none below 128 slots), so a step's attention reads
   about as much cache as the sequence needs, not the whole capacity, in the same program.
@@ -40,7 +43,7 @@ Conventions:
 
 from attnlab.decode.api import STOP_REASONS, GenerationResult, generate
 from attnlab.decode.checks import check_ids
-from attnlab.decode.compiled import Decoder
+from attnlab.decode.compiled import Decoder, unstacked
 from attnlab.decode.loops import beam_loop, phases, sample_loop, while_in_phases
 from attnlab.decode.sampling import (
     SamplingConfig,
@@ -66,5 +69,6 @@ __all__ = [
     "sample_loop",
     "top_k_filter",
     "top_p_filter",
+    "unstacked",
     "while_in_phases",
 ]

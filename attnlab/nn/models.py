@@ -253,9 +253,14 @@ class EncoderDecoder(nnx.Module):
         """Computes every decoder layer's cross-attention keys/values once, into the cache."""
         B, S, _ = enc_BSD.shape
         src_valid_BS = jnp.ones((B, S), bool) if src_valid_BS is None else src_valid_BS
-        graphdef, params = nnx.split(self.decoder.layers)
-        project = lambda p: nnx.merge(graphdef, p).cross_attn.project_kv(enc_BSD)
-        k_LBSKH, v_LBSKH = jax.vmap(project)(params)
+        layers = self.decoder.layers
+        if isinstance(layers, nnx.List):  # separate blocks (``Stack.unstack``)
+            kv = [block.cross_attn.project_kv(enc_BSD) for block in layers]
+            k_LBSKH, v_LBSKH = (jnp.stack(x) for x in zip(*kv, strict=True))
+        else:
+            graphdef, params = nnx.split(layers)
+            project = lambda p: nnx.merge(graphdef, p).cross_attn.project_kv(enc_BSD)
+            k_LBSKH, v_LBSKH = jax.vmap(project)(params)
         head_major = lambda x: jnp.swapaxes(x, 2, 3).astype(cache.k.dtype)  # [L, B, K, S, H]
         return cache.replace(
             cross_k=head_major(k_LBSKH),
