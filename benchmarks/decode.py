@@ -309,9 +309,9 @@ def main(argv=None):
             ),
             cache="ring" if ring_cache(cfg, args) else "linear",
         )
-        out["throughput"] += throughput(
-            name, unstacked(model) if args.unstacked_model else model, args
-        )
+        if args.unstacked_model:
+            model = unstacked(model)
+        out["throughput"] += throughput(name, model, args)
         if not args.skip_contexts:
             out["per_token"] += per_token(name, model, args)
     if not args.skip_compile:
