@@ -82,6 +82,15 @@ def _to_BKGTS(x, B, K, G, T, S):
     return jnp.broadcast_to(x, (B, K, G, T, S))
 
 
+def _masked_softmax(logits, mask):
+    """Softmax over the last axis where ``mask`` (None: everywhere) allows; zero elsewhere,
+    so a fully masked row gets all-zero weights rather than a uniform average."""
+    if mask is None:
+        return jax.nn.softmax(logits, axis=-1)
+    weights = jax.nn.softmax(jnp.where(mask, logits, _MASK_VALUE), axis=-1)
+    return jnp.where(mask, weights, 0.0)
+
+
 def reference_attention(
     q_BTNH,
     k_BSKH,
@@ -114,13 +123,8 @@ def reference_attention(
         logits_BKGTS = logits_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
     if logits_fn is not None:
         logits_BKGTS = logits_fn(logits_BKGTS)
-    if mask is not None:
-        mask_BKGTS = _to_BKGTS(mask, B, K, G, T, S).astype(bool)
-        logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS, _MASK_VALUE)
-    weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-    if mask is not None:
-        # A fully masked row would otherwise be uniform over masked keys: zero it.
-        weights_BKGTS = jnp.where(mask_BKGTS, weights_BKGTS, 0.0)
+    mask_BKGTS = None if mask is None else _to_BKGTS(mask, B, K, G, T, S).astype(bool)
+    weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BKGTS)
     used_BKGTS = dropout(weights_BKGTS, dropout_rate, dropout_key)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", used_BKGTS.astype(v_BSKH.dtype), v_BSKH)
     return out_BTKGH.reshape(B, T, N, H), weights_BKGTS.reshape(B, N, T, S)
@@ -165,12 +169,8 @@ def one_query_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=N
     logits_BKGS = logits_BKGS * scale
     if bias is not None:
         logits_BKGS = logits_BKGS + _to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(f32)
-    if mask is not None:
-        mask_BKGS = _to_BKGTS(mask, B, K, G, 1, S)[:, :, :, 0].astype(bool)
-        logits_BKGS = jnp.where(mask_BKGS, logits_BKGS, _MASK_VALUE)
-    weights_BKGS = jax.nn.softmax(logits_BKGS, axis=-1)
-    if mask is not None:
-        weights_BKGS = jnp.where(mask_BKGS, weights_BKGS, 0.0)
+    mask_BKGS = None if mask is None else _to_BKGTS(mask, B, K, G, 1, S)[:, :, :, 0].astype(bool)
+    weights_BKGS = _masked_softmax(logits_BKGS, mask_BKGS)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", weights_BKGS.astype(v_BSKH.dtype), v_BKSH)
     return out_BKGH.reshape(B, 1, N, H)
 
@@ -231,12 +231,6 @@ def dot_product_attention(
         implementation = "chunked"
         if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
             block_q = block_k = AUTO_BLOCK
-    if implementation == "auto" and plain and T == 1 and jax.default_backend() == "cpu":
-        if isinstance(mask, MaskSpec):
-            mask = mask.dense()
-        if isinstance(bias, PositionBias):
-            bias = bias.dense()
-        return one_query_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale)
     if implementation == "chunked" and not return_weights:
         if logits_fn is not None:
             raise ValueError(
@@ -260,6 +254,8 @@ def dot_product_attention(
         mask = mask.dense()
     if isinstance(bias, PositionBias):
         bias = bias.dense()
+    if implementation == "auto" and plain and T == 1 and jax.default_backend() == "cpu":
+        return one_query_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale)
     if return_weights or implementation == "reference" or logits_fn is not None or drop:
         out_BTNH, weights_BNTS = reference_attention(
             q_BTNH,
