@@ -383,6 +383,17 @@ def to_json(cfg: ConfigDict) -> str:
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
 
 
+def flat_keys(values: dict, prefix: str = "") -> dict:
+    """A nested dict (a config as ``to_json`` writes it) as ``{"model.d_model": 128, ...}``."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def from_json(text: str) -> ConfigDict:
     """Rebuilds a saved config on ``base_config()`` so its field types stay locked."""
     values = json.loads(text)

@@ -75,28 +75,20 @@ def append_jsonl(path: pathlib.Path, record: dict):
         f.write(json.dumps(record) + "\n")
 
 
-def _flat(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_changes(workdir: pathlib.Path, cfg) -> list[str]:
     """``key: saved -> now`` for each value ``cfg`` changes against ``DIR/config.json``."""
     path = workdir / CONFIG_FILE
     if not path.is_file():
         return []
     try:
-        saved = _flat(json.loads(path.read_text()))
+        saved = experiment.flat_keys(json.loads(path.read_text()))
     except (OSError, ValueError) as e:
         raise WorkdirError(
             f"{path} cannot be read ({one_line(e)}); restore it or use a new --workdir"
         ) from None
-    now = _flat(json.loads(experiment.to_json(cfg)))  # as JSON holds them (tuples are lists)
+    now = experiment.flat_keys(
+        json.loads(experiment.to_json(cfg))
+    )  # as JSON holds them (tuples are lists)
     return [
         f"{k}: {saved.get(k)!r} -> {now.get(k)!r}"
         for k in sorted(set(saved) | set(now))

@@ -21,6 +21,7 @@ import math
 import pathlib
 import statistics
 
+from attnlab.experiment import flat_keys
 from attnlab.sweep.spec import format_value
 
 TRIAL_FIELDS = (
@@ -52,22 +53,12 @@ def _metrics(trial_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _flat(values: dict, prefix="") -> dict:
-    out = {}
-    for k, v in values.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _trials(root: pathlib.Path) -> list[tuple[str, dict]]:
     manifest = _read_json(root / "sweep.json")
     if manifest is not None:
         return [(t["name"], t["overrides"]) for t in manifest["trials"]]
     dirs = sorted(p for p in root.iterdir() if (p / "config.json").exists())
-    configs = {d.name: _flat(json.loads((d / "config.json").read_text())) for d in dirs}
+    configs = {d.name: flat_keys(json.loads((d / "config.json").read_text())) for d in dirs}
     keys = sorted({k for c in configs.values() for k in c})
     varied = [k for k in keys if len({json.dumps(c.get(k)) for c in configs.values()}) > 1]
     return [(name, {k: c.get(k) for k in varied}) for name, c in configs.items()]
