@@ -155,9 +155,9 @@ def verify(path) -> bool:
 def prepared_task(cfg, workdir=None, host=(0, 1)):
     """The language-model task of a prepared corpus (``data.path``)."""
     from attnlab.data.tasks import TOKENIZER_FILE as RUN_TOKENIZER
-    from attnlab.data.tasks import _field, token_task
+    from attnlab.data.tasks import config_field, token_task
 
-    path = pathlib.Path(_field(cfg, "path"))
+    path = pathlib.Path(config_field(cfg, "path"))
     meta, tok, tokens = open_prepared(path)
     if workdir is not None and not (pathlib.Path(workdir) / RUN_TOKENIZER).exists():
         pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)

@@ -178,7 +178,7 @@ class Task:
         return f"Task(name={self.name!r}, kind={self.kind!r}, vocab_size={self.vocab_size})"
 
 
-def _field(cfg, name):
+def config_field(cfg, name):
     value = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
     return _DEFAULTS[name] if value is None else value
 
@@ -266,27 +266,29 @@ def _spread_starts(ids, length, count):
 
 
 def _text_task(cfg, workdir, mlm, host=(0, 1)):
-    name = _field(cfg, "kind")
-    text = _load_corpus(_field(cfg, "path"), _field(cfg, "max_chars"))
-    tokenizer = _text_tokenizer(_field(cfg, "tokenizer"), text, workdir, _field(cfg, "vocab_size"))
+    name = config_field(cfg, "kind")
+    text = _load_corpus(config_field(cfg, "path"), config_field(cfg, "max_chars"))
+    tokenizer = _text_tokenizer(
+        config_field(cfg, "tokenizer"), text, workdir, config_field(cfg, "vocab_size")
+    )
     try:
         ids = tokenizer.encode(text)
     except ValueError as err:
         where = f" (vocabulary loaded from {pathlib.Path(workdir) / TOKENIZER_FILE})"
         raise DataError(f"data.path: {err}{where if workdir is not None else ''}") from err
-    train, val = split_train_val(ids, _field(cfg, "val_fraction"))
+    train, val = split_train_val(ids, config_field(cfg, "val_fraction"))
     return token_task(cfg, name, tokenizer, train, val, mlm=mlm, host=host)
 
 
 def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1)) -> Task:
     """A text task over token arrays (in memory or memory-mapped); windows are read by index."""
-    seq_len = _field(cfg, "seq_len")
+    seq_len = config_field(cfg, "seq_len")
     window = seq_len if mlm else seq_len + 1
     for split, part in (("train", train), ("validation", val)):
         if len(part) < window:
             raise DataError(
                 f"the {split} split has {len(part)} tokens, fewer than one window of {window} "
-                f"(data.seq_len={seq_len}, data.val_fraction={_field(cfg, 'val_fraction')}): "
+                f"(data.seq_len={seq_len}, data.val_fraction={config_field(cfg, 'val_fraction')}): "
                 "use a longer text, a smaller --config.data.seq_len or another "
                 "--config.data.val_fraction"
             )
@@ -321,7 +323,7 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1)) -> T
         )
 
     mask_id = tokenizer.vocab_size
-    mask_rate = _field(cfg, "mask_rate")
+    mask_rate = config_field(cfg, "mask_rate")
 
     def corrupt(rng, window_ids):
         valid = np.ones(window_ids.shape, bool)
@@ -370,16 +372,16 @@ _GENERATORS = {
 
 
 def _synthetic_task(cfg):
-    name, seq_len = _field(cfg, "kind"), _field(cfg, "seq_len")
-    num_symbols = 10 if name == "addition" else _field(cfg, "num_symbols")
-    min_len = _field(cfg, "min_len")
-    max_len = _field(cfg, "max_len") or synthetic.max_len_for(name, seq_len, num_symbols)
+    name, seq_len = config_field(cfg, "kind"), config_field(cfg, "seq_len")
+    num_symbols = 10 if name == "addition" else config_field(cfg, "num_symbols")
+    min_len = config_field(cfg, "min_len")
+    max_len = config_field(cfg, "max_len") or synthetic.max_len_for(name, seq_len, num_symbols)
     synthetic.check_lengths(name, seq_len, num_symbols, min_len, max_len)
     options = {"min_len": min_len, "max_len": max_len}
     if name != "addition":
         options["num_symbols"] = num_symbols
     if name == "mlm":
-        options["mask_rate"] = _field(cfg, "mask_rate")
+        options["mask_rate"] = config_field(cfg, "mask_rate")
     generate = _GENERATORS[name]
 
     def sample(rng, batch_size):
@@ -427,7 +429,7 @@ def make_task(data_cfg, workdir=None, host=(0, 1)) -> Task:
     reads a directory written by ``attnlab data prepare`` (``data.path``), memory-mapped.
     ``host`` = (process index, process count): which rows of each training batch to read.
     """
-    name = _field(data_cfg, "kind")
+    name = config_field(data_cfg, "kind")
     if name not in TASK_KINDS:
         raise DataError(f"data.kind must be one of {', '.join(TASK_KINDS)}; got {name!r}")
     if name in ("text", "mlm_text"):

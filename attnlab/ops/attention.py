@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from attnlab.ops.chunked import chunked_attention
 from attnlab.ops.linear import dropout
-from attnlab.ops.masks import MaskSpec
+from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
 
 IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto", "chunked")
@@ -50,9 +50,6 @@ IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto", "chunked")
 AUTO_CHUNKED_MIN_T = 128
 AUTO_BLOCK = 64
 AUTO_BLOCK_MAX_LEN = 1024
-
-# Finite stand-in for -inf: keeps softmax and its gradient free of NaN on masked rows.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _check_shapes(q_BTNH, k_BSKH, v_BSKH):
@@ -70,7 +67,7 @@ def _check_shapes(q_BTNH, k_BSKH, v_BSKH):
         raise ValueError(f"head dims differ: q H={q_BTNH.shape[-1]}, k H={k_BSKH.shape[-1]}")
 
 
-def _to_BKGTS(x, B, K, G, T, S):
+def to_BKGTS(x, B, K, G, T, S):
     """Broadcasts a [B|1, N|1, T|1, S|1] mask or bias to [B, K, G, T, S]."""
     x = jnp.asarray(x)
     if x.ndim != 4:
@@ -87,7 +84,7 @@ def _masked_softmax(logits, mask):
     so a fully masked row gets all-zero weights rather than a uniform average."""
     if mask is None:
         return jax.nn.softmax(logits, axis=-1)
-    weights = jax.nn.softmax(jnp.where(mask, logits, _MASK_VALUE), axis=-1)
+    weights = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
     return jnp.where(mask, weights, 0.0)
 
 
@@ -120,10 +117,10 @@ def reference_attention(
         jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
     )
     if bias is not None:
-        logits_BKGTS = logits_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+        logits_BKGTS = logits_BKGTS + to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
     if logits_fn is not None:
         logits_BKGTS = logits_fn(logits_BKGTS)
-    mask_BKGTS = None if mask is None else _to_BKGTS(mask, B, K, G, T, S).astype(bool)
+    mask_BKGTS = None if mask is None else to_BKGTS(mask, B, K, G, T, S).astype(bool)
     weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BKGTS)
     used_BKGTS = dropout(weights_BKGTS, dropout_rate, dropout_key)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", used_BKGTS.astype(v_BSKH.dtype), v_BSKH)
@@ -168,8 +165,8 @@ def one_query_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=N
     logits_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=f32)
     logits_BKGS = logits_BKGS * scale
     if bias is not None:
-        logits_BKGS = logits_BKGS + _to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(f32)
-    mask_BKGS = None if mask is None else _to_BKGTS(mask, B, K, G, 1, S)[:, :, :, 0].astype(bool)
+        logits_BKGS = logits_BKGS + to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(f32)
+    mask_BKGS = None if mask is None else to_BKGTS(mask, B, K, G, 1, S)[:, :, :, 0].astype(bool)
     weights_BKGS = _masked_softmax(logits_BKGS, mask_BKGS)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", weights_BKGS.astype(v_BSKH.dtype), v_BKSH)
     return out_BKGH.reshape(B, 1, N, H)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab.ops.masks import MaskSpec
+from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
 
 # Measured on a 2-core CPU (benchmarks/attention.py, H=64): 128-256 blocks run the block
@@ -42,9 +42,6 @@ from attnlab.ops.positions import PositionBias
 # [tq, tk] float32 logits fall out of cache), and smaller blocks skip causal work more finely.
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
-
-# Finite stand-in for -inf (as in attnlab.ops.attention): masked logits never make NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 class _Static(NamedTuple):
@@ -136,7 +133,7 @@ def _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad):
         s = s + b
     allowed = _mask_block(mask, i, j, st, S_pad)
     if allowed is not None:
-        s = jnp.where(allowed, s, _MASK_VALUE)
+        s = jnp.where(allowed, s, MASK_VALUE)
     return s, allowed
 
 
@@ -159,7 +156,7 @@ def _forward(st: _Static, q, k, v, mask, bias):
             s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
-            if allowed is not None:  # a row masked so far has m_new == _MASK_VALUE: p = 1
+            if allowed is not None:  # a row masked so far has m_new == MASK_VALUE: p = 1
                 p = jnp.where(allowed, p, 0.0)
             correction = jnp.exp(m - m_new)
             denom = denom * correction + p.sum(-1)
@@ -169,7 +166,7 @@ def _forward(st: _Static, q, k, v, mask, bias):
             return m_new, denom, acc * correction[..., None] + pv
 
         init = (
-            jnp.full((B, K, G, tq), _MASK_VALUE, jnp.float32),
+            jnp.full((B, K, G, tq), MASK_VALUE, jnp.float32),
             jnp.zeros((B, K, G, tq), jnp.float32),
             jnp.zeros((B, K, G, tq, H), jnp.float32),
         )

@@ -68,7 +68,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from attnlab.ops.attention import dot_product_attention
-from attnlab.ops.ring import _fold, _prepare, _vary_like, chunk_mask, ring_attention
+from attnlab.ops.ring import chunk_mask, fold_key, prepare, ring_attention, vary_like
 
 __all__ = [
     "METHODS",
@@ -152,7 +152,7 @@ def all_gather_attention(
     ``ring_attention`` (``load_balance`` is accepted and changes nothing: the work is the
     same on every device), plus the ``dot_product_attention`` implementation."""
     del load_balance
-    _, scale = _prepare(q_BTNH, k_BSKH, v_BSKH, scale)
+    _, scale = prepare(q_BTNH, k_BSKH, v_BSKH, scale)
 
     def gather(x):
         return None if x is None else lax.all_gather(x, axis_name, axis=1, tiled=True)
@@ -177,7 +177,7 @@ def all_gather_attention(
         scale=scale,
         implementation=implementation,
         dropout_rate=dropout_rate,
-        dropout_key=_fold(dropout_key, lax.axis_index(axis_name)),
+        dropout_key=fold_key(dropout_key, lax.axis_index(axis_name)),
     )
 
 
@@ -291,7 +291,7 @@ def context_parallel_attention(
         if bias_fn is not None:
             # Varying over the ring here, so the table's gradient is summed over the
             # devices once, not at every block that reads it.
-            params = _vary_like(a["bias_params"], like=a["q"])
+            params = vary_like(a["bias_params"], like=a["q"])
             local_bias = functools.partial(bias_fn, params)
         key = a.get("dropout_key")
         if key is not None and batch + heads:

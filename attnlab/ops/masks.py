@@ -23,6 +23,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# Finite stand-in for -inf in masked logits: softmax and its gradient stay free of NaN on
+# rows with every key masked (attention, chunked and ring attention share it).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
 
 def _query_positions(T, offset):
     """[B|1, T] absolute positions of T queries starting at ``offset``."""

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attnlab.ops.attention import _MASK_VALUE, _to_BKGTS
+from attnlab.ops.attention import to_BKGTS
+from attnlab.ops.masks import MASK_VALUE
 
 
 def chunk_mask(
@@ -72,7 +73,7 @@ def _meta_mask(q_meta, k_meta, causal, window):
     )
 
 
-def _vary_like(x, like):
+def vary_like(x, like):
     """``x`` varying over every manual mesh axis that ``like`` varies over (inside
     ``shard_map``; unchanged outside it or without float values)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -88,7 +89,7 @@ def _varying(x) -> set:
     return set(kind.varying if kind is not None else getattr(aval, "vma", ()))
 
 
-def _fold(key, *data):
+def fold_key(key, *data):
     if key is None:
         return None
     for d in data:
@@ -96,7 +97,7 @@ def _fold(key, *data):
     return key
 
 
-def _prepare(q_BTNH, k_BSKH, v_BSKH, scale):
+def prepare(q_BTNH, k_BSKH, v_BSKH, scale):
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     if k_BSKH.shape != v_BSKH.shape or N % K or k_BSKH.shape[3] != H:
@@ -144,19 +145,19 @@ def _logits(ring, q_BTKGH, k_BSKH, q_meta, k_meta, window, bias_args):
     ) * jnp.float32(ring.scale)
     if ring.bias is not None:
         bias = ring.bias(q_meta["pos"], k_meta["pos"], *bias_args)
-        s_BKGTS = s_BKGTS + _to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+        s_BKGTS = s_BKGTS + to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
     mask = _meta_mask(q_meta, k_meta, ring.causal, window)
     if mask is None:
         return s_BKGTS, None
     mask_B11TS = mask[:, :, None]
-    return jnp.where(mask_B11TS, s_BKGTS, _MASK_VALUE), mask_B11TS
+    return jnp.where(mask_B11TS, s_BKGTS, MASK_VALUE), mask_B11TS
 
 
 def _keep(ring, key_data, me, src, i, j, shape):
     """Attention dropout's keep mask of query part ``i`` of this device and key part ``j``
     of device ``src``'s chunk: the same bits in the forward and the backward pass."""
     key = jax.random.wrap_key_data(key_data, impl=ring.key_impl)
-    key = _fold(key, me * ring.n + i, src * ring.n + j)
+    key = fold_key(key, me * ring.n + i, src * ring.n + j)
     return jax.random.bernoulli(key, 1.0 - ring.rate, shape)
 
 
@@ -226,7 +227,7 @@ def _ring_forward(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_ar
 
     zero_nBKGTH = jnp.zeros_like(jnp.moveaxis(q_nBTKGH, 2, 4), jnp.float32)
     zero_nBKGT = zero_nBKGTH[..., 0]
-    stats = (zero_nBKGT + _MASK_VALUE, zero_nBKGT, zero_nBKGTH)  # m, l, acc of each part
+    stats = (zero_nBKGT + MASK_VALUE, zero_nBKGT, zero_nBKGTH)  # m, l, acc of each part
     kv = {"k": k_BSKH, "v": v_BSKH, **kv_meta}
     if C > 1:
         (stats, kv), _ = lax.scan(step, (stats, kv), jnp.arange(C - 1))
@@ -301,7 +302,7 @@ def _ring_bwd(ring, residuals, dout_BTNH):
 
             def skip(_):
                 zeros = lambda x: jnp.zeros_like(x, jnp.float32)
-                ds = _vary_like(jnp.zeros((B, K, G, T // n, k_BSKH.shape[1]), jnp.float32), q_BTKGH)
+                ds = vary_like(jnp.zeros((B, K, G, T // n, k_BSKH.shape[1]), jnp.float32), q_BTKGH)
                 return zeros(q_BTKGH), zeros(k_BSKH), zeros(v_BSKH), ds
 
             mask = _meta_mask(q_m, k_m, ring.causal, window)
@@ -316,7 +317,7 @@ def _ring_bwd(ring, residuals, dout_BTNH):
 
                 def bias_BKGTS(*args):
                     bias = ring.bias(q_m["pos"], k_m["pos"], *args)
-                    return _to_BKGTS(bias, B, K, G, Tn, Sn).astype(jnp.float32)
+                    return to_BKGTS(bias, B, K, G, Tn, Sn).astype(jnp.float32)
 
                 d_args = jax.tree.map(jnp.add, d_args, jax.vjp(bias_BKGTS, *bias_args)[1](ds))
             return (dq_nBTKGH, dkv_n, d_args), None
@@ -381,7 +382,7 @@ def ring_attention(
     the block's chunk ids: a valid dropout, not the bits of the dense path. ``scale`` is
     a Python number (part of the program).
     """
-    (B, T, N, H, K, G), scale = _prepare(q_BTNH, k_BSKH, v_BSKH, scale)
+    (B, T, N, H, K, G), scale = prepare(q_BTNH, k_BSKH, v_BSKH, scale)
     n = 2 if load_balance else 1
     S = k_BSKH.shape[1]
     if T % n or S % n:
@@ -399,7 +400,7 @@ def ring_attention(
     # where a float that varies over fewer mesh axes than the queries meets them. So k and v
     # are made varying here, and the bias's arrays (perhaps a table replicated over the
     # ring) become explicit arguments whose gradient is taken outside the cond.
-    k_BSKH, v_BSKH = _vary_like(k_BSKH, q_BTNH), _vary_like(v_BSKH, q_BTNH)
+    k_BSKH, v_BSKH = vary_like(k_BSKH, q_BTNH), vary_like(v_BSKH, q_BTNH)
     bias, bias_args = None, ()
     if bias_fn is not None:
         example = (q_meta["pos"][:, : T // n], kv_meta["pos"][:, : S // n])

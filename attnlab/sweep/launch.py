@@ -22,7 +22,7 @@ from attnlab import experiment
 from attnlab.experiment import ExperimentError
 from attnlab.sweep.plan import Plan, Trial
 from attnlab.sweep.results import collect, write_results
-from attnlab.sweep.run import _run_one_by_one, _settled, write_manifest
+from attnlab.sweep.run import run_one_by_one, trial_settled, write_manifest
 
 LAUNCHERS = ("inprocess", "local", "slurm")
 JOB_FILE = "job.json"
@@ -75,7 +75,7 @@ def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
     where = {"pid": os.getpid(), "host": socket.gethostname()}
     where["job_id"] = os.environ.get("SUBMITIT_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     (trial_dir / JOB_FILE).write_text(json.dumps(where) + "\n")
-    _run_one_by_one(
+    run_one_by_one(
         [Trial(name, overrides, cfg)],
         pathlib.Path(root),
         progress=False,
@@ -103,7 +103,7 @@ def launch_sweep(
     write_manifest(plan, root)
     todo = []
     for t in plan.trials:
-        settled = _settled(t, root / t.name, retry_failed)
+        settled = trial_settled(t, root / t.name, retry_failed)
         if settled:
             log(f"skip {t.name} ({settled})")
         else:

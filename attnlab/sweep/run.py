@@ -54,7 +54,7 @@ def _write_status(trial, trial_dir, mode, status, reason=None, step=None):
     runs.atomic_write(trial_dir / STATUS_FILE, json.dumps(record, indent=2) + "\n")
 
 
-def _settled(trial, trial_dir, retry_failed) -> str | None:
+def trial_settled(trial, trial_dir, retry_failed) -> str | None:
     """ "finished"/"failed" when the trial needs no more work, else None."""
     status = read_status(trial_dir)
     saved = trial_dir / runs.CONFIG_FILE
@@ -92,7 +92,7 @@ def run_sweep(
     for i, group in enumerate(groups, 1):
         todo = []
         for t in group.trials:
-            settled = _settled(t, root / t.name, retry_failed)
+            settled = trial_settled(t, root / t.name, retry_failed)
             if settled:
                 log(f"skip {t.name} ({settled})")
             else:
@@ -101,7 +101,7 @@ def run_sweep(
             continue
         mode = group.mode if len(todo) > 1 else "sequential"
         log(f"group {i}: training {len(todo)} trial(s) ({mode})")
-        preempted = (_run_stacked if mode == "vmap" else _run_one_by_one)(
+        preempted = (_run_stacked if mode == "vmap" else run_one_by_one)(
             todo, root, progress=progress, stop_after=stop_after, log=log
         )
         if preempted:
@@ -132,7 +132,7 @@ def _run_stacked(trials, root, *, progress, stop_after, log) -> bool:
     return any(out["preempted"] for out in outcomes)
 
 
-def _run_one_by_one(trials, root, *, progress, stop_after, log) -> bool:
+def run_one_by_one(trials, root, *, progress, stop_after, log) -> bool:
     for t in trials:
         d = root / t.name
         _write_status(t, d, "sequential", "running")
