@@ -23,14 +23,13 @@ from attnlab import experiment
 TB_DIR = "tb"
 
 
-def _flat(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in values.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, bool | int | float | str) else json.dumps(v)
-    return out
+def _flat(values: dict) -> dict:
+    """Dotted keys (``experiment.flat_keys``) with scalar values; others as JSON text."""
+    scalar = bool | int | float | str
+    return {
+        k: v if isinstance(v, scalar) else json.dumps(v)
+        for k, v in experiment.flat_keys(values).items()
+    }
 
 
 class Tracker:
