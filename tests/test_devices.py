@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from attnlab import devices, experiment
@@ -81,9 +82,21 @@ def test_apply_in_a_fresh_process_gives_single_threaded_devices():
     assert out == ["True", "2", "--xla_cpu_multi_thread_eigen=false"]
 
 
+def _text(tmp_path):
+    """A corpus the test writes itself (the experiment's own text lives in the user's cache)."""
+    path = tmp_path / "text.txt"
+    if not path.exists():
+        words = ["the", "king", "shall", "speak", "of", "night", "and", "we", "hear", "it"]
+        rng = np.random.default_rng(0)
+        lines = (" ".join(rng.choice(words, 9)) + ".\n" for _ in range(1500))
+        path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
 def _train(tmp_path, name, setting):
     workdir = tmp_path / name
     cmd = [sys.executable, "-m", "attnlab.cli", "train", "--config", str(REPO / TINY)]
+    cmd += [f"--config.data.path={_text(tmp_path)}"]
     cmd += ["--workdir", str(workdir), "--no-progress", "--config.train.steps=4"]
     cmd += ["--config.eval.every_steps=4", "--config.checkpoint.every_steps=4"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
