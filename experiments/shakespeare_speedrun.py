@@ -36,6 +36,10 @@ Of the 38.2 s, 27.3 s are the training loop (its first 50 steps include compilin
 9-11k tokens/s after) and the rest start-up and the end: imports, the data, compiling the
 initial state, one evaluation and the checkpoint. The 12 s aim is not reached: at this
 machine's 9-11k tokens/s the 230k tokens alone take 21-25 s.
+
+On a later day this machine ran at twice that speed (matmul peak 329-393 GFLOP/s): the same
+recipe took 23.5, 18.9 and 19.2 s cold (eval_loss 1.8820 each time), of which 12.6 s the
+training loop (23-24k tokens/s after the first 50 steps) and ~6.5 s start-up and the end.
 """
 
 import pathlib
