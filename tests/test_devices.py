@@ -117,3 +117,46 @@ def test_a_run_on_two_cpu_devices_trains_like_one_on_one(tmp_path):
     assert len(pairs) >= 4
     for a, b in pairs:
         assert b == pytest.approx(a, rel=2e-5, abs=1e-6)
+
+
+_MANY_STEPS = """
+import sys
+import jax
+import numpy as np
+from attnlab import devices, experiment, sharding, train
+
+assert devices.apply(2)
+cfg = experiment.load_config(sys.argv[1], ["--config.train.batch_size=4"])
+trainer = train.Trainer(cfg, kind="lm", mesh=sharding.make_mesh({"data": 2}))
+state = trainer.init_state()
+rng = np.random.default_rng(0)
+T = int(cfg.data.seq_len)
+batches = [
+    {"inputs": rng.integers(0, 65, (4, T), dtype=np.int32),
+     "targets": rng.integers(0, 65, (4, T), dtype=np.int32),
+     "loss_mask": np.ones((4, T), np.float32)}
+    for _ in range(8)
+]
+for i in range(400):  # never reads a result: steps are dispatched as fast as they can be
+    state, metrics = trainer.train_step(state, batches[i % 8])
+batches = batches * 20
+two = trainer.evaluate(state["params"], batches)["eval_loss"]
+params = jax.device_get(state["params"])
+print(two, train.Trainer(cfg, kind="lm").evaluate(params, batches)["eval_loss"])
+"""
+
+
+def test_steps_dispatched_without_reading_results_do_not_hang_on_two_cpu_devices():
+    """A loop that dispatches 400 steps of the 4 x 128 model without reading a result (a
+    notebook's loop over prepared batches) hung in a collective on 2 single-threaded CPU
+    devices until XLA's rendezvous gave up after 40 s. The steps now run one program at a
+    time; the evaluation of the result (160 batches, dispatched the same way) equals one
+    device's."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _MANY_STEPS, str(REPO / "experiments/shakespeare_char.py")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    two, one = map(float, proc.stdout.split()[-2:])
+    assert np.isfinite(two) and two == pytest.approx(one, rel=1e-5)

@@ -86,6 +86,15 @@ def _stacked(train_step, eval_step, how: str):
     return train_each, eval_each
 
 
+_LAST_PROGRAM: list = [None]  # an output of the last step program dispatched on CPU devices
+
+
+def _wait_for_last_program():
+    last, _LAST_PROGRAM[0] = _LAST_PROGRAM[0], None
+    if last is not None:
+        last.block_until_ready()
+
+
 def zeros_acc():
     """The empty accumulator of the train state (cleared after each log line)."""
     return {
@@ -178,14 +187,28 @@ class Trainer:
             )
 
     def _on_mesh(self, step, batch_axis: int = 0):
-        """``step(state_or_params, batch)`` with the batch placed and the mesh current."""
+        """``step(state_or_params, batch)`` with the batch placed and the mesh current.
+
+        On CPU devices one step program runs at a time: each call first waits for the one
+        before it (the caller's next batch is still prepared while a step runs). XLA:CPU
+        runs every device's share of a program on a pool with a thread per core, and
+        several programs in flight at once could each hold a pool thread in a collective
+        waiting for a share that no free thread was left to run: a loop that dispatched
+        steps without ever reading a result hung within 300 steps on 2 cores.
+        """
         if self.mesh is None:
             return step
+        one_at_a_time = self.mesh.devices.flat[0].platform == "cpu"
 
         def run(x, batch):
             placed = sharding.place_batch(batch, self.mesh, self.rules, axis=batch_axis)
+            if one_at_a_time:
+                _wait_for_last_program()
             with sharding.activate(self.mesh, self.rules):
-                return step(x, placed)
+                out = step(x, placed)
+            if one_at_a_time:
+                _LAST_PROGRAM[0] = jax.tree.leaves(out)[-1]  # a metric: never donated
+            return out
 
         run.lower = step.lower
         return run
