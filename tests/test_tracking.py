@@ -2,6 +2,8 @@
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +45,25 @@ def test_events_hold_the_metrics_wandb_offline_and_a_profile_trace(tmp_path, mon
     traces = list((work / "tb" / "plugins" / "profile").glob("*/*"))
     names = {p.name.split(".", 1)[-1] for p in traces} | {p.name for p in traces}
     assert "xplane.pb" in names and "perfetto_trace.json.gz" in names
+
+
+def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX imports torch where it is installed (1.9 s of a run's start-up); the
+    tracker writes its events without it, and torch still imports afterwards."""
+    pytest.importorskip("torch", reason="torch is installed only with the hf extra")
+    code = (
+        "import sys; from attnlab import experiment; from attnlab.runs.tracking import Tracker; "
+        f"cfg = experiment.load_config({str(REPO / 'experiments' / 'char_lm.py')!r} + ':tiny'); "
+        f"t = Tracker(cfg, {str(tmp_path)!r}); t.metrics({{'step': 1, 'train_loss': 2.5}}); "
+        "t.close(); print('torch' in sys.modules); import torch; print(torch.ones(2).sum().item())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "2.0"]
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [(1, 2.5)]
 
 
 def test_profile_steps_are_checked():
