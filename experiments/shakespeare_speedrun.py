@@ -40,6 +40,27 @@ machine's 9-11k tokens/s the 230k tokens alone take 21-25 s.
 On a later day this machine ran at twice that speed (matmul peak 329-393 GFLOP/s): the same
 recipe took 23.5, 18.9 and 19.2 s cold (eval_loss 1.8820 each time), of which 12.6 s the
 training loop (23-24k tokens/s after the first 50 steps) and ~6.5 s start-up and the end.
+
+Later still, on a 2-core Intel Xeon (matmul peak 275-283 GFLOP/s, where PyTorch's own
+training step runs at 1.25x this project's), the start-up was cut; each pair of rows was
+taken back to back, three runs each, interleaved:
+
+=====================================================  ===============  ==========  =========
+change                                                 tokens to 1.886  seconds     eval_loss
+=====================================================  ===============  ==========  =========
+the recipe above, as it stood                          230k             38.0, 34.3, 1.8820
+                                                                        35.5
+the initial state compiled without XLA's backend       same             27.6, 29.7, 1.8820
+optimisations (2.4 s -> 0.6 s), tensorboardX imported                   30.5
+without torch (1.9 s), no evaluation inside the run
+(~1 s; ``attnlab eval --full`` checks the claim)
+=====================================================  ===============  ==========  =========
+
+In quieter minutes the new start-up ran 24.9-25.1 s cold. Of that, ~1.5 s is imports, the
+data and the summary, ~2 s building and initialising the state, ~3.5 s compiling the train
+step (inside the first steps), ~17 s the remaining steps at 13-14k tokens/s (57 ms a step,
+15 ms of it Muon's orthogonalisation and its collectives) and ~1.5 s the checkpoint and
+exit. The loop alone is above the 12 s aim at this machine's speed.
 """
 
 import pathlib
