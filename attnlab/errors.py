@@ -1,20 +1,25 @@
 """The exception family of expected errors: each message names the file, field or token and
 the fix, in the terms of the ``attnlab`` command (``--config.a.b=...``, ``--step N``).
 
-``attnlab`` prints such an error as one line and exits with its ``exit_code``: 2 for what the
-user asked for (config, data, work directory, decoding, pretrained inputs), 1 for failures
-found while running (a diverging run, an unreadable checkpoint). Anything else is a bug and
-keeps its traceback. Subclasses keep the built-in bases callers already catch (``ValueError``
-for invalid values, ``RuntimeError`` for run-time failures).
+``attnlab`` prints such an error as one line on stderr and exits with its ``exit_code``: 2 for
+what the user asked for (config, data, work directory, decoding, pretrained inputs), 1 for
+failures found while running (a diverging run, an unreadable checkpoint, a full disk), 130 or
+143 for a run stopped by SIGINT or SIGTERM once its checkpoint was written. Anything else is a
+bug and keeps its traceback. Subclasses keep the built-in bases callers already catch
+(``ValueError`` for invalid values, ``FileNotFoundError`` for absent files, ``RuntimeError``
+for run-time failures), so the Python API raises the same types the command reports.
 """
 
 from __future__ import annotations
+
+import signal
 
 
 class AttnlabError(Exception):
     """An expected error; ``str(e)`` is the whole message, ``exit_code`` the CLI's status."""
 
     exit_code = 2
+    label = "error"  # the word after ``attnlab COMMAND:`` in the line the CLI prints
 
 
 class ConfigError(AttnlabError, ValueError):
@@ -29,12 +34,33 @@ class DataFileError(DataError, FileNotFoundError):
     """A data file that does not exist."""
 
 
+class PreparedCorpusError(DataError):
+    """A prepared corpus directory whose token file or metadata is missing, cut short or
+    written for another tokenizer."""
+
+
+class TokenizerError(DataError):
+    """A tokenizer file that cannot be read (not JSON, an unknown kind, a broken model)."""
+
+
+class TokenIdError(DataError):
+    """A batch holding an id outside the vocabulary (it would give a NaN loss, not an error)."""
+
+
+class FetchError(DataError, OSError):
+    """A download that could not be made (offline, refused, not found); nothing was kept."""
+
+
 class DecodeError(AttnlabError, ValueError):
     """Token ids, sampling values or lengths that generation cannot take."""
 
 
 class PretrainedError(AttnlabError):
     """A Hugging Face checkpoint that cannot be loaded."""
+
+
+class PretrainedFileError(PretrainedError, FileNotFoundError):
+    """A Hugging Face checkpoint folder without a file it needs, or with one that is unreadable."""
 
 
 class WorkdirError(AttnlabError, RuntimeError):
@@ -47,10 +73,27 @@ class CheckpointError(AttnlabError, RuntimeError):
     exit_code = 1
 
 
+class DiskFullError(CheckpointError, OSError):
+    """A checkpoint that could not be written for want of space; the older ones are kept."""
+
+
 class DivergenceError(AttnlabError, FloatingPointError):
     """Training produced a non-finite loss, gradient norm or parameters."""
 
     exit_code = 1
+
+
+class Interrupted(AttnlabError):
+    """A run stopped by a signal after writing its checkpoint: it resumes with the same
+    command. ``exit_code`` is the shell's for that signal (128 + its number: SIGINT 130,
+    SIGTERM 143)."""
+
+    label = "stopped"
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.signal_name = signal_name
+        self.exit_code = 128 + int(signal.Signals[signal_name])
 
 
 def one_line(error: BaseException) -> str:

@@ -6,6 +6,14 @@ and ``DIR/meta.json`` (tokenizer, counts, the split, a SHA-256 of ``tokens.bin``
 ``train_tokens`` ids are the training split, the rest validation (the in-memory split of the
 same stream). ``data.kind="prepared"`` with ``data.path=DIR`` trains on it: batches index the
 memory map, so only the windows a batch needs are read and a corpus larger than RAM works.
+
+The three files are written beside their final names and renamed only once all are complete:
+a missing input, an unwritable ``--out`` or a full disk is a ``DataError`` that leaves an
+earlier corpus in ``--out`` as it was and no ``.tmp`` file behind. Opening checks
+``meta.json`` (present, JSON, written by ``prepare``) and the size of ``tokens.bin`` against
+it and every id against the tokenizer (files over ``SCAN_BYTES``: batch by batch, a
+``TokenIdError``), so a missing, truncated or foreign file is a ``PreparedCorpusError`` naming
+the file and the command that rewrites it.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ import numpy as np
 
 from attnlab.data.corpus import split_train_val
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
+from attnlab.errors import DataError, DataFileError, PreparedCorpusError, one_line
 
 TOKENS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "meta.json", "tokenizer.json"
 CHUNK_CHARS = 1 << 20
+SCAN_BYTES = 1 << 31  # token files up to this size have every id checked when opened
 
 
 def expand(inputs) -> list[pathlib.Path]:
@@ -34,7 +44,9 @@ def expand(inputs) -> list[pathlib.Path]:
         for m in matches:
             path = pathlib.Path(m)
             if not path.is_file():
-                raise FileNotFoundError(f"data prepare: no such file {m!r}")
+                raise DataFileError(
+                    f"data prepare: no such file {m!r}; pass existing text files or glob patterns"
+                )
             if path not in found:
                 found.append(path)
     return found
@@ -63,7 +75,15 @@ def _build_tokenizer(spec: str, files, vocab_size: int):
 
 
 def _read(path) -> str:
-    return pathlib.Path(path).read_text(encoding="utf-8")
+    try:
+        return pathlib.Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"data prepare: {str(path)!r} is not UTF-8 text (byte {e.start}); convert it to UTF-8 "
+            "or leave it out"
+        ) from None
+    except OSError as e:
+        raise DataError(f"data prepare: cannot read {str(path)!r} ({e.strerror})") from None
 
 
 def prepare(
@@ -76,15 +96,29 @@ def prepare(
     progress: bool = True,
 ) -> dict:
     """Tokenizes ``inputs`` (paths or globs) into ``out``; returns the metadata written."""
-    from tqdm.auto import tqdm
-
     files = expand(inputs)
     if not files:
-        raise FileNotFoundError("data prepare: no input files")
+        raise DataFileError("data prepare: no input files; pass text files or glob patterns")
     tok = _build_tokenizer(tokenizer, files, vocab_size)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return _write(files, out, tok, dtype, val_fraction, progress)
+    except OSError as e:
+        raise DataError(
+            f"data prepare: cannot write {out} ({e.strerror or one_line(e)}); nothing was "
+            "replaced: free some space or choose another --out"
+        ) from None
+    finally:
+        for name in (TOKENS_FILE, TOKENIZER_FILE, META_FILE):
+            if (out / (name + ".tmp")).is_file():
+                (out / (name + ".tmp")).unlink()
+
+
+def _write(files, out, tok, dtype, val_fraction, progress) -> dict:
+    from tqdm.auto import tqdm
+
     digest, total, sources = hashlib.sha256(), 0, []
     tmp = out / (TOKENS_FILE + ".tmp")
     batch = getattr(tok, "encode_batch", None)  # the Rust tokenizers encode chunks in parallel
@@ -106,8 +140,7 @@ def prepare(
             total += count
             sources.append({"path": str(f), "bytes": f.stat().st_size, "tokens": count})
             bar.update(f.stat().st_size)
-    os.replace(tmp, out / TOKENS_FILE)
-    tok.save(out / TOKENIZER_FILE)
+    tok.save(out / (TOKENIZER_FILE + ".tmp"))
     n_train = len(split_train_val(np.empty(total, np.uint8), val_fraction)[0])
     meta = {
         "format": 1,
@@ -122,33 +155,92 @@ def prepare(
         "sha256": digest.hexdigest(),
         "sources": sources,
     }
-    (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    (out / (META_FILE + ".tmp")).write_text(json.dumps(meta, indent=1) + "\n")
+    for name in (TOKENS_FILE, TOKENIZER_FILE, META_FILE):  # all written: now replace
+        os.replace(out / (name + ".tmp"), out / name)
+    return meta
+
+
+_META_KEYS = ("format", "tokenizer", "vocab_size", "dtype", "tokens", "train_tokens")
+
+
+def _read_meta(path: pathlib.Path) -> dict:
+    rewrite = f"rewrite it with `attnlab data prepare FILES... --out {path}`"
+    if not path.is_dir():
+        raise PreparedCorpusError(
+            f"data.path={str(path)!r} is not a directory; write a prepared corpus there with "
+            "`attnlab data prepare FILES... --out DIR`"
+        )
+    if not (path / META_FILE).is_file():
+        raise PreparedCorpusError(
+            f"data.path={str(path)!r} is not a prepared corpus (no {META_FILE}); write one with "
+            "`attnlab data prepare FILES... --out DIR`"
+        )
+    try:
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PreparedCorpusError(
+            f"{path / META_FILE} cannot be read ({one_line(e)}); {rewrite}"
+        ) from None
+    missing = [k for k in _META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing or meta.get("format") != 1:
+        raise PreparedCorpusError(
+            f"{path / META_FILE} was not written by `attnlab data prepare` (format "
+            f"{meta.get('format') if isinstance(meta, dict) else None!r}, missing {missing}); "
+            f"{rewrite}"
+        )
+    try:
+        np.dtype(meta["dtype"])
+    except TypeError:
+        raise PreparedCorpusError(
+            f"{path / META_FILE}: unknown dtype {meta['dtype']!r}; {rewrite}"
+        ) from None
     return meta
 
 
 def open_prepared(path):
     """(meta, tokenizer, tokens): the metadata, the tokenizer and a read-only memory map."""
     path = pathlib.Path(path)
-    if not (path / META_FILE).is_file():
-        raise FileNotFoundError(
-            f"data.path={str(path)!r} is not a prepared corpus (no {META_FILE}); write one with "
-            "`attnlab data prepare FILES... --out DIR`"
-        )
-    meta = json.loads((path / META_FILE).read_text())
+    meta = _read_meta(path)
+    rewrite = f"rewrite it with `attnlab data prepare FILES... --out {path}`"
     dtype = np.dtype(meta["dtype"])
-    expected = meta["tokens"] * dtype.itemsize
-    actual = (path / TOKENS_FILE).stat().st_size
+    expected = int(meta["tokens"]) * dtype.itemsize
+    tokens_file = path / TOKENS_FILE
+    if not tokens_file.is_file():
+        raise PreparedCorpusError(f"{tokens_file} is missing; {rewrite}")
+    actual = tokens_file.stat().st_size
     if actual != expected:
-        raise ValueError(f"{path / TOKENS_FILE} has {actual} bytes; {META_FILE} says {expected}")
-    tokens = np.memmap(path / TOKENS_FILE, dtype=dtype, mode="r", shape=(meta["tokens"],))
-    return meta, load_tokenizer(path / meta["tokenizer"]), tokens
+        what = "cut short" if actual < expected else "longer than recorded"
+        raise PreparedCorpusError(
+            f"{tokens_file} is {what}: {actual} bytes where {META_FILE} records {expected} "
+            f"({meta['tokens']} {dtype.name} ids); it was truncated or belongs to another "
+            f"corpus: {rewrite}"
+        )
+    tok = load_tokenizer(path / meta["tokenizer"])
+    if tok.vocab_size != int(meta["vocab_size"]):
+        raise PreparedCorpusError(
+            f"{path / meta['tokenizer']} has {tok.vocab_size} ids where {META_FILE} records "
+            f"{meta['vocab_size']}: the tokenizer belongs to another corpus; {rewrite}"
+        )
+    if int(meta["tokens"]) == 0:
+        raise PreparedCorpusError(f"{tokens_file} holds no tokens; {rewrite} from non-empty text")
+    tokens = np.memmap(tokens_file, dtype=dtype, mode="r", shape=(int(meta["tokens"]),))
+    if actual <= SCAN_BYTES:  # larger corpora are checked batch by batch (Task)
+        top = max(int(tokens[i : i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24))
+        if top >= tok.vocab_size:
+            raise PreparedCorpusError(
+                f"{tokens_file} holds id {top}, outside the {tok.vocab_size} ids of its "
+                f"tokenizer {path / meta['tokenizer']}: the file belongs to another corpus or "
+                f"tokenizer; {rewrite}"
+            )
+    return meta, tok, tokens
 
 
 def verify(path) -> bool:
     """Whether ``tokens.bin`` still has the SHA-256 recorded in ``meta.json``."""
     from attnlab.data.fetch import sha256_of
 
-    meta = json.loads((pathlib.Path(path) / META_FILE).read_text())
+    meta = _read_meta(pathlib.Path(path))
     return sha256_of(pathlib.Path(path) / TOKENS_FILE) == meta["sha256"]
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from attnlab.data import fetch, synthetic
 from attnlab.data.corpus import DEFAULT_MAX_CHARS, load_text, split_train_val, stdlib_corpus
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, validate_ids
-from attnlab.errors import DataError
+from attnlab.errors import DataError, DecodeError, TokenIdError, one_line
 
 TASK_KINDS = (
     "text",
@@ -114,8 +114,18 @@ class Task:
         self._decode, self._encode = decode, encode
 
     def _checked(self, batch: dict) -> dict:
+        """``batch`` after checking its ids (an id past the vocabulary would make the loss
+        NaN, or clamp silently, instead of failing)."""
         for field in ID_FIELDS[self.kind]:
-            validate_ids(batch[field], self.vocab_size, name=f"{self.name} batch[{field!r}]")
+            try:
+                validate_ids(batch[field], self.vocab_size, name=f"{self.name} batch[{field!r}]")
+            except DecodeError as e:
+                raise TokenIdError(
+                    f"{one_line(e)}: the data holds ids its tokenizer does not have (for "
+                    "data.kind='prepared', tokens.bin was written with another tokenizer); "
+                    "rewrite it with `attnlab data prepare` or set data.tokenizer to the one "
+                    "that wrote it"
+                ) from None
         return batch
 
     def train_batch(self, seed: int, step: int, batch_size: int) -> dict:
@@ -213,6 +223,8 @@ def _text_tokenizer(name, text, workdir, vocab_size=0):
     if workdir is None:
         try:
             return build()
+        except DataError:  # a tokenizer file that cannot be read names itself
+            raise
         except ValueError as e:
             raise DataError(f"data.path: {e}; use a non-empty text") from None
     path = pathlib.Path(workdir) / TOKENIZER_FILE

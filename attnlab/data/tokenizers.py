@@ -128,15 +128,41 @@ class ByteTokenizer:
 
 
 def load_tokenizer(path):
-    """Read a tokenizer written by ``save``, whichever its kind, or a Hugging Face one."""
-    payload = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-    kind = payload.get("kind")
-    if kind is None and "model" in payload:  # the tokenizers library's own format
-        from attnlab.data.bpe import HFTokenizer
+    """Read a tokenizer written by ``save``, whichever its kind, or a Hugging Face one.
 
-        return HFTokenizer.from_file(path)
-    if kind == "char":
-        return CharTokenizer(payload["chars"])
-    if kind == "byte":
-        return ByteTokenizer()
-    raise ValueError(f"{path}: unknown tokenizer kind {kind!r}; expected one of {TOKENIZER_KINDS}")
+    A missing file is a ``DataFileError``; one that is not JSON, has an unknown kind or a
+    model the ``tokenizers`` library rejects is a ``TokenizerError`` naming the file.
+    """
+    from attnlab.errors import DataFileError, TokenizerError
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise DataFileError(
+            f"no tokenizer file {str(path)!r}; set data.tokenizer to 'char', 'byte', 'bpe' or "
+            "the path of a tokenizer.json"
+        )
+    fix = "restore it, or delete it to have it rebuilt from the data (a new --workdir for a run)"
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TokenizerError(f"tokenizer {path} is not readable JSON ({e}); {fix}") from None
+    if not isinstance(payload, dict):
+        raise TokenizerError(f"tokenizer {path} holds no JSON object; {fix}")
+    kind = payload.get("kind")
+    try:
+        if kind is None and "model" in payload:  # the tokenizers library's own format
+            from attnlab.data.bpe import HFTokenizer
+
+            return HFTokenizer.from_file(path)
+        if kind == "char":
+            return CharTokenizer(payload["chars"])
+        if kind == "byte":
+            return ByteTokenizer()
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise TokenizerError(
+            f"tokenizer {path} is broken ({' '.join(str(e).split()) or type(e).__name__}); {fix}"
+        ) from None
+    raise TokenizerError(
+        f"tokenizer {path}: unknown tokenizer kind {kind!r}; expected one of {TOKENIZER_KINDS}"
+        " or a Hugging Face tokenizer.json"
+    )
