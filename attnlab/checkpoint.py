@@ -16,11 +16,16 @@ waits for orbax to finish (``wait_until_finished``), so once it returns the step
 
 Errors. Restoring checks the stored tree (paths, shapes, dtypes, read from orbax's metadata)
 against the target first. A mismatch, a missing step or an unreadable (truncated, garbled,
-incomplete) checkpoint raises ``CheckpointError`` naming the directory and step; nothing on
-disk is deleted or rewritten by a failed restore.
+incomplete) checkpoint raises ``CorruptCheckpointError`` naming the directory and step;
+nothing on disk is deleted or rewritten by a failed restore. A run that falls back to an older
+step moves the unreadable one aside (``move_aside``: ``<workdir>/step_N.corrupt/``, which is
+never listed as a step), so a later save of step ``N`` cannot replace it and it stays there
+for inspection. A save that fails for want of space (``ENOSPC``, ``EDQUOT``) is a
+``DiskFullError`` naming the newest step that is still on disk.
 
 Preemption. ``PreemptionGuard`` turns SIGTERM and SIGINT into a flag that the training loop
-polls once per step::
+polls once per step (``stop_signal()`` names the signal afterwards, for the exit status
+``attnlab`` gives: 130 for SIGINT, 143 for SIGTERM)::
 
     with Checkpointer(workdir) as ckpt, PreemptionGuard() as guard:
         for step in range(start, num_steps):
@@ -28,12 +33,14 @@ polls once per step::
             if guard.requested or step % save_every == 0:
                 ckpt.save(step, state, metadata=config_dict)
             if guard.requested:
-                break  # the checkpoint is durable; leave with exit code 0
+                break  # the checkpoint is durable; the caller reports stop_signal()
 """
 
 from __future__ import annotations
 
+import errno
 import pathlib
+import shutil
 import signal
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -42,7 +49,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from attnlab.errors import CheckpointError, ConfigError, WorkdirError
+from attnlab.errors import CheckpointError, ConfigError, DiskFullError, WorkdirError, one_line
 
 _STATE = "state"
 _METADATA = "metadata"
@@ -52,11 +59,23 @@ _FIX = (
 )
 
 
-__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError", "PreemptionGuard"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "PreemptionGuard",
+    "stop_signal",
+]
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A finalised checkpoint that cannot be read (older steps may still be good)."""
+    """A finalised checkpoint that cannot be read (older steps may still be good);
+    ``reason`` is the library's own first line, cut short."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Checkpointer:
@@ -107,9 +126,47 @@ class Checkpointer:
                 _METADATA: ocp.args.JsonSave(dict(metadata or {})),
             }
         )
-        saved = self._manager.save(step, args=args, force=force)
-        self._manager.wait_until_finished()
+        try:
+            saved = self._manager.save(step, args=args, force=force)
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._discard_partial(step)
+            kept = self.latest_step()
+            kept = f"step {kept} is kept" if kept is not None else "no earlier step was written"
+            if _caused_by_no_space(e):
+                raise DiskFullError(
+                    f"cannot write checkpoint step {step} in {self.directory}: no space left on "
+                    f"the device; {kept}. Free some space (or lower "
+                    "--config.checkpoint.max_to_keep) and run the same command to resume"
+                ) from e
+            if isinstance(e, OSError):
+                raise WorkdirError(
+                    f"cannot write checkpoint step {step} in {self.directory} "
+                    f"({e.strerror or one_line(e)}); {kept}. Fix the directory and run the "
+                    "same command to resume"
+                ) from e
+            raise
         return bool(saved)
+
+    def _discard_partial(self, step: int) -> None:
+        """Removes what a failed save of ``step`` left, as far as orbax's writes still in
+        flight allow; the rest is a ``-tmp`` directory, never read, that the next save of
+        ``step`` replaces."""
+        for tmp in self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def move_aside(self, step: int) -> pathlib.Path:
+        """Renames the unreadable ``step`` to ``step_N.corrupt/`` (``.2``, ``.3``... when
+        taken) and returns the new path; it is no longer a step, so nothing replaces it."""
+        source = self.directory / str(int(step))
+        target = self.directory / f"step_{int(step)}.corrupt"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"step_{int(step)}.corrupt.{n}"
+        source.rename(target)
+        self._manager.reload()
+        return target
 
     def delete(self, step: int) -> None:
         """Removes ``step`` (a save of the same step replaces it this way)."""
@@ -136,7 +193,8 @@ class Checkpointer:
             stored = ocp.tree.to_flat_dict(stored.tree)
         except Exception as e:
             raise CorruptCheckpointError(
-                f"cannot read the tree metadata of {where}: {_short(e)}{self._hint(step)}"
+                f"cannot read the tree metadata of {where}: {_short(e)}{self._hint(step)}",
+                _short(e, 120),
             ) from e
         abstract = jax.tree.map(_abstract_leaf, target)
         _check_matches(stored, ocp.tree.to_flat_dict(abstract), where)
@@ -146,7 +204,7 @@ class Checkpointer:
             )
         except Exception as e:
             raise CorruptCheckpointError(
-                f"cannot restore {where}: {_short(e)}{self._hint(step)}"
+                f"cannot restore {where}: {_short(e)}{self._hint(step)}", _short(e, 120)
             ) from e
         return restored[_STATE]
 
@@ -159,7 +217,8 @@ class Checkpointer:
             )
         except Exception as e:
             raise CorruptCheckpointError(
-                f"cannot read the metadata of {self._where(step)}: {_short(e)}{self._hint(step)}"
+                f"cannot read the metadata of {self._where(step)}: {_short(e)}{self._hint(step)}",
+                _short(e, 120),
             ) from e
         return dict(restored[_METADATA] or {})
 
@@ -196,6 +255,17 @@ class Checkpointer:
                 f"(available steps: {steps}); pass --step with one of them"
             )
         return int(step)
+
+
+def _caused_by_no_space(error: BaseException | None) -> bool:
+    """Whether ``error`` or an exception it was raised from is a full disk or quota."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "errno", None) in _NO_SPACE or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _short(error: BaseException, limit: int = 300) -> str:
@@ -261,12 +331,22 @@ def _refuse_per_layer_layout(stored: dict, expected: dict, where: str) -> None:
         )
 
 
+_RECEIVED: list[str] = []  # the signal the last guard received, for stop_signal()
+
+
+def stop_signal() -> str | None:
+    """The name of the signal (``"SIGINT"``, ``"SIGTERM"``) that stopped the latest guarded
+    loop of this process, or None when none did."""
+    return _RECEIVED[-1] if _RECEIVED else None
+
+
 class PreemptionGuard:
     """Turns SIGTERM/SIGINT into a flag while active; restores the previous handlers on exit.
 
     The handlers only record the signal, so the training loop decides when to stop: it polls
     ``requested`` once per step, saves a checkpoint and returns normally (see the module
-    docstring). Enter it from the main thread, as Python only installs handlers there.
+    docstring); ``stop_signal()`` tells its caller which signal it was. Enter it from the
+    main thread, as Python only installs handlers there.
     """
 
     def __init__(self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)):
@@ -282,8 +362,10 @@ class PreemptionGuard:
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
+            _RECEIVED[:] = [self.signal_name]
 
     def __enter__(self) -> PreemptionGuard:
+        _RECEIVED.clear()
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self

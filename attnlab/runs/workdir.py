@@ -9,7 +9,10 @@ Opening a run writes nothing: the directory, config, data, tokenizer and model a
 first, and only ``Run.begin`` (once the run is known to start) takes ``DIR/lock`` (an
 ``fcntl`` lock the system releases when its process dies, so a stale lock never blocks) and
 writes ``config.json``, ``tokenizer.json`` and the checkpoint directory. A newest checkpoint
-that cannot be read is reported and the newest readable one is used; nothing is deleted.
+that cannot be read is reported in one line and the newest readable one is used; nothing is
+deleted: a resumed run moves the unreadable step to ``checkpoints/step_N.corrupt/`` (so it is
+never overwritten), ``attnlab eval`` and ``sample`` leave it where it is. A checkpoint written
+because a signal stopped the run records it in its metadata (``"interrupted": "SIGTERM"``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 import jax
 
 from attnlab import experiment
-from attnlab.checkpoint import Checkpointer, CorruptCheckpointError
+from attnlab.checkpoint import Checkpointer, CorruptCheckpointError, stop_signal
 from attnlab.config import ModelConfig
 from attnlab.data import make_task
 from attnlab.data.tasks import TOKENIZER_FILE
@@ -229,7 +232,9 @@ class Run:
         if not steps:
             self.start = 0
             return trainer.init_state()
-        state, self.start = restore_newest(self.ckpt, abstract, steps, trainer.all_finite)
+        state, self.start = restore_newest(
+            self.ckpt, abstract, steps, trainer.all_finite, move_aside=True
+        )
         self.elapsed = float(self.ckpt.restore_metadata(self.start).get("elapsed_sec", 0.0))
         if self.changes:
             set_optim_values(state["opt_state"], self.cfg.optim)
@@ -246,23 +251,26 @@ class Run:
         return state
 
     def save(self, step, state):
-        """Writes ``state`` as ``step``, replacing an older checkpoint of the same step."""
+        """Writes ``state`` as ``step``, replacing an older checkpoint of the same step; the
+        metadata records the signal (``interrupted``) that stopped the run there, if any."""
         if step in self.ckpt.all_steps():
             self.ckpt.delete(step)
-        meta = {"elapsed_sec": self.elapsed, "step": step}
+        meta = {"elapsed_sec": self.elapsed, "step": step, "interrupted": stop_signal()}
         self.ckpt.save(step, state, metadata=meta, force=True)
 
     def log(self, record: dict, file: str = METRICS_FILE):
         append_jsonl(self.workdir / file, record)
 
 
-def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite):
+def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite, *, move_aside=False):
     """``(state, step)`` of the newest of ``steps`` that restores with finite parameters.
 
-    A checkpoint that cannot be read is reported on stderr and skipped (it stays on disk);
-    when ``steps`` is one step, its error is raised as it is.
+    Unreadable checkpoints are skipped and reported in one line on stderr that names the
+    step restored instead; with ``move_aside`` (a training run, which holds the directory's
+    lock and would later write those steps again) they are moved to ``step_N.corrupt/``,
+    otherwise they stay where they are. When ``steps`` is one step, its error is raised.
     """
-    errors = []
+    errors, reasons = [], []
     for step in sorted(steps, reverse=True):
         try:
             state = ckpt.restore(abstract, step)
@@ -270,7 +278,7 @@ def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite):
             if len(steps) == 1:
                 raise
             errors.append(step)
-            print(f"attnlab: warning: {one_line(e).split('. The directory')[0]}", file=sys.stderr)
+            reasons.append(e.reason)
             continue
         if not bool(all_finite(state["params"])):
             older = [s for s in ckpt.all_steps() if s < step]
@@ -279,9 +287,24 @@ def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite):
                 f"run diverged); pick an older step with --step N (available: {older})"
             )
         if errors:
-            print(f"attnlab: warning: using checkpoint step {step} instead", file=sys.stderr)
+            _report_unreadable(ckpt, errors, reasons, step, move_aside)
         return state, step
     raise CheckpointError(
-        f"no checkpoint in {ckpt.directory} can be restored (steps {errors} are unreadable); "
-        "train again in a new --workdir"
+        f"no checkpoint in {ckpt.directory} can be restored (steps {errors} are unreadable: "
+        f"{reasons[0] if reasons else ''}); train again in a new --workdir"
+    )
+
+
+def _report_unreadable(ckpt, errors, reasons, step, move_aside):
+    """One warning line: the unreadable steps, where they went, the step used instead."""
+    kept = "left in place"
+    if move_aside and is_writer():
+        moved = [ckpt.move_aside(s).name for s in errors]
+        kept = f"moved to {', '.join(moved)}"
+    what = ", ".join(map(str, errors))
+    print(
+        f"attnlab: warning: checkpoint step {what} in {ckpt.directory} is unreadable "
+        f"({reasons[0]}); {kept}; using checkpoint step {step} instead",
+        file=sys.stderr,
+        flush=True,
     )
