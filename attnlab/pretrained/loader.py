@@ -23,7 +23,7 @@ import safetensors
 from flax import nnx
 
 from attnlab.config import ModelConfig
-from attnlab.errors import PretrainedError
+from attnlab.errors import PretrainedError, PretrainedFileError, one_line
 from attnlab.nn.models import build_model
 from attnlab.pretrained.configs import family_of, model_config_from_hf
 from attnlab.pretrained.mappings import MAPPINGS, TRANSFORMS, Mapping
@@ -71,21 +71,56 @@ _RAW_DTYPES = {
 # Files -------------------------------------------------------------------------------------
 
 
+_FETCH = (
+    "download the whole folder (config.json, model.safetensors, tokenizer.json), e.g. "
+    "`huggingface-cli download NAME --local-dir DIR`"
+)
+
+
 def _folder(path) -> str:
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint folder at {path}")
+        raise PretrainedFileError(
+            f"--pretrained {path}: no checkpoint folder at {path}; pass the folder that holds "
+            "config.json and model.safetensors"
+        )
     return path
 
 
 def read_json(path) -> dict:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {os.path.basename(path)} at {path}")
-    with open(path) as f:
-        return json.load(f)
+        raise PretrainedFileError(
+            f"no {os.path.basename(path)} at {path}: the checkpoint folder is incomplete; {_FETCH}"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PretrainedFileError(
+            f"{path} is not readable JSON ({one_line(e)}); download it again ({_FETCH})"
+        ) from None
+    if not isinstance(value, dict):
+        raise PretrainedFileError(f"{path} holds no JSON object; download it again ({_FETCH})")
+    return value
 
 
 def _read_safetensors(file: str) -> dict[str, np.ndarray]:
+    if not os.path.isfile(file):
+        raise PretrainedFileError(
+            f"no {os.path.basename(file)} at {file}: the checkpoint folder is incomplete; {_FETCH}"
+        )
+    try:
+        return _decode_safetensors(file)
+    except PretrainedError:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise PretrainedFileError(
+            f"{file} is not a readable safetensors file ({one_line(e)}); it may be cut short: "
+            f"download it again ({_FETCH})"
+        ) from None
+
+
+def _decode_safetensors(file: str) -> dict[str, np.ndarray]:
     try:
         with safetensors.safe_open(file, framework="np") as f:
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
@@ -97,7 +132,7 @@ def _read_safetensors(file: str) -> dict[str, np.ndarray]:
     for name, view in raw:
         dtype = _RAW_DTYPES.get(view["dtype"])
         if dtype is None:
-            raise TypeError(f"{file}: tensor {name!r} has unsupported dtype {view['dtype']}")
+            raise PretrainedError(f"{file}: tensor {name!r} has unsupported dtype {view['dtype']}")
         out[name] = np.frombuffer(view["data"], dtype).reshape(view["shape"])
     return out
 
@@ -115,9 +150,9 @@ def read_tensors(path) -> dict[str, np.ndarray]:
         for shard in shards:
             tensors.update(_read_safetensors(os.path.join(folder, shard)))
         return tensors
-    raise FileNotFoundError(
-        f"no model.safetensors (or model.safetensors.index.json) at {single}; attnlab reads "
-        "safetensors checkpoints only"
+    raise PretrainedFileError(
+        f"no model.safetensors (or model.safetensors.index.json) at {single}: attnlab reads "
+        f"safetensors checkpoints only; {_FETCH}"
     )
 
 

@@ -20,13 +20,20 @@ def tokenizer_of(handle):
     if cached is None:
         from tokenizers import Tokenizer
 
+        from attnlab.errors import PretrainedFileError, one_line
+
         path = os.path.join(handle.path or "", TOKENIZER_FILE)
         if not os.path.isfile(path):
-            raise FileNotFoundError(
+            raise PretrainedFileError(
                 f"{handle.path} has no {TOKENIZER_FILE}: text generation needs the checkpoint's "
-                "tokenizer (use generate() with token ids instead)"
+                "tokenizer; download it into the folder (or use generate() with token ids)"
             )
-        cached = handle._tokenizer = Tokenizer.from_file(path)
+        try:
+            cached = handle._tokenizer = Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise PretrainedFileError(
+                f"{path} is not a readable tokenizer ({one_line(e)}); download it again"
+            ) from None
     return cached
 
 
