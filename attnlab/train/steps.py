@@ -194,6 +194,22 @@ class Trainer:
                 f"({n} devices: mesh.data x mesh.fsdp); use a multiple of {n}"
             )
 
+    def pad_to_mesh(self, batch: dict) -> dict:
+        """An evaluation batch with rows of zeros (``loss_mask`` 0, so they count for
+        nothing) added until the mesh's batch axes divide it: ``eval.batch_size`` and a
+        ragged last batch then need not be a multiple of the devices."""
+        if self.mesh is None:
+            return batch
+        n = sharding.axis_size(self.mesh, self.rules.get("batch"))
+        rows = len(next(iter(batch.values())))
+        extra = -rows % n
+        if not extra:
+            return batch
+        return {
+            k: np.concatenate([v, np.zeros((extra,) + v.shape[1:], v.dtype)])
+            for k, v in batch.items()
+        }
+
     def _on_mesh(self, step, batch_axis: int = 0):
         """``step(state_or_params, batch)`` with the batch placed and the mesh current.
 
@@ -303,13 +319,14 @@ class Trainer:
     def _eval_step(self, params, batch):
         s, n, (logits, targets, mask) = loss_sums(self.model(params), batch, self.kind)
         correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * mask
-        rows_ok = (correct.sum(-1) == mask.sum(-1)).astype(jnp.float32)
+        real = mask.sum(-1) > 0  # rows that pad a batch to the mesh count for nothing
+        rows_ok = ((correct.sum(-1) == mask.sum(-1)) & real).astype(jnp.float32)
         return {
             "loss_sum": s,
             "tokens": n,
             "correct": correct.sum(),
             "rows_ok": rows_ok.sum(),
-            "rows": jnp.asarray(mask.shape[0], jnp.float32),
+            "rows": real.astype(jnp.float32).sum(),
         }
 
     def evaluate(self, params, batches, *, stacked: bool = False):
@@ -317,7 +334,7 @@ class Trainer:
         eval_step = self.stacked_eval_step if stacked else self.eval_step
         totals = None
         for b in batches:
-            m = eval_step(params, b)
+            m = eval_step(params, self.pad_to_mesh(b))
             totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
         t = jax.device_get(totals)
         if not stacked:
