@@ -14,21 +14,37 @@ attnlab data prepare FILES_OR_GLOBS... --out DIR [--tokenizer bpe|byte|char|PATH
 attnlab data fetch shakespeare | URL --sha256 HASH
 attnlab sweep ... --launcher local|slurm [--partition P --timeout-min M ...]
 
-Expected errors (config, data, work directory, checkpoint, decoding) print one line and exit
-with 2 (what was asked cannot run) or 1 (the run failed, e.g. it diverged); --debug or
-ATTNLAB_DEBUG=1 shows the traceback.
+Expected errors (config, data, work directory, checkpoint, decoding, pretrained folders,
+downloads) print one line and exit with 2 (what was asked cannot run) or 1 (the run failed:
+it diverged, a checkpoint is unreadable, the disk is full). A run stopped by SIGINT or SIGTERM
+writes its checkpoint, says so in one line and exits with 130 or 143. --debug or
+ATTNLAB_DEBUG=1 shows the traceback, and the libraries' own warnings and log lines (Orbax,
+absl, asyncio), which are hidden otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import pathlib
+import signal
 import sys
+import threading
+import warnings
 
-from attnlab.errors import AttnlabError, ConfigError, DecodeError, WorkdirError, one_line
+from attnlab.errors import (
+    AttnlabError,
+    ConfigError,
+    DecodeError,
+    Interrupted,
+    PretrainedFileError,
+    WorkdirError,
+    one_line,
+)
 
 
 def _train(args, overrides):
@@ -37,13 +53,14 @@ def _train(args, overrides):
     cfg = experiment.load_config(args.config, overrides)
     devices.apply(devices.choose(cfg))  # before anything else uses JAX
     sharding.initialize_distributed(cfg.distributed)
-    runs.train(  # logs its records itself
+    record = runs.train(  # logs its records itself
         cfg,
         args.workdir,
         progress=not args.no_progress,
         step=args.step,
         allow_changes=args.allow_changes,
     )
+    _stopped(f"at step {record.get('step')}; its checkpoint is written in {args.workdir}")
 
 
 def _eval(args, overrides):
@@ -61,6 +78,15 @@ def _plot(args, overrides):
     except FileNotFoundError as e:
         raise WorkdirError(f"{one_line(e)}; pass directories that `attnlab train` wrote") from None
     print(out)
+
+
+def _stopped(where: str):
+    """Raises ``Interrupted`` when a signal stopped the training loop (after its checkpoint)."""
+    from attnlab.checkpoint import stop_signal
+
+    name = stop_signal()
+    if name is not None:
+        raise Interrupted(f"{name} stopped the run {where}; run the same command to resume", name)
 
 
 def check_sampling(args):
@@ -86,8 +112,16 @@ def _encode(task, text, flag):
     return ids
 
 
-def _room(n, used, max_len, on_overflow, flag):
-    """New tokens that fit after ``used`` ones; overflow raises or stops, as chosen."""
+# Positions read from a table of model.max_len rows: nothing exists past the table.
+TABLE_POSITIONS = ("learned", "sinusoidal")
+
+
+def _room(n, used, max_len, on_overflow, flag, position=None):
+    """New tokens that fit after ``used`` ones; overflow raises or stops, as chosen. Models
+    whose positions are a table of ``max_len`` rows refuse unless ``--on-overflow stop``
+    was asked for."""
+    if on_overflow is None:
+        on_overflow = "raise" if position in TABLE_POSITIONS else "stop"
     room = max_len - used
     if room < 0:
         raise DecodeError(
@@ -96,9 +130,15 @@ def _room(n, used, max_len, on_overflow, flag):
     if n <= room:
         return n
     if on_overflow == "raise":
+        table = (
+            f" (model.position={position!r} has no position past its {max_len} rows)"
+            if position in TABLE_POSITIONS
+            else ""
+        )
         raise DecodeError(
-            f"{flag} ({used} tokens) + --max-new-tokens {n} exceeds model.max_len={max_len}: "
-            f"pass --max-new-tokens {room} or less, or --on-overflow stop"
+            f"{flag} ({used} tokens) + --max-new-tokens {n} exceeds the context limit "
+            f"model.max_len={max_len}{table}: pass --max-new-tokens {room} or less, or "
+            "--on-overflow stop"
         )
     print(
         f"attnlab sample: stopping at the context limit: model.max_len={max_len} leaves room "
@@ -122,8 +162,9 @@ def _sample(args, overrides):
     if trainer.mcfg.arch == "encoder_decoder":
         if args.source is None:
             raise DecodeError('this run is an encoder-decoder model: pass --source "..."')
+        position = trainer.mcfg.position
         _room(0, len(_encode(task, args.source, "--source")), max_len, "raise", "--source")
-        n = _room(args.max_new_tokens, 1, max_len, args.on_overflow, "the start token")
+        n = _room(args.max_new_tokens, 1, max_len, args.on_overflow, "the start token", position)
         tokens = runs.seq2seq_continuation(model, task, args.source, n, **common)
         print(runs.decode_known(task, tokens))
         return
@@ -134,7 +175,9 @@ def _sample(args, overrides):
         )
     prompt = args.prompt[0] if args.prompt else runs.default_prompt(cfg, task)
     ids = _encode(task, prompt, "--prompt")
-    n = _room(args.max_new_tokens, len(ids), max_len, args.on_overflow, "--prompt")
+    n = _room(
+        args.max_new_tokens, len(ids), max_len, args.on_overflow, "--prompt", trainer.mcfg.position
+    )
     eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
     tokens = runs.continuation(model, ids, n, eos_id=eos, **common)
     print(prompt + runs.decode_known(task, tokens))
@@ -145,6 +188,13 @@ def _sample_pretrained(args):
 
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     prompts = args.prompt or [""]
+    if os.path.isdir(args.pretrained) and not os.path.isfile(
+        os.path.join(args.pretrained, "tokenizer.json")
+    ):  # before the weights are read
+        raise PretrainedFileError(
+            f"--pretrained {args.pretrained} has no tokenizer.json: text generation needs the "
+            "checkpoint's tokenizer; download it into the folder"
+        )
     handle = load_pretrained(args.pretrained)
     for prompt, text in zip(
         prompts, handle.generate_text(prompts, args.max_new_tokens, **options), strict=True
@@ -183,6 +233,7 @@ def _sweep(args, overrides):
 
     # One device per core where every trial's batches divide (trials train in this process).
     devices.apply(min(devices.choose(t.cfg) for t in plan.trials))
+    check_trials(plan)
     results = sweep.run_sweep(
         plan,
         workdir,
@@ -191,6 +242,27 @@ def _sweep(args, overrides):
         retry_failed=args.retry_failed,
     )
     print(sweep.markdown_table(results), end="")
+    _stopped(f"in {workdir}; every stopped trial's checkpoint is written")
+
+
+def check_trials(plan):
+    """Refuses a sweep before its first step when a trial's config is invalid or its batch
+    does not split over its mesh (it would fail after the trials before it had trained)."""
+    from attnlab import experiment, sharding
+
+    for t in plan.trials:
+        try:
+            experiment.validate(t.cfg)
+            mesh = sharding.mesh_from_config(t.cfg)
+        except ConfigError as e:
+            raise ConfigError(f"trial {t.name}: {one_line(e)}") from None
+        n = sharding.axis_size(mesh, sharding.resolve_rules(t.cfg.mesh.get("rules")).get("batch"))
+        if int(t.cfg.train.batch_size) % n:
+            raise sharding.MeshError(
+                f"trial {t.name}: train.batch_size={t.cfg.train.batch_size} is not divisible "
+                f"by the mesh's batch axes ({n} devices: mesh.data x mesh.fsdp); use a "
+                f"multiple of {n}"
+            )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -263,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--on-overflow",
         choices=("stop", "raise"),
-        default="stop",
-        help="stop at the model's context limit (default) or refuse to start",
+        default=None,
+        help="stop at the model's context limit or refuse to start (default: stop, or raise "
+        "for learned and sinusoidal positions, which have nothing past model.max_len)",
     )
     s.set_defaults(fn=_sample)
 
@@ -314,6 +387,40 @@ def compilation_cache():
     return where
 
 
+def debugging(args=None) -> bool:
+    """Whether tracebacks and the libraries' own log lines are wanted."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("ATTNLAB_DEBUG") == "1"
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+    """Keeps what the libraries log for their developers (Orbax and absl log lines, asyncio's
+    "exception was never retrieved", exceptions a library's thread could not raise) off the
+    terminal while a command runs: the errors that matter reach ``main`` as exceptions."""
+    loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "orbax", "tensorstore")]
+    levels = [lg.level for lg in loggers]
+    hook = sys.unraisablehook
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"(orbax|absl|tensorstore)(\.|$)")
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+        sys.unraisablehook = lambda unraisable: None
+        try:
+            yield
+        finally:
+            sys.unraisablehook = hook
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+
+
+class _Terminated(BaseException):
+    """SIGTERM outside a training loop (which handles it itself)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -322,14 +429,36 @@ def main(argv=None) -> int:
     unknown = [a for a in extra if not a.startswith("--config.")]
     if unknown or (overrides and not getattr(args, "overrides", False)):
         parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
-    compilation_cache()
+    command = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
+    debug = debugging(args)
+    from attnlab import checkpoint
+
+    checkpoint._RECEIVED.clear()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        args.fn(args, overrides)
+        with contextlib.nullcontext() if debug else quiet_libraries():
+            compilation_cache()
+            args.fn(args, overrides)
     except AttnlabError as e:
-        if getattr(args, "debug", False) or os.environ.get("ATTNLAB_DEBUG") == "1":
+        if debug and not isinstance(e, Interrupted):
             raise
-        print(f"attnlab {args.command}: error: {one_line(e)}", file=sys.stderr)
+        print(f"attnlab {command}: {e.label}: {one_line(e)}", file=sys.stderr, flush=True)
         return e.exit_code
+    except (KeyboardInterrupt, _Terminated) as e:
+        if debug and isinstance(e, KeyboardInterrupt):
+            raise
+        name = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+        print(
+            f"attnlab {command}: stopped: {name} arrived outside the training loop; nothing "
+            "was written since the last checkpoint; run the same command to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(signal.Signals[name])
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 
