@@ -1,6 +1,6 @@
 """Plots: attention weights and masks as heat maps, position tables, per-head scores, loss
-curves of training runs, accuracy against distance; and the small readers and scores behind
-them.
+curves of training runs, accuracy against distance and against length; and the small
+readers and scores behind them.
 
 Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot state), so they work
 under any backend, including Agg in tests; a notebook displays the returned figure.
@@ -317,6 +317,34 @@ def plot_accuracy_by_distance(buckets, *, title: str = "retrieval accuracy") -> 
     ax.set_xlim(buckets[0]["lo"], buckets[-1]["hi"])
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("distance from the hidden key to the query (tokens)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower left")
+    return fig
+
+
+def plot_accuracy_by_length(curves, *, trained_at=None, title="accuracy against length") -> Figure:
+    """Accuracy against evaluation length (log2 axis): ``curves`` maps a label to ``(lengths,
+    mean, std)`` (``std`` None for a single run, drawn as a band otherwise); a dotted line
+    marks ``trained_at``, the training length."""
+    if not curves:
+        raise ValueError("plot_accuracy_by_length needs at least one curve")
+    fig = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for color, (label, (lengths, mean, std)) in zip(
+        distinct_colors(len(curves)), curves.items(), strict=True
+    ):
+        lengths, mean = np.asarray(lengths, float), np.asarray(mean, float)
+        ax.plot(lengths, mean, marker="o", ms=4, color=color, label=label)
+        if std is not None:
+            std = np.asarray(std, float)
+            ax.fill_between(lengths, mean - std, mean + std, color=color, alpha=0.2)
+    if trained_at is not None:
+        ax.axvline(trained_at, color="0.5", ls=":", label=f"trained at {trained_at}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel("accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)

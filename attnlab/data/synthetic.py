@@ -8,6 +8,12 @@ decoder-only tasks and ``MASK`` in masked LM. Content symbols follow from id 4.
   targets shifted by one; ``loss_mask`` is 1 exactly where the target is an answer token.
   ``induction`` is associative recall: the problem is key/value pairs (distinct keys) and then
   one of the keys; the answer is the value paired with it.
+* ``mqar`` is multi-query associative recall (Zoology, Arora et al. 2023): ``BOS k1 v1 ...
+  kn vn`` (distinct keys from the first half of the symbols, values from the second half),
+  then every key once more in a random order, each followed by its value, at uniformly
+  drawn places in SEP filler that fills the row to ``seq_len``; ``loss_mask`` is 1 on the
+  recalled values alone. The problem length is the number of pairs, so a longer
+  ``seq_len`` with the same pairs moves the queries further from their keys.
 * ``passkey`` is long-context retrieval: ``BOS filler SEP key filler SEP key EOS``, the key
   (the problem length) hidden after the first SEP at a random depth in filler drawn from
   ``PASSKEY_FILLER`` ids that follow the key alphabet; the second SEP, which closes the
@@ -36,7 +42,7 @@ PAD, BOS, EOS, SEP, MASK = 0, 1, 2, 3, 3
 NUM_SPECIAL = 4
 PLUS = NUM_SPECIAL + 10  # addition: digits 0-9 are ids 4..13, '+' is 14
 ADDITION_VOCAB_SIZE = NUM_SPECIAL + 11
-DECODER_TASKS = ("copy", "reverse", "sort", "induction", "passkey")
+DECODER_TASKS = ("copy", "reverse", "sort", "induction", "mqar", "passkey")
 PASSKEY_FILLER = 8  # filler ids of the passkey task, after the key alphabet
 SEQ2SEQ_TASKS = ("seq2seq_reverse", "addition")
 
@@ -51,6 +57,8 @@ def max_len_for(kind: str, seq_len: int, num_symbols: int | None = None) -> int:
         return (seq_len - 2) // 2  # BOS n SEP n EOS in seq_len + 1
     if kind == "induction":
         return min((seq_len - 4) // 2, num_symbols)  # BOS 2n+1 SEP 1 EOS; distinct keys
+    if kind == "mqar":
+        return min(seq_len // 4, num_symbols // 2)  # BOS 2n pairs 2n queries in seq_len + 1
     if kind == "passkey":
         return (seq_len - 3) // 2  # BOS SEP n SEP n EOS in seq_len + 1, no filler
     if kind == "seq2seq_reverse":
@@ -72,7 +80,7 @@ def check_lengths(kind, seq_len, num_symbols, min_len, max_len):
     if not 1 <= min_len <= max_len:
         raise DataError(f"need 1 <= data.min_len <= data.max_len, got {min_len}, {max_len}")
     if max_len > limit:
-        extra = " and data.num_symbols" if kind == "induction" else ""
+        extra = " and data.num_symbols" if kind in ("induction", "mqar") else ""
         raise DataError(
             f"data.max_len={max_len} does not fit the {kind} task with data.seq_len={seq_len}"
             f"{extra}: at most {limit}"
@@ -164,6 +172,50 @@ def induction_batch(rng, batch_size, seq_len, *, num_symbols, min_len, max_len):
     problem[rows, 2 * n_B] = keys_BP[rows, query_B]
     answer = values_BP[rows, query_B][:, None]
     return pack_lm(problem, 2 * n_B + 1, answer, np.ones(B, np.int64), seq_len)
+
+
+def mqar_rows(keys_BP, values_BP, order_BP, starts_BP, n_B, seq_len):
+    """MQAR rows from their parts (``mqar_batch`` draws them): pairs ``j < n_B[b]`` of
+    ``keys_BP``/``values_BP`` after BOS, then query ``i`` (pair ``order_BP[b, i]``, its key
+    and value) at offset ``starts_BP[b, i]`` of the SEP-filled rest; the loss on the values."""
+    B = keys_BP.shape[0]
+    seq = np.full((B, seq_len + 1), SEP, np.int32)
+    seq[:, 0] = BOS
+    answer = np.zeros((B, seq_len + 1), bool)
+    b, j = np.nonzero(np.arange(keys_BP.shape[1])[None, :] < n_B[:, None])
+    seq[b, 1 + 2 * j], seq[b, 2 + 2 * j] = keys_BP[b, j], values_BP[b, j]
+    pair = order_BP[b, j]
+    at = 1 + 2 * n_B[b] + starts_BP[b, j]
+    if np.any(at + 1 > seq_len) or np.any(pair >= n_B[b]):
+        raise DataError("mqar_rows: a query lies past seq_len or names a missing pair")
+    seq[b, at], seq[b, at + 1] = keys_BP[b, pair], values_BP[b, pair]
+    answer[b, at + 1] = True
+    return {
+        "inputs": seq[:, :-1],
+        "targets": seq[:, 1:],
+        "loss_mask": answer[:, 1:].astype(np.float32),
+    }
+
+
+def mqar_batch(rng, batch_size, seq_len, *, num_symbols, min_len, max_len):
+    """Multi-query associative recall: ``min_len..max_len`` key/value pairs, every key queried
+    once after them; keys are the first ``num_symbols // 2`` symbols, values the rest."""
+    check_lengths("mqar", seq_len, num_symbols, min_len, max_len)
+    B, half = batch_size, num_symbols // 2
+    keys_BP = np.argsort(rng.random((B, half)), axis=1)[:, :max_len] + NUM_SPECIAL
+    values_BP = _symbols(rng, (B, max_len), num_symbols - half) + half
+    n_B = _lengths(rng, B, min_len, max_len)
+    missing_BP = np.arange(max_len)[None, :] >= n_B[:, None]
+    order_BP = np.argsort(np.where(missing_BP, np.inf, rng.random((B, max_len))), axis=1)
+    # Query i starts at c_i + i, for n distinct sorted c_i among (filler + n) places.
+    places_B = seq_len - 4 * n_B + n_B
+    draws = np.where(
+        np.arange(seq_len)[None, :] < places_B[:, None], rng.random((B, seq_len)), np.inf
+    )
+    chosen_BP = np.argsort(draws, axis=1)[:, :max_len]
+    chosen_BP = np.sort(np.where(missing_BP, seq_len, chosen_BP), axis=1)
+    starts_BP = chosen_BP + np.arange(max_len)[None, :]
+    return mqar_rows(keys_BP, values_BP, order_BP, starts_BP, n_B, seq_len)
 
 
 def passkey_batch(

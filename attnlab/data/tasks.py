@@ -9,7 +9,8 @@ training (seed, step) can reach.
 
 Batch formats (ids int32, masks float32, validity bool; B batch, T ``seq_len``, S source len):
 
-``kind == "lm"`` (``text``, ``copy``, ``reverse``, ``sort``, ``induction``, ``passkey``)
+``kind == "lm"`` (``text``, ``copy``, ``reverse``, ``sort``, ``induction``, ``mqar``,
+``passkey``)
     ``inputs [B, T]``, ``targets [B, T]`` (inputs shifted by one: both are cut from one
     window of T + 1 tokens), ``loss_mask [B, T]`` (1 where the target counts; all ones for
     text, the answer tokens for synthetic tasks).
@@ -43,6 +44,7 @@ TASK_KINDS = (
     "reverse",
     "sort",
     "induction",
+    "mqar",
     "passkey",
     "seq2seq_reverse",
     "addition",
@@ -376,6 +378,7 @@ _GENERATORS = {
     "reverse": synthetic.reverse_batch,
     "sort": synthetic.sort_batch,
     "induction": synthetic.induction_batch,
+    "mqar": synthetic.mqar_batch,
     "passkey": synthetic.passkey_batch,
     "seq2seq_reverse": synthetic.seq2seq_reverse_batch,
     "addition": synthetic.addition_batch,
