@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from attnlab.errors import ConfigError
+from attnlab.mixers import get_mixer, make_settings
 from attnlab.ops.activations import FFN_KINDS
 from attnlab.ops.attention import IMPLEMENTATIONS
 from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
@@ -26,6 +28,28 @@ DECODE_LAYERS = ("auto", "unstacked", "scan")
 # Beyond this many decoder layers, "auto" decoding scans: the unrolled loop body's compile
 # time grows with depth (about 0.5 s a layer on a 2-core CPU) and stops paying for itself.
 UNSTACKED_DECODE_MAX_LAYERS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one layer of ``ModelConfig.layer_pattern`` changes: its sliding window (None:
+    global attention) and its RoPE base (None: ``ModelConfig.rope_theta``)."""
+
+    window: int | None = None
+    rope_theta: float | None = None
+
+    @classmethod
+    def of(cls, value) -> LayerSpec:
+        if isinstance(value, LayerSpec):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"window", "rope_theta"})
+            if unknown:
+                _fail("layer_pattern", value, f"unknown key(s) {unknown}: use window, rope_theta")
+            return cls(**value)
+        if value in ("global", None):
+            return cls()
+        _fail("layer_pattern", value, "list dicts {'window': W, 'rope_theta': R} or 'global'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,7 +134,12 @@ class ModelConfig:
     attention_impl: str = "auto"
     attention_block_q: int | None = None  # chunked only: query block (None: its default)
     attention_block_k: int | None = None  # chunked only: key block (None: its default)
-    attention_fn: str = "softmax"  # a name from attnlab.nn.attention_variants()
+    attention_fn: str = "softmax"  # a score function from attnlab.attention_variants()
+    mixer: str = "mha"  # the self-attention variant: attnlab.registered_mixers()
+    mixer_settings: Any = None  # the variant's Settings (a dict of its fields; None: defaults)
+    # Per-layer window and RoPE base, repeated over the layers (Gemma's 5 local : 1 global):
+    # a list of {"window": W | None, "rope_theta": R | None}; replaces sliding_window(_layers).
+    layer_pattern: tuple | None = None
     context_parallel: str = "ring"  # self-attention over mesh.context > 1: or "all_gather"
     context_load_balance: bool = True  # zigzag layout for causal stacks under the ring
 
@@ -131,6 +160,14 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.sliding_window_layers, list):
             object.__setattr__(self, "sliding_window_layers", tuple(self.sliding_window_layers))
+        if self.layer_pattern is not None:
+            if not isinstance(self.layer_pattern, (list, tuple)) or not self.layer_pattern:
+                _fail("layer_pattern", self.layer_pattern, "a non-empty list of layer specs")
+            pattern = tuple(LayerSpec.of(v) for v in self.layer_pattern)
+            object.__setattr__(self, "layer_pattern", pattern)
+        if not isinstance(self.mixer, str):
+            _fail("mixer", self.mixer, "name a registered mixer (attnlab.registered_mixers())")
+        object.__setattr__(self, "mixer_settings", make_settings(self.mixer, self.mixer_settings))
         validate_raw(self)
         derived = set()
         for name, value in _derivations(self):
@@ -153,25 +190,44 @@ class ModelConfig:
         return self.n_decoder_layers if self.arch == "encoder_decoder" else self.n_layers
 
     def layer_windows(self, n_layers: int) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None: full attention)."""
+        """Each layer's sliding window (None: full attention): the one place this rule is
+        read, from ``layer_pattern`` or ``sliding_window``/``sliding_window_layers``."""
+        if self.layer_pattern is not None:
+            p = self.layer_pattern
+            return tuple(p[i % len(p)].window for i in range(n_layers))
         chosen = self.sliding_window_layers
         return tuple(
             self.sliding_window if chosen is None or i in chosen else None for i in range(n_layers)
         )
 
+    def layer_rope_thetas(self, n_layers: int) -> tuple[float, ...]:
+        """Each layer's RoPE base, from ``layer_pattern`` or ``rope_theta``."""
+        p = self.layer_pattern
+        if p is None:
+            return (self.rope_theta,) * n_layers
+        return tuple(p[i % len(p)].rope_theta or self.rope_theta for i in range(n_layers))
+
     def replace(self, **changes) -> ModelConfig:
-        """A copy with ``changes``; fields that were derived are derived again."""
+        """A copy with ``changes``; fields that were derived are derived again (and a new
+        ``mixer`` takes its default settings unless ``mixer_settings`` is given)."""
         values = self.to_dict()
+        if "mixer" in changes and changes["mixer"] != self.mixer:
+            values["mixer_settings"] = None
         values.update(changes)
         return ModelConfig(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as given: derived ones are None, so ``from_dict`` derives them again."""
-        return {
+        """The fields as given: derived ones are None, so ``from_dict`` derives them again;
+        the variant's settings and the layer pattern as plain dicts."""
+        out = {
             f.name: None if f.name in self._derived else getattr(self, f.name)
             for f in dataclasses.fields(self)
             if f.init
         }
+        out["mixer_settings"] = self.mixer_settings.to_dict()
+        if self.layer_pattern is not None:
+            out["layer_pattern"] = [dataclasses.asdict(p) for p in self.layer_pattern]
+        return out
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
@@ -185,7 +241,7 @@ class ModelConfig:
 
 
 def _fail(field, value, fix):
-    raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {fix}")
+    raise ConfigError(f"ModelConfig.{field}={value!r} is invalid: {fix}")
 
 
 def _choice(cfg, field, options):
@@ -262,6 +318,23 @@ def validate(cfg: ModelConfig) -> None:
         n = max(cfg.n_layers, cfg.n_decoder_layers)
         if not all(isinstance(i, int) and 0 <= i < n for i in chosen):
             _fail("sliding_window_layers", chosen, f"list layer indices in [0, {n})")
+    if cfg.layer_pattern is not None:
+        if cfg.sliding_window is not None or cfg.sliding_window_layers is not None:
+            _fail(
+                "layer_pattern",
+                cfg.layer_pattern,
+                "it sets each layer's window: leave sliding_window and sliding_window_layers None",
+            )
+        for spec in cfg.layer_pattern:
+            if spec.window is not None and (not isinstance(spec.window, int) or spec.window < 1):
+                _fail("layer_pattern", spec, "a window must be a positive integer or None")
+            if spec.rope_theta is not None and spec.rope_theta <= 0:
+                _fail("layer_pattern", spec, "a rope_theta must be positive or None")
+        if cfg.arch == "encoder" and any(s.window is not None for s in cfg.layer_pattern):
+            _fail("layer_pattern", cfg.layer_pattern, "sliding windows are causal: decoders only")
+    if not isinstance(cfg.mixer_settings, get_mixer(cfg.mixer).Settings):
+        _fail("mixer_settings", cfg.mixer_settings, f"settings of mixer={cfg.mixer!r}")
+    cfg.mixer_settings.validate(cfg)
     if cfg.attention_fn not in attention_variants():
         _fail(
             "attention_fn",

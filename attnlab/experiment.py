@@ -54,7 +54,9 @@ def _model_defaults() -> ConfigDict:
         if not field.init:
             continue
         value = field.default
-        if value is None:  # Optional field: lock its type, keep it unset
+        if field.name == "mixer_settings":  # the variant's own fields, whatever they are
+            value = ConfigDict()
+        elif value is None:  # Optional field: lock its type, keep it unset
             args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
             value = config_dict.placeholder(typing.get_origin(args[0]) or args[0])
         setattr(cfg, field.name, value)
@@ -91,6 +93,7 @@ def base_config() -> ConfigDict:
             warmup_steps=100,
             schedule="cosine",
             min_lr_ratio=0.1,
+            decay_fraction=0.1,  # wsd only: the last fraction of the steps decays
             b1=0.9,
             b2=0.99,
             eps=1e-8,
@@ -160,6 +163,7 @@ _DOMAINS = [
     ("optim.adam_learning_rate", lambda v: v > 0, "a positive finite number"),
     ("optim.muon_beta", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    ("optim.decay_fraction", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("optim.b1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("optim.b2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("optim.eps", lambda v: v > 0, "a positive finite number"),
@@ -222,10 +226,10 @@ def validate(cfg: ConfigDict) -> ModelConfig:
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _require(o.name in ("adamw", "muon"), "optim.name", o.name, "use 'adamw' or 'muon'")
     _require(
-        o.schedule in ("cosine", "constant", "linear"),
+        o.schedule in ("cosine", "constant", "linear", "wsd"),
         "optim.schedule",
         o.schedule,
-        "use 'cosine', 'linear' or 'constant'",
+        "use 'cosine', 'linear', 'constant' or 'wsd' (warmup-stable-decay)",
     )
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")

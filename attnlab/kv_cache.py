@@ -1,71 +1,79 @@
-"""The KV cache: an explicit pytree, passed in and returned, never hidden module state.
+"""The decoding cache: an explicit pytree, passed in and returned, never hidden module state.
 
-Layout: keys and values are stacked arrays ``[L, B, K, S, H]`` with a leading layer axis
-(the stack's layers scan over it) and only the K key/value heads stored, so GQA/MQA's
-saving is real. Each layer's slice is head-major (S inside K): each head's keys are
-contiguous, so the attention dots read the cache where it lies; an ``[B, S, K, H]`` cache
-would be transposed, whole, at every decode step. ``write`` takes new keys/values in the
-model's ``[B, T, K, H]`` order and writes them into one layer, in place.
+One contract for every variant (``attnlab.mixers``). A variant declares its entries by role
+(``CacheEntry``): per-token entries (keys, values, a compressed latent) with a token axis,
+and fixed-size state (a recurrent or convolution state) without one. The cache holds each
+role as one stacked array ``[L, B, *shape]`` with a leading layer axis (the stack's layers
+scan over it), in ``KVCache.layers``. The built-in attention keeps ``"keys"`` and
+``"values"`` as ``[L, B, K, S, H]``: only the K key/value heads (GQA/MQA's saving is real),
+head-major (S inside K), so each head's keys are contiguous and the attention dots read the
+cache where it lies. Per-token values arrive in token-major order (``[B, T, ...]``, the
+shape without the token axis after ``T``) and are scattered into their slots in place.
 
 ``lengths[b]`` counts the tokens row ``b`` has seen; its next token sits at position
 ``lengths[b]``: rows of a ragged batch keep their own lengths and positions. A call of T
 tokens may mark each row's real ones (a right-padded prefix, ``valid_BT``); lengths advance
-by their number. Encoder-decoder caches also hold the cross-attention keys and values (same
-layout), computed once from the encoder output, and the source validity.
+by their number. Encoder-decoder caches also hold the cross-attention keys and values
+(``cross``, same layout), computed once from the encoder output, and the source validity.
 
-Two layouts, told apart by the static field ``window`` (part of the pytree's structure, so
-a jitted function compiles one program for each):
+Two layouts of the per-token entries, told apart by the static field ``window`` (part of
+the pytree's structure, so a jitted function compiles one program for each):
 
 * Linear (``window=None``): ``S`` slots, position ``p`` in slot ``p``; a row may hold
   ``capacity = S`` tokens.
 * Ring buffer (``window=W``): ``S = W`` slots, position ``p`` in slot ``p % W``, so each row
   keeps its last W tokens and memory stops growing with length; a row may reach
-  ``capacity = max_len`` positions (the static field ``max_len``, at most
-  ``ModelConfig.max_len``). It is exact when every self-attention layer of the decoder
-  slides with the same window W (``ModelConfig.sliding_window``, with
-  ``sliding_window_layers`` None or listing every layer): no query needs an older key.
-  A slot's position is derived from ``lengths`` (``ring_positions``), for the mask and for
-  position biases (ALiBi, relative). ``init_cache(..., ring=None)`` picks a ring whenever
-  the config allows one and ``max_len > W``; a model where only some layers slide keeps the
-  linear cache (its global layers need every key). A call over a ring (``Ring``) attends in
-  one of two ways: a single token is written first and attends over the ring in place (the
-  slot it overwrites holds the one key that just left its window); a longer call (a prompt,
-  a prefill chunk, possibly longer than W) attends over the ring as it was, then its own
-  keys (``[B, W + T]`` keys), and afterwards stores its last W real tokens. Phased loops
-  (``truncate``/``paste``) make no sense for a ring and refuse one; row reordering
-  (``take_rows``, ``repeat_rows``) works on both.
+  ``capacity = max_len`` positions. It is exact when every self-attention layer of the
+  decoder slides with the same window W (``ModelConfig.layer_windows``): no query needs an
+  older key. A slot's position is derived from ``lengths`` (``ring_positions``), for the
+  mask and for position biases. ``init_cache(..., ring=None)`` picks a ring whenever the
+  config allows one and ``max_len > W``. A call over a ring (``Ring``) attends in one of two
+  ways: a single token is written first and attends over the ring in place (the slot it
+  overwrites holds the one key that just left its window); a longer call attends over the
+  ring as it was, then its own entries (``W + T`` tokens), and afterwards stores its last W
+  real tokens. Phased loops (``truncate``/``paste``) make no sense for a ring and refuse
+  one; row reordering (``take_rows``, ``repeat_rows``) works on both.
 
-Chunked prefill (``attnlab.decode.Decoder.prefill``, ``chunk``) feeds a long prompt through
-the cache C tokens at a time, so scores are ``[B, N, C, S]`` (``[B, N, C, W + C]`` for a
-ring) rather than ``[B, N, T, T]``.
-
-Memory: ``2 * L * B * S * K * H * bytes`` for self-attention (``kv_cache_bytes``), with
-``S = W`` for a ring.
+Memory: the sum over entries of ``L * B * prod(shape) * itemsize`` (``kv_cache_bytes``),
+``2 * L * B * S * K * H * itemsize`` for the built-in attention, with ``S = W`` for a ring.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.errors import DecodeError
+from attnlab.mixers import CacheEntry, get_mixer
 
 
 @struct.dataclass
 class KVCache:
-    # [L, B, K, S, H]; inside a generation loop over separate blocks, a tuple of L arrays
-    # [1, B, K, S, H] (``split_layers``).
-    k: jax.Array
-    v: jax.Array
+    # Role -> [L, B, *shape]; inside a generation loop over separate blocks, a tuple of L
+    # arrays [1, B, *shape] (``split_layers``).
+    layers: dict
     lengths: jax.Array  # [B] int32: tokens seen, the position of the next one
-    cross_k: jax.Array | None = None  # [L, B, K, S_src, H]
-    cross_v: jax.Array | None = None
+    cross: dict | None = None  # {"keys", "values"}: [L, B, K, S_src, H]
     src_valid: jax.Array | None = None  # [B, S_src] bool
-    # Static: a ring buffer's window (its slots) and the positions it serves; None: linear.
+    # Static: each role's token axis in its per-row shape (None: fixed-size state), a ring
+    # buffer's window (its slots; None: linear) and the positions the cache serves.
+    slot_axes: tuple = struct.field(pytree_node=False, default=())
     window: int | None = struct.field(pytree_node=False, default=None)
     max_len: int | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def k(self):
+        """The built-in attention's keys (``layers["keys"]``)."""
+        return self.layers["keys"]
+
+    @property
+    def v(self):
+        return self.layers["values"]
 
     @property
     def ring(self) -> bool:
@@ -74,33 +82,49 @@ class KVCache:
     @property
     def split(self) -> bool:
         """Whether the layers are held as separate arrays (``split_layers``)."""
-        return isinstance(self.k, tuple)
+        return isinstance(next(iter(self.layers.values())), tuple)
+
+    def _first(self, per_token: bool):
+        for name, axis in self.slot_axes:
+            if (axis is not None) == per_token:
+                x = self.layers[name]
+                return (x[0] if isinstance(x, tuple) else x), axis
+        return None, None
 
     @property
-    def _layer0(self) -> jax.Array:
-        return self.k[0] if self.split else self.k
-
-    @property
-    def slots(self) -> int:
-        """Slots per row and layer (``S``): what the cache stores."""
-        return self._layer0.shape[3]
+    def slots(self) -> int | None:
+        """Slots per row and layer (``S``) of the per-token entries; None without any."""
+        x, axis = self._first(True)
+        return None if x is None else x.shape[2 + axis]
 
     @property
     def capacity(self) -> int:
-        """Tokens a row may hold in all: the slots, or the positions a ring serves."""
-        return self.max_len if self.ring else self.slots
+        """Tokens a row may hold in all: the slots, or the positions a ring (or a cache of
+        fixed-size state alone) serves."""
+        slots = self.slots
+        return self.max_len if self.ring or slots is None else slots
 
     @property
     def batch_size(self) -> int:
-        return self._layer0.shape[1]
+        return self.lengths.shape[0]
 
     @property
     def n_layers(self) -> int:
-        return len(self.k) if self.split else self.k.shape[0]
+        x = next(iter(self.layers.values()))
+        return len(x) if isinstance(x, tuple) else x.shape[0]
+
+    @property
+    def per_token(self) -> tuple[tuple[str, int], ...]:
+        """``(role, token axis)`` of the per-token entries."""
+        return tuple((n, a) for n, a in self.slot_axes if a is not None)
+
+
+def _map_layers(cache: KVCache, fn) -> dict:
+    return {name: fn(name, axis, cache.layers[name]) for name, axis in cache.slot_axes}
 
 
 def split_layers(cache: KVCache) -> KVCache:
-    """The cache with each layer's keys/values as a separate ``[1, B, K, S, H]`` array.
+    """The cache with each layer's entries as separate ``[1, B, ...]`` arrays.
 
     For a loop that runs separate blocks (``Stack.unstack``): each block then writes and
     reads its own buffer where it lies, in place, while a block reading its layer of a
@@ -110,18 +134,14 @@ def split_layers(cache: KVCache) -> KVCache:
     """
     if cache.split:
         return cache
-    return cache.replace(k=layer_arrays(cache.k), v=layer_arrays(cache.v))
+    return cache.replace(layers=_map_layers(cache, lambda n, a, x: layer_arrays(x)))
 
 
 def join_layers(cache: KVCache) -> KVCache:
     """The stacked cache back from ``split_layers``."""
     if not cache.split:
         return cache
-    return cache.replace(k=jnp.concatenate(cache.k), v=jnp.concatenate(cache.v))
-
-
-def _dtype(cfg: ModelConfig, dtype):
-    return jnp.dtype(cfg.dtype if dtype is None else dtype)
+    return cache.replace(layers=_map_layers(cache, lambda n, a, x: jnp.concatenate(x)))
 
 
 def ring_window(cfg: ModelConfig) -> int | None:
@@ -143,12 +163,16 @@ def _ring_slots(cfg: ModelConfig, max_len: int, ring: bool | None) -> int | None
         return window if window is not None and max_len > window else None
     if ring and window is None:
         raise DecodeError(
-            f"ring=True needs every decoder layer to slide with one window, but "
-            f"ModelConfig.sliding_window={cfg.sliding_window}, sliding_window_layers="
-            f"{cfg.sliding_window_layers}, causal={cfg.causal}: set sliding_window and leave "
-            "sliding_window_layers None (or list every layer), or pass ring=False"
+            f"ring=True needs every decoder layer to slide with one window, but the layers' "
+            f"windows are {cfg.layer_windows(cfg.stack_layers)} (causal={cfg.causal}): set "
+            "ModelConfig.sliding_window for every layer, or pass ring=False"
         )
     return window if ring else None
+
+
+def cache_entries(cfg: ModelConfig) -> dict[str, CacheEntry]:
+    """What the configured variant keeps per layer (``Mixer.cache_entries``)."""
+    return get_mixer(cfg.mixer).cache_entries(cfg, cfg.mixer_settings)
 
 
 def init_cache(
@@ -158,7 +182,7 @@ def init_cache(
 
     ``ring``: a ring buffer of ``ModelConfig.sliding_window`` slots (True), a linear cache
     of ``max_len`` slots (False), or a ring whenever the config allows one and ``max_len``
-    exceeds the window (None).
+    exceeds the window (None). ``dtype`` is that of entries that do not name their own.
     """
     if cfg.arch == "encoder":
         raise ValueError("ModelConfig.arch='encoder' has no causal decoder: nothing to cache")
@@ -174,48 +198,61 @@ def init_cache(
         )
     window = _ring_slots(cfg, max_len, ring)
     slots = max_len if window is None else window
-    shape = (cfg.stack_layers, batch_size, cfg.n_kv_heads, slots, cfg.head_dim)
-    dt = _dtype(cfg, dtype)
-    # Two buffers (not one shared zeros): a jitted step may then donate the cache.
+    L = cfg.stack_layers
+    default = jnp.dtype(cfg.dtype if dtype is None else dtype)
+    entries = cache_entries(cfg)
+    # One buffer per entry (not a shared zeros): a jitted step may then donate the cache.
+    layers = {
+        name: jnp.zeros((L, batch_size, *e.sized(slots)), e.dtype or default)
+        for name, e in entries.items()
+    }
     return KVCache(
-        k=jnp.zeros(shape, dt),
-        v=jnp.zeros(shape, dt),
+        layers=layers,
         lengths=jnp.zeros((batch_size,), jnp.int32),
+        slot_axes=tuple((name, e.slot_axis) for name, e in entries.items()),
         window=window,
-        max_len=None if window is None else max_len,
+        max_len=max_len,
     )
 
 
-def scatter(cache_LBKSH, layer, new_BTKH, slots_BT):
-    """Writes ``new`` into layer ``layer`` of the cache, token ``t`` of row ``b`` at slot
-    ``slots_BT[b, t]``; slots past the end are dropped.
+def scatter(cache_LB, layer, new_BT, slots_BT, slot_axis: int = 1):
+    """Writes ``new`` into layer ``layer`` of a per-token entry ``[L, B, *pre, S, *post]``,
+    token ``t`` of row ``b`` at slot ``slots_BT[b, t]``; slots past the end are dropped.
 
-    ``layer`` may be traced (inside a scan over layers). One scatter in the cache's own
-    layout, in place inside a loop.
+    ``new_BT`` is token-major, ``[B, T, *pre, *post]``; ``slot_axis`` is the token axis's
+    index in the per-row shape (1: the keys' and values' ``[K, S, H]``). ``layer`` may be
+    traced (inside a
+    scan over layers). One scatter in the entry's own layout, in place inside a loop.
     """
-    L, B, K, S, H = cache_LBKSH.shape
-    # Scattered as [L * B * K, S, H] rows, the shape the attention dots read: written in
+    L, B = cache_LB.shape[:2]
+    pre = cache_LB.shape[2 : 2 + slot_axis]
+    S = cache_LB.shape[2 + slot_axis]
+    post = cache_LB.shape[3 + slot_axis :]
+    P, Q = math.prod(pre), math.prod(post)
+    # Scattered as [L * B * P, S, Q] rows, the shape the attention dots read: written in
     # the 5-D shape, XLA:CPU fuses a second copy of the write into each dot's operand, and
     # two writes to one buffer cost a copy of the layer's cache at every decoding step.
-    shape_BTK = (*slots_BT.shape, K)
-    rows_BTK = jnp.broadcast_to(
-        (layer * B + jnp.arange(B)[:, None, None]) * K + jnp.arange(K)[None, None, :], shape_BTK
+    shape_BTP = (*slots_BT.shape, P)
+    rows_BTP = jnp.broadcast_to(
+        (layer * B + jnp.arange(B)[:, None, None]) * P + jnp.arange(P)[None, None, :], shape_BTP
     )
-    slots_BTK = jnp.broadcast_to(slots_BT[..., None], shape_BTK)
-    flat = cache_LBKSH.reshape(L * B * K, S, H)
-    flat = flat.at[rows_BTK, slots_BTK, :].set(new_BTKH.astype(flat.dtype), mode="drop")
-    return flat.reshape(L, B, K, S, H)
+    slots_BTP = jnp.broadcast_to(slots_BT[..., None], shape_BTP)
+    flat = cache_LB.reshape(L * B * P, S, Q)
+    new_BTPQ = new_BT.reshape(*slots_BT.shape, P, Q).astype(flat.dtype)
+    flat = flat.at[rows_BTP, slots_BTP, :].set(new_BTPQ, mode="drop")
+    return flat.reshape(cache_LB.shape)
 
 
-def write(cache_LBKSH, layer, new_BTKH, start_B):
-    """Writes ``new`` into layer ``layer`` of a linear cache, row ``b`` from ``start_B[b]``."""
-    T = new_BTKH.shape[1]
-    return scatter(cache_LBKSH, layer, new_BTKH, start_B[:, None] + jnp.arange(T)[None, :])
+def write(cache_LB, layer, new_BT, start_B, slot_axis: int = 1):
+    """Writes ``new`` into layer ``layer`` of a linear entry, row ``b`` from ``start_B[b]``."""
+    T = new_BT.shape[1]
+    slots_BT = start_B[:, None] + jnp.arange(T)[None, :]
+    return scatter(cache_LB, layer, new_BT, slots_BT, slot_axis)
 
 
-def layer(cache_LBKSH, index):
-    """Layer ``index`` (may be traced) of a stacked cache array: ``[B, K, S, H]``."""
-    return jax.lax.dynamic_index_in_dim(cache_LBKSH, index, 0, keepdims=False)
+def layer(cache_LB, index):
+    """Layer ``index`` (may be traced) of a stacked cache array: ``[B, ...]``."""
+    return jax.lax.dynamic_index_in_dim(cache_LB, index, 0, keepdims=False)
 
 
 def ring_positions(end_B, slots: int):
@@ -244,7 +281,7 @@ class Ring:
     ``start_B``: the tokens each row had seen; ``count_B``: the call's real tokens per row
     (a prefix of its T; only they are stored). A single token is written first and attends
     over the ring in place; a longer call attends over the ring as it was, then its own
-    keys, and stores its last ``slots`` real tokens afterwards (``LayerView.append``).
+    keys, and stores its last ``slots`` real tokens afterwards (``LayerCache.append``).
     """
 
     start_B: jax.Array
@@ -255,24 +292,25 @@ class Ring:
         return T == 1
 
     def keys(self, T: int, windows: tuple):
-        """``(k_positions_BS, mask_B1TS)`` of the keys the call attends over, with the
-        layers' ``windows`` (one window for all, at most ``slots``) in the mask."""
+        """``(k_positions_BS, mask)`` of the keys the call attends over: the mask a
+        ``MaskSpec`` over the slots' positions, with the layers' one window."""
         if len(set(windows)) != 1 or windows[0] is None or windows[0] > self.slots:
             raise ValueError(
                 f"a ring-buffer cache of {self.slots} slots serves layers that all slide with "
                 f"one window of at most {self.slots} keys, but the layers' windows are "
-                f"{windows} (ModelConfig.sliding_window / sliding_window_layers): build the "
+                f"{windows} (ModelConfig.sliding_window / layer_pattern): build the "
                 "cache with init_cache(..., ring=False)"
             )
         t_1T = jnp.arange(T, dtype=jnp.int32)[None, :]
-        q_BT = self.start_B[:, None] + t_1T  # the mask lives in slot positions, as a linear one
+        q_BT = self.start_B[:, None] + t_1T
         if self.in_place(T):
             k_BS = ring_positions(self.start_B + self.count_B, self.slots)
         else:
             k_BS = jnp.concatenate([ring_positions(self.start_B, self.slots), q_BT], axis=1)
-        q_BT1, k_B1S = q_BT[:, :, None], k_BS[:, None, :]
-        mask_BTS = (k_B1S >= 0) & (k_B1S <= q_BT1) & (k_B1S > q_BT1 - windows[0])
-        return k_BS, mask_BTS[:, None]
+        mask = ops.MaskSpec(
+            q_pos=q_BT, k_pos=k_BS, causal=True, window=jnp.int32(windows[0]), k_valid=k_BS >= 0
+        )
+        return k_BS, mask
 
 
 def _refuse_ring(cache: KVCache, what: str):
@@ -284,21 +322,26 @@ def _refuse_ring(cache: KVCache, what: str):
         )
 
 
-def truncate(cache: KVCache, size: int, *, split: bool = False) -> KVCache:
-    """The cache cut to its first ``size`` slots (a copy; cross-attention is left as is);
-    ``split``: cut into one array per layer as well (``split_layers``), in the same copy."""
-    _refuse_ring(cache, "truncate")
-    if split or cache.split:
-        cut = lambda x: tuple(a[:, :, :, :size] for a in layer_arrays(x))
-        return cache.replace(k=cut(cache.k), v=cut(cache.v))
-    cut = lambda x: x[:, :, :, :size]
-    return cache.replace(k=cut(cache.k), v=cut(cache.v))
-
-
 def layer_arrays(x) -> tuple:
-    """One ``[1, B, K, S, H]`` array per layer of a stacked array (or of a split one);
+    """One ``[1, B, ...]`` array per layer of a stacked array (or of a split one);
     ``jnp.concatenate`` stacks them again."""
     return x if isinstance(x, tuple) else tuple(x[i : i + 1] for i in range(x.shape[0]))
+
+
+def truncate(cache: KVCache, size: int, *, split: bool = False) -> KVCache:
+    """The cache with its per-token entries cut to their first ``size`` slots (a copy;
+    state and cross-attention are left as they are); ``split``: cut into one array per
+    layer as well (``split_layers``), in the same copy."""
+    _refuse_ring(cache, "truncate")
+
+    def cut(name, axis, x):
+        per_layer = split or cache.split
+        if axis is None:
+            return layer_arrays(x) if per_layer else x
+        trim = lambda a: jax.lax.slice_in_dim(a, 0, size, axis=2 + axis)
+        return tuple(trim(a) for a in layer_arrays(x)) if per_layer else trim(x)
+
+    return cache.replace(layers=_map_layers(cache, cut))
 
 
 def paste(full: KVCache, part: KVCache) -> KVCache:
@@ -307,7 +350,8 @@ def paste(full: KVCache, part: KVCache) -> KVCache:
     _refuse_ring(full, "paste")
     put = lambda f, p, i=0: jax.lax.dynamic_update_slice(f, p, (i,) + (0,) * (f.ndim - 1))
 
-    def paste_one(f, p):
+    def paste_one(name, axis, f):
+        p = part.layers[name]
         if isinstance(f, tuple):  # split into split
             return tuple(put(a, b) for a, b in zip(f, layer_arrays(p), strict=True))
         if isinstance(p, tuple):  # each layer's part into the stacked array
@@ -316,7 +360,7 @@ def paste(full: KVCache, part: KVCache) -> KVCache:
             return f
         return put(f, p)
 
-    return part.replace(k=paste_one(full.k, part.k), v=paste_one(full.v, part.v))
+    return part.replace(layers=_map_layers(full, paste_one))
 
 
 def repeat_rows(cache: KVCache, n: int) -> KVCache:
@@ -324,11 +368,9 @@ def repeat_rows(cache: KVCache, n: int) -> KVCache:
     per_layer = lambda x: jax.tree.map(lambda a: jnp.repeat(a, n, axis=1), x)
     per_row = lambda x: None if x is None else jnp.repeat(x, n, axis=0)
     return cache.replace(
-        k=per_layer(cache.k),
-        v=per_layer(cache.v),
+        layers=per_layer(cache.layers),
         lengths=per_row(cache.lengths),
-        cross_k=per_layer(cache.cross_k),
-        cross_v=per_layer(cache.cross_v),
+        cross=per_layer(cache.cross),
         src_valid=per_row(cache.src_valid),
     )
 
@@ -338,63 +380,79 @@ def take_rows(cache: KVCache, rows_B) -> KVCache:
     so ``rows_B`` must map each row to a row of the same source. A ring's slot positions
     follow each row's length, so its rows move as they are."""
     take = lambda x: jax.tree.map(lambda a: jnp.take(a, rows_B, axis=1), x)
-    return cache.replace(
-        k=take(cache.k),
-        v=take(cache.v),
-        lengths=jnp.take(cache.lengths, rows_B, axis=0),
-    )
+    return cache.replace(layers=take(cache.layers), lengths=jnp.take(cache.lengths, rows_B, axis=0))
 
 
 def kv_cache_bytes(
     cfg: ModelConfig, batch_size: int, max_len: int, dtype="bfloat16", *, ring: bool | None = None
 ) -> int:
-    """Bytes of the self-attention cache ``init_cache`` builds with the same arguments:
-    2 * L * B * S * K * H * itemsize, with S the window for a ring buffer."""
+    """Bytes of the self-attention cache ``init_cache`` builds with the same arguments, from
+    the config alone: the variant's entries, ``L * B * prod(shape) * itemsize`` each (entries
+    without their own dtype in ``dtype``), with S the window for a ring buffer."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(
             f"kv_cache_bytes takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
             "Face config with attnlab.pretrained.model_config_from_hf"
         )
-    itemsize = jnp.dtype(dtype).itemsize
     window = _ring_slots(cfg, max_len, ring)
-    L, K, H, S = cfg.stack_layers, cfg.n_kv_heads, cfg.head_dim, window or max_len
-    return 2 * L * batch_size * S * K * H * itemsize
+    slots = window or max_len
+    return sum(
+        cfg.stack_layers
+        * batch_size
+        * math.prod(e.sized(slots))
+        * jnp.dtype(e.dtype or dtype).itemsize
+        for e in cache_entries(cfg).values()
+    )
 
 
 @struct.dataclass
-class LayerView:
-    """One layer of a stacked cache inside the scan over layers.
+class LayerCache:
+    """One layer of the cache inside the scan over layers: what a variant reads and writes.
 
-    ``append`` writes a call's keys/values into layer ``index`` (in place in the stacked
-    arrays) and returns the keys/values ``[B, S, K, H]`` to attend over: for a linear cache
-    the layer's slots, written from each row's ``start_B``; for a ring (``ring``) those of
-    ``Ring.keys``. The swap of S and K is folded into the attention dots by XLA.
+    ``append(role, new_BT)`` writes a call's per-token values into layer ``index`` (in
+    place in the stacked arrays) and returns the entry this call attends over, ``[B, ...]``
+    in the entry's own layout: for a linear cache the layer's slots, written from each
+    row's ``start_B``; for a ring (``ring``), as ``Ring`` describes. ``read(role)`` is the
+    layer's entry as it is, ``put(role, value_B)`` replaces a fixed-size state entry.
     """
 
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array
+    layers: dict  # role -> [L, B, *shape] (the layer's own [1, B, *shape] when split)
     index: jax.Array  # int32 scalar (traced under scan)
-    start_B: jax.Array
+    start_B: jax.Array  # [B] tokens each row had seen before this call
+    count_B: jax.Array  # [B] this call's real tokens per row
     ring: Ring | None = None
+    slot_axes: tuple = struct.field(pytree_node=False, default=())
 
-    def _layer_BSKH(self, x):
-        return jnp.swapaxes(layer(x, self.index), 1, 2)
+    def _axis(self, name):
+        return dict(self.slot_axes)[name]
 
-    def append(self, k_BTKH, v_BTKH):
-        if self.ring is not None:
-            return self._append_ring(k_BTKH, v_BTKH)
-        k = write(self.k, self.index, k_BTKH, self.start_B)
-        v = write(self.v, self.index, v_BTKH, self.start_B)
-        return self.replace(k=k, v=v), self._layer_BSKH(k), self._layer_BSKH(v)
+    def read(self, name):
+        return layer(self.layers[name], self.index)
 
-    def _append_ring(self, k_BTKH, v_BTKH):
-        ring, T = self.ring, k_BTKH.shape[1]
+    def put(self, name, value_B):
+        x = self.layers[name]
+        value = value_B.astype(x.dtype)[None]
+        new = jax.lax.dynamic_update_index_in_dim(x, value[0], self.index, 0)
+        return self.replace(layers={**self.layers, name: new})
+
+    def append(self, name, new_BT):
+        axis = self._axis(name)
+        if axis is None:
+            raise ValueError(f"cache entry {name!r} is fixed-size state: replace it with put")
+        x, T = self.layers[name], new_BT.shape[1]
+        if self.ring is None:
+            x = write(x, self.index, new_BT, self.start_B, axis)
+            return self._with(name, x), layer(x, self.index)
+        ring = self.ring
         slots_BT = ring_slots(ring.start_B, ring.count_B, T, ring.slots)
-        k = scatter(self.k, self.index, k_BTKH, slots_BT)
-        v = scatter(self.v, self.index, v_BTKH, slots_BT)
+        before = layer(x, self.index)
+        x = scatter(x, self.index, new_BT, slots_BT, axis)
         if ring.in_place(T):
-            return self.replace(k=k, v=v), self._layer_BSKH(k), self._layer_BSKH(v)
-        # The ring as it was (read before the write), then the call's own keys, stored as
-        # the cache stores them.
-        before = lambda x, new: jnp.concatenate([self._layer_BSKH(x), new.astype(x.dtype)], axis=1)
-        return self.replace(k=k, v=v), before(self.k, k_BTKH), before(self.v, v_BTKH)
+            return self._with(name, x), layer(x, self.index)
+        # The ring as it was (read before the write), then the call's own values, laid out
+        # as the cache stores them.
+        own = jnp.moveaxis(new_BT.astype(x.dtype), 1, 1 + axis)
+        return self._with(name, x), jnp.concatenate([before, own], axis=1 + axis)
+
+    def _with(self, name, x):
+        return self.replace(layers={**self.layers, name: x})

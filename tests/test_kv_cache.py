@@ -20,7 +20,7 @@ def test_init_cache_shapes_and_distinct_buffers():
         assert not np.asarray(x).any()
     assert cache.capacity == 100 and cache.batch_size == 3 and cache.n_layers == 3
     np.testing.assert_array_equal(cache.lengths, [0, 0, 0])
-    assert cache.cross_k is None and cache.src_valid is None
+    assert cache.cross is None and cache.src_valid is None
     # Separate buffers, so a jitted step may donate the whole cache.
     assert cache.k.unsafe_buffer_pointer() != cache.v.unsafe_buffer_pointer()
 
@@ -77,7 +77,7 @@ def test_repeat_and_take_rows():
     cfg = ModelConfig(**CFG)
     cache = init_cache(cfg, 2, 4)
     cache = cache.replace(
-        k=cache.k + jnp.arange(2.0).reshape(1, 2, 1, 1, 1),
+        layers={**cache.layers, "keys": cache.k + jnp.arange(2.0).reshape(1, 2, 1, 1, 1)},
         lengths=jnp.array([1, 2], jnp.int32),
     )
     wide = kvc.repeat_rows(cache, 3)
@@ -92,9 +92,9 @@ def test_repeat_and_take_rows():
 def test_split_layers_round_trip_and_rows():
     cfg = ModelConfig(**CFG)
     cache = init_cache(cfg, 2, 4)
-    cache = cache.replace(
-        k=jax.random.normal(jax.random.key(0), cache.k.shape), lengths=jnp.array([1, 3])
-    )
+    keys = jax.random.normal(jax.random.key(0), cache.k.shape)
+    cache = cache.replace(layers={**cache.layers, "keys": keys}, lengths=jnp.array([1, 3]))
+    plus_one = cache.replace(layers={**cache.layers, "keys": cache.k + 1})
     split = kvc.split_layers(cache)
     assert (
         split.split and len(split.k) == cfg.n_layers and split.k[1].shape == (1, *cache.k.shape[1:])
@@ -112,9 +112,9 @@ def test_split_layers_round_trip_and_rows():
     np.testing.assert_array_equal(wide.k, kvc.repeat_rows(cache, 2).k)
     cut = kvc.truncate(split, 2)
     np.testing.assert_array_equal(kvc.join_layers(cut).k, kvc.truncate(cache, 2).k)
-    pasted = kvc.paste(split, kvc.truncate(kvc.split_layers(cache.replace(k=cache.k + 1)), 2))
+    pasted = kvc.paste(split, kvc.truncate(kvc.split_layers(plus_one), 2))
     np.testing.assert_array_equal(
-        kvc.join_layers(pasted).k, kvc.paste(cache, kvc.truncate(cache.replace(k=cache.k + 1), 2)).k
+        kvc.join_layers(pasted).k, kvc.paste(cache, kvc.truncate(plus_one, 2)).k
     )
 
 

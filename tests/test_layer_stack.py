@@ -14,6 +14,7 @@ from flax import nnx
 
 import attnlab
 from attnlab import ModelConfig, build_model, init_cache, ops
+from attnlab.mixers import MixerCall
 from attnlab.nn.blocks import Block
 
 BASE = dict(vocab_size=40, d_model=32, n_heads=4, n_layers=3, max_len=16, d_ff=48)
@@ -138,7 +139,7 @@ def test_per_layer_window_equals_blocks_applied_one_by_one():
         block = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], params))
         assert isinstance(block, Block)
         mask = ops.sliding_window(T, window=2) if i == 1 else ops.causal(T)
-        x, _, _ = block(x, positions_BT=pos, mask=mask, bias=bias)
+        x, _, _ = block(x, MixerCall(positions_BT=pos, mask=mask, bias=bias))
     want = model.head(stack.final_norm(x), model.embed.tokens)
     np.testing.assert_allclose(model(ids).logits, want, atol=1e-5, rtol=1e-5)
     every = build_model(cfg.replace(sliding_window_layers=None), seed=0)

@@ -125,12 +125,19 @@ def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring=None)
             x, sharding.NamedSharding(mesh, sharding.P(rules["batch"], *[None] * (x.ndim - 1)))
         )
     )
-    kv = "tensor" if cfg.n_kv_heads % mesh.shape["tensor"] == 0 else None
-    cache_spec = sharding.P(None, rules["batch"], kv, None, None)
     cache = kv_cache.init_cache(cfg, B + pad, cap, ring=ring)
+    entries = kv_cache.cache_entries(cfg)
+
+    def place(name, x):  # rows over the batch axes, the entry's own axes where they divide
+        axes = entries[name].axes or (None,) * (x.ndim - 2)
+        spec = [rules.get(a) if a else None for a in axes]
+        spec = [a if a and x.shape[2 + i] % sharding.axis_size(mesh, a) == 0 else None
+                for i, a in enumerate(spec)]  # fmt: skip
+        named = sharding.NamedSharding(mesh, sharding.P(None, rules["batch"], *spec))
+        return jax.device_put(x, named)
+
     cache = cache.replace(
-        k=jax.device_put(cache.k, sharding.NamedSharding(mesh, cache_spec)),
-        v=jax.device_put(cache.v, sharding.NamedSharding(mesh, cache_spec)),
+        layers={name: place(name, x) for name, x in cache.layers.items()},
         lengths=by_rows(cache.lengths),
     )
     params = jax.device_put(params, sharding.tree_shardings(params, mesh, rules))

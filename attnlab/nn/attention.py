@@ -1,21 +1,33 @@
-"""Multi-head attention (MHA / GQA / MQA) for self- and cross-attention.
+"""Multi-head attention (MHA / GQA / MQA), the built-in variant ``mixer="mha"``, for self- and
+cross-attention.
 
 Projections are stored as ``q_DNH``, ``k_DKH``, ``v_DKH`` and ``o_NHD``, so ``head_dim`` is
-independent of ``d_model / n_heads``. The module computes q, k, v, applies QK-norm and RoPE,
-optionally appends k and v to its layer of an explicit cache (a ``kv_cache.LayerView``),
-and calls the attention function that ``ModelConfig.attention_fn`` named when the module
-was built (``attnlab.variants``), passing ``block_q``/``block_k`` too when the config sets
-``attention_block_q``/``attention_block_k``. It returns ``(out_BTD, cache, weights_BNTS |
-None)``.
+independent of ``d_model / n_heads``. The module computes q, k, v, applies QK-norm and RoPE
+(with the layer's base), appends k and v to its layer of the cache (``"keys"`` and
+``"values"``, ``[B, K, S, H]`` per row) when decoding, and calls the score function that
+``ModelConfig.attention_fn`` named when the module was built (``attnlab.variants``). It
+returns ``(out_BTD, cache, weights_BNTS | None)``.
+
+Variants that change one step subclass it and override that step: ``query`` (q from x),
+``keys_values`` (k and v, through the cache), ``attend`` (the scores and the weighted sum),
+``output`` (the output projection). ``attnlab.nn.mixers`` holds the built-in ones.
+
+Settings: ``softcap`` caps the self-attention logits at ``c * tanh(s / c)`` (Gemma 2) on
+every implementation, the chunked one included (cross-attention stays uncapped). Variants
+whose settings subclass ``Attention.Settings`` inherit it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.errors import ConfigError
+from attnlab.mixers import SLOTS, CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
 from attnlab.nn.context_parallel import ContextMask
 from attnlab.nn.layers import Norm, normal
 from attnlab.ops.linear import add_bias, dense
@@ -23,13 +35,30 @@ from attnlab.sharding import constrain
 from attnlab.variants import get_attention
 
 
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
+@register_mixer("mha")
+class Attention(Mixer):
+    """Softmax attention with K <= N key/value heads (MHA, GQA, MQA)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings(MixerSettings):
+        softcap: float | None = None  # c of the logit cap c * tanh(s / c); None: no cap
+
+        def validate(self, cfg) -> None:
+            cap = self.softcap
+            number = isinstance(cap, int | float) and not isinstance(cap, bool)
+            if cap is not None and not (number and 0 < cap < float("inf")):
+                self.fail("softcap", "a positive number (Gemma 2 uses 50.0), or None")
+
+    context_parallel = True
+
+    def __init__(self, cfg: ModelConfig, settings=None, *, cross: bool = False, rngs: nnx.Rngs):
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         std, pd = cfg.init_std, cfg.param_dtype
         self.cfg = cfg
         self.cross = cross
-        self.attend = get_attention(cfg.attention_fn)  # resolved now: part of the graph
+        # Settings of mha or of a variant built on it (others, and cross-attention: no cap).
+        self.softcap = getattr(settings, "softcap", None) if not cross else None
+        self.attend_fn = get_attention(cfg.attention_fn)  # resolved now: part of the graph
         self.q_DNH = normal(rngs, (D, N, H), std, pd)
         self.k_DKH = normal(rngs, (D, K, H), std, pd)
         self.v_DKH = normal(rngs, (D, K, H), std, pd)
@@ -43,65 +72,70 @@ class Attention(nnx.Module):
         self.q_norm = Norm(cfg, H, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
         self.k_norm = Norm(cfg, H, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
 
+    @classmethod
+    def cache_entries(cls, cfg, settings):
+        shape = (cfg.n_kv_heads, SLOTS, cfg.head_dim)
+        axes = ("act_kv_heads", None, None)
+        return {"keys": CacheEntry(shape, axes=axes), "values": CacheEntry(shape, axes=axes)}
+
+    # The steps a variant may override.
+
     def _project(self, x, w, b):
         y = dense(x, w[...])
         return y if b is None else add_bias(y, b[...])
 
-    def project_kv(self, x_BSD, positions_BS=None):
+    def _rope(self, x, positions, theta):
+        if self.cfg.position != "rope" or self.cross:
+            return x
+        return ops.apply_rope(x, positions, theta=self.cfg.rope_theta if theta is None else theta)
+
+    def query(self, x_BTD, call: MixerCall):
+        q_BTNH = self._project(x_BTD, self.q_DNH, self.q_bias_NH)
+        if self.q_norm is not None:
+            q_BTNH = self.q_norm(q_BTNH)
+        q_BTNH = self._rope(q_BTNH, call.positions_BT, call.rope_theta)
+        return constrain(q_BTNH, "batch", "length", "act_heads", None)
+
+    def project_kv(self, x_BSD, positions_BS=None, rope_theta=None):
         """Keys and values of ``x`` (with k-norm and RoPE when configured)."""
         k_BSKH = self._project(x_BSD, self.k_DKH, self.k_bias_KH)
         v_BSKH = self._project(x_BSD, self.v_DKH, self.v_bias_KH)
         if self.k_norm is not None:
             k_BSKH = self.k_norm(k_BSKH)
-        if self.cfg.position == "rope" and not self.cross:
-            k_BSKH = ops.apply_rope(k_BSKH, positions_BS, theta=self.cfg.rope_theta)
-        return k_BSKH, v_BSKH
+        return self._rope(k_BSKH, positions_BS, rope_theta), v_BSKH
 
-    def __call__(
-        self,
-        x_BTD,
-        *,
-        positions_BT=None,
-        mask=None,
-        bias=None,
-        kv_BSD=None,
-        cache=None,
-        key=None,
-        return_weights=False,
-    ):
-        """Attention of ``x`` over itself, or over ``kv_BSD`` / a cache for cross-attention.
+    def keys_values(self, x_BTD, call: MixerCall):
+        """``(cache, k_BSKH, v_BSKH)``: this call's keys and values, after what the cache
+        holds when decoding (the cache then holds them too)."""
+        k_BTKH, v_BTKH = self.project_kv(x_BTD, call.positions_BT, call.rope_theta)
+        cache = call.cache
+        if cache is None:
+            return None, k_BTKH, v_BTKH
+        cache, k_BKSH = cache.append("keys", k_BTKH)
+        cache, v_BKSH = cache.append("values", v_BTKH)
+        return cache, jnp.swapaxes(k_BKSH, 1, 2), jnp.swapaxes(v_BKSH, 1, 2)
 
-        Self-attention with ``cache`` (a ``kv_cache.LayerView``) appends this call's keys
-        and values and attends over the layer's whole cache (the mask selects what is
-        valid). Cross-attention with ``cache=(k_BSKH, v_BSKH)`` uses those as they are.
-        Given a ``ContextMask`` as its mask (``attnlab.nn.context_parallel``: the sequence
-        split over the mesh), self-attention runs context-parallel, without weights.
-        """
+    def attend(self, q_BTNH, k_BSKH, v_BSKH, call: MixerCall, **extra):
+        """``(out_BTNH, weights_BNTS | None)`` of the configured score function (``scale``
+        in ``extra``: the logit scale, else ``ModelConfig.attn_scale``)."""
         cfg = self.cfg
-        q_BTNH = self._project(x_BTD, self.q_DNH, self.q_bias_NH)
-        if self.q_norm is not None:
-            q_BTNH = self.q_norm(q_BTNH)
-        if cfg.position == "rope" and not self.cross:
-            q_BTNH = ops.apply_rope(q_BTNH, positions_BT, theta=cfg.rope_theta)
-        q_BTNH = constrain(q_BTNH, "batch", "length", "act_heads", None)
-
-        if self.cross:
-            k_BSKH, v_BSKH = cache if cache is not None else self.project_kv(kv_BSD)
-        elif cache is None:
-            k_BSKH, v_BSKH = self.project_kv(x_BTD, positions_BT)
-        else:
-            cache, k_BSKH, v_BSKH = cache.append(*self.project_kv(x_BTD, positions_BT))
-        if isinstance(mask, ContextMask) and not self.cross:  # the sequence is split
-            out_BTNH = mask.attend(
-                q_BTNH,
-                k_BSKH.astype(q_BTNH.dtype),
-                v_BSKH.astype(q_BTNH.dtype),
-                scale=cfg.attn_scale,
-                dropout_rate=cfg.attention_dropout,
-                dropout_key=key if cfg.attention_dropout > 0 else None,
-            )
-            return self._output(out_BTNH), cache, None
+        scale = extra.pop("scale", cfg.attn_scale)
         dt = q_BTNH.dtype
+        k_BSKH, v_BSKH = k_BSKH.astype(dt), v_BSKH.astype(dt)
+        key = call.key if cfg.attention_dropout > 0 else None
+        if self.softcap is not None:
+            extra = {"softcap": self.softcap, **extra}
+        if isinstance(call.mask, ContextMask):  # the sequence is split over the mesh
+            if extra:
+                raise ConfigError(
+                    f"ModelConfig.mixer_settings {sorted(extra)} are not supported with the "
+                    "sequence split over mesh.context > 1: set mesh.context to 1"
+                )
+            out = call.mask.attend(
+                q_BTNH, k_BSKH, v_BSKH, scale=scale,
+                dropout_rate=cfg.attention_dropout, dropout_key=key,
+            )  # fmt: skip
+            return out, None
         blocks = {
             name: value
             for name, value in (
@@ -110,24 +144,38 @@ class Attention(nnx.Module):
             )
             if value is not None
         }
-        result = self.attend(
+        result = self.attend_fn(
             q_BTNH,
-            k_BSKH.astype(dt),
-            v_BSKH.astype(dt),
-            mask=mask,
-            bias=bias,
-            scale=cfg.attn_scale,
-            return_weights=return_weights,
+            k_BSKH,
+            v_BSKH,
+            mask=call.mask,
+            bias=call.bias,
+            scale=scale,
+            return_weights=call.return_weights,
             implementation=cfg.attention_impl,
             dropout_rate=cfg.attention_dropout,
-            dropout_key=key if cfg.attention_dropout > 0 else None,
+            dropout_key=key,
             **blocks,
+            **extra,
         )
-        out_BTNH, weights_BNTS = result if return_weights else (result, None)
-        return self._output(out_BTNH), cache, weights_BNTS
+        return result if call.return_weights else (result, None)
 
-    def _output(self, out_BTNH):
+    def output(self, out_BTNH, x_BTD=None):
         out_BTD = dense(out_BTNH, self.o_NHD[...], n_in=2)
         if self.o_bias_D is not None:
             out_BTD = add_bias(out_BTD, self.o_bias_D[...])
         return out_BTD
+
+    def __call__(self, x_BTD, call: MixerCall):
+        q_BTNH = self.query(x_BTD, call)
+        cache, k_BSKH, v_BSKH = self.keys_values(x_BTD, call)
+        out_BTNH, weights_BNTS = self.attend(q_BTNH, k_BSKH, v_BSKH, call)
+        return self.output(out_BTNH, x_BTD), cache, weights_BNTS
+
+    def cross_attend(self, x_BTD, call: MixerCall, *, kv_BSD=None, kv=None):
+        """Cross-attention over ``kv_BSD`` (the encoder output), or its keys and values
+        ``kv = (k_BSKH, v_BSKH)`` computed once (``project_kv``)."""
+        q_BTNH = self.query(x_BTD, call)
+        k_BSKH, v_BSKH = kv if kv is not None else self.project_kv(kv_BSD)
+        out_BTNH, weights_BNTS = self.attend(q_BTNH, k_BSKH, v_BSKH, call)
+        return self.output(out_BTNH, x_BTD), weights_BNTS

@@ -1,21 +1,22 @@
 """Transformer blocks and stacks of them.
 
-A ``Block`` is self-attention, optional cross-attention and a feed-forward network, each a
-residual sub-layer in pre-norm (``x + f(norm(x))``) or post-norm (``norm(x + f(x))``)
-placement. A ``Stack`` owns what is per-stack: absolute or relative positions, an optional
-embedding norm, the blocks and an optional final norm; it builds the masks and position
-biases once and shares them across its blocks. With ``attention_impl="chunked"`` these are
-descriptions (``ops.MaskSpec``, ``ops.PositionBias``) that attention evaluates block by
-block, so no ``[T, S]`` array is built anywhere in the stack; other implementations get
-dense arrays.
+A ``Block`` is a self-attention variant (the registered mixer ``ModelConfig.mixer``,
+``attnlab.mixers``), optional cross-attention and a feed-forward network, each a residual
+sub-layer in pre-norm (``x + f(norm(x))``) or post-norm (``norm(x + f(x))``) placement. A
+``Stack`` owns what is per-stack: absolute or relative positions, an optional embedding
+norm, the blocks and an optional final norm; it describes the mask and the position bias
+once (``ops.MaskSpec``, ``ops.PositionBias``: the only mask type; attention resolves it,
+block by block on the chunked path, so no ``[T, S]`` array is built there) and shares them
+across its blocks.
 
 Layers are a stack: the ``L`` blocks are one ``Block`` whose parameters carry a leading
 layer axis (``layers.attn.q_DNH`` is ``[L, D, N, H]``), applied by ``lax.scan`` so the
 traced program does not grow with depth (``ModelConfig.scan_layers=False`` unrolls the
 same parameters in a Python loop). What differs between layers is data inside the scan:
-the layer index (dropout keys, the cache layer to write), each layer's sliding window, the
-cross-attention keys/values. The KV cache is carried through the scan and written in
-place; ``ModelConfig.remat`` rematerialises each layer in the backward pass.
+the layer index (dropout keys, the cache layer to write), each layer's sliding window and
+RoPE base (``ModelConfig.layer_pattern``), the cross-attention keys/values. The cache's
+entries (``KVCache.layers``, whatever the variant declared) are carried through the scan
+and written in place; ``ModelConfig.remat`` rematerialises each layer in the backward pass.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from flax import nnx
 
 from attnlab import kv_cache, ops
 from attnlab.config import ModelConfig
+from attnlab.kv_cache import KVCache, LayerCache, Ring
+from attnlab.mixers import MixerCall, get_mixer
 from attnlab.nn import context_parallel
 from attnlab.nn.attention import Attention
 from attnlab.nn.layers import FeedForward, LearnedPositions, Norm, RelativeBias
-from attnlab.ops.attention import cpu_prefers_chunked
 from attnlab.ops.linear import dropout, fold
 from attnlab.sharding import constrain
 
@@ -54,7 +56,7 @@ class Block(nnx.Module):
         self.pre_norm = cfg.norm_placement == "pre"
         self.rate = cfg.dropout
         self.attn_norm = Norm(cfg, D, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = get_mixer(cfg.mixer)(cfg, cfg.mixer_settings, rngs=rngs)
         self.cross_norm = Norm(cfg, D, rngs=rngs) if cross else None
         self.cross_attn = Attention(cfg, cross=True, rngs=rngs) if cross else None
         self.ffn_norm = Norm(cfg, D, rngs=rngs)
@@ -67,51 +69,32 @@ class Block(nnx.Module):
         y, *rest = fn(x)
         return norm(x + dropout(y, self.rate, key)), rest
 
-    def __call__(
-        self,
-        x_BTD,
-        *,
-        positions_BT,
-        mask,
-        bias=None,
-        enc_BSD=None,
-        cross_mask=None,
-        cache=None,
-        cross_cache=None,
-        key=None,
-        return_weights=False,
-    ):
-        """Returns ``(x_BTD, cache, weights)``; ``weights`` is a dict or None."""
+    def __call__(self, x_BTD, call: MixerCall, *, enc_BSD=None, cross_mask=None, cross_kv=None):
+        """Returns ``(x_BTD, cache, weights)``; ``weights`` is a dict or None.
+
+        ``call`` is the self-attention's (``MixerCall``); cross-attention attends over
+        ``enc_BSD``, or its keys and values ``cross_kv`` computed once, under ``cross_mask``.
+        """
+        key = call.key
+        self_call = call.replace(key=fold(key, 0))
         x_BTD, (cache, w_self) = self._residual(
-            x_BTD,
-            self.attn_norm,
-            lambda h: self.attn(
-                h,
-                positions_BT=positions_BT,
-                mask=mask,
-                bias=bias,
-                cache=cache,
-                key=fold(key, 0),
-                return_weights=return_weights,
-            ),
-            fold(key, 1),
+            x_BTD, self.attn_norm, lambda h: self.attn(h, self_call), fold(key, 1)
         )
-        weights = {"self": w_self} if return_weights else None
+        weights = {"self": w_self} if call.return_weights else None
         if self.cross_attn is not None:
-            x_BTD, (_, w_cross) = self._residual(
+            cross_call = MixerCall(
+                positions_BT=call.positions_BT,
+                mask=cross_mask,
+                key=fold(key, 2),
+                return_weights=call.return_weights,
+            )
+            x_BTD, (w_cross,) = self._residual(
                 x_BTD,
                 self.cross_norm,
-                lambda h: self.cross_attn(
-                    h,
-                    mask=cross_mask,
-                    kv_BSD=enc_BSD,
-                    cache=cross_cache,
-                    key=fold(key, 2),
-                    return_weights=return_weights,
-                ),
+                lambda h: self.cross_attn.cross_attend(h, cross_call, kv_BSD=enc_BSD, kv=cross_kv),
                 fold(key, 3),
             )
-            if return_weights:
+            if call.return_weights:
                 weights["cross"] = w_cross
         x_BTD, _ = self._residual(
             x_BTD, self.ffn_norm, lambda h: (self.ffn(h, key=fold(key, 4)),), fold(key, 5)
@@ -137,8 +120,9 @@ class Stack(nnx.Module):
         self.embed_norm = Norm(cfg, cfg.d_model, rngs=rngs) if cfg.embedding_norm else None
         self.layers = stacked(lambda r: Block(cfg, cross=cross, rngs=r), n_layers, rngs)
         self.final_norm = Norm(cfg, cfg.d_model, rngs=rngs) if cfg.final_norm else None
-        # Static per-layer data: each layer's window (None: full attention).
+        # Static per-layer data: each layer's window (None: full attention) and RoPE base.
         self.windows = cfg.layer_windows(n_layers) if causal else (None,) * n_layers
+        self.rope_thetas = cfg.layer_rope_thetas(n_layers)
 
     def unstack(self):
         """Holds the layers as ``L`` separate blocks (sliced from the stacked parameters).
@@ -158,46 +142,14 @@ class Stack(nnx.Module):
             ]
         )
 
-    def chunked(self, T: int) -> bool:
-        """Whether masks and biases reach attention as descriptions (evaluated per block): with
-        ``attention_impl="chunked"``, and with ``"auto"`` for the built-in softmax where it
-        runs blockwise (variants receive descriptions with "chunked" alone)."""
-        if self.cfg.attention_impl == "auto" and self.cfg.attention_fn == "softmax":
-            return cpu_prefers_chunked(T)
-        return self.cfg.attention_impl == "chunked"
-
-    def _self_mask(self, T, S, positions_BT, valid_BS, segment_ids_BT, cache_start_B):
-        if self.chunked(T):
-            if cache_start_B is not None:
-                return ops.MaskSpec.for_cache(T, S, cache_start_B, causal=self.causal)
-            return ops.MaskSpec.for_sequence(
-                T, causal=self.causal, segment_ids=segment_ids_BT, k_valid=valid_BS
-            )
-        offset = 0 if cache_start_B is None else cache_start_B
-        causal = ops.causal(T, S, offset=offset) if self.causal else None
-        if cache_start_B is not None:
-            # Keys past what has been written are invalid even without a causal mask.
-            written = ops.lengths_to_valid(cache_start_B + T, S)
-            return ops.combine(causal, ops.padding(k_valid_BS=written))
-        segments = None if segment_ids_BT is None else ops.segment(segment_ids_BT)
-        return ops.combine(causal, ops.padding(k_valid_BS=valid_BS), segments)
-
     def _bias(self, q_positions_BT, k_positions_BS):
+        """The position bias as a description (``ops.PositionBias``), or None."""
         if self.relative is not None:
-            if self.chunked(q_positions_BT.shape[1]):
-                return self.relative.describe(q_positions_BT, k_positions_BS)
-            return self.relative(q_positions_BT, k_positions_BS)
+            return self.relative.describe(q_positions_BT, k_positions_BS)
         if self.cfg.position == "alibi":
             slopes_N = ops.alibi_slopes(self.cfg.n_heads)
-            if self.chunked(q_positions_BT.shape[1]):
-                return ops.PositionBias.alibi(slopes_N, q_positions_BT, k_positions_BS)
-            return ops.alibi_bias(slopes_N, q_positions_BT, k_positions_BS)
+            return ops.PositionBias.alibi(slopes_N, q_positions_BT, k_positions_BS)
         return None
-
-    def _with_window(self, mask, T, S, window, offset):
-        if self.chunked(T):
-            return mask.replace(window=jnp.asarray(window, jnp.int32))
-        return ops.combine(mask, ops.sliding_window(T, S, window=window, offset=offset))
 
     def embed_positions(self, x_BTD, positions_BT):
         cfg = self.cfg
@@ -210,6 +162,28 @@ class Stack(nnx.Module):
             x_BTD = self.embed_norm(x_BTD)
         return x_BTD
 
+    def _self_attention(self, T, positions_BT, valid_BS, segment_ids_BT, cache, count_B):
+        """``(mask, bias, ring, per_layer_window)`` of one call's self-attention: the one
+        place its mask is described (a sequence, a linear cache or a ring buffer)."""
+        ring = None
+        if cache is None:
+            k_positions_BS = positions_BT
+            mask = ops.MaskSpec.for_sequence(
+                T, causal=self.causal, segment_ids=segment_ids_BT, k_valid=valid_BS
+            )
+        elif cache.ring:  # keys at a ring's slot positions, its own mask
+            ring = Ring(cache.lengths, count_B, cache.window)
+            k_positions_BS, mask = ring.keys(T, self.windows)
+        else:
+            B, S = positions_BT.shape[0], cache.capacity
+            k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+            mask = ops.MaskSpec.for_cache(T, S, cache.lengths, causal=self.causal)
+        windows = set(self.windows)
+        per_layer_window = len(windows) > 1
+        if len(windows) == 1 and None not in windows and ring is None:
+            mask = mask.replace(window=jnp.asarray(min(windows), jnp.int32))
+        return mask, self._bias(positions_BT, k_positions_BS), ring, per_layer_window
+
     def __call__(
         self,
         x_BTD,
@@ -219,20 +193,18 @@ class Stack(nnx.Module):
         segment_ids_BT=None,
         enc_BSD=None,
         enc_valid_BS=None,
-        cache=None,
-        cross_cache=None,
-        cache_start_B=None,
-        ring=None,
+        cache: KVCache | None = None,
         key=None,
         return_weights=False,
     ):
         """Runs the stack over ``x``.
 
-        ``cache``: ``(k_LBKSH, v_LBKSH)`` to append this call's keys/values to, at
-        ``cache_start_B``, or by ``ring`` (a ``kv_cache.Ring``) when the cache is a ring
-        buffer; ``cross_cache``: ``(k_LBKSH, v_LBKSH)`` of the encoder output.
-        Returns ``(x_BTD, (k_LBKSH, v_LBKSH) | None, weights)``, with ``weights`` a tuple of
-        per-layer dicts when asked for.
+        ``cache``: a ``KVCache`` whose entries this call's tokens are appended to, after
+        each row's ``lengths`` (``valid_BS`` then marks each row's real new tokens, a
+        right-padded prefix); its ``cross`` entries are the encoder output's keys and values
+        (or pass ``enc_BSD``). Returns ``(x_BTD, cache | None, weights)``: the cache with
+        the written entries and the lengths advanced, the weights a tuple of per-layer dicts
+        when asked for.
         """
         B, T, _ = x_BTD.shape
         x_BTD = dropout(
@@ -245,68 +217,68 @@ class Stack(nnx.Module):
             x_BTD, positions_BT, valid_BS, segment_ids_BT = context.enter(
                 x_BTD, positions_BT, valid_BS, segment_ids_BT
             )
-        split = cache is not None and isinstance(cache[0], tuple)  # kv_cache.split_layers
+        count_B = None
         if cache is not None:
-            S = (cache[0][0] if split else cache[0]).shape[3]  # [L, B, K, S, H]
-            k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-        else:
-            S, k_positions_BS = T, positions_BT
-        mask = self._self_mask(T, S, positions_BT, valid_BS, segment_ids_BT, cache_start_B)
-        if ring is not None:  # keys at a ring's slot positions, its own mask (kv_cache.Ring)
-            k_positions_BS, mask = ring.keys(T, self.windows)
-        bias = self._bias(positions_BT, k_positions_BS)
-        if enc_valid_BS is None:
-            cross_mask = None
-        elif self.chunked(T):
-            cross_mask = ops.MaskSpec.for_sequence(T, enc_valid_BS.shape[1], k_valid=enc_valid_BS)
-        else:
-            cross_mask = ops.padding(k_valid_BS=enc_valid_BS)
-
-        # Windows are static; a stack where they differ between layers builds each layer's
-        # window mask inside the scan from the layer's window (per-layer data).
-        windows = set(self.windows)
-        window_L = jnp.array([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
-        offset = 0 if cache_start_B is None else cache_start_B
-        if len(windows) == 1 and None not in windows and ring is None:
-            mask = self._with_window(mask, T, S, min(windows), offset)
-        per_layer_window = len(windows) > 1
-        if context is not None:  # described per chunk: the dense masks above go unused
+            count_B = (
+                jnp.full((B,), T, jnp.int32)
+                if valid_BS is None
+                else jnp.sum(valid_BS, axis=1, dtype=jnp.int32)
+            )
+        mask, bias, ring, per_layer_window = self._self_attention(
+            T, positions_BT, valid_BS, segment_ids_BT, cache, count_B
+        )
+        if context is not None:  # described per chunk
             mask, bias = context.describe(self, positions_BT, valid_BS, segment_ids_BT), None
             per_layer_window = False
+        cross_mask = None
+        if enc_valid_BS is not None:
+            cross_mask = ops.MaskSpec.for_sequence(T, enc_valid_BS.shape[1], k_valid=enc_valid_BS)
+
+        window_L = jnp.array([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
+        thetas = set(self.rope_thetas)
+        rope_L = jnp.array(self.rope_thetas, jnp.float32) if len(thetas) > 1 else None
+        split = cache is not None and cache.split
 
         def layer(carry, xs):
-            x_BTD, kv = carry
-            params, index, window, cross_kv = xs
+            x_BTD, entries = carry
+            params, index, window, theta, cross_kv = xs
             block = nnx.merge(graphdef, params)
             layer_mask = mask if context is None else mask.with_window(window)
             if per_layer_window:
-                layer_mask = self._with_window(mask, T, S, window, offset)
-            # A layer's own cache array (a split cache) holds it at index 0.
-            slot = index if kv is None or kv[0].shape[0] > 1 else 0
-            view = None if kv is None else kv_cache.LayerView(*kv, slot, cache_start_B, ring)
-            x_BTD, view, weights = block(
-                x_BTD,
+                layer_mask = mask.replace(window=window)
+            view = None
+            if entries is not None:
+                # A layer's own cache arrays (a split cache) hold it at index 0.
+                slot = 0 if split else index
+                view = LayerCache(entries, slot, cache.lengths, count_B, ring, cache.slot_axes)
+            call = MixerCall(
                 positions_BT=positions_BT,
                 mask=layer_mask,
                 bias=bias,
-                enc_BSD=enc_BSD,
-                cross_mask=cross_mask,
+                rope_theta=self.rope_thetas[0] if theta is None else theta,
                 cache=view,
-                cross_cache=cross_kv,
                 key=fold(key, index),
+                layer=index,
                 return_weights=return_weights,
             )
+            if cross_kv is not None:
+                cross_kv = tuple(jnp.swapaxes(c, 1, 2) for c in cross_kv)  # [B, S, K, H]
+            x_BTD, view, weights = block(
+                x_BTD, call, enc_BSD=enc_BSD, cross_mask=cross_mask, cross_kv=cross_kv
+            )
             x_BTD = constrain(x_BTD, "batch", "length", "act_embed")  # the residual stream
-            return (x_BTD, None if view is None else (view.k, view.v)), weights
+            return (x_BTD, None if view is None else view.layers), weights
 
         if self.cfg.remat != "none":
             policy = REMAT_POLICIES[self.cfg.remat]
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
 
-        if cross_cache is not None:
-            cross_cache = tuple(jnp.swapaxes(c, 2, 3) for c in cross_cache)  # [L, B, S, K, H]
-        per_layer_data = (jnp.arange(self.n_layers, dtype=jnp.int32), window_L, cross_cache)
-        carry = (x_BTD, None if cache is None else tuple(cache))
+        cross_kv = None
+        if cache is not None and cache.cross is not None:
+            cross_kv = (cache.cross["keys"], cache.cross["values"])
+        index_L = jnp.arange(self.n_layers, dtype=jnp.int32)
+        per_layer_data = (index_L, window_L, rope_L, cross_kv)
+        entries = None if cache is None else cache.layers
         if isinstance(self.layers, nnx.List):  # separate blocks (see ``unstack``)
             graphdef = nnx.graphdef(self.layers[0])
             layer_params = [nnx.state(block) for block in self.layers]
@@ -315,24 +287,33 @@ class Stack(nnx.Module):
             layer_params = None
         if layer_params is None and self.cfg.scan_layers:
             if split:  # the scan needs the layers stacked again
-                carry = (x_BTD, tuple(jnp.concatenate(c) for c in cache))
-            carry, weights = jax.lax.scan(layer, carry, (params,) + per_layer_data)
+                entries = jax.tree.map(
+                    jnp.concatenate, entries, is_leaf=lambda x: isinstance(x, tuple)
+                )
+            (x_BTD, entries), weights = jax.lax.scan(
+                layer, (x_BTD, entries), (params,) + per_layer_data
+            )
             if split:
-                carry = (carry[0], tuple(kv_cache.layer_arrays(c) for c in carry[1]))
+                entries = {n: kv_cache.layer_arrays(a) for n, a in entries.items()}
         else:
             per_layer, written = [], []
             for i in range(self.n_layers):
                 data = jax.tree.map(lambda a, i=i: a[i], per_layer_data)
                 p = jax.tree.map(lambda a, i=i: a[i], params) if layer_params is None else None
+                layer_entries = entries
                 if split:
-                    carry = (carry[0], (cache[0][i], cache[1][i]))
-                carry, w = layer(carry, (p if p is not None else layer_params[i],) + data)
-                written.append(carry[1])
+                    layer_entries = {n: a[i] for n, a in cache.layers.items()}
+                (x_BTD, layer_entries), w = layer(
+                    (x_BTD, layer_entries), (p if p is not None else layer_params[i],) + data
+                )
+                if split:
+                    written.append(layer_entries)
+                else:
+                    entries = layer_entries
                 per_layer.append(w)
             if split:
-                carry = (carry[0], tuple(zip(*written, strict=True)))
+                entries = {n: tuple(w[n] for w in written) for n in cache.layers}
             weights = jax.tree.map(lambda *ws: jnp.stack(ws), *per_layer)
-        x_BTD, new_cache = carry
         if context is not None:
             x_BTD = context.leave(x_BTD)
         if self.final_norm is not None:
@@ -340,4 +321,6 @@ class Stack(nnx.Module):
         if return_weights:
             unstack = lambda i: jax.tree.map(lambda w: w[i], weights)
             weights = tuple(unstack(i) for i in range(self.n_layers))
-        return x_BTD, new_cache, weights
+        if cache is not None:
+            cache = cache.replace(layers=entries, lengths=cache.lengths + count_B)
+        return x_BTD, cache, weights

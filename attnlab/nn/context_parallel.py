@@ -40,6 +40,7 @@ from typing import Any
 import jax
 
 from attnlab import ops, sharding
+from attnlab.mixers import get_mixer
 from attnlab.ops import context_parallel as cp
 
 AXIS = "context"
@@ -114,6 +115,8 @@ def plan(stack, T: int, *, cached: bool, return_weights: bool) -> ContextParalle
     if cached or return_weights or rules is None or mesh.empty:
         return None
     if mesh.shape.get(AXIS, 1) == 1 or stack.cfg.attention_fn != "softmax":
+        return None
+    if not get_mixer(stack.cfg.mixer).context_parallel:
         return None
     cfg = stack.cfg
     zigzag = cfg.context_parallel == "ring" and cfg.context_load_balance and stack.causal

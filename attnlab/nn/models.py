@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from attnlab import kv_cache, ops
+from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
@@ -49,38 +49,16 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
     New tokens sit at ``cache.lengths + t`` (or ``0..T-1`` without a cache). With a cache,
     ``valid_BS`` (right-padded) marks each row's real new tokens: lengths advance by their
     number, and a ring buffer stores only them (padding would overwrite real tokens).
-    Returns ``(x_BTD, new_cache, weights)`` with the written keys/values and new lengths.
+    Returns ``(x_BTD, new_cache, weights)``.
     """
     B, T, _ = x_BTD.shape
-    start_B = None if cache is None else cache.lengths
-    ring = None
-    if cache is not None:
-        count_B = (
-            jnp.full((B,), T, jnp.int32)
-            if valid_BS is None
-            else jnp.sum(valid_BS, axis=1, dtype=jnp.int32)
-        )
-        if cache.ring:
-            ring = kv_cache.Ring(start_B, count_B, cache.slots)
     if positions_BT is None:
         positions_BT = (
             _default_positions(B, T)
             if cache is None
-            else start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+            else cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         )
-    x_BTD, new_kv, weights = stack(
-        x_BTD,
-        positions_BT=positions_BT,
-        valid_BS=valid_BS,
-        cache=None if cache is None else (cache.k, cache.v),
-        cache_start_B=start_B,
-        ring=ring,
-        **kw,
-    )
-    if cache is not None:
-        k, v = new_kv
-        cache = cache.replace(k=k, v=v, lengths=cache.lengths + count_B)
-    return x_BTD, cache, weights
+    return stack(x_BTD, positions_BT=positions_BT, valid_BS=valid_BS, cache=cache, **kw)
 
 
 class _LMHead(nnx.Module):
@@ -261,10 +239,10 @@ class EncoderDecoder(nnx.Module):
             graphdef, params = nnx.split(layers)
             project = lambda p: nnx.merge(graphdef, p).cross_attn.project_kv(enc_BSD)
             k_LBSKH, v_LBSKH = jax.vmap(project)(params)
-        head_major = lambda x: jnp.swapaxes(x, 2, 3).astype(cache.k.dtype)  # [L, B, K, S, H]
+        dtype = cache.layers["keys"].dtype if "keys" in cache.layers else jnp.dtype(self.cfg.dtype)
+        head_major = lambda x: jnp.swapaxes(x, 2, 3).astype(dtype)  # [L, B, K, S, H]
         return cache.replace(
-            cross_k=head_major(k_LBSKH),
-            cross_v=head_major(v_LBSKH),
+            cross={"keys": head_major(k_LBSKH), "values": head_major(v_LBSKH)},
             src_valid=src_valid_BS.astype(bool),
         )
 
@@ -282,9 +260,7 @@ class EncoderDecoder(nnx.Module):
     ) -> ModelOutput:
         """Decoder logits. With a cache from ``init_cross_cache``, ``enc_BSD`` is not needed.
         ``valid_BT`` marks real target tokens, as for ``DecoderLM``."""
-        cross_cache = None
-        if cache is not None and cache.cross_k is not None:
-            cross_cache = (cache.cross_k, cache.cross_v)
+        if cache is not None and cache.cross is not None:
             src_valid_BS = cache.src_valid
         elif enc_BSD is None:
             raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
@@ -296,7 +272,6 @@ class EncoderDecoder(nnx.Module):
             valid_BS=valid_BT,
             enc_BSD=enc_BSD,
             enc_valid_BS=src_valid_BS,
-            cross_cache=cross_cache,
             key=key,
             return_weights=return_weights,
         )
