@@ -25,18 +25,40 @@ from attnlab import sharding
 NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")
 
 
+# Schedules whose value at a step does not depend on the total step count before the decay:
+# a finished run trained on to more steps continues exactly (WSD places its decay by the new
+# total, so it continues from a checkpoint taken before the old decay began).
+EXTENSIBLE_SCHEDULES = ("constant", "wsd")
+
+
+def wsd_decay_start(o, total_steps: int) -> int:
+    """The step where warmup-stable-decay starts its decay: the last ``decay_fraction``."""
+    decay = round(float(o.get("decay_fraction", 0.1)) * total_steps)
+    return max(total_steps - decay, int(o.warmup_steps))
+
+
 def lr_multiplier(o, total_steps: int):
-    """The schedule as a multiplier of the peak learning rate, a function of the step."""
+    """The schedule as a multiplier of the peak learning rate, a function of the step.
+
+    ``wsd`` (warmup-stable-decay) holds the peak after warmup and decays linearly to
+    ``min_lr_ratio`` over the last ``optim.decay_fraction`` of the steps.
+    """
     warmup = max(int(o.warmup_steps), 0)
     decay_steps = max(total_steps - warmup, 1)
+    if o.schedule == "wsd":
+        warmup_end = warmup
+        warmup = wsd_decay_start(o, total_steps)  # the stable phase ends where the decay starts
+        decay_steps = max(total_steps - warmup, 1)
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
         warm = jnp.minimum(1.0, (step + 1.0) / max(warmup, 1)) if warmup else 1.0
+        if o.schedule == "wsd":
+            warm = jnp.minimum(1.0, (step + 1.0) / max(warmup_end, 1)) if warmup_end else 1.0
         frac = jnp.clip((step - warmup) / decay_steps, 0.0, 1.0)
         if o.schedule == "cosine":
             decay = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
-        elif o.schedule == "linear":
+        elif o.schedule in ("linear", "wsd"):
             decay = 1.0 - (1.0 - o.min_lr_ratio) * frac
         else:
             decay = jnp.ones_like(frac)
