@@ -84,7 +84,10 @@ def config_changes(workdir: pathlib.Path, cfg) -> list[str]:
     if not path.is_file():
         return []
     try:
-        saved = experiment.flat_keys(json.loads(path.read_text()))
+        # on today's defaults: a key added since the run was saved is no change
+        saved = experiment.flat_keys(
+            json.loads(experiment.to_json(experiment.from_json(path.read_text())))
+        )
     except (OSError, ValueError) as e:
         raise WorkdirError(
             f"{path} cannot be read ({one_line(e)}); restore it or use a new --workdir"
@@ -149,8 +152,10 @@ class Lock:
         os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
     def release(self):
+        """Removes the file (still holding the lock) and closes it, which drops the lock."""
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the lock
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
             self._fd = None
 
 
