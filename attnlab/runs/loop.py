@@ -27,22 +27,41 @@ from attnlab.checkpoint import PreemptionGuard
 from attnlab.errors import DivergenceError
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
-from attnlab.runs.tracking import Profiler, Tracker, describe
+from attnlab.runs.tracking import Profiler, Tracker, describe, summary
 from attnlab.runs.workdir import METRICS_FILE, SAMPLES_FILE, Run
 from attnlab.train import Trainer, injected_hyperparams, lr_multiplier, zeros_acc
+
+# Metrics of the evaluation that mean nothing for a task: not printed (still logged).
+NOT_PRINTED = {"text": ("eval_exact_match",)}
+
+
+class Pruned(Exception):
+    """A run stopped early by the caller's ``on_eval`` (a search's pruner); not a failure."""
+
+
+def mask_row(opt_state, i):
+    """Stops row ``i`` of a stacked state from changing its parameters: its learning rates
+    become 0 in the optimiser state (the program and every other row stay as they are)."""
+    hyper = injected_hyperparams(opt_state)
+    for name in ("learning_rate", "adam_learning_rate"):
+        if name in hyper:
+            old = hyper[name]
+            hyper[name] = jax.device_put(old.at[i].set(0), old.sharding)
 
 
 def open_runs(cfgs, workdirs, *, step=None, allow_changes=False):
     """Opens each run and builds its trainer (its own seed and initialisation).
 
     Everything is checked before any run's directory is locked and written (``Run.begin``).
+    ``step`` is the checkpoint to resume from, or a list of them (one per run).
     """
     runs, trainers = [], []
+    steps = step if isinstance(step, list | tuple) else [step] * len(cfgs)
     try:
         mesh = sharding.mesh_from_config(cfgs[0])
-        for cfg, workdir in zip(cfgs, workdirs, strict=True):
+        for cfg, workdir, at in zip(cfgs, workdirs, steps, strict=True):
             mcfg = experiment.validate(cfg)
-            runs.append(Run(cfg, workdir, mcfg, step=step, allow_changes=allow_changes))
+            runs.append(Run(cfg, workdir, mcfg, step=at, allow_changes=allow_changes))
             trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind, mesh=mesh))
         for run in runs:
             run.begin()
@@ -85,8 +104,14 @@ def save_checked(trainer, run, step, state):
         run.log({"step": step, "train_loss": loss if not math.isfinite(loss) else math.nan})
 
 
-def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None) -> bool:
+def _loop(
+    trainer, runs, state, *, stacked, progress, stop_after, profiler=None, on_eval=None
+) -> bool:
     """Trains ``runs`` from their common start step; True when a signal stopped it.
+
+    ``on_eval(run, record)``, called after each evaluation of each run, returns True to
+    stop that run (``Pruned``): it is checkpointed where it stands and, stacked, its row is
+    masked (``mask_row``) while the others train on.
 
     With ``stacked`` every leaf of ``state`` has a leading axis indexing ``runs`` and one
     vmapped step trains them all; otherwise ``runs`` is one run. The runs share everything
@@ -128,7 +153,7 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
         return [(i, r) for i, r in enumerate(runs) if r.failure is None]
 
     start = runs[0].start
-    bar = Progress(start, total, progress)
+    bar = Progress(start, total, progress, hide=NOT_PRINTED.get(cfg.data.kind, ()))
     window_start, window_steps = time.perf_counter(), 0
     stopped_by_signal = False
     with PreemptionGuard() as guard:
@@ -189,6 +214,11 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
                     r.tracker.metrics(record)
                     r.record = record
                     logged.append((r.workdir.name if stacked else "", record))
+                    if do_eval and on_eval is not None and on_eval(r, record):
+                        save_checked(trainer, r, step, view(state, i))
+                        r.failure = r.failure or Pruned(f"pruned at step {step}")
+                        if stacked:
+                            mask_row(state["opt_state"], i)
                 window_start, window_steps = time.perf_counter(), 0
             bar.update(1, logged)
             if step % cfg.checkpoint.every_steps == 0 or step == total:
@@ -208,21 +238,37 @@ def _loop(trainer, runs, state, *, stacked, progress, stop_after, profiler=None)
     return stopped_by_signal
 
 
-def train_runs(cfgs, workdirs, *, stacked, progress, stop_after, step=None, allow_changes=False):
+def train_runs(
+    cfgs,
+    workdirs,
+    *,
+    stacked,
+    progress,
+    stop_after,
+    step=None,
+    allow_changes=False,
+    verbose=False,
+    on_eval=None,
+):
     """Opens, restores and trains the runs; stacked runs at different steps train in turn.
 
-    Returns the ``Run`` objects (closed) and whether a signal stopped the training.
+    A lone run prints a header first and a summary at the end (``verbose``: the shardings
+    too). Returns the ``Run`` objects (closed) and whether a signal stopped the training.
     """
+    wall = time.perf_counter()
     runs, trainers = open_runs(cfgs, workdirs, step=step, allow_changes=allow_changes)
     profiler = Profiler(runs[0].cfg, runs[0].workdir)
+    speak = len(runs) == 1 and jax.process_index() == 0
     try:
-        if len(runs) == 1 and runs[0].start is None and jax.process_index() == 0:
-            print(describe(runs[0], trainers[0]), flush=True)
+        if speak:
+            print(describe(runs[0], trainers[0], verbose=verbose), flush=True)
         abstract = trainers[0].abstract_state()
         states = [r.initial_state(tr, abstract) for r, tr in zip(runs, trainers, strict=True)]
+        first = [(r.start, r.elapsed) for r in runs]
         by_start: dict[int, list[int]] = {}
         for i, r in enumerate(runs):
             by_start.setdefault(r.start, []).append(i)
+        stopped = False
         for start in sorted(by_start):
             idx = by_start[start]
             for i in idx:
@@ -233,7 +279,7 @@ def train_runs(cfgs, workdirs, *, stacked, progress, stop_after, step=None, allo
             for i in idx:
                 states[i] = None  # the loop owns (and donates) the state from here on
             sub = [runs[i] for i in idx]
-            if _loop(
+            stopped = _loop(
                 trainers[0],
                 sub,
                 state,
@@ -241,9 +287,15 @@ def train_runs(cfgs, workdirs, *, stacked, progress, stop_after, step=None, allo
                 progress=progress,
                 stop_after=stop_after,
                 profiler=profiler,
-            ):
-                return runs, True
-        return runs, False
+                on_eval=on_eval,
+            )
+            if stopped:
+                break
+        if speak and runs[0].failure is None:
+            (start, elapsed), r = first[0], runs[0]
+            took = time.perf_counter() - wall
+            print(summary(r, wall=took, steps=r.step - start, seconds=r.elapsed - elapsed))
+        return runs, stopped
     finally:
         profiler.stop()
         for r in runs:
@@ -259,13 +311,17 @@ def train(
     stop_after: int | None = None,
     step: int | None = None,
     allow_changes: bool = False,
+    verbose: bool = False,
+    on_eval=None,
 ) -> dict:
     """Trains (or resumes) the experiment ``cfg`` in ``workdir``; returns the final record.
 
     ``stop_after`` stops (with a checkpoint) once that many steps are done, as a preemption
     would: used to test exact resumption. ``step`` resumes from that checkpoint (default: the
     newest readable one); ``allow_changes`` resumes with changed optimiser/training values.
-    A diverging run raises ``DivergenceError`` (see the module docstring).
+    A diverging run raises ``DivergenceError`` (see the module docstring). ``verbose``
+    prints the shardings in the header; ``on_eval(run, record) -> bool`` may stop the run
+    after an evaluation (its final record then has ``"pruned": True``).
     """
     (run,), _ = train_runs(
         [cfg],
@@ -275,7 +331,11 @@ def train(
         stop_after=stop_after,
         step=step,
         allow_changes=allow_changes,
+        verbose=verbose,
+        on_eval=on_eval,
     )
+    if isinstance(run.failure, Pruned):
+        return {**(run.record or {"step": run.step}), "pruned": True}
     if run.failure is not None:
         raise run.failure
     return run.record or {"step": run.step}

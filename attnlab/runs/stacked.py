@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from attnlab import experiment
-from attnlab.runs.loop import train_runs
+from attnlab.runs.loop import Pruned, train_runs
 
 # Trials whose configs differ only in these values have the same array shapes and the same
 # traced program (the optimiser hyperparameters live in the state, initialisation happens
@@ -36,7 +36,16 @@ def stack_key(cfg) -> str:
     return json.dumps(values, sort_keys=True)
 
 
-def train_stacked(cfgs, workdirs, *, progress: bool = True, stop_after: int | None = None):
+def train_stacked(
+    cfgs,
+    workdirs,
+    *,
+    progress: bool = True,
+    stop_after: int | None = None,
+    on_eval=None,
+    steps=None,
+    allow_changes: bool = False,
+):
     """Trains (or resumes) several runs that differ only in ``STACKABLE`` values at once.
 
     Each run is initialised from its own config, then params, optimiser state (with its
@@ -44,8 +53,12 @@ def train_stacked(cfgs, workdirs, *, progress: bool = True, stop_after: int | No
     trained by one jitted step; every step stacks each run's own batch. Each
     ``workdirs[i]`` ends up as ``train(cfgs[i], workdirs[i])`` would leave it. A run whose
     loss turns non-finite is dropped from the logs and checkpoints; the others go on.
+    ``on_eval(run, record) -> bool`` may stop a run after an evaluation (a search's pruner):
+    its row is masked and the others go on. ``steps[i]`` picks the checkpoint run ``i``
+    resumes from (None: the newest); ``allow_changes`` resumes with changed values.
 
-    Returns one dict per run: ``status`` ("finished", "stopped" or "failed"), ``reason``,
+    Returns one dict per run: ``status`` ("finished", "stopped", "pruned" or "failed"),
+    ``reason``,
     ``step``, ``record`` (the final log record, if any) and ``preempted``.
     """
     cfgs = list(cfgs)
@@ -56,11 +69,20 @@ def train_stacked(cfgs, workdirs, *, progress: bool = True, stop_after: int | No
             "train them separately"
         )
     runs, preempted = train_runs(
-        cfgs, workdirs, stacked=True, progress=progress, stop_after=stop_after
+        cfgs,
+        workdirs,
+        stacked=True,
+        progress=progress,
+        stop_after=stop_after,
+        on_eval=on_eval,
+        step=list(steps) if steps is not None else None,
+        allow_changes=allow_changes,
     )
     out = []
     for r in runs:
-        if r.failure is not None:
+        if isinstance(r.failure, Pruned):
+            status, reason = "pruned", str(r.failure)
+        elif r.failure is not None:
             status, reason = "failed", f"{type(r.failure).__name__}: {r.failure}"
         else:
             status = "finished" if r.step >= int(r.cfg.train.steps) else "stopped"

@@ -159,35 +159,68 @@ def per_core(devices) -> str:
     return ""
 
 
-def describe(run, trainer, devices=None) -> str:
-    """The start-of-run summary: model size, devices, data, where the files go."""
+def describe(run, trainer, devices=None, *, verbose: bool = False) -> str:
+    """The start-of-run header: where, the model, tokens per step, data, and devices and
+    mesh only when there are several; ``verbose`` adds the per-device bytes and shardings."""
     from attnlab.nn.models import count_params
 
     devices = devices or jax.devices()
-    kinds = sorted({d.device_kind for d in devices})
-    task = run.task
-    lines = [
-        f"run: {run.workdir}",
-        f"model: {run.cfg.model.arch}, {count_params(trainer.mcfg):,} parameters",
-        f"devices: {len(devices)} x {', '.join(kinds)} ({jax.default_backend()}), "
-        f"{jax.process_count()} process(es)" + per_core(devices),
-        f"data: {run.cfg.data.kind}" + (f" from {run.cfg.data.path}" if run.cfg.data.path else ""),
-    ]
+    task, cfg, t = run.task, run.cfg, run.cfg.train
+    batch, seq = int(t.batch_size), int(cfg.data.seq_len)
+    data = f"data: {cfg.data.kind}" + (f" from {cfg.data.path}" if cfg.data.path else "")
     if task.train_ids is not None:
-        lines[-1] += (
+        data += (
             f", {task.tokenizer!r}, {len(task.train_ids):,} train / "
             f"{len(task.val_ids):,} validation tokens"
         )
     else:
-        lines[-1] += f", vocabulary {task.vocab_size}"
-    t = run.cfg.train
-    lines.append(
-        f"training: {int(t.steps)} steps of {int(t.batch_size)} x {int(run.cfg.data.seq_len)}"
-        + (f", from step {run.start}" if run.start else "")
-    )
-    if trainer.mesh is not None:
+        data += f", vocabulary {task.vocab_size}"
+    lines = [
+        f"run: {run.workdir}",
+        f"model: {cfg.model.arch}, {count_params(trainer.mcfg):,} parameters",
+        f"training: {int(t.steps)} steps of {batch} x {seq} = {batch * seq:,} tokens per step"
+        + (f", from step {run.start}" if run.start else ""),
+        data,
+    ]
+    if len(devices) > 1 or jax.process_count() > 1 or verbose:
+        kinds = sorted({d.device_kind for d in devices})
+        lines.append(
+            f"devices: {len(devices)} x {', '.join(kinds)} ({jax.default_backend()}), "
+            f"{jax.process_count()} process(es)" + per_core(devices)
+        )
+    if trainer.mesh is not None and (trainer.mesh.size > 1 or verbose):
         from attnlab import sharding
 
         state = trainer.abstract_state()
-        lines += sharding.describe(state, trainer.state_shardings, trainer.mesh)
+        described = sharding.describe(state, trainer.state_shardings, trainer.mesh)
+        lines += described if verbose else described[:1]
+    return "\n".join(lines)
+
+
+def summary(run, *, wall: float, steps: int, seconds: float) -> str:
+    """The end-of-run lines: final losses, tokens/s over the ``steps`` trained in ``seconds``
+    of training, the ``wall`` time of the command, and where the files are."""
+    rec = run.record or {}
+    tokens = steps * int(run.cfg.train.batch_size) * int(run.cfg.data.seq_len)
+    seconds = max(seconds, 1e-9)
+    losses = ", ".join(
+        f"{name} {rec[key]:.4f}"
+        for key, name in (("train_loss", "train loss"), ("eval_loss", "eval loss"))
+        if isinstance(rec.get(key), float)
+    )
+    total = int(run.cfg.train.steps)
+    head = "finished" if run.step >= total else "stopped"
+    lines = [
+        f"{head}: step {run.step} of {total}"
+        + (f"; {losses}" if losses else "")
+        + (f"; {tokens / seconds:,.0f} tokens/s" if steps else "")
+        + f"; {wall:.1f} s wall"
+    ]
+    d = run.workdir
+    latest = run.ckpt.latest_step() if run.ckpt is not None else None
+    where = [f"checkpoints {d / 'checkpoints'}" + (f" (step {latest})" if latest else "")]
+    if (d / "samples.jsonl").exists():
+        where.append(f"samples {d / 'samples.jsonl'}")
+    where.append(f"plots: attnlab plot {d} (loss curves), tensorboard --logdir {d / TB_DIR}")
+    lines.append("files: " + ", ".join(where))
     return "\n".join(lines)
