@@ -22,7 +22,14 @@ from attnlab import experiment
 from attnlab.experiment import ExperimentError
 from attnlab.sweep.plan import Plan, Trial
 from attnlab.sweep.results import collect, write_results
-from attnlab.sweep.run import run_one_by_one, trial_settled, write_manifest
+from attnlab.sweep.run import (
+    OUTCOMES,
+    plan_actions,
+    run_one_by_one,
+    summary_line,
+    trial_action,
+    write_manifest,
+)
 
 LAUNCHERS = ("inprocess", "local", "slurm")
 JOB_FILE = "job.json"
@@ -75,14 +82,77 @@ def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
     where = {"pid": os.getpid(), "host": socket.gethostname()}
     where["job_id"] = os.environ.get("SUBMITIT_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     (trial_dir / JOB_FILE).write_text(json.dumps(where) + "\n")
+    trial = Trial(name, overrides, cfg)
+    # the submitting process refused what cannot run; here the trial trains or extends
+    action = trial_action(trial, trial_dir, retry_failed=True, allow_changes=True)
     run_one_by_one(
-        [Trial(name, overrides, cfg)],
+        [trial],
         pathlib.Path(root),
         progress=False,
         stop_after=None,
         log=print,
+        actions={name: action},
     )
     return where
+
+
+def search_worker(cfg_path: str, overrides: list, root: str, storage, study_name) -> dict:
+    """Runs in a job: one worker of an Optuna search, on the shared study."""
+    from attnlab.sweep.plan import load_sweep
+    from attnlab.sweep.search import run_search
+
+    plan = load_sweep(cfg_path, overrides)
+    run_search(plan, root, storage=storage, study_name=study_name, log=print)
+    return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def launch_search(
+    plan,
+    workdir,
+    *,
+    launcher: str = "local",
+    resources: dict | None = None,
+    workers: int = 1,
+    storage: str | None = None,
+    study_name: str | None = None,
+    log=print,
+) -> dict:
+    """Submits ``workers`` jobs that share the search's study, waits, collects the results.
+
+    Workers on several hosts need a database every host reaches (``storage``: a PostgreSQL
+    or MySQL URL); the default SQLite file suits workers on one machine."""
+    import submitit
+
+    from attnlab.sweep.search import default_storage, open_study, write_best, write_plots
+
+    if launcher not in ("local", "slurm"):
+        raise ExperimentError(f"--launcher={launcher!r}: use 'local' or 'slurm' here")
+    root = pathlib.Path(workdir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    storage = storage or default_storage(root)
+    study = open_study(plan, root, storage, study_name)  # created once, before the workers
+    executor = submitit.AutoExecutor(folder=root / "submitit", cluster=launcher)
+    executor.update_parameters(name=pathlib.Path(plan.config).stem, **(resources or {}))
+    n = max(int(workers), 1)
+    jobs = executor.map_array(
+        search_worker,
+        [plan.config] * n,
+        [list(plan.base_overrides)] * n,
+        [str(root)] * n,
+        [storage] * n,
+        [study.study_name] * n,
+    )
+    log(f"search: {n} worker(s) submitted ({launcher}) on {storage}")
+    for job in jobs:
+        try:
+            job.result()
+        except Exception as e:  # the job itself died: its log says why
+            log(f"worker {job.job_id} failed: {str(e).splitlines()[0]}")
+    results = collect(root)
+    write_results(root, results)
+    results["best"] = write_best(study, plan, root, log)
+    write_plots(study, root, log)
+    return results
 
 
 def launch_sweep(
@@ -92,6 +162,7 @@ def launch_sweep(
     launcher: str = "local",
     resources: dict | None = None,
     retry_failed: bool = False,
+    allow_changes: bool = False,
     log=print,
 ) -> dict:
     """Submits the unfinished trials as one job array, waits, collects the results."""
@@ -100,12 +171,13 @@ def launch_sweep(
     if launcher not in ("local", "slurm"):
         raise ExperimentError(f"--launcher={launcher!r}: use 'local' or 'slurm' here")
     root = pathlib.Path(workdir).resolve()
+    actions = plan_actions(plan, root, retry_failed=retry_failed, allow_changes=allow_changes)
     write_manifest(plan, root)
-    todo = []
+    todo, tally = [], dict.fromkeys(OUTCOMES, 0)
     for t in plan.trials:
-        settled = trial_settled(t, root / t.name, retry_failed)
-        if settled:
-            log(f"skip {t.name} ({settled})")
+        if actions[t.name].kind == "skip":
+            log(f"skip {t.name} ({actions[t.name].why})")
+            tally["skipped"] += 1
         else:
             todo.append(t)
     if todo:
@@ -126,4 +198,10 @@ def launch_sweep(
                 log(f"{t.name}: job {job.job_id} failed: {str(e).splitlines()[0]}")
     results = collect(root)
     write_results(root, results)
+    rows = {r["trial"]: r["status"] for r in results["trials"]}
+    for t in todo:
+        status = rows.get(t.name, "failed")
+        tally[status if status in tally else "stopped"] += 1
+    results["outcomes"] = tally
+    log(summary_line(tally))
     return results

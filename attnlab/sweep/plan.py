@@ -54,8 +54,9 @@ class Group:
         return f"{self.mode}, {len(self.trials)} trial(s) [{what or 'base'}]: {names}"
 
 
-def load_sweep(config: str, overrides: Sequence[str] = (), *, max_trials=None) -> Plan:
-    """The plan of the ``sweep(variant=None)`` defined next to ``get_config`` in ``config``."""
+def load_sweep(config: str, overrides: Sequence[str] = (), *, max_trials=None):
+    """The plan of the ``sweep(variant=None)`` defined next to ``get_config`` in ``config``:
+    a ``Plan``, or a ``SearchPlan`` when it returns an Optuna search."""
     path_text, _, variant = config.partition(":")
     path = pathlib.Path(path_text)
     if path.suffix != ".py" or not path.exists():
@@ -65,6 +66,14 @@ def load_sweep(config: str, overrides: Sequence[str] = (), *, max_trials=None) -
     if fn is None:
         raise ExperimentError(f"{path} defines no sweep(variant=None) function")
     spec = fn(variant or None) if inspect.signature(fn).parameters else fn()
+    from attnlab.sweep.search import is_search, plan_search
+
+    if is_search(spec):  # an Optuna search instead of a list of trials
+        plan = plan_search(config, overrides, spec)
+        if max_trials is not None:
+            search = dataclasses.replace(plan.search, num_trials=int(max_trials))
+            plan = dataclasses.replace(plan, search=search)
+        return plan
     return plan_sweep(config, overrides, spec, max_trials=max_trials)
 
 
