@@ -2,7 +2,7 @@
 
 ``attnlab.ops`` holds pure functions, ``attnlab.nn`` the NNX modules and architectures,
 ``attnlab.config`` the validated ``ModelConfig``, ``attnlab.decode`` generation
-(``attnlab.generate``).
+(``attnlab.generate``); ``attnlab.load_run(DIR)`` reopens a trained run as a ``Run``.
 """
 
 from attnlab import ops
@@ -16,6 +16,7 @@ __all__ = [
     "GenerationResult",
     "KVCache",
     "ModelConfig",
+    "Run",
     "attention_variants",
     "build_model",
     "count_params",
@@ -23,6 +24,7 @@ __all__ = [
     "init_cache",
     "kv_cache_bytes",
     "load_pretrained",
+    "load_run",
     "ops",
     "register_attention",
 ]
@@ -35,6 +37,10 @@ def __getattr__(name):
         from attnlab.pretrained import load_pretrained
 
         return load_pretrained
+    if name in ("load_run", "Run"):  # the training stack loads on first use too
+        from attnlab.runs import loading
+
+        return getattr(loading, name)
     if name == "pretrained":
         import attnlab.pretrained
 

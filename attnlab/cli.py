@@ -1,9 +1,10 @@
 """The ``attnlab`` command: train, eval, plot, sample, sweep.
 
 attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
-              [--step N] [--allow-changes]
+              [--step N] [--allow-changes] [--verbose]
 attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
               [--parallel vmap|sequential] [--max-trials N] [--print-commands]
+              [--retry-failed] [--allow-changes]
 attnlab sweep --collect DIR
 attnlab eval --workdir DIR [--step N] [--full]
 attnlab plot DIR [DIR ...] [--out loss.png]
@@ -59,6 +60,7 @@ def _train(args, overrides):
         progress=not args.no_progress,
         step=args.step,
         allow_changes=args.allow_changes,
+        verbose=args.verbose,
     )
     _stopped(f"at step {record.get('step')}; its checkpoint is written in {args.workdir}")
 
@@ -156,8 +158,9 @@ def _sample(args, overrides):
         return _sample_pretrained(args)
     if args.workdir is None:
         raise ConfigError("attnlab sample: pass --workdir DIR (a run) or --pretrained DIR")
-    cfg, trainer, task, params, step = runs.load_run(args.workdir, args.step)
-    model, max_len = trainer.model(params), trainer.mcfg.max_len
+    run = runs.load_run(args.workdir, args.step)
+    cfg, trainer, task, model = run.config, run.trainer, run.task, run.model
+    max_len = trainer.mcfg.max_len
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if trainer.mcfg.arch == "encoder_decoder":
         if args.source is None:
@@ -217,6 +220,8 @@ def _sweep(args, overrides):
     if args.config is None:
         raise ConfigError("attnlab sweep: --config experiments/NAME.py[:variant] is required")
     plan = sweep.load_sweep(args.config, overrides, max_trials=args.max_trials)
+    if isinstance(plan, sweep.SearchPlan):
+        return _search(args, plan, workdir)
     if args.print_commands:
         sweep.write_manifest(plan, workdir)  # lets --collect name the trials' overrides
         for line in sweep.commands(plan, workdir):
@@ -226,8 +231,16 @@ def _sweep(args, overrides):
         from attnlab.sweep.launch import launch_sweep, resources_from_args
 
         resources = resources_from_args(args, plan)
-        results = launch_sweep(plan, workdir, launcher=args.launcher, resources=resources)
+        results = launch_sweep(
+            plan,
+            workdir,
+            launcher=args.launcher,
+            resources=resources,
+            retry_failed=args.retry_failed,
+            allow_changes=args.allow_changes,
+        )
         print(sweep.markdown_table(results), end="")
+        sweep.check_failed(results)
         return
     from attnlab import devices
 
@@ -240,9 +253,11 @@ def _sweep(args, overrides):
         parallel=args.parallel,
         progress=not args.no_progress,
         retry_failed=args.retry_failed,
+        allow_changes=args.allow_changes,
     )
     print(sweep.markdown_table(results), end="")
     _stopped(f"in {workdir}; every stopped trial's checkpoint is written")
+    sweep.check_failed(results)  # exit status 1 when a trial failed
 
 
 def check_trials(plan):
@@ -263,6 +278,41 @@ def check_trials(plan):
                 f"by the mesh's batch axes ({n} devices: mesh.data x mesh.fsdp); use a "
                 f"multiple of {n}"
             )
+
+
+def _search(args, plan, workdir):
+    """An Optuna search: in this process, or as ``--workers`` jobs sharing ``--storage``."""
+    from attnlab import devices, sweep
+
+    if args.print_commands:
+        raise ConfigError(
+            "attnlab sweep: an Optuna search suggests its trials as it goes, so it has no "
+            "commands to print; start several `attnlab sweep` processes on one --storage URL"
+        )
+    if args.launcher != "inprocess":
+        from attnlab.sweep.launch import launch_search, resources_from_args
+
+        results = launch_search(
+            plan,
+            workdir,
+            launcher=args.launcher,
+            resources=resources_from_args(args, plan),
+            workers=args.workers,
+            storage=args.storage,
+            study_name=args.study_name,
+        )
+    else:
+        devices.apply(devices.choose(plan.base))
+        results = sweep.run_search(
+            plan,
+            workdir,
+            storage=args.storage,
+            study_name=args.study_name,
+            parallel=args.parallel,
+            progress=not args.no_progress,
+        )
+    print(sweep.markdown_table(results), end="")
+    sweep.check_failed(results)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -290,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--workdir", required=True)
     t.add_argument("--no-progress", action="store_true", help="plain log lines only")
+    t.add_argument("--verbose", action="store_true", help="also print how the state is sharded")
     t.add_argument(
         "--allow-changes",
         action="store_true",
@@ -359,6 +410,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--collect", action="store_true", help="rebuild DIR/results.* from DIR/*/")
     w.add_argument("--retry-failed", action="store_true", help="train failed trials again")
+    w.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna search: the study's database URL (default: sqlite:///DIR/study.db)",
+    )
+    w.add_argument("--study-name", default=None, help="Optuna search: default DIR's name")
+    w.add_argument(
+        "--workers", type=int, default=1, help="Optuna search with --launcher: jobs sharing it"
+    )
+    w.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="continue trained trials whose values (or total-dependent schedule) changed",
+    )
     w.add_argument("--no-progress", action="store_true", help="plain log lines only")
     w.set_defaults(fn=_sweep, overrides=True)
     from attnlab.data.commands import add_parser as add_data_parser

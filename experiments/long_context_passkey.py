@@ -109,8 +109,9 @@ def warm_start(source, workdir, *, variant=None, overrides=()) -> int:
     mcfg = experiment.validate(cfg)
     if (pathlib.Path(workdir) / "checkpoints").is_dir():
         raise ExperimentError(f"--workdir {workdir} already holds a run; choose a new one")
-    _, _, _, params, step = runs.load_run(source)
-    run = runs.Run(cfg, workdir, mcfg)
+    loaded = runs.load_run(source)
+    params, step = loaded.params, loaded.step
+    run = runs.workdir.Run(cfg, workdir, mcfg)
     trainer = Trainer(cfg, mcfg, kind=run.task.kind)
     state = trainer.init_state()
     shapes = jax.tree.map(lambda x: x.shape, state["params"])
@@ -146,7 +147,8 @@ def accuracy_by_distance(
     from attnlab import runs, viz
     from attnlab.data import batch_rng
 
-    cfg, trainer, _, params, step = runs.load_run(workdir, step)
+    run = runs.load_run(workdir, step)
+    cfg, trainer, params, step = run.config, run.trainer, run.params, run.step
     d = cfg.data
     if d.kind != "passkey":
         raise ExperimentError(f"{workdir} holds a data.kind={d.kind!r} run, not passkey")

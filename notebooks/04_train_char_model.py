@@ -34,11 +34,12 @@ import tempfile
 
 import numpy as np
 
+import attnlab
 from attnlab import viz
 from attnlab.data import make_task
 from attnlab.decode import generate
 from attnlab.experiment import load_config
-from attnlab.runs import load_run, train
+from attnlab.runs import train
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the experiment's tiny twin for a few steps.
@@ -123,8 +124,10 @@ for record in viz.read_samples(workdir):
 # `model.max_len` characters, so each continuation fills what is left of it.
 
 # %%
-_, trainer, task, params, step = load_run(workdir)
-model = trainer.model(params)
+# `load_run` gives the run as a `Run`: its config, model, tokenizer, step and metrics rows.
+run = attnlab.load_run(workdir)
+model, task = run.model, run.task
+print(f"step {run.step}, final eval loss {run.metrics[-1].get('eval_loss')}")
 prompts = [task.encode(p) for p in PROMPTS]
 new_tokens = model.cfg.max_len - max(len(p) for p in prompts)
 result = generate(model, prompts, new_tokens, temperature=0.8, seed=0)
@@ -133,7 +136,7 @@ for text in samples:
     print(text, "\n" + "-" * 40)
 
 # %%
-assert step == STEPS
+assert run.step == STEPS
 assert result.tokens.shape == (len(PROMPTS), new_tokens)
 assert np.all((result.tokens >= 0) & (result.tokens < task.vocab_size))
 assert all(

@@ -40,11 +40,12 @@ import optax
 from flax import nnx
 from matplotlib.figure import Figure
 
+import attnlab
 from attnlab import viz
 from attnlab.data import make_task
 from attnlab.decode import generate
 from attnlab.experiment import load_config
-from attnlab.runs import load_run, train
+from attnlab.runs import train
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the experiment's tiny twin briefly.
@@ -110,8 +111,7 @@ if not TINY:
 # %%
 models = {}
 for name, workdir in workdirs.items():
-    _, trainer, _, params, _ = load_run(workdir)
-    models[name] = trainer.model(params)
+    models[name] = attnlab.load_run(workdir).model
 batch = task.eval_batches(int(base.eval.batch_size), 1)[0]
 inputs_BT, targets_BT = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
 T = inputs_BT.shape[1]

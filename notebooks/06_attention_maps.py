@@ -33,10 +33,11 @@ import jax
 import numpy as np
 from IPython.display import display
 
+import attnlab
 from attnlab import load_pretrained, viz
 from attnlab.data import make_task
 from attnlab.experiment import load_config
-from attnlab.runs import load_run, train
+from attnlab.runs import train
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the tiny twin for a few steps.
@@ -84,8 +85,8 @@ task = make_task(cfg.data)
 cfg.model.vocab_size = task.vocab_size
 workdir = pathlib.Path(tempfile.mkdtemp(prefix="attnlab_maps_"))
 train(cfg, workdir, progress=False)
-_, trainer, task, params, _ = load_run(workdir)
-model = trainer.model(params)
+run = attnlab.load_run(workdir)
+model, task = run.model, run.task
 
 # %% [markdown]
 # `model(tokens, return_weights=True)` returns every layer's weights in `ModelOutput.weights`:

@@ -92,7 +92,7 @@ def test_bf16_compute_trains_with_float32_parameters(tmp_path):
     )
     record = runs.train(cfg, tmp_path, progress=False)
     assert np.isfinite(record["train_loss"]) and np.isfinite(record["eval_loss"])
-    _, _, _, params, _ = runs.load_run(tmp_path)
+    params = runs.load_run(tmp_path).params
     import jax
 
     assert {leaf.dtype.name for leaf in jax.tree.leaves(params)} == {"float32"}

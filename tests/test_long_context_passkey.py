@@ -17,8 +17,9 @@ def test_tiny_run_warm_starts_and_scores_by_distance(tmp_path, capsys):
     runs.train(cfg, tmp_path / "short", progress=False)
 
     assert exp.warm_start(tmp_path / "short", tmp_path / "long", variant="tiny") == 2
-    _, _, _, source, _ = runs.load_run(tmp_path / "short")
-    _, _, _, params, step = runs.load_run(tmp_path / "long")
+    source = runs.load_run(tmp_path / "short").params
+    long = runs.load_run(tmp_path / "long")
+    params, step = long.params, long.step
     assert step == 0
     for a, b in zip(jax.tree.leaves(source), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -2,12 +2,13 @@
 
 ``train(cfg, workdir)`` trains (or resumes) one experiment in a work directory;
 ``train_stacked`` trains runs that differ only in ``STACKABLE`` values as one vmapped program;
-``load_run``/``evaluate`` reopen a run from its latest checkpoint. The steps themselves come
-from ``attnlab.train``.
+``load_run`` reopens a run from its latest checkpoint as a ``Run`` (``evaluate``
+evaluates one). The steps themselves come from ``attnlab.train``; the work directory's own
+handle (locking, checkpoints, logs) is ``attnlab.runs.workdir.Run``.
 """
 
-from attnlab.runs.loading import evaluate, load_run, saved_config
-from attnlab.runs.loop import open_runs, train, train_runs
+from attnlab.runs.loading import Run, evaluate, load_run, saved_config
+from attnlab.runs.loop import Pruned, mask_row, open_runs, train, train_runs
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import (
     continuation,
@@ -21,7 +22,6 @@ from attnlab.runs.workdir import (
     CONFIG_FILE,
     METRICS_FILE,
     SAMPLES_FILE,
-    Run,
     append_jsonl,
     atomic_write,
     check_config,
@@ -34,6 +34,7 @@ __all__ = [
     "SAMPLES_FILE",
     "STACKABLE",
     "Progress",
+    "Pruned",
     "Run",
     "append_jsonl",
     "atomic_write",
@@ -43,6 +44,7 @@ __all__ = [
     "default_prompt",
     "evaluate",
     "load_run",
+    "mask_row",
     "open_runs",
     "sample_text",
     "saved_config",

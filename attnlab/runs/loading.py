@@ -1,20 +1,85 @@
 """Reopening a finished or interrupted run: its config, model and latest parameters.
 
+``load_run(DIR)`` returns a ``Run``::
+
+    run = attnlab.load_run("runs/char")
+    run.step, run.config.model.d_model, run.metrics[-1]["eval_loss"]
+    print(run.generate("def ", max_new_tokens=40))
+    run.evaluate(), run.checkpoints()
+
 A run trained with an attention variant registered by its experiment file reopens in any
 process: loading ``DIR/config.json`` imports the experiment file it records first.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import pathlib
+from typing import Any
 
 from attnlab import experiment, sharding
 from attnlab.checkpoint import Checkpointer
 from attnlab.data import make_task
 from attnlab.errors import CheckpointError, WorkdirError
-from attnlab.runs.workdir import CHECKPOINTS, CONFIG_FILE, check_workdir, restore_newest
+from attnlab.runs.workdir import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    METRICS_FILE,
+    check_workdir,
+    restore_newest,
+)
 from attnlab.train import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A trained run reopened from its work directory at one checkpoint.
+
+    ``model`` is the NNX model holding the checkpoint's parameters (``params``);
+    ``metrics`` the rows of ``metrics.jsonl`` up to ``step``; ``tokenizer`` the task's
+    tokenizer (None for synthetic tasks, whose ids are their symbols).
+    """
+
+    workdir: pathlib.Path
+    config: Any  # the experiment's ConfigDict, as saved in DIR/config.json
+    step: int
+    model: Any
+    params: Any
+    tokenizer: Any
+    metrics: list[dict]
+    trainer: Trainer
+    task: Any
+
+    def generate(self, prompt: str = "", max_new_tokens: int = 100, **options) -> str:
+        """The prompt's continuation as text (``options``: ``temperature``, ``top_k``,
+        ``top_p``, ``seed``, as ``attnlab.generate`` takes them); an encoder-decoder run
+        reads ``prompt`` as its source."""
+        from attnlab.runs.sampling import (
+            continuation,
+            decode_known,
+            default_prompt,
+            seq2seq_continuation,
+        )
+
+        if self.trainer.mcfg.arch == "encoder_decoder":
+            tokens = seq2seq_continuation(self.model, self.task, prompt, max_new_tokens, **options)
+            return decode_known(self.task, tokens)
+        prompt = prompt or default_prompt(self.config, self.task)
+        eos = getattr(self.task, "eos_id", None) if self.task.tokenizer is None else None
+        ids = self.task.encode(prompt)
+        tokens = continuation(self.model, ids, max_new_tokens, eos_id=eos, **options)
+        return decode_known(self.task, tokens)
+
+    def evaluate(self, *, full: bool = False) -> dict:
+        """``attnlab eval`` of this checkpoint: the validation metrics (see ``evaluate``)."""
+        return evaluate(self.workdir, self.step, full=full)
+
+    def checkpoints(self) -> list[int]:
+        """The steps of the checkpoints the work directory holds."""
+        with Checkpointer(self.workdir / CHECKPOINTS) as ckpt:
+            return sorted(ckpt.all_steps())
 
 
 def saved_config(workdir):
@@ -35,8 +100,8 @@ def saved_config(workdir):
     return cfg
 
 
-def load_run(workdir, step: int | None = None):
-    """(cfg, trainer, task, params, step) of checkpoint ``step`` in ``workdir``.
+def load_run(workdir, step: int | None = None) -> Run:
+    """The ``Run`` of checkpoint ``step`` in ``workdir``.
 
     The default is the newest checkpoint that can be read (unreadable newer ones are reported
     on stderr); parameters that are not finite are refused with a ``CheckpointError``.
@@ -57,7 +122,20 @@ def load_run(workdir, step: int | None = None):
             )
         chosen = steps if step is None else [int(step)]
         state, step = restore_newest(ckpt, trainer.abstract_state(), chosen, trainer.all_finite)
-    return cfg, trainer, task, state["params"], step
+    path = workdir / METRICS_FILE
+    lines = path.read_text().splitlines() if path.is_file() else []
+    rows = [json.loads(line) for line in lines if line.strip()]
+    return Run(
+        workdir=workdir,
+        config=cfg,
+        step=int(step),
+        model=trainer.model(state["params"]),
+        params=state["params"],
+        tokenizer=task.tokenizer,
+        metrics=[r for r in rows if r.get("step", 0) <= step],
+        trainer=trainer,
+        task=task,
+    )
 
 
 def evaluate(workdir, step: int | None = None, *, full: bool = False) -> dict:
@@ -65,7 +143,8 @@ def evaluate(workdir, step: int | None = None, *, full: bool = False) -> dict:
     split: the run's ``eval.batches`` batches, or with ``full`` every token of the split
     once (``Task.full_eval_batches``; the record then counts the ``eval_tokens``). A
     non-finite result is a ``CheckpointError``."""
-    cfg, trainer, task, params, step = load_run(workdir, step)
+    run = load_run(workdir, step)
+    cfg, trainer, task, params, step = run.config, run.trainer, run.task, run.params, run.step
     batch_size = int(cfg.eval.batch_size)
     if full:
         batches = list(task.full_eval_batches(batch_size))
