@@ -149,8 +149,11 @@ def register_mixer(name: str, cls: type[Mixer] | None = None, *, overwrite: bool
         if not (isinstance(cls, type) and issubclass(cls, Mixer)):
             raise TypeError(f"register_mixer({name!r}): {cls!r} is not a subclass of Mixer")
         settings = cls.Settings
-        if not (dataclasses.is_dataclass(settings) and settings.__dataclass_params__.frozen):
-            raise TypeError(f"mixer {name!r}: its Settings must be a frozen dataclass")
+        ok = isinstance(settings, type) and issubclass(settings, MixerSettings)
+        if not (ok and dataclasses.is_dataclass(settings) and settings.__dataclass_params__.frozen):
+            raise TypeError(
+                f"mixer {name!r}: its Settings must be a frozen MixerSettings dataclass"
+            )
         if name in _REGISTRY and not overwrite and _REGISTRY[name] is not cls:
             raise ValueError(f"mixer {name!r} exists; pass overwrite=True to replace it")
         cls.name = name

@@ -57,7 +57,11 @@ class RunningMean(Attention):
             cache = cache.put("sum", sums_BTD[jnp.arange(B), jnp.maximum(cache.count_B - 1, 0)])
             counts_BT = call.positions_BT + 1
         mean_BTD = sums_BTD / counts_BT[..., None].astype(jnp.float32)
-        return out_BTD + (self.mix_D[...] * mean_BTD).astype(out_BTD.dtype), cache, weights
+        return (
+            out_BTD + (self.mix_D[...][None, None] * mean_BTD).astype(out_BTD.dtype),
+            cache,
+            weights,
+        )
 
 
 TINY = dict(mixer_checks.TINY, position="rope", mixer="running_mean")
@@ -178,10 +182,9 @@ def test_registration_checks_the_class():
         register_mixer("not_a_mixer", object)
 
     class Loose(Attention):
-        @dataclasses.dataclass
-        class Settings(MixerSettings):
+        class Settings:  # not the frozen MixerSettings dataclass the config needs
             pass
 
-    with pytest.raises(TypeError, match="frozen dataclass"):
+    with pytest.raises(TypeError, match="frozen MixerSettings dataclass"):
         register_mixer("loose", Loose)
     assert {"running_mean", "mha"} <= set(attnlab.registered_mixers())
