@@ -48,20 +48,22 @@ def experiment_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vmapped(experiment_file, tmp_path_factory):
-    """The sweep run once through the CLI with --parallel vmap; returns (dir, stdout)."""
+    """The sweep run once through the CLI with --parallel vmap; returns (dir, stdout).
+
+    Its NaN trial fails, so the command exits with 1."""
     root = tmp_path_factory.mktemp("sweep") / "vmapped"
     argv = ["sweep", "--config", experiment_file, *BASE, "--workdir", str(root), "--no-progress"]
-    return root, _run_cli(argv)
+    return root, _run_cli(argv, expect=1)
 
 
-def _run_cli(argv):
+def _run_cli(argv, expect=0):
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = cli.main(argv)
-    assert code == 0, out.getvalue()
+    assert code == expect, out.getvalue()
     return out.getvalue()
 
 
@@ -228,7 +230,7 @@ def test_cli_prints_groups_and_trial_dirs_look_like_train_dirs(vmapped, experime
         assert saved.to_dict() == trial.cfg.to_dict()
         assert (d / "samples.jsonl").exists()
         assert json.loads((d / "status.json").read_text())["status"] == "finished"
-        _, _, _, params, step = runs.load_run(d)
+        step = runs.load_run(d).step
         assert step == 4
         assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["2", "4"]
 
