@@ -230,3 +230,81 @@ def feed_forward(x_BTD, w_in_DF, w_out_FD, *, kind, w_gate_DF=None, b_in_F=None,
     if b_out_D is not None:
         out_BTD = out_BTD + _f64(b_out_D)
     return out_BTD
+
+
+# --------------------------------------------------------------------------------------------
+# Attention variants: soft-capping, sinks, gates
+# --------------------------------------------------------------------------------------------
+
+
+def attention_capped_sinks(
+    q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None, softcap=None, sinks_N=None
+):
+    """Softmax attention with the Gemma 2 logit cap and per-head attention sinks.
+
+    Logits ``s = scale * q.k + bias`` are capped to ``c * tanh(s / c)`` (``softcap = c``).
+    With sinks, each row's softmax runs over its allowed logits and the head's sink logit,
+    ``w_s = exp(s_s) / (sum_allowed exp(s_s') + exp(sink_n))``, and the output sums the
+    real keys only, ``out = sum_s w_s v_s`` (the sink takes weight without a value). A row
+    with no allowed key gets a zero output. Returns ``(out_BTNH, weights_BNTS)``.
+    """
+    q_BTNH, k_BSKH, v_BSKH = _f64(q_BTNH), _f64(k_BSKH), _f64(v_BSKH)
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    G = N // K
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    weights_BNTS = np.zeros((B, N, T, S))
+    out_BTNH = np.zeros((B, T, N, H))
+    mask_BNTS = np.broadcast_to(True if mask is None else np.asarray(mask, bool), (B, N, T, S))
+    bias_BNTS = np.broadcast_to(0.0 if bias is None else _f64(bias), (B, N, T, S))
+    for b in range(B):
+        for n in range(N):
+            kv = n // G
+            for t in range(T):
+                allowed = mask_BNTS[b, n, t]
+                if not allowed.any():
+                    continue
+                s = np.array([q_BTNH[b, t, n] @ k_BSKH[b, j, kv] for j in range(S)]) * scale
+                s = s + bias_BNTS[b, n, t]
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                row = s[allowed]
+                sink = [] if sinks_N is None else [float(_f64(sinks_N)[n])]
+                m = max([row.max(), *sink])
+                denom = np.exp(row - m).sum() + sum(math.exp(x - m) for x in sink)
+                weights_BNTS[b, n, t, allowed] = np.exp(row - m) / denom
+                out_BTNH[b, t, n] = weights_BNTS[b, n, t] @ v_BSKH[b, :, kv]
+    return out_BTNH, weights_BNTS
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-_f64(x)))
+
+
+def attention_layer(
+    x_BTD, q_DNH, k_DKH, v_DKH, o_NHD, *, positions_BT, rope_theta=None, mask=None,
+    softcap=None, sinks_N=None, gate=None,
+):  # fmt: skip
+    """One self-attention layer: ``q = x W_q``, ``k = x W_k``, ``v = x W_v`` (RoPE on q and
+    k when ``rope_theta`` is given), attention (``attention_capped_sinks``), then the output
+    projection ``sum_n y_n W_o,n``. ``gate`` (Gated Attention, Qiu et al. 2025, the gate
+    after attention): ``[D, N]`` (head-wise) or ``[D, N, H]`` (element-wise) weights, and
+    each head's output becomes ``y_n * sigmoid(x W_gate)_n`` before the projection.
+    """
+    x_BTD = _f64(x_BTD)
+    q_BTNH = np.einsum("BTD,DNH->BTNH", x_BTD, _f64(q_DNH))
+    k_BTKH = np.einsum("BTD,DKH->BTKH", x_BTD, _f64(k_DKH))
+    v_BTKH = np.einsum("BTD,DKH->BTKH", x_BTD, _f64(v_DKH))
+    if rope_theta is not None:
+        q_BTNH = apply_rope(q_BTNH, positions_BT, theta=rope_theta)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, theta=rope_theta)
+    y_BTNH, _ = attention_capped_sinks(
+        q_BTNH, k_BTKH, v_BTKH, mask=mask, softcap=softcap, sinks_N=sinks_N
+    )
+    if gate is not None:
+        gate = _f64(gate)
+        if gate.ndim == 2:  # head-wise: one gate per head
+            y_BTNH = y_BTNH * sigmoid(np.einsum("BTD,DN->BTN", x_BTD, gate))[..., None]
+        else:  # element-wise: one gate per output element
+            y_BTNH = y_BTNH * sigmoid(np.einsum("BTD,DNH->BTNH", x_BTD, gate))
+    return np.einsum("BTNH,NHD->BTD", y_BTNH, _f64(o_NHD))

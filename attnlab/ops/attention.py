@@ -8,6 +8,13 @@ describing one. The dense implementations build descriptions with ``.dense()``; 
 one evaluates them block by block. The softmax always runs in float32. A query row whose
 keys are all masked gets an all-zero output and all-zero weights, with finite gradients.
 
+Two options change the softmax itself, on the reference, chunked and one-query paths (the
+fused ones fall back to the reference when either is given): ``softcap`` caps the scaled,
+biased logits at ``c * tanh(s / c)`` (Gemma 2), and ``sinks`` gives each head a learned
+logit that joins the softmax's denominator and takes weight without a value ("Efficient
+Streaming LMs with Attention Sinks", gpt-oss): ``out = sum_s softmax([s_1..s_S, sink])_s v_s``
+over the real keys, whose weights then sum to less than one.
+
 Implementations, all behind one signature:
 
 * ``"reference"``: a readable einsum version, the one every other path is checked against.
@@ -22,7 +29,7 @@ Implementations, all behind one signature:
 * ``"chunked"``: ``attnlab.ops.chunked``, blockwise with an online softmax and a custom
   backward pass: memory linear in T and S, masked-out blocks skipped, pure JAX (any
   backend). ``block_q``/``block_k`` set its block sizes. It has no ``logits_fn`` and no
-  attention dropout (both raise a ``ValueError``).
+  attention dropout (both raise a ``ValueError``); ``softcap`` and ``sinks`` it has.
 
 ``return_weights=True`` always runs the reference path, since the fused kernels do not
 materialise the weights.
@@ -79,13 +86,34 @@ def to_BKGTS(x, B, K, G, T, S):
     return jnp.broadcast_to(x, (B, K, G, T, S))
 
 
-def _masked_softmax(logits, mask):
+def _masked_softmax(logits, mask, sinks=None):
     """Softmax over the last axis where ``mask`` (None: everywhere) allows; zero elsewhere,
-    so a fully masked row gets all-zero weights rather than a uniform average."""
-    if mask is None:
-        return jax.nn.softmax(logits, axis=-1)
-    weights = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
-    return jnp.where(mask, weights, 0.0)
+    so a fully masked row gets all-zero weights rather than a uniform average.
+
+    ``sinks`` (broadcastable to ``logits[..., :1]``): one more logit per row that joins the
+    softmax and whose weight is dropped (a fully masked row puts all of it on the sink).
+    """
+    if mask is not None:
+        logits = jnp.where(mask, logits, MASK_VALUE)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks, logits.shape[:-1] + (1,)).astype(logits.dtype)
+        logits = jnp.concatenate([logits, sink], axis=-1)
+    weights = jax.nn.softmax(logits, axis=-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return weights if mask is None else jnp.where(mask, weights, 0.0)
+
+
+def _softcap(logits, softcap):
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+
+
+def _sinks_BKG(sinks_N, K, G):
+    """Per-head sink logits [N] as float32 [1, K, G] (query head n = k * G + g)."""
+    sinks_N = jnp.asarray(sinks_N)
+    if sinks_N.shape != (K * G,):
+        raise ValueError(f"sinks: one logit per query head, [{K * G}]; got {sinks_N.shape}")
+    return sinks_N.astype(jnp.float32).reshape(1, K, G)
 
 
 def reference_attention(
@@ -99,6 +127,8 @@ def reference_attention(
     logits_fn=None,
     dropout_rate=0.0,
     dropout_key=None,
+    sinks=None,
+    softcap=None,
 ):
     """Einsum attention; returns ``(out_BTNH, weights_BNTS)``.
 
@@ -106,7 +136,8 @@ def reference_attention(
     ``dropout_key``) drops weights only in the product with ``v``.
 
     ``logits_fn``, if given, maps the float32 logits ``[B, K, G, T, S]`` (already scaled and
-    biased) to new logits before masking: the hook for score variants such as soft-capping.
+    biased, and capped by ``softcap``) to new logits before masking: the hook for score
+    variants. ``sinks`` ([N] logits) and ``softcap``: see the module docstring.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -118,10 +149,12 @@ def reference_attention(
     )
     if bias is not None:
         logits_BKGTS = logits_BKGTS + to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+    logits_BKGTS = _softcap(logits_BKGTS, softcap)
     if logits_fn is not None:
         logits_BKGTS = logits_fn(logits_BKGTS)
     mask_BKGTS = None if mask is None else to_BKGTS(mask, B, K, G, T, S).astype(bool)
-    weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BKGTS)
+    sinks_BKGTS = None if sinks is None else _sinks_BKG(sinks, K, G)[..., None, None]
+    weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BKGTS, sinks_BKGTS)
     used_BKGTS = dropout(weights_BKGTS, dropout_rate, dropout_key)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", used_BKGTS.astype(v_BSKH.dtype), v_BSKH)
     return out_BTKGH.reshape(B, T, N, H), weights_BKGTS.reshape(B, N, T, S)
@@ -145,7 +178,9 @@ def _fused_attention(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, implementatio
     return out_BTNH
 
 
-def one_query_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None):
+def one_query_attention(
+    q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None, sinks=None, softcap=None
+):
     """Attention of a single query per row (a decoding step), with the keys and values
     contracted in ``[B, K, S, H]`` order, the order the KV cache stores them.
 
@@ -166,8 +201,10 @@ def one_query_attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=N
     logits_BKGS = logits_BKGS * scale
     if bias is not None:
         logits_BKGS = logits_BKGS + to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(f32)
+    logits_BKGS = _softcap(logits_BKGS, softcap)
     mask_BKGS = None if mask is None else to_BKGTS(mask, B, K, G, 1, S)[:, :, :, 0].astype(bool)
-    weights_BKGS = _masked_softmax(logits_BKGS, mask_BKGS)
+    sinks_BKGS = None if sinks is None else _sinks_BKG(sinks, K, G)[..., None]
+    weights_BKGS = _masked_softmax(logits_BKGS, mask_BKGS, sinks_BKGS)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", weights_BKGS.astype(v_BSKH.dtype), v_BKSH)
     return out_BKGH.reshape(B, 1, N, H)
 
@@ -192,6 +229,8 @@ def dot_product_attention(
     dropout_key=None,
     block_q: int | None = None,
     block_k: int | None = None,
+    sinks=None,
+    softcap: float | None = None,
 ):
     """Scaled dot-product attention.
 
@@ -207,6 +246,8 @@ def dot_product_attention(
       dropout_rate, dropout_key: attention dropout on the weights (reference path); no
         dropout without a key.
       block_q, block_k: the chunked implementation's block sizes (None: its defaults).
+      sinks: per-head sink logits [N] (float32), or None (see the module docstring).
+      softcap: ``c`` of the logit cap ``c * tanh(s / c)`` (a Python number), or None.
 
     Returns:
       ``out_BTNH``, or ``(out_BTNH, weights_BNTS)`` when ``return_weights``.
@@ -245,15 +286,20 @@ def dot_product_attention(
             if value is not None
         }
         return chunked_attention(
-            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, **blocks
-        )
+            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, sinks=sinks,
+            softcap=softcap, **blocks,
+        )  # fmt: skip
     if isinstance(mask, MaskSpec):
         mask = mask.dense()
     if isinstance(bias, PositionBias):
         bias = bias.dense()
+    softmax = {"sinks": sinks, "softcap": softcap}
     if implementation == "auto" and plain and T == 1 and jax.default_backend() == "cpu":
-        return one_query_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale)
-    if return_weights or implementation == "reference" or logits_fn is not None or drop:
+        return one_query_attention(
+            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, **softmax
+        )
+    changed = sinks is not None or softcap is not None  # the fused kernels have neither
+    if return_weights or implementation == "reference" or logits_fn is not None or drop or changed:
         out_BTNH, weights_BNTS = reference_attention(
             q_BTNH,
             k_BSKH,
@@ -264,6 +310,7 @@ def dot_product_attention(
             logits_fn=logits_fn,
             dropout_rate=dropout_rate,
             dropout_key=dropout_key,
+            **softmax,
         )
         return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
     return _fused_attention(

@@ -14,6 +14,14 @@ the inputs, the output and the per-row log-sum-exp; it recomputes each block's w
 and ``dQ += dS K``. Without it, JAX would save every block's weights for the backward pass,
 which is the ``[T, S]`` memory this function exists to avoid.
 
+Soft-capping (``softcap``, static) replaces each block's logits by ``c * tanh(s / c)``
+before masking, and the backward pass multiplies ``dS`` by ``1 - tanh^2(s / c)``. Sinks
+(per-head logits that join the denominator without a value) are applied to the result:
+with ``lse`` the log-sum-exp of the real logits, ``out = out_plain * sigmoid(lse - sink)``,
+since ``exp(lse) / (exp(lse) + exp(sink))`` is the share the real keys keep. The custom VJP
+returns ``lse`` beside the output for this, and takes its cotangent: ``d lse / d s = p``,
+so ``dS = p * (dO V^T - D + d lse)``.
+
 Masks and biases may be dense (sliced per block) or descriptions: a ``masks.MaskSpec``
 (positions and rules, evaluated per block) and a ``positions.PositionBias`` (ALiBi or T5
 buckets evaluated per block, gradients to its parameters included). The (query block, key
@@ -45,9 +53,10 @@ DEFAULT_BLOCK_K = 256
 
 
 class _Static(NamedTuple):
-    """What the custom VJP treats as static: the logit scale and the blocking."""
+    """What the custom VJP treats as static: the logit scale, the cap and the blocking."""
 
     scale: float
+    softcap: float | None
     block_q: int
     block_k: int
     S: int  # keys before padding: keys at index >= S are masked
@@ -124,17 +133,22 @@ def _visit_order(grid):
 
 
 def _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad):
-    """Block (i, j) logits in float32, masked; and its mask (None when nothing is masked)."""
+    """Block (i, j) logits in float32, capped and masked; its mask (None when nothing is
+    masked); and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
     _, K, G, _, _ = q_blk.shape
     s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=jnp.float32)
     s = s * st.scale
     b = _bias_block(bias, i, j, st, K, G)
     if b is not None:
         s = s + b
+    dcap = None
+    if st.softcap is not None:
+        tanh = jnp.tanh(s / st.softcap)
+        s, dcap = st.softcap * tanh, 1.0 - tanh * tanh
     allowed = _mask_block(mask, i, j, st, S_pad)
     if allowed is not None:
         s = jnp.where(allowed, s, MASK_VALUE)
-    return s, allowed
+    return s, allowed, dcap
 
 
 def _forward(st: _Static, q, k, v, mask, bias):
@@ -153,7 +167,7 @@ def _forward(st: _Static, q, k, v, mask, bias):
             j = order[i, c]
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
-            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
+            s, allowed, _ = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             if allowed is not None:  # a row masked so far has m_new == MASK_VALUE: p = 1
@@ -200,14 +214,16 @@ def _reduce_to(x, shape):
     return x.sum(axes, keepdims=True) if axes else x
 
 
-def _backward(st: _Static, res, dout):
+def _backward(st: _Static, res, cotangents):
     q, k, v, mask, bias, out, lse = res
+    dout, dlse = cotangents
     B, K, G, T_pad, H = q.shape
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq, nk = T_pad // tq, S_pad // tk
     order, count = _visit_order(_block_grid(mask, st, nq, nk).T)  # query blocks per key block
-    d_BKGT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    # D - d lse: the per-row term of dS (``d lse`` is zero on fully masked rows, lse = inf).
+    d_BKGT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1) - dlse
     dense_bias = bias is not None and not isinstance(bias, PositionBias)
     fn_bias = isinstance(bias, PositionBias)
     if dense_bias:
@@ -229,7 +245,7 @@ def _backward(st: _Static, res, dout):
             do_blk = jax.lax.dynamic_slice_in_dim(dout, i * tq, tq, 3)
             lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * tq, tq, 3)
             d_blk = jax.lax.dynamic_slice_in_dim(d_BKGT, i * tq, tq, 3)
-            s, allowed = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
+            s, allowed, dcap = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
             p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
             if allowed is not None:
                 p = jnp.where(allowed, p, 0.0)
@@ -241,6 +257,8 @@ def _backward(st: _Static, res, dout):
             )
             dp = jnp.einsum("BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=jnp.float32)
             ds = p * (dp - d_blk[..., None])  # d logits (before the scale)
+            if dcap is not None:
+                ds = ds * dcap
             dq_blk = jnp.einsum(
                 "BKGts,BKsH->BKGtH", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32
             )
@@ -296,25 +314,23 @@ def _bias_param_grad(bias: PositionBias, ds, i, j, st: _Static, K, G):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st, q, k, v, mask, bias):
-    return _forward(st, q, k, v, mask, bias)[0]
+    return _forward(st, q, k, v, mask, bias)
 
 
 def _attention_fwd(st, q, k, v, mask, bias):
     out, lse = _forward(st, q, k, v, mask, bias)
-    return out, (q, k, v, mask, bias, out, lse)
+    return (out, lse), (q, k, v, mask, bias, out, lse)
 
 
 _attention.defvjp(_attention_fwd, _backward)
 
 
-def _static_scale(scale, H):
-    if scale is None:
-        return H**-0.5
+def _static(name, value):
     try:
-        return float(scale)
+        return float(value)
     except (TypeError, jax.errors.ConcretizationTypeError):
         raise ValueError(
-            "implementation='chunked' needs a Python number for scale (it is static in the "
+            f"implementation='chunked' needs a Python number for {name} (it is static in the "
             "custom backward pass); pass a float, or use implementation='reference'"
         ) from None
 
@@ -329,6 +345,8 @@ def chunked_attention(
     scale=None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    sinks=None,
+    softcap: float | None = None,
 ):
     """Blockwise attention; returns ``out_BTNH`` (dtype of ``q``), as ``reference_attention``.
 
@@ -338,6 +356,8 @@ def chunked_attention(
       bias: None, a ``PositionBias``, or an array broadcastable to [B, N|1, T, S].
       scale: logit scale (a Python number); defaults to 1/sqrt(H).
       block_q, block_k: block sizes (capped at T and S); need not divide T or S.
+      sinks: per-head sink logits [N], or None.
+      softcap: ``c`` of the logit cap ``c * tanh(s / c)`` (a positive Python number), or None.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -347,7 +367,16 @@ def chunked_attention(
             raise ValueError(f"chunked attention: {name}={value!r} must be a positive integer")
     tq, tk = min(block_q, T), min(block_k, S)
     T_pad, S_pad = tq * math.ceil(T / tq), tk * math.ceil(S / tk)
-    st = _Static(scale=_static_scale(scale, H), block_q=tq, block_k=tk, S=S)
+    scale = H**-0.5 if scale is None else _static("scale", scale)
+    if softcap is not None:
+        softcap = _static("softcap", softcap)
+        if not softcap > 0:
+            raise ValueError(f"softcap={softcap} must be positive (the cap's c in c*tanh(s/c))")
+    st = _Static(scale=scale, softcap=softcap, block_q=tq, block_k=tk, S=S)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (N,):
+            raise ValueError(f"sinks must hold one logit per query head, [{N}]; got {sinks.shape}")
 
     q = jnp.transpose(q_BTNH.reshape(B, T, K, G, H), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
     q = _pad_axis(q, 3, T_pad)
@@ -373,7 +402,12 @@ def chunked_attention(
             raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {bias.shape}")
         bias = _pad_axis(_pad_axis(_to_BKG(bias, K, G), 3, T_pad), 4, S_pad)
 
-    out = _attention(st, q, k, v, mask, bias)[:, :, :, :T]  # [B, K, G, T, H]
+    out, lse = _attention(st, q, k, v, mask, bias)
+    out, lse = out[:, :, :, :T], lse[:, :, :, :T]  # [B, K, G, T, H], [B, K, G, T]
+    if sinks is not None:  # the real keys' share (a fully masked row: lse = inf, out stays 0)
+        sink_1KG1 = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+        kept = jax.nn.sigmoid(lse - sink_1KG1)[..., None]
+        out = (out.astype(jnp.float32) * kept).astype(q.dtype)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
 
 
