@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from attnlab import ModelConfig, build_model
+from attnlab.mixers import MixerCall
 from attnlab.nn import Attention, Block
 
 TINY = dict(vocab_size=40, d_model=32, n_layers=2, n_heads=4, max_len=16)
@@ -131,8 +132,8 @@ def test_gqa_equals_mha_with_repeated_kv_weights(K):
     x = jax.random.normal(jax.random.key(0), (2, 9, 32))
     pos = jnp.broadcast_to(jnp.arange(9)[None], (2, 9))
     mask = jnp.tril(jnp.ones((9, 9), bool))[None, None]
-    a, _, _ = gqa(x, positions_BT=pos, mask=mask)
-    b, _, _ = mha(x, positions_BT=pos, mask=mask)
+    a, _, _ = gqa(x, MixerCall(positions_BT=pos, mask=mask))
+    b, _, _ = mha(x, MixerCall(positions_BT=pos, mask=mask))
     k, _ = gqa.project_kv(x, pos)
     assert k.shape == (2, 9, K, 8)  # only K kv heads are ever materialised
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
@@ -171,7 +172,8 @@ def test_block_shape_for_every_combination(norm, ffn):
         graphdef, state = nnx.split(_block(norm, placement, ffn, position))
         # Traced, not compiled: the shape check for all 120 combinations stays cheap.
         y = jax.eval_shape(
-            lambda s, g=graphdef: nnx.merge(g, s)(x, positions_BT=pos, mask=mask)[0], state
+            lambda s, g=graphdef: nnx.merge(g, s)(x, MixerCall(positions_BT=pos, mask=mask))[0],
+            state,
         )
         assert y.shape == (1, 16, 256) and y.dtype == jnp.float32
 
@@ -191,9 +193,11 @@ JIT_CASES = [
 def test_block_jit_equals_no_jit(norm, placement, ffn, position):
     block = _block(norm, placement, ffn, position)
     x, pos, mask = _block_inputs()
-    y = block(x, positions_BT=pos, mask=mask)[0]
+    y = block(x, MixerCall(positions_BT=pos, mask=mask))[0]
     graphdef, state = nnx.split(block)
-    jitted = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, positions_BT=pos, mask=mask)[0])
+    jitted = jax.jit(
+        lambda s, x: nnx.merge(graphdef, s)(x, MixerCall(positions_BT=pos, mask=mask))[0]
+    )
     np.testing.assert_allclose(np.asarray(jitted(state, x)), np.asarray(y), atol=2e-5, rtol=1e-5)
 
 
