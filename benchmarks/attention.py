@@ -14,6 +14,12 @@ float32 on CPU; bfloat16 on GPU (``--dtype`` changes it).
 
     python benchmarks/attention.py [--lengths 512,1024,2048,4096] [--impls reference,chunked]
                                    [--block-q 256] [--block-k 256] [--repeats 5]
+
+``--variants mha,sinks,gated,differential,mla`` measures the registered attention variants
+instead (``attnlab.mixers``), each in a one-layer decoder (d_model 256, 4 heads, chunked
+path): the train step (value and gradient of the loss over the parameters, causal, B=1) at
+each length, with its temporaries, and cached greedy decoding (batch 1, 256 new tokens
+after a prompt of 16) in tokens/s with the bytes of the variant's own cache per token.
 """
 
 from __future__ import annotations
@@ -86,6 +92,95 @@ def measure(impl, T, args, budget):
     return row
 
 
+VARIANT_SETTINGS = {  # variants whose defaults do not fit the benchmark's model
+    "mla": dict(kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                v_head_dim=64),
+}  # fmt: skip
+
+
+def variant_config(name, T, args):
+    from attnlab import ModelConfig
+
+    return ModelConfig(
+        vocab_size=256, d_model=256, n_heads=4, n_layers=1, max_len=max(T, 272),
+        position="rope", attention_impl="chunked", dtype=args.dtype, mixer=name,
+        mixer_settings=VARIANT_SETTINGS.get(name),
+    )  # fmt: skip
+
+
+def measure_variant(name, T, args, budget):
+    from flax import nnx
+
+    from attnlab import build_model
+
+    cfg = variant_config(name, T, args)
+    graphdef, params = nnx.split(build_model(cfg, seed=0))
+    ids = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
+
+    def loss(params, ids):
+        logits = nnx.merge(graphdef, params)(ids).logits
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+            logits, ids[..., None], -1)[..., 0])  # fmt: skip
+
+    fn = jax.jit(jax.value_and_grad(loss))
+    row = dict(variant=name, T=T)
+    compiled = fn.lower(params, ids).compile()
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+    row["temp_mib"] = None if temp is None else round(temp / 2**20, 1)
+    if temp is not None and temp > budget:
+        row["skipped"] = f"needs {temp / 2**30:.1f} GiB of temporaries, over the budget"
+        return row
+    jax.block_until_ready(compiled(params, ids))
+    wall = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(params, ids))
+        wall.append(time.perf_counter() - t0)
+    row["step_ms"] = round(1e3 * min(wall), 2)
+    return row
+
+
+def measure_variant_decoding(name, args):
+    from attnlab import build_model, generate, kv_cache_bytes
+
+    cfg = variant_config(name, 272, args)
+    model = build_model(cfg, seed=0)
+    prompt, new = [list(range(1, 17))], 256
+    generate(model, prompt, new, eos_id=None)  # compile
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        generate(model, prompt, new, eos_id=None)
+        times.append(time.perf_counter() - t0)
+    return dict(
+        variant=name,
+        decode_tokens_per_s=round(new / min(times), 1),
+        cache_bytes_per_token=kv_cache_bytes(cfg, 1, 1, dtype=args.dtype),
+    )
+
+
+def main_variants(args, budget, host):
+    rows = []
+    for name in args.variants.split(","):
+        for T in (int(x) for x in args.lengths.split(",")):
+            try:
+                row = measure_variant(name, T, args, budget)
+            except Exception as e:  # noqa: BLE001 - a variant that cannot run is a result too
+                row = dict(variant=name, T=T, skipped=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        rows.append(measure_variant_decoding(name, args))
+        print(json.dumps(rows[-1]), flush=True)
+    out = dict(
+        benchmark="attention_variants",
+        machine=host | {"load_average_end": list(os.getloadavg())},
+        settings=vars(args),
+        results=rows,
+    )
+    print(json.dumps(out, indent=2))
+
+
 def main():
     gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser()
@@ -101,9 +196,12 @@ def main():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16" if gpu else "float32")
     p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--variants", default="", help="attention variants to measure instead")
     args = p.parse_args()
     budget = memory_budget(args.memory_fraction)
     host = machine()  # load_average: how busy the machine was when the runs began
+    if args.variants:
+        return main_variants(args, budget, host)
     rows = []
     for T in (int(x) for x in args.lengths.split(",")):
         for impl in args.impls.split(","):
