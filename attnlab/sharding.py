@@ -53,6 +53,7 @@ LETTERS = {
     "P": "positions",
     "X": "buckets",
     "Y": "token_types",
+    "R": "latent",
 }
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
@@ -66,6 +67,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "positions": None,
     "buckets": None,
     "token_types": None,
+    "latent": None,
     # activations
     "batch": ("data", "fsdp"),
     "length": "context",

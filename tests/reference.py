@@ -308,3 +308,112 @@ def attention_layer(
         else:  # element-wise: one gate per output element
             y_BTNH = y_BTNH * sigmoid(np.einsum("BTD,DNH->BTNH", x_BTD, gate))
     return np.einsum("BTNH,NHD->BTD", y_BTNH, _f64(o_NHD))
+
+
+# --------------------------------------------------------------------------------------------
+# Attention variants with their own parameters (attnlab.nn.mixers)
+# --------------------------------------------------------------------------------------------
+
+
+def differential_attention(
+    x_BTD, p, *, lambda_init, mask=None, positions_BT=None, theta=10000.0, eps=1e-5
+):
+    """Differential attention (Ye et al. 2024, eqs. 1-3), head by head.
+
+    ``p`` holds ``q_DNH``, ``k_DKH``, ``v_DKH``, ``o_NHD`` (q and k halves are the two
+    maps' ``[..., :d]`` and ``[..., d:]``, ``d = H / 2``; query head n reads kv head
+    ``n // G``), the λ vectors ``lambda_q1`` .. ``lambda_k2`` and the per-head RMSNorm scale
+    ``norm_H``. With ``positions_BT`` each half is rotated by RoPE as a head of width d.
+
+        head_n = (softmax(Q1 K1^T / sqrt(d)) - λ softmax(Q2 K2^T / sqrt(d))) V
+        λ = exp(λ_q1 · λ_k1) - exp(λ_q2 · λ_k2) + λ_init
+        out = sum_n (1 - λ_init) RMSNorm(head_n) W_o[n]
+
+    Returns ``(out_BTD, weights_BNTS)``, the weights the effective map ``A1 - λ A2``.
+    """
+    x = _f64(x_BTD)
+    wq, wk, wv, wo = (_f64(p[k]) for k in ("q_DNH", "k_DKH", "v_DKH", "o_NHD"))
+    B, T, _ = x.shape
+    N, H = wq.shape[1], wq.shape[2]
+    G, d = N // wk.shape[1], H // 2
+    dot = lambda a, b: float(np.dot(_f64(p[a]), _f64(p[b])))
+    lam = math.exp(dot("lambda_q1", "lambda_k1")) - math.exp(dot("lambda_q2", "lambda_k2"))
+    lam += lambda_init
+    mask_BTS = None if mask is None else np.broadcast_to(np.asarray(mask, bool), (B, T, T))
+
+    def rope(x_BTh):
+        if positions_BT is None:
+            return x_BTh
+        return apply_rope(x_BTh[:, :, None, :], positions_BT, theta=theta)[:, :, 0, :]
+
+    out = np.zeros((B, T, wo.shape[2]))
+    weights_BNTS = np.zeros((B, N, T, T))
+    for n in range(N):
+        q, k, v = x @ wq[:, n], x @ wk[:, n // G], x @ wv[:, n // G]
+        maps = []
+        for half in (slice(0, d), slice(d, H)):
+            q_half, k_half = rope(q[..., half]), rope(k[..., half])
+            logits = np.einsum("BTh,BSh->BTS", q_half, k_half) / math.sqrt(d)
+            maps.append(_softmax_allowed_rows(logits, mask_BTS))
+        a_BTS = maps[0] - lam * maps[1]
+        head_BTH = np.einsum("BTS,BSH->BTH", a_BTS, v)
+        head_BTH = (1 - lambda_init) * rms_norm(head_BTH, p["norm_H"], eps=eps)
+        out += head_BTH @ wo[n]
+        weights_BNTS[:, n] = a_BTS
+    return out, weights_BNTS
+
+
+def _softmax_allowed_rows(logits_BTS, mask_BTS):
+    """Row softmax over the allowed keys; a row with none gets zero weights."""
+    w = np.zeros_like(logits_BTS)
+    B, T, _ = logits_BTS.shape
+    for b in range(B):
+        for t in range(T):
+            allowed = np.ones(logits_BTS.shape[-1], bool) if mask_BTS is None else mask_BTS[b, t]
+            if allowed.any():
+                row = logits_BTS[b, t, allowed]
+                e = np.exp(row - row.max())
+                w[b, t, allowed] = e / e.sum()
+    return w
+
+
+def latent_attention(x_BTD, p, *, mask=None, positions_BT=None, theta=10000.0, eps=1e-5):
+    """Multi-head latent attention (DeepSeek-V2 sec. 2.1, as in DeepSeek-V3), head by head.
+
+    ``p``: ``q_DNH`` (no q compression) or ``q_down_DR``, ``q_norm_R``, ``q_up_RNH``; and
+    ``kv_down_DR``, ``kv_norm_R``, ``k_rope_DH``, ``k_up_RNH``, ``v_up_RNH``, ``o_NHD``.
+    The last ``Hr`` (``k_rope_DH``'s width) values of each head's query are its rope part.
+
+        c_Q = RMSNorm(x W_dq),  q_n = c_Q W_uq,n = [q_nope ; RoPE(q_rope)]
+        c   = RMSNorm(x W_dkv),  k_R = RoPE(x W_kr)  (one key part shared by the heads)
+        k_n = [c W_uk,n ; k_R],  v_n = c W_uv,n
+        out = sum_n softmax(q_n k_n^T / sqrt(Hn + Hr)) v_n W_o[n]
+
+    Returns ``(out_BTD, c_BTR, k_rope_BTH)``: the output and what a cache keeps per token.
+    """
+    x = _f64(x_BTD)
+    g = lambda name: _f64(p[name])
+    B, T, _ = x.shape
+    Hr = g("k_rope_DH").shape[1]
+    if "q_DNH" in p:
+        q_BTNH = np.einsum("BTD,DNH->BTNH", x, g("q_DNH"))
+    else:
+        c_q = rms_norm(x @ g("q_down_DR"), g("q_norm_R"), eps=eps)
+        q_BTNH = np.einsum("BTR,RNH->BTNH", c_q, g("q_up_RNH"))
+    N, Hqk = q_BTNH.shape[2], q_BTNH.shape[3]
+    c_BTR = rms_norm(x @ g("kv_down_DR"), g("kv_norm_R"), eps=eps)
+    k_rope_BTH = x @ g("k_rope_DH")
+    q_rope_BTNH = q_BTNH[..., Hqk - Hr :]
+    if positions_BT is not None:
+        k_rope_BTH = apply_rope(k_rope_BTH[:, :, None, :], positions_BT, theta=theta)[:, :, 0]
+        q_rope_BTNH = apply_rope(q_rope_BTNH, positions_BT, theta=theta)
+    mask_BTS = None if mask is None else np.broadcast_to(np.asarray(mask, bool), (B, T, T))
+    out = np.zeros((B, T, g("o_NHD").shape[2]))
+    for n in range(N):
+        q_n = np.concatenate([q_BTNH[:, :, n, : Hqk - Hr], q_rope_BTNH[:, :, n]], axis=-1)
+        k_n = np.concatenate([c_BTR @ g("k_up_RNH")[:, n], k_rope_BTH], axis=-1)
+        v_n = c_BTR @ g("v_up_RNH")[:, n]
+        logits = np.einsum("BTH,BSH->BTS", q_n, k_n) / math.sqrt(Hqk)
+        weights_BTS = _softmax_allowed_rows(logits, mask_BTS)
+        out += np.einsum("BTS,BSH->BTH", weights_BTS, v_n) @ g("o_NHD")[n]
+    return out, c_BTR, k_rope_BTH
