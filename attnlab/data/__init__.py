@@ -2,7 +2,8 @@
 
 from attnlab.data import corpus, synthetic, tasks, tokenizers
 from attnlab.data.corpus import load_text, split_train_val, stdlib_corpus
-from attnlab.data.tasks import TASK_KINDS, Task, batch_rng, make_task
+from attnlab.data.select import make_task
+from attnlab.data.tasks import TASK_KINDS, Task, batch_rng
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer, validate_ids
 
 __all__ = [

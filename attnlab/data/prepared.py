@@ -28,6 +28,8 @@ import shutil
 import numpy as np
 
 from attnlab.data.corpus import split_train_val
+from attnlab.data.tasks import TOKENIZER_FILE as RUN_TOKENIZER
+from attnlab.data.tasks import config_field, token_task
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
 from attnlab.errors import DataError, DataFileError, PreparedCorpusError, one_line
 
@@ -246,9 +248,6 @@ def verify(path) -> bool:
 
 def prepared_task(cfg, workdir=None, host=(0, 1)):
     """The language-model task of a prepared corpus (``data.path``)."""
-    from attnlab.data.tasks import TOKENIZER_FILE as RUN_TOKENIZER
-    from attnlab.data.tasks import config_field, token_task
-
     path = pathlib.Path(config_field(cfg, "path"))
     meta, tok, tokens = open_prepared(path)
     if workdir is not None and not (pathlib.Path(workdir) / RUN_TOKENIZER).exists():

@@ -1,8 +1,9 @@
 """Tasks: what a model is trained on, as NumPy batches that are pure functions of (seed, step).
 
-``make_task(data_cfg)`` reads ``data.kind`` and builds a ``Task``. Every batch comes from
-``np.random.default_rng([seed, step, stream])`` (no global RNG state), and its id fields pass
-``validate_ids`` against ``task.vocab_size`` before they are returned. Evaluation batches are
+``attnlab.data.make_task(data_cfg)`` reads ``data.kind`` and builds a ``Task``. Every batch
+comes from ``np.random.default_rng([seed, step, stream])`` (no global RNG state), and its id
+fields pass ``validate_ids`` against ``task.vocab_size`` before they are returned. Evaluation
+batches are
 fixed: text tasks read evenly spaced windows of the validation split (the last
 ``val_fraction`` of the stream); synthetic tasks draw from a fixed evaluation stream that no
 training (seed, step) can reach.
@@ -279,7 +280,7 @@ def _spread_starts(ids, length, count):
     return np.rint(np.linspace(0, len(ids) - length, count)).astype(np.int64)
 
 
-def _text_task(cfg, workdir, mlm, host=(0, 1)):
+def text_task(cfg, workdir, mlm, host=(0, 1)):
     name = config_field(cfg, "kind")
     text = _load_corpus(config_field(cfg, "path"), config_field(cfg, "max_chars"))
     tokenizer = _text_tokenizer(
@@ -386,7 +387,7 @@ _GENERATORS = {
 }
 
 
-def _synthetic_task(cfg):
+def synthetic_task(cfg):
     name, seq_len = config_field(cfg, "kind"), config_field(cfg, "seq_len")
     num_symbols = 10 if name == "addition" else config_field(cfg, "num_symbols")
     min_len = config_field(cfg, "min_len")
@@ -431,26 +432,3 @@ def _synthetic_task(cfg):
         pad_id=synthetic.PAD,
         **special,
     )
-
-
-def make_task(data_cfg, workdir=None, host=(0, 1)) -> Task:
-    """Build the task ``data_cfg.kind`` names (``data_cfg``: a mapping or attribute object).
-
-    Fields read (missing or None = the default): kind, path ("" = the embedded standard-library
-    corpus), tokenizer ("char" | "byte"), seq_len, val_fraction, num_symbols, min_len, max_len
-    (0 = the largest that fits seq_len), mask_rate, max_chars (<= 0 = no limit), vocab_size
-    (of a "bpe" tokenizer). With a ``workdir`` the tokenizer is written to
-    ``workdir/tokenizer.json`` on the first call and read back on later ones. ``kind="prepared"``
-    reads a directory written by ``attnlab data prepare`` (``data.path``), memory-mapped.
-    ``host`` = (process index, process count): which rows of each training batch to read.
-    """
-    name = config_field(data_cfg, "kind")
-    if name not in TASK_KINDS:
-        raise DataError(f"data.kind must be one of {', '.join(TASK_KINDS)}; got {name!r}")
-    if name in ("text", "mlm_text"):
-        return _text_task(data_cfg, workdir, mlm=name == "mlm_text", host=host)
-    if name == "prepared":
-        from attnlab.data.prepared import prepared_task
-
-        return prepared_task(data_cfg, workdir, host=host)
-    return _synthetic_task(data_cfg)

@@ -165,12 +165,10 @@ def _graph(cfg):
 
 
 def _split(model):
-    """``(graphdef, params, cfg, special ids)``; a ``Pretrained`` handle is split already."""
-    from attnlab.pretrained.handle import Pretrained  # the handle imports this package
-
-    if isinstance(model, Pretrained):
-        special = dict(eos_id=model.eos_id, start_id=model.decoder_start_id)
-        return model.graphdef, model.state, model.config, special
+    """``(graphdef, params, cfg, special ids)``; a handle that is split already (a
+    ``Pretrained``) gives them through its ``decoding_parts()``."""
+    if hasattr(model, "decoding_parts"):
+        return model.decoding_parts()
     graphdef, params = nnx.split(model)
     return graphdef, params, model.cfg, dict(eos_id=None, start_id=None)
 

@@ -232,6 +232,11 @@ class Pretrained:
         return weights[layer][kind]
 
     # Generation -----------------------------------------------------------------------
+    def decoding_parts(self):
+        """``(graphdef, state, config, special ids)``: what ``attnlab.generate`` runs."""
+        special = dict(eos_id=self.eos_id, start_id=self.decoder_start_id)
+        return self.graphdef, self.state, self.config, special
+
     def generate(
         self, prompt_ids, max_new_tokens: int, *, attention_mask=None, eos_id="config", **options
     ):
