@@ -38,6 +38,7 @@ from ml_collections import config_dict
 from attnlab.config import ModelConfig
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
+from attnlab.mixers import get_mixer
 from attnlab.variants import attention_variants
 
 ConfigDict = config_dict.ConfigDict
@@ -315,6 +316,26 @@ def _load_python(path: pathlib.Path):
     return module
 
 
+def _settings_fields(base: ConfigDict, overrides) -> None:
+    """Gives ``model.mixer_settings`` every field of the chosen variant's settings (the
+    variant an override names, else the experiment's), so ``--config.model.mixer_settings.X``
+    overrides work; values the experiment set for that variant are kept."""
+    if "model" not in base:
+        return
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("--config.model.mixer=")]
+    name = chosen[-1] if chosen else base.model.get("mixer", "mha")
+    try:
+        fields = dataclasses.asdict(get_mixer(name).Settings())
+    except ConfigError:
+        return  # an unregistered name: ModelConfig's validation says so
+    given = base.model.get("mixer_settings") or {}
+    given = given.to_dict() if isinstance(given, ConfigDict) else dict(given)
+    if name == base.model.get("mixer", "mha"):
+        fields.update(given)
+    with base.unlocked():
+        base.model.mixer_settings = ConfigDict(fields)
+
+
 def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
     """Loads ``path.py[:variant]`` or a saved ``config.json``, then applies dotted overrides.
 
@@ -347,6 +368,7 @@ def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
         except (TypeError, ValueError) as e:
             raise ExperimentError(f"{spec}: get_config failed: {_clean(e)}") from None
         base.experiment_file = str(path.resolve())
+    _settings_fields(base, overrides)
     argv = ["attnlab"]
     fv = flags.FlagValues()
     for o in overrides:

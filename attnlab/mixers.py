@@ -200,6 +200,9 @@ def make_settings(name: str, value) -> MixerSettings:
             f"{settings_cls.__name__}'s fields, or None for the defaults"
         )
     fields = {f.name: f for f in dataclasses.fields(settings_cls)}
+    # A field left None means "the default" in any variant's settings: one carried over from
+    # the variant a config held before (a sweep changing model.mixer) is dropped.
+    value = {k: v for k, v in value.items() if k in fields or v is not None}
     unknown = sorted(set(value) - set(fields))
     if unknown:
         raise ConfigError(
