@@ -6,6 +6,7 @@
 """
 
 from attnlab import ops
+from attnlab.compilation import compilation_cache
 from attnlab.config import ModelConfig
 from attnlab.decode import GenerationResult, generate
 from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
@@ -19,6 +20,7 @@ __all__ = [
     "Run",
     "attention_variants",
     "build_model",
+    "compilation_cache",
     "count_params",
     "generate",
     "init_cache",

@@ -438,18 +438,9 @@ def compilation_cache():
     """JAX's persistent compilation cache for CLI runs, so a second run of a config starts
     its first step in seconds: in the user's cache directory by default,
     ``ATTNLAB_COMPILATION_CACHE=DIR`` puts it elsewhere and ``=off`` turns it off."""
-    where = os.environ.get("ATTNLAB_COMPILATION_CACHE", "")
-    if where.lower() in ("off", "0", "false", "no"):
-        return None
-    if not where:
-        from attnlab.data.fetch import cache_dir
+    from attnlab.compilation import compilation_cache
 
-        where = str(cache_dir() / "jax")
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    return where
+    return compilation_cache()
 
 
 def debugging(args=None) -> bool:

@@ -32,7 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
+import attnlab
 from attnlab import ModelConfig, build_model, ops, viz
+
+attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) shrinks the models and tables.

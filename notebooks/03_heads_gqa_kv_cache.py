@@ -36,8 +36,11 @@ import numpy as np
 from flax import nnx
 from matplotlib.figure import Figure
 
+import attnlab
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
 from attnlab.pretrained import model_config_from_hf
+
+attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) shrinks the timed model and context lengths.

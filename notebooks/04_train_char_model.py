@@ -35,11 +35,14 @@ import tempfile
 import numpy as np
 
 import attnlab
+import attnlab
 from attnlab import viz
 from attnlab.data import make_task
 from attnlab.decode import generate
 from attnlab.experiment import load_config
 from attnlab.runs import train
+
+attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the experiment's tiny twin for a few steps.

@@ -41,11 +41,14 @@ from flax import nnx
 from matplotlib.figure import Figure
 
 import attnlab
+import attnlab
 from attnlab import viz
 from attnlab.data import make_task
 from attnlab.decode import generate
 from attnlab.experiment import load_config
 from attnlab.runs import train
+
+attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the experiment's tiny twin briefly.

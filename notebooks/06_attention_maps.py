@@ -34,10 +34,13 @@ import numpy as np
 from IPython.display import display
 
 import attnlab
+import attnlab
 from attnlab import load_pretrained, viz
 from attnlab.data import make_task
 from attnlab.experiment import load_config
 from attnlab.runs import train
+
+attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
 
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains the tiny twin for a few steps.

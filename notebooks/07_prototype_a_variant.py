@@ -46,6 +46,8 @@ from attnlab.data import make_task
 from attnlab.experiment import load_config
 from attnlab.sweep import grid, markdown_table, plan_sweep, run_sweep
 
+attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
+
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains tiny models for a few steps, one seed.
 TINY = bool(os.environ.get("ATTNLAB_NOTEBOOK_TINY"))

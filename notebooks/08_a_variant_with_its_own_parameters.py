@@ -57,6 +57,8 @@ from attnlab.nn.attention import Attention
 from attnlab.ops.masks import MASK_VALUE
 from attnlab.sweep import grid, markdown_table, plan_sweep, run_sweep
 
+attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
+
 # %% tags=["parameters"]
 # ATTNLAB_NOTEBOOK_TINY=1 (the test suite) trains tiny models for a few steps.
 TINY = bool(os.environ.get("ATTNLAB_NOTEBOOK_TINY"))
