@@ -1,24 +1,29 @@
-"""Strict JAX for the whole suite, and the location of the shared fixtures."""
+"""Strict JAX for the whole suite, the two tiers, and the location of the shared fixtures.
+
+``python -m pytest`` runs the fast tier; ``-m slow`` runs the tests marked
+``@pytest.mark.slow(reason=...)``, ``-m ""`` both. A property test draws its first few
+examples in the fast tier and all of them in the slow tier (``test_fuzz.py``).
+"""
 
 import os
 import pathlib
-import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-# One persistent compilation cache for the session, shared with the processes the tests
-# start (the CLI, notebooks, sweeps): the same tiny programs compile once. Never the user's.
-_CACHE = os.environ.setdefault("ATTNLAB_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jaxcache"))
+# One persistent compilation cache that the test sessions own, shared with the processes the
+# tests start (the CLI, notebooks, sweeps): a tiny program compiles once, and the next
+# session (the slow tier after the fast one, a second run) reads it back. Never the user's.
+_CACHE = os.environ.setdefault("ATTNLAB_COMPILATION_CACHE", str(REPO / ".pytest_cache" / "jax"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ Compiled only (XLA's memory analysis), never run at these lengths, so it is fast
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from attnlab import ModelConfig, build_model
@@ -27,6 +28,7 @@ def temp_bytes(impl, T):
     return jax.jit(grad).lower(params, ids).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow(reason="compiles and measures programs at several sequence lengths")
 def test_memory_is_linear_in_the_sequence_length():
     """Compiled only: chunked temporaries double with T (about 150 MiB at T=8192, nearly
     all of it the activations the layers save for the backward pass: remat="full" halves

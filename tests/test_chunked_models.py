@@ -32,6 +32,14 @@ CASES = {
         sliding_window_layers=(1,),
     ),
 }
+# The fast tier runs the decoder; the encoder-decoder's programs (two stacks and
+# cross-attention, with gradients) are the slowest to compile.
+CASE_PARAMS = [
+    pytest.param(case, marks=pytest.mark.slow(reason="the encoder-decoder: slowest to compile"))
+    if case.startswith("encoder_decoder")
+    else case
+    for case in CASES
+]
 B, T = 2, 13
 SEGMENTS_BT = jnp.array([[1] * 5 + [2] * 8, [1] * 9 + [0] * 4])
 VALID_BT = jnp.arange(T)[None, :] < jnp.array([[T], [9]])
@@ -50,7 +58,7 @@ def forward(model, cfg, ids):
     return model(ids, segment_ids_BT=SEGMENTS_BT).logits
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_chunked_model_equals_reference_logits_and_gradients(case):
     cfg, reference, chunked = models(case)
     ids = jax.random.randint(jax.random.key(2), (B, T), 0, cfg.vocab_size)
@@ -97,6 +105,9 @@ def cached_logits(model, cfg, ids):
     return jnp.concatenate(outs, axis=1)
 
 
+@pytest.mark.slow(
+    reason="compiles a chunked prefill and decode step; the decoder case covers chunking"
+)
 def test_chunked_cached_decoding_equals_the_full_forward():
     """Prefill, single steps and a multi-token step after a cache: per-row offsets, written
     lengths, the decoder's per-layer window, relative positions and cross-attention."""
@@ -130,7 +141,7 @@ def chunked_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_auto_runs_blockwise_on_cpu_from_its_threshold_with_the_reference_logits(
     case, chunked_calls, monkeypatch
 ):
@@ -150,6 +161,7 @@ def test_auto_runs_blockwise_on_cpu_from_its_threshold_with_the_reference_logits
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow(reason="compiles the dense path with weights and dropout again")
 def test_auto_keeps_the_dense_path_for_weights_and_dropout(chunked_calls):
     from attnlab.ops import attention as attention_ops
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from attnlab.cli import main
 
@@ -58,6 +59,7 @@ def test_train_eval_plot_sample_for_a_language_model(tmp_path, capsys):
     assert capsys.readouterr().out == first  # seeded: the same text again
 
 
+@pytest.mark.slow(reason="trains and samples an encoder-decoder run: its own compiles")
 def test_sample_for_an_encoder_decoder_needs_a_source(tmp_path, capsys):
     run = tmp_path / "s2s"
     assert (
@@ -84,6 +86,7 @@ def test_sample_for_an_encoder_decoder_needs_a_source(tmp_path, capsys):
     assert capsys.readouterr().out.strip()
 
 
+@pytest.mark.slow(reason="a bfloat16 run compiles every step program again")
 def test_bf16_compute_trains_with_float32_parameters(tmp_path):
     from attnlab import experiment, runs
 
@@ -137,6 +140,7 @@ def _attnlab(*args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
+@pytest.mark.slow(reason="fresh CLI processes, each starting JAX and compiling")
 def test_a_variant_registered_by_its_experiment_file_reopens_in_fresh_processes(tmp_path, capsys):
     source = tmp_path / "capped.py"
     source.write_text(VARIANT_EXPERIMENT)

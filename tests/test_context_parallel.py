@@ -25,6 +25,7 @@ on_mesh = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow(reason="a second pytest process on 8 CPU devices compiles every sharded program")
 def test_context_parallel_tests_pass_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")

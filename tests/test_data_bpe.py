@@ -3,6 +3,7 @@
 import pathlib
 
 import numpy as np
+import pytest
 
 from attnlab import experiment, runs
 from attnlab.data import load_tokenizer, make_task
@@ -27,6 +28,7 @@ def test_bpe_round_trips_and_is_deterministic(tmp_path):
     assert task.tokenizer == tok
 
 
+@pytest.mark.slow(reason="trains, then resumes a run in a second training")
 def test_a_tiny_run_trains_with_bpe_and_resumes_with_the_same_tokenizer(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)

@@ -63,6 +63,7 @@ def test_prepare_cli_and_uint32_for_large_vocabularies(tmp_path, capsys):
     assert meta["dtype"] == "uint32"
 
 
+@pytest.mark.slow(reason="a child process reads a sparse 6 GB file under a memory limit")
 def test_a_corpus_larger_than_the_process_may_read_is_memory_mapped(tmp_path):
     """A sparse 6 GB token file: batches come from it with a resident set far below that."""
     (tmp_path / "a.txt").write_text(TEXT)

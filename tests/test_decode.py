@@ -55,8 +55,25 @@ COMBOS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
-@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c["position"])
+# The fast tier keeps one case per architecture (rotary positions for the decoder, relative
+# biases for the encoder-decoder); each case compiles one test program.
+FAST_CASES = {("rope", "decoder"), ("relative", "encoder_decoder")}
+SLOW_CASE = pytest.mark.slow(reason="another position x architecture case: a compile-bound program")
+
+
+@pytest.mark.parametrize(
+    "arch,combo",
+    [
+        pytest.param(
+            arch,
+            combo,
+            id=f"{combo['position']}-{arch}",
+            marks=() if (combo["position"], arch) in FAST_CASES else SLOW_CASE,
+        )
+        for arch in ["decoder", "encoder_decoder"]
+        for combo in COMBOS
+    ],
+)
 def test_prefill_plus_steps_equals_full_forward(arch, combo):
     """Ragged prompts (3 and 6 tokens) are prefilled, then stepped token by token to T.
 
@@ -174,6 +191,7 @@ def test_generation_compiles_once_for_any_number_of_tokens(lm):
     assert long.tokens.shape == (3, 40)
 
 
+@pytest.mark.slow(reason="generates through every cache phase: one compile per phase")
 def test_long_generation_through_cache_phases_matches_full_forward():
     """A 256-slot cache runs in phases of 128 and 256 slots; rows cross the boundary."""
     model = build_model(ModelConfig(**{**TINY, "max_len": 256}), seed=5)
@@ -191,6 +209,7 @@ def test_long_generation_through_cache_phases_matches_full_forward():
         np.testing.assert_array_equal(out.tokens[b], np.argmax(full[b, at], axis=-1))
 
 
+@pytest.mark.slow(reason="compiles generation for several cache phases")
 def test_a_short_generation_gets_a_cache_of_the_phase_it_needs(monkeypatch):
     """The cache holds the smallest loop phase that fits prompt + new tokens (not the
     whole capacity), and the tokens are those of a generation over the full capacity."""
@@ -222,6 +241,9 @@ def test_a_short_generation_gets_a_cache_of_the_phase_it_needs(monkeypatch):
     np.testing.assert_array_equal(out.tokens, np.asarray(full["tokens_BS"])[:, :12])
 
 
+@pytest.mark.slow(
+    reason="compiles generation for a stacked and an unstacked decoder and encoder-decoder"
+)
 def test_an_unstacked_model_generates_what_the_stacked_one_does(lm, s2s):
     """``unstacked(model)`` holds the decoder's layers as separate blocks (the argument keeps
     its stacked layers) and generates the same tokens and logits, for both decoder
@@ -359,6 +381,7 @@ def _logprob(full, src, tokens, start_id):
     return float(np.sum(logp[np.arange(len(tokens)), tokens]))
 
 
+@pytest.mark.slow(reason="compiles encoder-decoder generation with and without a cache")
 def test_seq2seq_greedy_equals_full_recomputation(s2s, s2s_full):
     out = generate(s2s, SOURCES, 6, start_id=1, return_logits=True)
     assert out.tokens.shape == (2, 6) and out.logits.shape == (2, 6, 50)
@@ -371,6 +394,7 @@ def test_seq2seq_greedy_equals_full_recomputation(s2s, s2s_full):
         np.testing.assert_allclose(out.logits[b], s2s_full(src, tgt[:-1]), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow(reason="compiles encoder-decoder beam search for several beam counts")
 def test_beam_search_one_beam_is_greedy_and_more_beams_score_higher(s2s, s2s_full):
     greedy = generate(s2s, SOURCES, 6, start_id=1, return_logits=True)
     np.testing.assert_array_equal(_one_beam(s2s, SOURCES, 6), greedy.tokens)
@@ -451,6 +475,9 @@ def test_zero_new_tokens(lm, s2s):
     assert beams.tokens.shape == (2, 0) and list(beams.lengths) == [0, 0]
 
 
+@pytest.mark.slow(
+    reason="compiles bfloat16 generation; float32 decoding is checked in the fast tier"
+)
 def test_bfloat16_decoding_follows_the_float32_model():
     """``generate(dtype="bfloat16")``: weights cast once, cache and activations in bf16;
     its logits stay within bf16 rounding of the float32 ones, and the caller's model

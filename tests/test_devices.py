@@ -107,6 +107,7 @@ def _train(tmp_path, name, setting):
     return proc.stdout + proc.stderr, rows
 
 
+@pytest.mark.slow(reason="trains the tiny run in two fresh processes, on one and two devices")
 def test_a_run_on_two_cpu_devices_trains_like_one_on_one(tmp_path):
     out2, rows2 = _train(tmp_path, "two", "2")
     out1, rows1 = _train(tmp_path, "one", "1")

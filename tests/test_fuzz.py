@@ -42,6 +42,9 @@ FUZZ = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
+# The fast tier draws the first few examples of each property, the slow tier all of them.
+FEW = settings(FUZZ, max_examples=3)
+ALL = pytest.mark.slow(reason="every drawn example is a CLI run that compiles its own shapes")
 
 
 def invoke(capsys, argv):
@@ -61,15 +64,16 @@ def assert_one_named_error(err, command):
     assert NAMES.search(lines[0].split("error: ", 1)[1]), lines[0]
 
 
-@FUZZ
-@given(
+TRAIN_DRAWS = given(
     overrides=st.dictionaries(st.sampled_from(sorted(OVERRIDES)), st.just(None), max_size=3).map(
         lambda keys: sorted(keys)
     ),
     choice=st.data(),
     text=DATA,
 )
-def test_train_runs_or_fails_with_one_named_error(capsys, overrides, choice, text):
+
+
+def train_runs_or_fails_with_one_named_error(capsys, overrides, choice, text):
     argv = [
         f"--config.{k}={choice.draw(st.sampled_from(OVERRIDES[k]), label=k)}" for k in overrides
     ]
@@ -93,8 +97,14 @@ def test_train_runs_or_fails_with_one_named_error(capsys, overrides, choice, tex
                 assert not workdir.exists(), list(workdir.iterdir())
 
 
-@settings(FUZZ, max_examples=25)
-@given(
+test_train_runs_or_fails_with_one_named_error = FEW(
+    TRAIN_DRAWS(train_runs_or_fails_with_one_named_error)
+)
+test_train_runs_or_fails_with_one_named_error_all = ALL(
+    FUZZ(TRAIN_DRAWS(train_runs_or_fails_with_one_named_error))
+)
+
+SAMPLE_DRAWS = given(
     prompt=st.sampled_from([None, "def ", "", "\u2603", "x" * 40]),
     max_new_tokens=st.sampled_from(["0", "3", "200", "-1"]),
     temperature=st.sampled_from(["0", "0.7", "-1", "nan", "inf"]),
@@ -102,7 +112,9 @@ def test_train_runs_or_fails_with_one_named_error(capsys, overrides, choice, tex
     top_p=st.sampled_from(["1.0", "0.5", "0", "2"]),
     on_overflow=st.sampled_from(["stop", "raise", "wrap"]),
 )
-def test_sample_runs_or_fails_with_one_named_error(
+
+
+def sample_runs_or_fails_with_one_named_error(
     tiny_lm_run, capsys, prompt, max_new_tokens, temperature, top_k, top_p, on_overflow
 ):
     argv = ["sample", "--workdir", str(tiny_lm_run), "--max-new-tokens", max_new_tokens]
@@ -115,6 +127,14 @@ def test_sample_runs_or_fails_with_one_named_error(
         assert rc == 2, (rc, err)
         assert_one_named_error(err, "sample") if on_overflow != "wrap" else None
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+test_sample_runs_or_fails_with_one_named_error = settings(FEW, max_examples=6)(
+    SAMPLE_DRAWS(sample_runs_or_fails_with_one_named_error)
+)
+test_sample_runs_or_fails_with_one_named_error_all = ALL(
+    settings(FUZZ, max_examples=25)(SAMPLE_DRAWS(sample_runs_or_fails_with_one_named_error))
+)
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -21,6 +21,7 @@ import pytest
 from compile_count import compiles
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from tiers import cases
 
 import attnlab
 from attnlab import init_cache
@@ -36,6 +37,7 @@ from attnlab.viz import plot_attention
 matplotlib.use("Agg")
 
 TOL = 1e-4
+SLOW = "another family's reference decoding: one compile each"
 HAS_DECODE = importlib.util.find_spec("attnlab.decode") is not None
 
 
@@ -136,7 +138,9 @@ def test_marian_logits_match_reference(shared_dir):
 # Greedy generation -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "marian"])
+@pytest.mark.parametrize(
+    "name", cases(["gpt2", "llama", "marian"], slow=dict(llama=SLOW, marian=SLOW))
+)
 def test_cached_greedy_matches_reference(shared_dir, name):
     ref = reference(shared_dir, name)
     handle = load_pretrained(fixture(shared_dir, name))
@@ -152,6 +156,7 @@ def test_cached_greedy_matches_reference(shared_dir, name):
 
 
 @pytest.mark.skipif(not HAS_DECODE, reason="attnlab/decode.py is not in this tree yet")
+@pytest.mark.slow(reason="generate() on pretrained models; the cached greedy test covers the path")
 @pytest.mark.parametrize("name", ["gpt2", "llama", "marian"])
 def test_generate_matches_reference(shared_dir, name):
     ref = reference(shared_dir, name)
@@ -170,6 +175,7 @@ def test_generate_matches_reference(shared_dir, name):
 
 
 @pytest.mark.skipif(not HAS_DECODE, reason="attnlab/decode.py is not in this tree yet")
+@pytest.mark.slow(reason="compiles generation for ragged batches of two pretrained models")
 @pytest.mark.parametrize("name", ["llama", "marian"])
 def test_generate_a_right_padded_batch(shared_dir, name):
     """Both prompts in one batch, the shorter right-padded: each row decodes as alone."""
@@ -214,6 +220,7 @@ def test_the_handle_splits_its_model_once(shared_dir, monkeypatch):
 # Attention weights and plotting -----------------------------------------------------------
 
 
+@pytest.mark.slow(reason="a pretrained model's attention weights for every layer, then plots")
 def test_attention_weights_and_plot(shared_dir):
     ref = reference(shared_dir, "llama")
     handle = load_pretrained(fixture(shared_dir, "llama"))

@@ -19,6 +19,7 @@ transformers = pytest.importorskip(
 torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
 
 from test_pretrained import cached_greedy, max_diff  # noqa: E402
+from tiers import cases  # noqa: E402
 
 from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
 
@@ -198,7 +199,9 @@ DECODERS = ["mistral", "qwen2", "qwen3"]
 SEQ2SEQ = ["bart", "t5_v1_1", "t5"]
 
 
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize(
+    "name", cases(DECODERS, slow=dict(mistral="a third decoder family, the slowest to build"))
+)
 def test_decoder_logits_match_transformers(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = batch(name, np.random.default_rng(0))
@@ -216,7 +219,9 @@ def test_decoder_logits_match_transformers(checkpoints, name):
         assert max_diff(full(hf_ids(ids), valid_BT=mask.astype(bool)).logits, expected) > 1e-2
 
 
-@pytest.mark.parametrize("name", SEQ2SEQ)
+@pytest.mark.parametrize(
+    "name", cases(SEQ2SEQ, slow=dict(t5_v1_1="a second T5 checkpoint format, the slowest to build"))
+)
 def test_seq2seq_logits_match_transformers(checkpoints, name):
     model, folder = checkpoints(name)
     rng = np.random.default_rng(1)
@@ -231,7 +236,14 @@ def test_seq2seq_logits_match_transformers(checkpoints, name):
     assert max_diff(logits, expected.numpy()) <= TOL
 
 
-@pytest.mark.parametrize("name", DECODERS + SEQ2SEQ)
+# The fast tier decodes one decoder (qwen2) and one encoder-decoder (bart) against transformers.
+GREEDY_SLOW = "one more family's cached decoding, compiled, against transformers' generate"
+
+
+@pytest.mark.parametrize(
+    "name",
+    cases(DECODERS + SEQ2SEQ, slow={n: GREEDY_SLOW for n in ("mistral", "qwen3", "t5_v1_1", "t5")}),
+)
 def test_greedy_matches_transformers_generate(checkpoints, name):
     model, folder = checkpoints(name)
     handle = load_pretrained(folder)

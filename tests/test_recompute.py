@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from compile_count import compiles
 from flax import nnx
+from tiers import cases
 
 from attnlab import GenerationResult, ModelConfig, build_model, generate
 from attnlab.decode.recompute import recompute_loop
@@ -22,7 +23,9 @@ def prefix_loop(model, prompt, n):
     return seq[:, prompt.shape[1] :]
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "causal", cases([True, False], slow={True: "compiles the prefix loop and cached decoding too"})
+)
 def test_greedy_recompute_equals_the_prefix_loop(causal):
     model = build_model(ModelConfig(**CFG, causal=causal), seed=1)
     prompt = jax.random.randint(jax.random.key(0), (2, 5), 0, 40)
@@ -35,6 +38,7 @@ def test_greedy_recompute_equals_the_prefix_loop(causal):
         np.testing.assert_array_equal(generate(model, prompt, 8).tokens, out.tokens)
 
 
+@pytest.mark.slow(reason="compiles recomputation for each ragged row alone")
 def test_recompute_ragged_rows_equal_each_row_alone():
     model = build_model(ModelConfig(**CFG, causal=False), seed=2)
     prompts = [[3, 4, 5, 6, 7], [8, 9]]
@@ -44,6 +48,7 @@ def test_recompute_ragged_rows_equal_each_row_alone():
         np.testing.assert_array_equal(batch.tokens[b], np.argmax(batch.logits[b], -1))
 
 
+@pytest.mark.slow(reason="compiles encoder-decoder generation with and without recomputation")
 def test_seq2seq_recompute_equals_the_cached_decoder():
     model = build_model(ModelConfig(**CFG, arch="encoder_decoder"), seed=3)
     sources = [[3, 4, 5, 6], [7, 8]]

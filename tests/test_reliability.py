@@ -75,6 +75,7 @@ def test_divergence_stops_before_a_bad_checkpoint_and_keeps_the_last_good_one(tm
     assert int(state["acc"]["nonfinite"]) == 0
 
 
+@pytest.mark.slow(reason="trains a diverging run again; the stop mode is in the fast tier")
 def test_skip_mode_skips_non_finite_steps_and_counts_them(tmp_path):
     cfg = tiny(
         "--config.optim.learning_rate=1e30",

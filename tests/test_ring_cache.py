@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiers import cases
 
 from attnlab import ModelConfig, build_model, init_cache, kv_cache_bytes
 from attnlab import kv_cache as kvc
@@ -25,7 +26,10 @@ PROMPTS = [list(np.arange(19) % 47 + 2), [5, 6, 7, 8, 9], list(np.arange(12) % 1
 N_NEW = 40  # well past the window: the ring wraps several times
 
 
-@pytest.fixture(scope="module", params=["rope", "alibi"])
+@pytest.fixture(
+    scope="module",
+    params=cases(["rope", "alibi"], slow=dict(alibi="every ring test compiled again for ALiBi")),
+)
 def model(request):
     return build_model(ModelConfig(**RING, position=request.param), seed=0)
 

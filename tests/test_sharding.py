@@ -25,6 +25,7 @@ on_mesh = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow(reason="a second pytest process on 8 CPU devices compiles every sharded program")
 def test_mesh_tests_pass_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")
@@ -236,6 +237,7 @@ def test_sharded_cached_decoding_equals_one_device(arch):
     assert got.tokens.shape == (3, 6)
 
 
+@pytest.mark.slow(reason="three training processes, two of them joined through gloo")
 @pytest.mark.skipif(CHILD, reason="starts its own processes; runs in the parent")
 def test_two_processes_of_four_devices_train_like_one(tmp_path):
     """jax.distributed on localhost: 2 processes x 4 CPU devices (one 8-way data mesh) log
