@@ -46,9 +46,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from attnlab import ops
 from attnlab.config import ModelConfig
-from attnlab.errors import DecodeError
+from attnlab.kv_ring import (  # noqa: F401 - the ring's names, where callers look for them
+    Ring,
+    ring_positions,
+    ring_size,
+    ring_slots,
+    ring_window,
+)
 from attnlab.mixers import CacheEntry, get_mixer
 
 
@@ -144,32 +149,6 @@ def join_layers(cache: KVCache) -> KVCache:
     return cache.replace(layers=_map_layers(cache, lambda n, a, x: jnp.concatenate(x)))
 
 
-def ring_window(cfg: ModelConfig) -> int | None:
-    """The window W that a ring buffer of W slots serves exactly, or None.
-
-    A ring keeps each row's last W tokens, enough only when every self-attention layer of
-    the cached stack is causal and slides with the same window W.
-    """
-    if cfg.arch == "encoder" or not cfg.causal:
-        return None
-    windows = set(cfg.layer_windows(cfg.stack_layers))
-    return None if len(windows) != 1 or None in windows else windows.pop()
-
-
-def _ring_slots(cfg: ModelConfig, max_len: int, ring: bool | None) -> int | None:
-    """The ring's slots for ``init_cache``'s ``ring`` argument, or None for a linear cache."""
-    window = ring_window(cfg)
-    if ring is None:
-        return window if window is not None and max_len > window else None
-    if ring and window is None:
-        raise DecodeError(
-            f"ring=True needs every decoder layer to slide with one window, but the layers' "
-            f"windows are {cfg.layer_windows(cfg.stack_layers)} (causal={cfg.causal}): set "
-            "ModelConfig.sliding_window for every layer, or pass ring=False"
-        )
-    return window if ring else None
-
-
 def cache_entries(cfg: ModelConfig) -> dict[str, CacheEntry]:
     """What the configured variant keeps per layer (``Mixer.cache_entries``)."""
     return get_mixer(cfg.mixer).cache_entries(cfg, cfg.mixer_settings)
@@ -196,7 +175,7 @@ def init_cache(
             f"init_cache needs batch_size >= 1 and max_len >= 1, got "
             f"batch_size={batch_size}, max_len={max_len}"
         )
-    window = _ring_slots(cfg, max_len, ring)
+    window = ring_size(cfg, max_len, ring)
     slots = max_len if window is None else window
     L = cfg.stack_layers
     default = jnp.dtype(cfg.dtype if dtype is None else dtype)
@@ -253,64 +232,6 @@ def write(cache_LB, layer, new_BT, start_B, slot_axis: int = 1):
 def layer(cache_LB, index):
     """Layer ``index`` (may be traced) of a stacked cache array: ``[B, ...]``."""
     return jax.lax.dynamic_index_in_dim(cache_LB, index, 0, keepdims=False)
-
-
-def ring_positions(end_B, slots: int):
-    """``[B, slots]``: the position each slot of a ring holds once row ``b`` has seen
-    ``end_B[b]`` tokens (the latest ``p < end`` with ``p % slots == s``); negative where
-    the slot is still empty."""
-    last_B1 = jnp.asarray(end_B, jnp.int32)[:, None] - 1
-    return last_B1 - (last_B1 - jnp.arange(slots, dtype=jnp.int32)[None, :]) % slots
-
-
-def ring_slots(start_B, count_B, T: int, slots: int):
-    """``[B, T]``: the ring slot each token of a call goes to, ``p % slots`` for position
-    ``p``. Only each row's last ``slots`` real tokens are written (one write per slot, so
-    the scatter is deterministic); the others, and padding past ``count_B``, get the
-    out-of-range slot ``slots``, which ``scatter`` drops."""
-    t_1T = jnp.arange(T, dtype=jnp.int32)[None, :]
-    position_BT = start_B[:, None] + t_1T
-    keep_BT = (t_1T < count_B[:, None]) & (t_1T >= count_B[:, None] - slots)
-    return jnp.where(keep_BT, position_BT % slots, slots)
-
-
-@struct.dataclass
-class Ring:
-    """One call of T tokens over a ring-buffer cache: what the stack needs to attend.
-
-    ``start_B``: the tokens each row had seen; ``count_B``: the call's real tokens per row
-    (a prefix of its T; only they are stored). A single token is written first and attends
-    over the ring in place; a longer call attends over the ring as it was, then its own
-    keys, and stores its last ``slots`` real tokens afterwards (``LayerCache.append``).
-    """
-
-    start_B: jax.Array
-    count_B: jax.Array
-    slots: int = struct.field(pytree_node=False)
-
-    def in_place(self, T: int) -> bool:
-        return T == 1
-
-    def keys(self, T: int, windows: tuple):
-        """``(k_positions_BS, mask)`` of the keys the call attends over: the mask a
-        ``MaskSpec`` over the slots' positions, with the layers' one window."""
-        if len(set(windows)) != 1 or windows[0] is None or windows[0] > self.slots:
-            raise ValueError(
-                f"a ring-buffer cache of {self.slots} slots serves layers that all slide with "
-                f"one window of at most {self.slots} keys, but the layers' windows are "
-                f"{windows} (ModelConfig.sliding_window / layer_pattern): build the "
-                "cache with init_cache(..., ring=False)"
-            )
-        t_1T = jnp.arange(T, dtype=jnp.int32)[None, :]
-        q_BT = self.start_B[:, None] + t_1T
-        if self.in_place(T):
-            k_BS = ring_positions(self.start_B + self.count_B, self.slots)
-        else:
-            k_BS = jnp.concatenate([ring_positions(self.start_B, self.slots), q_BT], axis=1)
-        mask = ops.MaskSpec(
-            q_pos=q_BT, k_pos=k_BS, causal=True, window=jnp.int32(windows[0]), k_valid=k_BS >= 0
-        )
-        return k_BS, mask
 
 
 def _refuse_ring(cache: KVCache, what: str):
@@ -394,7 +315,7 @@ def kv_cache_bytes(
             f"kv_cache_bytes takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
             "Face config with attnlab.pretrained.model_config_from_hf"
         )
-    window = _ring_slots(cfg, max_len, ring)
+    window = ring_size(cfg, max_len, ring)
     slots = window or max_len
     return sum(
         cfg.stack_layers
