@@ -94,6 +94,7 @@ def test_chunked_prefill_equals_one_shot(ring, chunk):
     np.testing.assert_array_equal(c_cache.lengths, cache.lengths)
 
 
+@pytest.mark.slow(reason="generates far past the window: one compile per cache phase and chunking")
 def test_generate_past_the_window_with_a_ring_and_chunks():
     """``generate`` picks the ring by default; beams reorder a ring's rows (``take_rows``)
     and score each hypothesis with its log-probability under the full forward pass."""
@@ -113,6 +114,7 @@ def test_generate_past_the_window_with_a_ring_and_chunks():
         np.testing.assert_allclose(beams.scores[b], logp[b, at, beams.tokens[b]].sum(), atol=1e-4)
 
 
+@pytest.mark.slow(reason="compiles long prefills only to measure their temporaries")
 def test_chunked_prefill_needs_far_less_temporary_memory():
     """Compiled only: a 4096-token prompt in chunks of 256 against one pass, linear and ring
     caches; with dense attention the one-shot program holds [B, N, T, T] scores, the chunked
