@@ -10,12 +10,24 @@ from attnlab.compilation import compilation_cache
 from attnlab.config import ModelConfig
 from attnlab.decode import GenerationResult, generate
 from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
+from attnlab.mixers import (
+    CacheEntry,
+    Mixer,
+    MixerCall,
+    MixerSettings,
+    register_mixer,
+    registered_mixers,
+)
 from attnlab.nn import build_model, count_params
 from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
+    "CacheEntry",
     "GenerationResult",
     "KVCache",
+    "Mixer",
+    "MixerCall",
+    "MixerSettings",
     "ModelConfig",
     "Run",
     "attention_variants",
@@ -29,6 +41,8 @@ __all__ = [
     "load_run",
     "ops",
     "register_attention",
+    "register_mixer",
+    "registered_mixers",
 ]
 __version__ = "0.1.0"
 
