@@ -23,7 +23,6 @@ from attnlab.sweep.plan import (
     apply_overrides,
     commands,
     group_trials,
-    load_sweep,
     plan_sweep,
     train_argv,
 )
@@ -38,7 +37,14 @@ from attnlab.sweep.run import (
     trial_action,
     write_manifest,
 )
-from attnlab.sweep.search import Search, SearchPlan, optuna_search, plan_search, run_search
+from attnlab.sweep.search import (
+    Search,
+    SearchPlan,
+    load_sweep,
+    optuna_search,
+    plan_search,
+    run_search,
+)
 from attnlab.sweep.spec import (
     as_trials,
     choice,

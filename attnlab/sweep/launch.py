@@ -98,8 +98,7 @@ def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
 
 def search_worker(cfg_path: str, overrides: list, root: str, storage, study_name) -> dict:
     """Runs in a job: one worker of an Optuna search, on the shared study."""
-    from attnlab.sweep.plan import load_sweep
-    from attnlab.sweep.search import run_search
+    from attnlab.sweep.search import load_sweep, run_search
 
     plan = load_sweep(cfg_path, overrides)
     run_search(plan, root, storage=storage, study_name=study_name, log=print)

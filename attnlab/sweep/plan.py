@@ -3,7 +3,7 @@
 ``plan_sweep(config, overrides, spec)`` loads the experiment (``path.py[:variant]`` plus
 ``--config.k=v`` overrides), applies each trial's overrides on top with the config's locked
 types, validates every trial config and fails with an ``ExperimentError`` naming the trial and
-the key before anything runs. ``load_sweep`` takes the spec from the experiment file's
+the key before anything runs. ``sweep.search.load_sweep`` takes the spec from the experiment file's
 ``sweep(variant=None)``.
 
 ``group_trials`` puts trials whose configs differ only in ``attnlab.runs.STACKABLE`` values
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import pathlib
 import shlex
 from collections.abc import Mapping, Sequence
@@ -52,29 +51,6 @@ class Group:
         what = ",".join(f"{k}={format_value(v)}" for k, v in sorted(self.shared.items()))
         names = ", ".join(t.name for t in self.trials)
         return f"{self.mode}, {len(self.trials)} trial(s) [{what or 'base'}]: {names}"
-
-
-def load_sweep(config: str, overrides: Sequence[str] = (), *, max_trials=None):
-    """The plan of the ``sweep(variant=None)`` defined next to ``get_config`` in ``config``:
-    a ``Plan``, or a ``SearchPlan`` when it returns an Optuna search."""
-    path_text, _, variant = config.partition(":")
-    path = pathlib.Path(path_text)
-    if path.suffix != ".py" or not path.exists():
-        raise ExperimentError(f"--config: {path} is not an experiment file (experiments/NAME.py)")
-    module = experiment.import_experiment(path)  # once: it may register attention variants
-    fn = getattr(module, "sweep", None)
-    if fn is None:
-        raise ExperimentError(f"{path} defines no sweep(variant=None) function")
-    spec = fn(variant or None) if inspect.signature(fn).parameters else fn()
-    from attnlab.sweep.search import is_search, plan_search
-
-    if is_search(spec):  # an Optuna search instead of a list of trials
-        plan = plan_search(config, overrides, spec)
-        if max_trials is not None:
-            search = dataclasses.replace(plan.search, num_trials=int(max_trials))
-            plan = dataclasses.replace(plan, search=search)
-        return plan
-    return plan_sweep(config, overrides, spec, max_trials=max_trials)
 
 
 def plan_sweep(config: str, overrides: Sequence[str], spec, *, max_trials=None) -> Plan:

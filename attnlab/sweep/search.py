@@ -31,18 +31,19 @@ ones are asked only until ``num_trials`` exist. Results: ``DIR/results.*`` as fo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import pathlib
 import shutil
 import socket
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attnlab import experiment, runs
 from attnlab.experiment import ExperimentError
-from attnlab.sweep.plan import Trial, apply_overrides, group_trials
+from attnlab.sweep.plan import Trial, apply_overrides, group_trials, plan_sweep
 from attnlab.sweep.results import collect, write_results
 from attnlab.sweep.run import (
     OUTCOMES,
@@ -441,3 +442,24 @@ def write_plots(study, root, log) -> list[pathlib.Path]:
         plt.close(fig)
         paths.append(root / name)
     return paths
+
+
+def load_sweep(config: str, overrides: Sequence[str] = (), *, max_trials=None):
+    """The plan of the ``sweep(variant=None)`` defined next to ``get_config`` in ``config``:
+    a ``Plan``, or a ``SearchPlan`` when it returns an Optuna search."""
+    path_text, _, variant = config.partition(":")
+    path = pathlib.Path(path_text)
+    if path.suffix != ".py" or not path.exists():
+        raise ExperimentError(f"--config: {path} is not an experiment file (experiments/NAME.py)")
+    module = experiment.import_experiment(path)  # once: it may register attention variants
+    fn = getattr(module, "sweep", None)
+    if fn is None:
+        raise ExperimentError(f"{path} defines no sweep(variant=None) function")
+    spec = fn(variant or None) if inspect.signature(fn).parameters else fn()
+    if is_search(spec):  # an Optuna search instead of a list of trials
+        plan = plan_search(config, overrides, spec)
+        if max_trials is not None:
+            search = dataclasses.replace(plan.search, num_trials=int(max_trials))
+            plan = dataclasses.replace(plan, search=search)
+        return plan
+    return plan_sweep(config, overrides, spec, max_trials=max_trials)
