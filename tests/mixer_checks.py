@@ -76,3 +76,17 @@ def grads_finite_with_masked_rows(cfg: ModelConfig, *, seed: int = 2):
 
     grads = jax.grad(loss)(params)
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+
+def beam_scores_match_forward(cfg: ModelConfig, *, seed: int = 2, num_beams: int = 3):
+    """Beam search reorders every cache entry with its rows (per-token and state alike):
+    each returned beam's score is its sequence's log-probability under one full pass."""
+    model = build_model(cfg, seed=seed)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    beams = attnlab.generate(model, prompts, 4, num_beams=num_beams, length_penalty=0.0)
+    for b, prompt in enumerate(prompts):
+        seq = np.r_[prompt, beams.tokens[b]]
+        logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray(seq[None, :-1])).logits[0], -1))
+        at = len(prompt) - 1 + np.arange(len(beams.tokens[b]))
+        want = float(np.sum(logp[at, beams.tokens[b]]))
+        np.testing.assert_allclose(beams.scores[b], want, atol=1e-4)

@@ -104,6 +104,7 @@ def test_its_cache_holds_its_state_and_decoding_equals_the_forward_pass():
         ModelConfig(**{**TINY, "n_layers": 1, "n_decoder_layers": 2}, arch="encoder_decoder")
     )
     mixer_checks.generate_matches_recompute(cfg)
+    mixer_checks.beam_scores_match_forward(cfg)
     mixer_checks.grads_finite_with_masked_rows(cfg)
 
 
