@@ -58,6 +58,7 @@ def forward(model, cfg, ids):
     return model(ids, segment_ids_BT=SEGMENTS_BT).logits
 
 
+@pytest.mark.slow(reason="model gradients through the blocks; test_ops_chunked checks the op's")
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_chunked_model_equals_reference_logits_and_gradients(case):
     cfg, reference, chunked = models(case)
