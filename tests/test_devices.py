@@ -147,6 +147,9 @@ print(two, train.Trainer(cfg, kind="lm").evaluate(params, batches)["eval_loss"])
 """
 
 
+@pytest.mark.slow(
+    reason="a fresh process on two CPU devices dispatches steps until they would hang"
+)
 def test_steps_dispatched_without_reading_results_do_not_hang_on_two_cpu_devices():
     """A loop that dispatches 400 steps of the 4 x 128 model without reading a result (a
     notebook's loop over prepared batches) hung in a collective on 2 single-threaded CPU
