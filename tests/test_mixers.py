@@ -189,3 +189,33 @@ def test_registration_checks_the_class():
     with pytest.raises(TypeError, match="frozen MixerSettings dataclass"):
         register_mixer("loose", Loose)
     assert {"running_mean", "mha"} <= set(attnlab.registered_mixers())
+
+
+SLOW = pytest.mark.slow(reason="compiles three models per variant; mha stands for them")
+BUILT_INS = [
+    "mha",
+    *(pytest.param(m, marks=SLOW) for m in ("sinks", "gated", "differential", "mla")),
+]
+
+
+@pytest.mark.parametrize("mixer", BUILT_INS)
+def test_each_built_in_variant_in_an_encoder_ignores_padding_and_remat_keeps_gradients(mixer):
+    """In a bidirectional encoder, tokens at padded positions change nothing at real ones;
+    rematerialising each layer (``remat="full"``) leaves the gradients as they were."""
+    base = dict(mixer_checks.TINY, position="rope", mixer=mixer, arch="encoder")
+    model = build_model(ModelConfig(**base), seed=0)
+    valid = jnp.array([[True] * 5 + [False] * 3])
+    ids = jnp.array([[3, 4, 5, 6, 7, 8, 9, 10]])
+    other = ids.at[0, 5:].set(jnp.array([11, 12, 13]))
+    a = model(ids, valid_BT=valid).logits[0, :5]
+    b = model(other, valid_BT=valid).logits[0, :5]
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+    def grads(remat):
+        cfg = ModelConfig(**{**base, "arch": "decoder"}, remat=remat)
+        graphdef, params = nnx.split(build_model(cfg, seed=0))
+        loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids).logits[..., :4] ** 2)
+        return jax.tree.leaves(jax.grad(loss)(params))
+
+    for g, h in zip(grads("none"), grads("full"), strict=True):
+        np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-5)
