@@ -238,6 +238,7 @@ class Stack(nnx.Module):
         thetas = set(self.rope_thetas)
         rope_L = jnp.array(self.rope_thetas, jnp.float32) if len(thetas) > 1 else None
         split = cache is not None and cache.split
+        graphdef = self._graphdef()
 
         def layer(carry, xs):
             x_BTD, entries = carry
@@ -279,41 +280,7 @@ class Stack(nnx.Module):
         index_L = jnp.arange(self.n_layers, dtype=jnp.int32)
         per_layer_data = (index_L, window_L, rope_L, cross_kv)
         entries = None if cache is None else cache.layers
-        if isinstance(self.layers, nnx.List):  # separate blocks (see ``unstack``)
-            graphdef = nnx.graphdef(self.layers[0])
-            layer_params = [nnx.state(block) for block in self.layers]
-        else:
-            graphdef, params = nnx.split(self.layers)
-            layer_params = None
-        if layer_params is None and self.cfg.scan_layers:
-            if split:  # the scan needs the layers stacked again
-                entries = jax.tree.map(
-                    jnp.concatenate, entries, is_leaf=lambda x: isinstance(x, tuple)
-                )
-            (x_BTD, entries), weights = jax.lax.scan(
-                layer, (x_BTD, entries), (params,) + per_layer_data
-            )
-            if split:
-                entries = {n: kv_cache.layer_arrays(a) for n, a in entries.items()}
-        else:
-            per_layer, written = [], []
-            for i in range(self.n_layers):
-                data = jax.tree.map(lambda a, i=i: a[i], per_layer_data)
-                p = jax.tree.map(lambda a, i=i: a[i], params) if layer_params is None else None
-                layer_entries = entries
-                if split:
-                    layer_entries = {n: a[i] for n, a in cache.layers.items()}
-                (x_BTD, layer_entries), w = layer(
-                    (x_BTD, layer_entries), (p if p is not None else layer_params[i],) + data
-                )
-                if split:
-                    written.append(layer_entries)
-                else:
-                    entries = layer_entries
-                per_layer.append(w)
-            if split:
-                entries = {n: tuple(w[n] for w in written) for n in cache.layers}
-            weights = jax.tree.map(lambda *ws: jnp.stack(ws), *per_layer)
+        x_BTD, entries, weights = self._over_layers(layer, x_BTD, entries, per_layer_data)
         if context is not None:
             x_BTD = context.leave(x_BTD)
         if self.final_norm is not None:
@@ -324,3 +291,40 @@ class Stack(nnx.Module):
         if cache is not None:
             cache = cache.replace(layers=entries, lengths=cache.lengths + count_B)
         return x_BTD, cache, weights
+
+    def _graphdef(self):
+        block = self.layers[0] if isinstance(self.layers, nnx.List) else self.layers
+        return nnx.graphdef(block)
+
+    def _over_layers(self, layer, x_BTD, entries, per_layer_data):
+        """Applies ``layer`` to every layer: scanned over the stacked parameters, or unrolled
+        (``scan_layers=False``, separate blocks). The cache entries are carried through, and
+        a split cache (one array per layer) is written layer by layer where it lies."""
+        split = entries is not None and isinstance(next(iter(entries.values())), tuple)
+        if isinstance(self.layers, nnx.List):  # separate blocks (see ``unstack``)
+            params, layer_params = None, [nnx.state(block) for block in self.layers]
+        else:
+            params, layer_params = nnx.state(self.layers), None
+        if layer_params is None and self.cfg.scan_layers:
+            if split:  # the scan needs the layers stacked again
+                entries = {n: jnp.concatenate(a) for n, a in entries.items()}
+            (x_BTD, entries), weights = jax.lax.scan(
+                layer, (x_BTD, entries), (params,) + per_layer_data
+            )
+            if split:
+                entries = {n: kv_cache.layer_arrays(a) for n, a in entries.items()}
+            return x_BTD, entries, weights
+        per_layer, written = [], []
+        for i in range(self.n_layers):
+            data = jax.tree.map(lambda a, i=i: a[i], per_layer_data)
+            p = layer_params[i] if params is None else jax.tree.map(lambda a, i=i: a[i], params)
+            layer_entries = {n: a[i] for n, a in entries.items()} if split else entries
+            (x_BTD, layer_entries), w = layer((x_BTD, layer_entries), (p,) + data)
+            if split:
+                written.append(layer_entries)
+            else:
+                entries = layer_entries
+            per_layer.append(w)
+        if split:
+            entries = {n: tuple(w[n] for w in written) for n in entries}
+        return x_BTD, entries, jax.tree.map(lambda *ws: jnp.stack(ws), *per_layer)
