@@ -5,20 +5,23 @@ The contract. A variant is called as::
     fn(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, return_weights, implementation,
        dropout_rate, dropout_key)
 
-with ``k``/``v`` holding K <= N heads (GQA/MQA: K divides N), a boolean ``mask``
-broadcastable to ``[B, N|1, T, S]`` (True = may attend) or None, an additive ``bias`` of
-the same shape or None, the logit ``scale``, ``implementation`` from
+with ``k``/``v`` holding K <= N heads (GQA/MQA: K divides N), a ``mask`` (True = may attend)
+or None, an additive ``bias`` or None,
+the logit ``scale``, ``implementation`` from
 ``ModelConfig.attention_impl``, and attention dropout (``dropout_key`` is None when no
 dropout applies: evaluation, decoding). It returns ``out_BTNH``, or
 ``(out_BTNH, weights_BNTS)`` when ``return_weights``. ``register_attention`` checks the
 signature (a ``**kwargs`` catch-all satisfies every keyword).
 
-With ``attention_impl="chunked"`` the model passes descriptions instead of arrays: ``mask``
-is an ``ops.MaskSpec`` and ``bias`` an ``ops.PositionBias`` (ALiBi, relative positions),
-and, when the config sets ``attention_block_q``/``attention_block_k``, the keywords
-``block_q``/``block_k`` too. A variant that forwards them to ``dot_product_attention`` keeps
-the blockwise path; one that needs arrays calls ``mask.dense()`` and ``bias.dense()``
-(building ``[T, S]``, as the other implementations do).
+The model passes the mask and the bias as descriptions, an ``ops.MaskSpec`` and an
+``ops.PositionBias`` (one mask type, resolved in ``ops.dot_product_attention``: block by
+block on the chunked path, ``mask.dense()`` / ``bias.dense()`` elsewhere), and, when the
+config sets ``attention_block_q``/``attention_block_k``, the keywords ``block_q``/``block_k``
+too. A variant that forwards them to ``dot_product_attention`` keeps every path; one that
+needs arrays calls ``.dense()``.
+
+A score function changes the scores alone; a variant with its own parameters or cache
+entries is a module (``attnlab.mixers``, ``ModelConfig.mixer``).
 
 The function is resolved when a model is built and held by its attention modules, so it is
 part of the model's graph: every compiled program (training, evaluation, cached decoding)

@@ -10,6 +10,7 @@ a matched parameter count: each gets the ``d_model`` (a multiple of twice its he
 (``matched_sizes``; ``--sizes`` prints them, with the ratio to ``mha``). ::
 
     attnlab sweep --config experiments/attention_zoo.py --workdir runs/zoo
+    attnlab sweep --config experiments/attention_zoo.py:small --workdir runs/zoo_small
     python experiments/attention_zoo.py --report runs/zoo     # extrapolation, table, plots
     python experiments/attention_zoo.py --sizes               # the matched sizes
 
@@ -33,12 +34,13 @@ import statistics
 
 from attnlab.experiment import ExperimentError, base_config
 
-VARIANTS = ("tiny",)
+VARIANTS = ("small", "tiny")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
 EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training length
 EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
 SWEEPS = {  # pairs, sequence lengths, seeds
     None: ([4, 8], [64, 128], [0, 1, 2]),
+    "small": ([4], [64], [0, 1, 2]),  # one point of the full grid, 600 steps: minutes on CPU
     "tiny": ([2], [16], [0, 1]),
 }
 
@@ -64,6 +66,10 @@ def get_config(variant=None):
     c.train.update(steps=2000, batch_size=64, log_every_steps=100)
     c.eval.update(every_steps=500, batches=4, batch_size=64, sample_tokens=0)
     c.checkpoint.update(every_steps=1000, max_to_keep=1)
+    if variant == "small":
+        c.train.update(steps=600, batch_size=32)
+        c.eval.update(every_steps=300, batch_size=32)
+        c.checkpoint.update(every_steps=600)
     if variant == "tiny":
         c.model.update(vocab_size=4 + 8, d_model=16, n_layers=1, n_heads=2)
         c.data.update(num_symbols=8)
