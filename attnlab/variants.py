@@ -5,9 +5,8 @@ The contract. A variant is called as::
     fn(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, return_weights, implementation,
        dropout_rate, dropout_key)
 
-with ``k``/``v`` holding K <= N heads (GQA/MQA: K divides N), a ``mask`` (True = may attend)
-or None, an additive ``bias`` or None,
-the logit ``scale``, ``implementation`` from
+with ``k``/``v`` holding K <= N heads (GQA/MQA: K divides N), a ``mask`` (True = may
+attend) or None, an additive ``bias`` or None, the logit ``scale``, ``implementation`` from
 ``ModelConfig.attention_impl``, and attention dropout (``dropout_key`` is None when no
 dropout applies: evaluation, decoding). It returns ``out_BTNH``, or
 ``(out_BTNH, weights_BNTS)`` when ``return_weights``. ``register_attention`` checks the
