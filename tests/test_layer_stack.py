@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from compile_count import compiles
 from flax import nnx
+from tiers import cases
 
 import attnlab
 from attnlab import ModelConfig, build_model, init_cache, ops
@@ -18,6 +19,8 @@ from attnlab.mixers import MixerCall
 from attnlab.nn.blocks import Block
 
 BASE = dict(vocab_size=40, d_model=32, n_heads=4, n_layers=3, max_len=16, d_ff=48)
+# The fast tier keeps one case per architecture; the others compile the same check again.
+STACK_SLOW = "one more decoder or encoder-decoder case, scanned and unrolled, with gradients"
 CASES = {
     "learned-mha": dict(position="learned"),
     "sinusoidal-gqa-post-remat_full": dict(
@@ -68,7 +71,21 @@ def loss(model, cfg, ids, valid, key):
     return jnp.einsum("BTV,V->", out.logits, w), out.logits
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case",
+    cases(
+        list(CASES),
+        slow={
+            c: STACK_SLOW
+            for c in (
+                "learned-mha",
+                "sinusoidal-gqa-post-remat_full",
+                "alibi-gqa-window_on_layer_1",
+                "encoder_decoder-sinusoidal-gqa",
+            )
+        },
+    ),
+)
 def test_scanned_equals_unrolled_logits_and_gradients(case):
     cfg, scanned, unrolled = pair(case)
     ids, valid = batch(cfg)
