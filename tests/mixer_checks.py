@@ -15,9 +15,14 @@ from attnlab.decode import Decoder
 TINY = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16, init_std=0.3)
 
 
-def prefill_then_steps(cfg: ModelConfig, *, seed: int = 2, atol: float = 1e-5):
-    """Ragged prompts (3 and 6 tokens) are prefilled, then stepped token by token to T = 10;
-    every logit equals the full forward pass's (decoder and encoder-decoder alike)."""
+def prefill_then_steps(
+    cfg: ModelConfig, *, seed: int = 2, atol: float = 1e-5, steps: int = 4, rewind: bool = False
+):
+    """Ragged prompts (3 and 6 tokens) are prefilled, then stepped token by token towards
+    T = 10; every logit equals the full forward pass's (decoder and encoder-decoder alike).
+
+    ``rewind``: each step sets the rows' lengths to the position it feeds, so a row that
+    reached T - 1 writes its last slot again and again (the slot overwritten in place)."""
     model = build_model(cfg, seed=seed)
     decoder, params = Decoder.for_model(model)
     B, T, P = 2, 10, 8
@@ -40,10 +45,12 @@ def prefill_then_steps(cfg: ModelConfig, *, seed: int = 2, atol: float = 1e-5):
 
         def step(cache, i):
             pos_B = jnp.minimum(prompt_B + i, T - 1)  # row 0 is behind row 1
+            if rewind:
+                cache = cache.replace(lengths=pos_B)
             logits_BV, cache = decoder.decode_step_fn(params, cache, ids_BT[jnp.arange(B), pos_B])
             return cache, (pos_B, logits_BV)
 
-        _, (pos_IB, steps_IBV) = jax.lax.scan(step, cache, jnp.arange(T - 6))
+        _, (pos_IB, steps_IBV) = jax.lax.scan(step, cache, jnp.arange(steps))
         return full_BTV, first_BV, pos_IB, steps_IBV
 
     full_BTV, first_BV, pos_IB, steps_IBV = (np.asarray(x) for x in run(params))
@@ -51,6 +58,7 @@ def prefill_then_steps(cfg: ModelConfig, *, seed: int = 2, atol: float = 1e-5):
     np.testing.assert_allclose(first_BV, full_BTV[rows, np.asarray(prompt_B) - 1], atol=atol)
     for pos_B, logits_BV in zip(pos_IB, steps_IBV, strict=True):
         np.testing.assert_allclose(logits_BV, full_BTV[rows, pos_B], atol=atol, rtol=0)
+    return pos_IB
 
 
 def generate_matches_recompute(cfg: ModelConfig, *, seed: int = 2, num_beams: int = 1):

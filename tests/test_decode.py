@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import mixer_checks
 import numpy as np
 import pytest
 from flax import nnx
@@ -82,41 +83,8 @@ def test_prefill_plus_steps_equals_full_forward(arch, combo):
     """
     layers = dict(n_layers=1, n_decoder_layers=2) if arch == "encoder_decoder" else {}
     cfg = ModelConfig(**{**TINY, "max_len": 16, **layers}, arch=arch, **combo)
-    model = build_model(cfg, seed=2)
-    decoder, params = Decoder.for_model(model)
-    B, T, P = 2, 10, 8
-    prompt_B = jnp.array([3, 6], jnp.int32)
-    ids_BT = jax.random.randint(jax.random.key(3), (B, T), 1, cfg.vocab_size)
-    src_BS = jax.random.randint(jax.random.key(4), (B, 7), 1, cfg.vocab_size)
-    valid_BS = jnp.arange(7)[None, :] < jnp.array([[7], [4]])
-
-    @jax.jit
-    def run(params):
-        cache = init_cache(cfg, B, 16)
-        model = nnx.merge(decoder.graphdef, params)
-        if decoder.seq2seq:
-            full_BTV = model(src_BS, ids_BT, src_valid_BS=valid_BS).logits
-            cache = decoder.encode_fn(params, cache, src_BS, valid_BS)
-        else:
-            full_BTV = model(ids_BT).logits
-        prompt_BP = jnp.where(jnp.arange(P)[None, :] < prompt_B[:, None], ids_BT[:, :P], 0)
-        first_BV, cache = decoder.prefill_fn(params, cache, prompt_BP, prompt_B)
-
-        def step(cache, i):
-            pos_B = jnp.minimum(prompt_B + i, T - 1)  # row 1 ends first, then repeats
-            logits_BV, cache = decoder.decode_step_fn(
-                params, cache.replace(lengths=pos_B), ids_BT[jnp.arange(B), pos_B]
-            )
-            return cache, (pos_B, logits_BV)
-
-        _, (pos_IB, steps_IBV) = jax.lax.scan(step, cache, jnp.arange(T - 3))
-        return full_BTV, first_BV, pos_IB, steps_IBV
-
-    full_BTV, first_BV, pos_IB, steps_IBV = (np.asarray(x) for x in run(params))
-    rows = np.arange(B)
-    np.testing.assert_allclose(first_BV, full_BTV[rows, np.asarray(prompt_B) - 1], atol=1e-5)
-    for pos_B, logits_BV in zip(pos_IB, steps_IBV, strict=True):
-        np.testing.assert_allclose(logits_BV, full_BTV[rows, pos_B], atol=1e-5, rtol=0)
+    T = 10
+    pos_IB = mixer_checks.prefill_then_steps(cfg, seed=2, steps=T - 3, rewind=True)
     assert pos_IB[-1].tolist() == [T - 1, T - 1]
 
 
