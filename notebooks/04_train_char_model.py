@@ -35,7 +35,6 @@ import tempfile
 import numpy as np
 
 import attnlab
-import attnlab
 from attnlab import viz
 from attnlab.data import make_task
 from attnlab.decode import generate

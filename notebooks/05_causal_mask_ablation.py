@@ -41,7 +41,6 @@ from flax import nnx
 from matplotlib.figure import Figure
 
 import attnlab
-import attnlab
 from attnlab import viz
 from attnlab.data import make_task
 from attnlab.decode import generate

@@ -34,7 +34,6 @@ import numpy as np
 from IPython.display import display
 
 import attnlab
-import attnlab
 from attnlab import load_pretrained, viz
 from attnlab.data import make_task
 from attnlab.experiment import load_config
