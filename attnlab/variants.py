@@ -3,12 +3,13 @@
 The contract. A variant is called as::
 
     fn(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, return_weights, implementation,
-       dropout_rate, dropout_key)
+       dropout_rate, dropout_key, backend)
 
 with ``k``/``v`` holding K <= N heads (GQA/MQA: K divides N), a ``mask`` (True = may
 attend) or None, an additive ``bias`` or None, the logit ``scale``, ``implementation`` from
-``ModelConfig.attention_impl``, and attention dropout (``dropout_key`` is None when no
-dropout applies: evaluation, decoding). It returns ``out_BTNH``, or
+``ModelConfig.attention_impl``, attention dropout (``dropout_key`` is None when no
+dropout applies: evaluation, decoding) and the ``backend`` the model was built for (what
+``"auto"`` chooses a path by). It returns ``out_BTNH``, or
 ``(out_BTNH, weights_BNTS)`` when ``return_weights``. ``register_attention`` checks the
 signature (a ``**kwargs`` catch-all satisfies every keyword).
 
@@ -51,6 +52,7 @@ CONTRACT_KEYWORDS = (
     "implementation",
     "dropout_rate",
     "dropout_key",
+    "backend",
 )
 
 _REGISTRY: dict[str, Callable] = {"softmax": dot_product_attention}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -54,11 +55,7 @@ class Attention(Mixer):
     def __init__(self, cfg: ModelConfig, settings=None, *, cross: bool = False, rngs: nnx.Rngs):
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         std, pd = cfg.init_std, cfg.param_dtype
-        self.cfg = cfg
-        self.cross = cross
-        # Settings of mha or of a variant built on it (others, and cross-attention: no cap).
-        self.softcap = getattr(settings, "softcap", None) if not cross else None
-        self.attend_fn = get_attention(cfg.attention_fn)  # resolved now: part of the graph
+        self.init_attend(cfg, settings, cross=cross)
         self.q_DNH = normal(rngs, (D, N, H), std, pd)
         self.k_DKH = normal(rngs, (D, K, H), std, pd)
         self.v_DKH = normal(rngs, (D, K, H), std, pd)
@@ -71,6 +68,18 @@ class Attention(Mixer):
         use_qk_norm = cfg.qk_norm and not cross
         self.q_norm = Norm(cfg, H, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
         self.k_norm = Norm(cfg, H, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
+
+    def init_attend(self, cfg: ModelConfig, settings, *, cross: bool = False):
+        """What ``attend`` reads besides the parameters: the config, the score function
+        (resolved now, so it is part of the graph), the logit cap of mha's settings or a
+        variant's built on them (none for cross-attention), and the backend the model is
+        built for (the platform ``"auto"`` chooses a path by). A subclass that does not
+        call ``Attention.__init__`` calls this."""
+        self.cfg = cfg
+        self.cross = cross
+        self.softcap = getattr(settings, "softcap", None) if not cross else None
+        self.attend_fn = get_attention(cfg.attention_fn)
+        self.backend = jax.default_backend()
 
     @classmethod
     def cache_entries(cls, cfg, settings):
@@ -155,6 +164,7 @@ class Attention(Mixer):
             implementation=cfg.attention_impl,
             dropout_rate=cfg.attention_dropout,
             dropout_key=key,
+            backend=self.backend,
             **blocks,
             **extra,
         )

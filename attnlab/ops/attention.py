@@ -209,9 +209,10 @@ def one_query_attention(
     return out_BKGH.reshape(B, 1, N, H)
 
 
-def cpu_prefers_chunked(T: int) -> bool:
-    """Whether ``"auto"`` runs the chunked path for ``T`` queries (when nothing rules it out)."""
-    return T >= AUTO_CHUNKED_MIN_T and jax.default_backend() == "cpu"
+def cpu_prefers_chunked(T: int, backend: str) -> bool:
+    """Whether ``"auto"`` runs the chunked path for ``T`` queries on ``backend`` (when nothing
+    rules it out)."""
+    return T >= AUTO_CHUNKED_MIN_T and backend == "cpu"
 
 
 def dot_product_attention(
@@ -231,6 +232,7 @@ def dot_product_attention(
     block_k: int | None = None,
     sinks=None,
     softcap: float | None = None,
+    backend: str | None = None,
 ):
     """Scaled dot-product attention.
 
@@ -248,6 +250,8 @@ def dot_product_attention(
       block_q, block_k: the chunked implementation's block sizes (None: its defaults).
       sinks: per-head sink logits [N] (float32), or None (see the module docstring).
       softcap: ``c`` of the logit cap ``c * tanh(s / c)`` (a Python number), or None.
+      backend: the platform ``"auto"`` chooses for ("cpu", "gpu", "tpu"); models pass the one
+        they were built for, so nothing ambient changes the path. None: JAX's default backend.
 
     Returns:
       ``out_BTNH``, or ``(out_BTNH, weights_BNTS)`` when ``return_weights``.
@@ -265,7 +269,8 @@ def dot_product_attention(
         )
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     plain = not return_weights and logits_fn is None and not drop
-    if implementation == "auto" and plain and cpu_prefers_chunked(T):
+    backend = jax.default_backend() if backend is None else backend
+    if implementation == "auto" and plain and cpu_prefers_chunked(T, backend):
         implementation = "chunked"
         if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
             block_q = block_k = AUTO_BLOCK
@@ -294,7 +299,7 @@ def dot_product_attention(
     if isinstance(bias, PositionBias):
         bias = bias.dense()
     softmax = {"sinks": sinks, "softcap": softcap}
-    if implementation == "auto" and plain and T == 1 and jax.default_backend() == "cpu":
+    if implementation == "auto" and plain and T == 1 and backend == "cpu":
         return one_query_attention(
             q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, **softmax
         )

@@ -52,7 +52,6 @@ from attnlab.nn.attention import Attention
 from attnlab.nn.layers import Norm, normal
 from attnlab.ops.linear import dense
 from attnlab.sharding import constrain
-from attnlab.variants import get_attention
 
 
 def _pad_to(x, size):
@@ -114,9 +113,8 @@ class LatentAttention(Attention):
         D, N, R = cfg.d_model, cfg.n_heads, s.kv_lora_rank
         Hn, Hr, Hv = s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
         std, pd = cfg.init_std, cfg.param_dtype
-        self.cfg, self.cross, self.settings = cfg, False, s
-        self.softcap = None  # what Attention.attend reads besides cfg and attend_fn
-        self.attend_fn = get_attention(cfg.attention_fn)
+        self.init_attend(cfg, None)  # no cap: what Attention.attend reads
+        self.settings = s
         if s.q_lora_rank is None:
             self.q_DNH = normal(rngs, (D, N, Hn + Hr), std, pd)
             self.q_down_DR = self.q_norm = self.q_up_RNH = None
