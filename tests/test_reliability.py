@@ -188,7 +188,8 @@ def test_a_second_process_is_refused_and_a_stale_lock_is_not(tiny_lm_run, tmp_pa
         assert rc == 2 and "in use by another attnlab process (pid" in one_error_line(err)
     finally:
         lock.release()
-    assert "pid" in (run / "lock").read_text()  # left behind, as by a killed process
+    assert not (run / "lock").exists()  # a run that ends removes its lock
+    (run / "lock").write_text("pid 999999 on gone\n")  # left behind, as by a killed process
     rc, out, err = cli(capsys, *argv)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert rc == 0 and last["step"] == 3 and "holds step 3 of 3" in out, err
