@@ -68,9 +68,9 @@ def program(impl, T, args):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, w, mask)
 
 
-def measure(impl, T, args, budget):
-    fn, inputs = program(impl, T, args)
-    row = dict(impl=impl, T=T)
+def timed(fn, inputs, row, args, budget, key="ms"):
+    """Compiles ``fn`` on ``inputs`` and adds its compile time, temporaries and best wall and
+    CPU milliseconds over ``args.repeats`` to ``row`` (skipped past the memory budget)."""
     t0 = time.perf_counter()
     compiled = fn.lower(*inputs).compile()
     row["compile_sec"] = round(time.perf_counter() - t0, 2)
@@ -87,9 +87,14 @@ def measure(impl, T, args, budget):
         jax.block_until_ready(compiled(*inputs))
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    row["ms"] = round(1e3 * min(wall), 2)
-    row["cpu_ms"] = round(1e3 * min(cpu), 2)
+    row[key] = round(1e3 * min(wall), 2)
+    row["cpu_" + key] = round(1e3 * min(cpu), 2)
     return row
+
+
+def measure(impl, T, args, budget):
+    fn, inputs = program(impl, T, args)
+    return timed(fn, inputs, dict(impl=impl, T=T), args, budget)
 
 
 VARIANT_SETTINGS = {  # variants whose defaults do not fit the benchmark's model
@@ -123,22 +128,7 @@ def measure_variant(name, T, args, budget):
             logits, ids[..., None], -1)[..., 0])  # fmt: skip
 
     fn = jax.jit(jax.value_and_grad(loss))
-    row = dict(variant=name, T=T)
-    compiled = fn.lower(params, ids).compile()
-    mem = compiled.memory_analysis()
-    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
-    row["temp_mib"] = None if temp is None else round(temp / 2**20, 1)
-    if temp is not None and temp > budget:
-        row["skipped"] = f"needs {temp / 2**30:.1f} GiB of temporaries, over the budget"
-        return row
-    jax.block_until_ready(compiled(params, ids))
-    wall = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, ids))
-        wall.append(time.perf_counter() - t0)
-    row["step_ms"] = round(1e3 * min(wall), 2)
-    return row
+    return timed(fn, (params, ids), dict(variant=name, T=T), args, budget, key="step_ms")
 
 
 def measure_variant_decoding(name, args):
