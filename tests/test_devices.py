@@ -112,7 +112,7 @@ def test_a_run_on_two_cpu_devices_trains_like_one_on_one(tmp_path):
     out2, rows2 = _train(tmp_path, "two", "2")
     out1, rows1 = _train(tmp_path, "one", "1")
     assert "devices: 2 x cpu" in out2 and "one per core" in out2
-    assert "devices: 1 x cpu" in out1 and "one per core" not in out1
+    assert "devices:" not in out1  # the header names devices only when there are several
     keys = ("train_loss", "eval_loss", "grad_norm")
     pairs = [(a[k], b[k]) for a, b in zip(rows1, rows2, strict=True) for k in keys if k in a]
     assert len(pairs) >= 4
