@@ -51,6 +51,9 @@ def test_the_argument_then_the_environment_name_the_directory(own_cache, tmp_pat
 @pytest.mark.slow(reason="trains the tiny run twice, first with a cold cache of its own")
 def test_a_warm_run_compiles_nothing(own_cache, tmp_path, capsys):
     argv = ["train", "--config", TINY, "--no-progress", "--config.eval.sample_tokens=0"]
+    # Programs earlier tests compiled in this process would be taken from memory, never
+    # written to the new cache, and compiled again after the clear below.
+    jax.clear_caches()
     with compiles(from_disk=False) as cold:
         assert main([*argv, "--workdir", str(tmp_path / "cold")]) == 0
     assert cold() > 0 and any(own_cache.iterdir())
