@@ -150,25 +150,34 @@ def measure_variant_decoding(name, args):
     )
 
 
+def one_row(measure_fn, what: dict, *args):
+    """``measure_fn(*args)``, or a row saying why it could not run; printed as it comes."""
+    try:
+        row = measure_fn(*args)
+    except Exception as e:  # noqa: BLE001 - a path that cannot run is a result too
+        row = what | {"skipped": f"{type(e).__name__}: {str(e)[:200]}"}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def report(benchmark, host, settings, rows):
+    out = dict(
+        benchmark=benchmark,
+        machine=host | {"load_average_end": list(os.getloadavg())},
+        settings=settings,
+        results=rows,
+    )
+    print(json.dumps(out, indent=2))
+
+
 def main_variants(args, budget, host):
     rows = []
     for name in args.variants.split(","):
         for T in (int(x) for x in args.lengths.split(",")):
-            try:
-                row = measure_variant(name, T, args, budget)
-            except Exception as e:  # noqa: BLE001 - a variant that cannot run is a result too
-                row = dict(variant=name, T=T, skipped=f"{type(e).__name__}: {str(e)[:200]}")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        rows.append(measure_variant_decoding(name, args))
-        print(json.dumps(rows[-1]), flush=True)
-    out = dict(
-        benchmark="attention_variants",
-        machine=host | {"load_average_end": list(os.getloadavg())},
-        settings=vars(args),
-        results=rows,
-    )
-    print(json.dumps(out, indent=2))
+            what = dict(variant=name, T=T)
+            rows.append(one_row(measure_variant, what, name, T, args, budget))
+        rows.append(one_row(measure_variant_decoding, dict(variant=name), name, args))
+    report("attention_variants", host, vars(args), rows)
 
 
 def main():
@@ -192,22 +201,13 @@ def main():
     host = machine()  # load_average: how busy the machine was when the runs began
     if args.variants:
         return main_variants(args, budget, host)
-    rows = []
-    for T in (int(x) for x in args.lengths.split(",")):
-        for impl in args.impls.split(","):
-            try:
-                row = measure(impl, T, args, budget)
-            except Exception as e:  # noqa: BLE001 - a path that cannot run is a result too
-                row = dict(impl=impl, T=T, skipped=f"{type(e).__name__}: {str(e)[:200]}")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    out = dict(
-        benchmark="attention",
-        machine=host | {"load_average_end": list(os.getloadavg())},
-        settings=vars(args) | {"causal": True, "budget_gib": round(budget / 2**30, 1)},
-        results=rows,
-    )
-    print(json.dumps(out, indent=2))
+    rows = [
+        one_row(measure, dict(impl=impl, T=T), impl, T, args, budget)
+        for T in (int(x) for x in args.lengths.split(","))
+        for impl in args.impls.split(",")
+    ]
+    settings = vars(args) | {"causal": True, "budget_gib": round(budget / 2**30, 1)}
+    report("attention", host, settings, rows)
 
 
 if __name__ == "__main__":
