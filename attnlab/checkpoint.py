@@ -49,7 +49,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from attnlab.errors import CheckpointError, ConfigError, DiskFullError, WorkdirError, one_line
+from attnlab.errors import (
+    CheckpointError,
+    ConfigError,
+    DiskFullError,
+    Interrupted,
+    WorkdirError,
+    one_line,
+)
 
 _STATE = "state"
 _METADATA = "metadata"
@@ -338,6 +345,14 @@ def stop_signal() -> str | None:
     """The name of the signal (``"SIGINT"``, ``"SIGTERM"``) that stopped the latest guarded
     loop of this process, or None when none did."""
     return _RECEIVED[-1] if _RECEIVED else None
+
+
+def raise_if_stopped(where: str) -> None:
+    """Raises ``Interrupted`` when a signal stopped the latest guarded loop (after its
+    checkpoint was written); ``where`` completes the message."""
+    name = stop_signal()
+    if name is not None:
+        raise Interrupted(f"{name} stopped the run {where}; run the same command to resume", name)
 
 
 class PreemptionGuard:

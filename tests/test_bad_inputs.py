@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from attnlab.checkpoint import Checkpointer
-from attnlab.cli import _room, main
+from attnlab.cli import main
 from attnlab.data.prepared import prepare
+from attnlab.decode.commands import _room
 from attnlab.errors import DecodeError, TokenIdError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
