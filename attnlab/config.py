@@ -231,6 +231,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """The config ``to_dict`` (or ``config.json``) wrote; an unknown key is an error."""
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - names)
         if unknown:

@@ -78,10 +78,12 @@ class KVCache:
 
     @property
     def v(self):
+        """The ``\"values\"`` entry, ``[L, B, K, S, H]``."""
         return self.layers["values"]
 
     @property
     def ring(self) -> bool:
+        """Whether the per-token entries are a ring buffer of ``window`` slots."""
         return self.window is not None
 
     @property
@@ -111,10 +113,12 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
+        """B, the number of rows."""
         return self.lengths.shape[0]
 
     @property
     def n_layers(self) -> int:
+        """L, the number of layers the cache holds."""
         x = next(iter(self.layers.values()))
         return len(x) if isinstance(x, tuple) else x.shape[0]
 

@@ -70,6 +70,7 @@ class CacheEntry:
         return self.shape.index(SLOTS) if SLOTS in self.shape else None
 
     def sized(self, slots: int) -> tuple[int, ...]:
+        """The per-row shape with ``SLOTS`` replaced by ``slots``."""
         return tuple(slots if d == SLOTS else d for d in self.shape)
 
 
@@ -81,11 +82,13 @@ class MixerSettings:
         """Raises ``ConfigError`` (``self.fail``) for values that do not fit ``cfg``."""
 
     def fail(self, field: str, fix: str):
+        """Raises a ``ConfigError`` naming ``mixer_settings.<field>``, its value and ``fix``."""
         raise ConfigError(
             f"ModelConfig.mixer_settings.{field}={getattr(self, field)!r} is invalid: {fix}"
         )
 
     def to_dict(self) -> dict:
+        """The settings as a plain, JSON-able dict."""
         return dataclasses.asdict(self)
 
 
@@ -104,6 +107,7 @@ class MixerCall:
 
     @property
     def decoding(self) -> bool:
+        """Whether the call holds a cache (a prefill or a decode step)."""
         return self.cache is not None
 
 
@@ -118,6 +122,8 @@ class Mixer(nnx.Module):
 
     @classmethod
     def cache_entries(cls, cfg, settings) -> dict[str, CacheEntry]:
+        """What one layer keeps in the cache: role -> ``CacheEntry`` (the default: nothing,
+        so the variant cannot decode)."""
         raise NotImplementedError(f"mixer {cls.name!r} keeps no cache: it cannot decode")
 
     def __call__(self, x_BTD, call: MixerCall):

@@ -96,6 +96,7 @@ def register_attention(name: str, fn: Callable, *, overwrite: bool = False) -> N
 
 
 def attention_variants() -> dict[str, Callable]:
+    """The registered score functions by name, the built-in ones included."""
     return dict(_REGISTRY)
 
 

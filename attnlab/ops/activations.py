@@ -15,6 +15,7 @@ from attnlab.ops.linear import add_bias, dense, dropout
 
 
 def relu(x):
+    """``max(x, 0)``."""
     return jax.nn.relu(x)
 
 
@@ -74,10 +75,12 @@ silu.__doc__ = "x * sigmoid(x) (swish)."
 
 
 def swiglu(gate, up):
+    """The SwiGLU product ``silu(gate) * up``."""
     return silu(gate) * up
 
 
 def geglu(gate, up):
+    """The GeGLU product ``gelu(gate) * up`` (exact GELU)."""
     return gelu(gate) * up
 
 

@@ -229,6 +229,7 @@ class MaskSpec:
         return self.q_pos.shape[-1], self.k_pos.shape[-1]
 
     def replace(self, **changes):
+        """A copy with ``changes`` to the fields."""
         return dataclasses.replace(self, **changes)
 
     def _allowed(self, q_pos, k_pos, k_index_S, q_seg, k_seg, q_valid, k_valid):

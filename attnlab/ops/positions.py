@@ -141,12 +141,14 @@ class PositionBias:
 
     @classmethod
     def alibi(cls, slopes_N, q_positions_BT, k_positions_BS):
+        """ALiBi over these positions, as ``alibi_bias``."""
         return cls(slopes_N, q_positions_BT, k_positions_BS, fn=alibi_bias)
 
     @classmethod
     def relative(
         cls, table_XN, q_positions_BT, k_positions_BS, *, bidirectional=True, max_distance=128
     ):
+        """T5 relative buckets over these positions, as ``relative_position_bias``."""
         options = (("bidirectional", bidirectional), ("max_distance", max_distance))
         return cls(
             table_XN, q_positions_BT, k_positions_BS, fn=relative_position_bias, options=options
@@ -158,6 +160,7 @@ class PositionBias:
         return self.fn(params, q_pos_BT, k_pos_BS, **dict(self.options))
 
     def dense(self):
+        """The whole ``[B|1, N, T, S]`` bias."""
         return self(self.q_pos, self.k_pos)
 
     def block(self, q_start, size_q, k_start, size_k, params=None):
@@ -167,4 +170,5 @@ class PositionBias:
         return self(q_pos, k_pos, params)
 
     def replace(self, **changes):
+        """A copy with ``changes`` to the fields."""
         return dataclasses.replace(self, **changes)
