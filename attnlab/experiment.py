@@ -83,6 +83,8 @@ def base_config() -> ConfigDict:
             mask_rate=0.15,
             max_chars=2_000_000,
             vocab_size=1024,  # of a data.tokenizer="bpe" trained on the corpus
+            source="",  # "hf_datasets": data.path is a Hugging Face data set on disk
+            text_field="text",  # its column of text
         )
     )
     c.optim = ConfigDict(

@@ -227,7 +227,7 @@ def test_a_learned_position_table_refuses_tokens_past_its_end():
 
 
 def test_a_target_id_outside_the_vocabulary_is_a_data_error():
-    from attnlab.data.tasks import token_task
+    from attnlab.data.text import token_task
     from attnlab.data.tokenizers import CharTokenizer
 
     ids = np.arange(400) % 5

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -29,7 +30,8 @@ import numpy as np
 
 from attnlab.data.corpus import split_train_val
 from attnlab.data.tasks import TOKENIZER_FILE as RUN_TOKENIZER
-from attnlab.data.tasks import config_field, token_task
+from attnlab.data.tasks import config_field
+from attnlab.data.text import token_task
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
 from attnlab.errors import DataError, DataFileError, PreparedCorpusError, one_line
 
@@ -64,15 +66,16 @@ def _chunks(text: str):
         start = end
 
 
-def _build_tokenizer(spec: str, files, vocab_size: int):
+def build_tokenizer(spec: str, texts, vocab_size: int):
+    """The tokenizer ``spec`` names; "char" and "bpe" are built from ``texts()`` (strings)."""
     if spec == "byte":
         return ByteTokenizer()
     if spec == "char":
-        return CharTokenizer.from_text("".join(sorted({c for f in files for c in _read(f)})))
+        return CharTokenizer.from_text("".join(sorted({c for t in texts() for c in t})))
     if spec == "bpe":
         from attnlab.data.bpe import train_bpe
 
-        return train_bpe((_read(f) for f in files), vocab_size)
+        return train_bpe(texts(), vocab_size)
     return load_tokenizer(spec)
 
 
@@ -101,12 +104,25 @@ def prepare(
     files = expand(inputs)
     if not files:
         raise DataFileError("data prepare: no input files; pass text files or glob patterns")
-    tok = _build_tokenizer(tokenizer, files, vocab_size)
+    tok = build_tokenizer(tokenizer, lambda: (_read(f) for f in files), vocab_size)
+    sources = [
+        (str(f), f.stat().st_size, lambda f=f: _chunks(_read(f)))  # one document per file
+        for f in files
+    ]
+    return write_prepared(sources, out, tok, val_fraction=val_fraction, progress=progress)
+
+
+def write_prepared(sources, out, tok, *, val_fraction: float = 0.1, progress=True) -> dict:
+    """Writes the prepared corpus of ``sources`` into ``out`` with tokenizer ``tok``.
+
+    ``sources``: ``(name, bytes, pieces)`` per document, ``pieces()`` the document's text in
+    pieces that end at line ends; their tokens are written one after another.
+    """
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     out = pathlib.Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        return _write(files, out, tok, dtype, val_fraction, progress)
+        return _write(sources, out, tok, dtype, val_fraction, progress)
     except OSError as e:
         raise DataError(
             f"data prepare: cannot write {out} ({e.strerror or one_line(e)}); nothing was "
@@ -118,30 +134,35 @@ def prepare(
                 (out / (name + ".tmp")).unlink()
 
 
-def _write(files, out, tok, dtype, val_fraction, progress) -> dict:
+def _encoded(tok, pieces, group: int = 256):
+    """The ids of each piece, encoded ``group`` pieces at a time (the Rust tokenizers
+    encode a group in parallel)."""
+    batch = getattr(tok, "encode_batch", None)
+    pieces = iter(pieces)
+    while chunk := list(itertools.islice(pieces, group)):
+        yield from (batch(chunk) if batch else [tok.encode(p) for p in chunk])
+
+
+def _write(sources, out, tok, dtype, val_fraction, progress) -> dict:
     from tqdm.auto import tqdm
 
-    digest, total, sources = hashlib.sha256(), 0, []
+    digest, total, written = hashlib.sha256(), 0, []
     tmp = out / (TOKENS_FILE + ".tmp")
-    batch = getattr(tok, "encode_batch", None)  # the Rust tokenizers encode chunks in parallel
-    size = sum(f.stat().st_size for f in files)
+    size = sum(s[1] for s in sources)
     with (
         tmp.open("wb") as sink,
         tqdm(total=size, unit="B", unit_scale=True, disable=not progress) as bar,
     ):
-        for f in files:
-            text = _read(f)
-            pieces = list(_chunks(text))
-            encoded = batch(pieces) if batch else [tok.encode(p) for p in pieces]
+        for name, nbytes, pieces in sources:
             count = 0
-            for ids in encoded:
+            for ids in _encoded(tok, pieces()):
                 data = np.asarray(ids).astype(dtype).tobytes()
                 sink.write(data)
                 digest.update(data)
                 count += len(ids)
             total += count
-            sources.append({"path": str(f), "bytes": f.stat().st_size, "tokens": count})
-            bar.update(f.stat().st_size)
+            written.append({"path": name, "bytes": nbytes, "tokens": count})
+            bar.update(nbytes)
     tok.save(out / (TOKENIZER_FILE + ".tmp"))
     n_train = len(split_train_val(np.empty(total, np.uint8), val_fraction)[0])
     meta = {
@@ -155,7 +176,7 @@ def _write(files, out, tok, dtype, val_fraction, progress) -> dict:
         "val_tokens": total - n_train,
         "val_fraction": val_fraction,
         "sha256": digest.hexdigest(),
-        "sources": sources,
+        "sources": written,
     }
     (out / (META_FILE + ".tmp")).write_text(json.dumps(meta, indent=1) + "\n")
     for name in (TOKENS_FILE, TOKENIZER_FILE, META_FILE):  # all written: now replace
