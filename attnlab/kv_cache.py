@@ -59,6 +59,14 @@ from attnlab.mixers import CacheEntry, get_mixer
 
 @struct.dataclass
 class KVCache:
+    """The decoding cache of a whole model (see the module docstring for the layouts).
+
+    ``layers`` maps each role the variant declares to its stacked ``[L, B, *shape]``
+    array; ``lengths`` ``[B]`` counts the tokens each row has seen; ``cross`` and
+    ``src_valid`` hold an encoder-decoder's cross-attention keys, values and source
+    validity. ``window`` (static) is a ring buffer's slot count, None for a linear cache.
+    """
+
     # Role -> [L, B, *shape]; inside a generation loop over separate blocks, a tuple of L
     # arrays [1, B, *shape] (``split_layers``).
     layers: dict
