@@ -21,7 +21,9 @@ from attnlab.variants import attention_variants
 ARCHS = ("decoder", "encoder", "encoder_decoder")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
 NORMS = ("layernorm", "rmsnorm")
-NORM_PLACEMENTS = ("pre", "post")
+# pre: x + f(norm(x)); post: norm(x + f(x)); sandwich: x + norm2(f(norm1(x))) (Gemma 2/3);
+# output: x + norm(f(x)) (OLMo 2).
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "output")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "dots")
 DECODE_LAYERS = ("auto", "unstacked", "scan")
@@ -59,7 +61,7 @@ class ModelConfig:
     Fields left as None take a value derived from the others on construction, and
     ``replace`` derives them again: ``n_kv_heads`` from ``n_heads`` (MHA; fewer gives GQA,
     1 gives MQA), ``head_dim`` is ``d_model // n_heads``, ``d_ff`` is ``4 * d_model``,
-    ``n_decoder_layers`` is ``n_layers``, ``final_norm`` is True for pre-norm and
+    ``n_decoder_layers`` is ``n_layers``, ``final_norm`` is False for post-norm (else True) and
     ``attn_scale`` is ``head_dim ** -0.5``. ``to_dict`` writes them as None again.
 
     Execution: ``scan_layers`` applies each stack's layers (parameters stacked on a leading
@@ -102,6 +104,7 @@ class ModelConfig:
     position_offset: int = 0  # learned tables whose row 0 is position -offset (BART: 2)
     sinusoidal_layout: str = "interleaved"  # or "split" (all sines, then all cosines)
     rope_theta: float = 10000.0
+    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim head dims (None: all)
     relative_buckets: int = 32
     relative_max_distance: int = 128
 
@@ -109,9 +112,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     norm_placement: str = "pre"
     norm_bias: bool = True  # LayerNorm with a bias (ignored by rmsnorm)
-    final_norm: bool | None = None  # defaults to True for pre-norm, False for post-norm
+    final_norm: bool | None = None  # defaults to False for post-norm, else True
     embedding_norm: bool = False  # a norm right after the embeddings (BERT, BART)
     qk_norm: bool = False  # RMS-normalise q and k per head (Qwen3)
+    qk_norm_scope: str = "head"  # or "projection": over all heads at once (OLMo 2)
 
     ffn: str = "gelu"
     attn_bias: bool = False  # biases on the q/k/v projections
@@ -122,6 +126,7 @@ class ModelConfig:
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model)
     logits_bias: bool = False  # a learned bias on the output logits
     logits_scale: float = 1.0  # multiplies the final hidden state before the output head
+    logits_softcap: float | None = None  # caps output logits at c * tanh(z / c) (Gemma 2)
     type_vocab_size: int = 0  # token-type (segment) embeddings, BERT-style; 0 = none
     mlm_transform: bool = True  # encoder: dense -> activation -> norm before the MLM head
 
@@ -263,7 +268,7 @@ def _derivations(cfg: ModelConfig):
     yield "head_dim", cfg.d_model // cfg.n_heads
     yield "d_ff", 4 * cfg.d_model
     yield "n_decoder_layers", cfg.n_layers
-    yield "final_norm", cfg.norm_placement == "pre"
+    yield "final_norm", cfg.norm_placement != "post"
     yield "attn_scale", (cfg.head_dim or cfg.d_model // cfg.n_heads) ** -0.5
 
 
@@ -287,6 +292,15 @@ def validate(cfg: ModelConfig) -> None:
     _choice(cfg, "position", POSITIONS)
     _choice(cfg, "norm", NORMS)
     _choice(cfg, "norm_placement", NORM_PLACEMENTS)
+    _choice(cfg, "qk_norm_scope", ("head", "projection"))
+    if cfg.arch == "encoder_decoder" and cfg.norm_placement not in ("pre", "post"):
+        _fail("norm_placement", cfg.norm_placement, "encoder_decoder takes 'pre' or 'post'")
+    rd = cfg.rotary_dim
+    if rd is not None and not (isinstance(rd, int) and 0 < rd <= cfg.head_dim and rd % 2 == 0):
+        _fail("rotary_dim", rd, f"an even number of head dims in (0, head_dim={cfg.head_dim}]")
+    cap = cfg.logits_softcap
+    if cap is not None and not (isinstance(cap, int | float) and 0 < cap < float("inf")):
+        _fail("logits_softcap", cap, "a positive number (Gemma 2 uses 30.0), or None")
     _choice(cfg, "ffn", FFN_KINDS)
     _choice(cfg, "attention_impl", IMPLEMENTATIONS)
     _choice(cfg, "dtype", DTYPES)

@@ -66,8 +66,10 @@ class Attention(Mixer):
         self.v_bias_KH = zeros(K, H) if cfg.attn_bias else None
         self.o_bias_D = zeros(D) if cfg.out_bias else None
         use_qk_norm = cfg.qk_norm and not cross
-        self.q_norm = Norm(cfg, H, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
-        self.k_norm = Norm(cfg, H, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
+        whole = cfg.qk_norm_scope == "projection"  # over all heads at once (OLMo 2)
+        q_dim, k_dim = (N * H, K * H) if whole else (H, H)
+        self.q_norm = Norm(cfg, q_dim, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
+        self.k_norm = Norm(cfg, k_dim, rngs=rngs, kind="rmsnorm") if use_qk_norm else None
 
     def init_attend(self, cfg: ModelConfig, settings, *, cross: bool = False):
         """What ``attend`` reads besides the parameters: the config, the score function
@@ -93,15 +95,22 @@ class Attention(Mixer):
         y = dense(x, w[...])
         return y if b is None else add_bias(y, b[...])
 
+    def _qk_norm(self, norm, x_BTNH):
+        """QK-norm per head, or over the whole projection (``qk_norm_scope``)."""
+        if self.cfg.qk_norm_scope == "head":
+            return norm(x_BTNH)
+        return norm(x_BTNH.reshape(*x_BTNH.shape[:-2], -1)).reshape(x_BTNH.shape)
+
     def _rope(self, x, positions, theta):
         if self.cfg.position != "rope" or self.cross:
             return x
-        return ops.apply_rope(x, positions, theta=self.cfg.rope_theta if theta is None else theta)
+        theta = self.cfg.rope_theta if theta is None else theta
+        return ops.apply_rope(x, positions, theta=theta, rotary_dim=self.cfg.rotary_dim)
 
     def query(self, x_BTD, call: MixerCall):
         q_BTNH = self._project(x_BTD, self.q_DNH, self.q_bias_NH)
         if self.q_norm is not None:
-            q_BTNH = self.q_norm(q_BTNH)
+            q_BTNH = self._qk_norm(self.q_norm, q_BTNH)
         q_BTNH = self._rope(q_BTNH, call.positions_BT, call.rope_theta)
         return constrain(q_BTNH, "batch", "length", "act_heads", None)
 
@@ -110,7 +119,7 @@ class Attention(Mixer):
         k_BSKH = self._project(x_BSD, self.k_DKH, self.k_bias_KH)
         v_BSKH = self._project(x_BSD, self.v_DKH, self.v_bias_KH)
         if self.k_norm is not None:
-            k_BSKH = self.k_norm(k_BSKH)
+            k_BSKH = self._qk_norm(self.k_norm, k_BSKH)
         return self._rope(k_BSKH, positions_BS, rope_theta), v_BSKH
 
     def keys_values(self, x_BTD, call: MixerCall):

@@ -2,7 +2,8 @@
 
 A ``Block`` is a self-attention variant (the registered mixer ``ModelConfig.mixer``,
 ``attnlab.mixers``), optional cross-attention and a feed-forward network, each a residual
-sub-layer in pre-norm (``x + f(norm(x))``) or post-norm (``norm(x + f(x))``) placement. A
+sub-layer in pre-norm (``x + f(norm(x))``), post-norm (``norm(x + f(x))``), sandwich
+(``x + norm2(f(norm1(x)))``, Gemma 2/3) or output (``x + norm(f(x))``, OLMo 2) placement. A
 ``Stack`` owns what is per-stack: absolute or relative positions, an optional embedding
 norm, the blocks and an optional final norm; it describes the mask and the position bias
 once (``ops.MaskSpec``, ``ops.PositionBias``: the only mask type; attention resolves it,
@@ -53,21 +54,31 @@ def stacked(make, n: int, rngs: nnx.Rngs):
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
         D = cfg.d_model
-        self.pre_norm = cfg.norm_placement == "pre"
+        self.placement = cfg.norm_placement
         self.rate = cfg.dropout
         self.attn_norm = Norm(cfg, D, rngs=rngs)
+        sandwich = cfg.norm_placement == "sandwich"
+        self.attn_post_norm = Norm(cfg, D, rngs=rngs) if sandwich else None
+        self.ffn_post_norm = Norm(cfg, D, rngs=rngs) if sandwich else None
         self.attn = get_mixer(cfg.mixer)(cfg, cfg.mixer_settings, rngs=rngs)
         self.cross_norm = Norm(cfg, D, rngs=rngs) if cross else None
         self.cross_attn = Attention(cfg, cross=True, rngs=rngs) if cross else None
         self.ffn_norm = Norm(cfg, D, rngs=rngs)
         self.ffn = FeedForward(cfg, rngs=rngs)
 
-    def _residual(self, x, norm, fn, key):
-        if self.pre_norm:
-            y, *rest = fn(norm(x))
-            return x + dropout(y, self.rate, key), rest
-        y, *rest = fn(x)
-        return norm(x + dropout(y, self.rate, key)), rest
+    def _residual(self, x, norm, fn, key, post_norm=None):
+        """One residual sub-layer in the configured placement (``ModelConfig.norm_placement``:
+        pre, post, sandwich with ``post_norm`` on the output, or output)."""
+        if self.placement == "post":
+            y, *rest = fn(x)
+            return norm(x + dropout(y, self.rate, key)), rest
+        if self.placement == "output":
+            y, *rest = fn(x)
+            return x + dropout(norm(y), self.rate, key), rest
+        y, *rest = fn(norm(x))
+        if post_norm is not None:
+            y = post_norm(y)
+        return x + dropout(y, self.rate, key), rest
 
     def __call__(self, x_BTD, call: MixerCall, *, enc_BSD=None, cross_mask=None, cross_kv=None):
         """Returns ``(x_BTD, cache, weights)``; ``weights`` is a dict or None.
@@ -78,7 +89,11 @@ class Block(nnx.Module):
         key = call.key
         self_call = call.replace(key=fold(key, 0))
         x_BTD, (cache, w_self) = self._residual(
-            x_BTD, self.attn_norm, lambda h: self.attn(h, self_call), fold(key, 1)
+            x_BTD,
+            self.attn_norm,
+            lambda h: self.attn(h, self_call),
+            fold(key, 1),
+            self.attn_post_norm,
         )
         weights = {"self": w_self} if call.return_weights else None
         if self.cross_attn is not None:
@@ -97,7 +112,11 @@ class Block(nnx.Module):
             if call.return_weights:
                 weights["cross"] = w_cross
         x_BTD, _ = self._residual(
-            x_BTD, self.ffn_norm, lambda h: (self.ffn(h, key=fold(key, 4)),), fold(key, 5)
+            x_BTD,
+            self.ffn_norm,
+            lambda h: (self.ffn(h, key=fold(key, 4)),),
+            fold(key, 5),
+            self.ffn_post_norm,
         )
         return x_BTD, cache, weights
 

@@ -66,6 +66,7 @@ class _LMHead(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.scale = cfg.logits_scale
+        self.softcap = cfg.logits_softcap
         self.head_DV = (
             None
             if cfg.tie_embeddings
@@ -86,6 +87,8 @@ class _LMHead(nnx.Module):
             logits_BTV = dense(x_BTD, self.head_DV[...], out_dtype=jnp.float32)
         if self.bias_V is not None:
             logits_BTV = add_bias(logits_BTV, self.bias_V[...].astype(jnp.float32))
+        if self.softcap is not None:
+            logits_BTV = self.softcap * jnp.tanh(logits_BTV / self.softcap)
         return constrain(logits_BTV.astype(jnp.float32), "batch", "length", "act_vocab")
 
 

@@ -49,8 +49,14 @@ def rope_inv_frequencies(head_dim, theta=10000.0):
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
-def apply_rope(x_BTNH, positions_BT, *, theta=10000.0):
-    """Rotates ``x`` by its positions (half-split layout); computed in float32."""
+def apply_rope(x_BTNH, positions_BT, *, theta=10000.0, rotary_dim=None):
+    """Rotates ``x`` by its positions (half-split layout); computed in float32.
+
+    ``rotary_dim`` (partial rotary, Phi-3): only the first ``rotary_dim`` head dims rotate,
+    as a head of that size; the rest pass through."""
+    if rotary_dim is not None and rotary_dim < x_BTNH.shape[-1]:
+        rotated = apply_rope(x_BTNH[..., :rotary_dim], positions_BT, theta=theta)
+        return jnp.concatenate([rotated, x_BTNH[..., rotary_dim:]], -1)
     H = x_BTNH.shape[-1]
     inv_h = rope_inv_frequencies(H, theta)
     angles_BTh = jnp.asarray(positions_BT, jnp.float32)[..., None] * inv_h[None, None, :]
