@@ -26,7 +26,8 @@ from attnlab.config import ModelConfig
 from attnlab.errors import PretrainedError, PretrainedFileError, one_line
 from attnlab.nn.models import build_model
 from attnlab.pretrained.configs import family_of, model_config_from_hf
-from attnlab.pretrained.mappings import MAPPINGS, TRANSFORMS, Mapping
+from attnlab.pretrained.mappings import TRANSFORMS, Mapping
+from attnlab.pretrained.mappings_open import MAPPINGS
 
 
 class CheckpointError(PretrainedError):

@@ -28,10 +28,12 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Transform:
-    """``stored_shape(targets)`` is what the checkpoint must hold; ``apply`` converts it."""
+    """``stored_shape(targets)`` is what the checkpoint must hold; ``apply`` converts it;
+    ``store`` is the inverse (attnlab arrays -> the stored tensor), for export."""
 
     stored_shape: object  # (target shapes) -> expected stored shape
     apply: object  # (array, target shapes) -> tuple of arrays, one per target
+    store: object  # (tuple of arrays, target shapes) -> stored array
 
 
 def _split(x, axis, shapes, per_target):
@@ -39,36 +41,77 @@ def _split(x, axis, shapes, per_target):
     return tuple(p.reshape(s) for p, s in zip(np.split(x, sizes, axis=axis), shapes, strict=True))
 
 
+def _split_rows(x, shapes, per_target):
+    """nn.Linear [sum of outputs, D] split along its rows, each part -> [D, ...]."""
+    parts = _split(x, 0, [(per_target(s), s[0]) for s in shapes], lambda s: s[0])
+    return tuple(p.T.reshape(s) for p, s in zip(parts, shapes, strict=True))
+
+
+def _rows(xs):
+    return np.concatenate([x.reshape(x.shape[0], -1).T for x in xs], 0)
+
+
+def _heads(s):
+    return s[1] * s[2]
+
+
 TRANSFORMS = {
     # Same layout.
-    "copy": Transform(lambda t: t[0], lambda x, t: (x,)),
+    "copy": Transform(lambda t: t[0], lambda x, t: (x,), lambda xs, t: xs[0]),
     # A flat vector of per-head values -> [N, H].
-    "flat": Transform(lambda t: (math.prod(t[0]),), lambda x, t: (x.reshape(t[0]),)),
+    "flat": Transform(
+        lambda t: (math.prod(t[0]),), lambda x, t: (x.reshape(t[0]),), lambda xs, t: xs[0].ravel()
+    ),
     # A [1, V] row (final_logits_bias) -> [V].
-    "row": Transform(lambda t: (1, *t[0]), lambda x, t: (x[0],)),
+    "row": Transform(lambda t: (1, *t[0]), lambda x, t: (x[0],), lambda xs, t: xs[0][None]),
     # nn.Linear [out, in] -> [in, out].
-    "linear": Transform(lambda t: t[0][::-1], lambda x, t: (x.T,)),
+    "linear": Transform(lambda t: t[0][::-1], lambda x, t: (x.T,), lambda xs, t: xs[0].T),
     # nn.Linear [N*H, D] -> [D, N, H] (q, k, v projections).
     "linear_to_heads": Transform(
-        lambda t: (t[0][1] * t[0][2], t[0][0]), lambda x, t: (x.T.reshape(t[0]),)
+        lambda t: (_heads(t[0]), t[0][0]),
+        lambda x, t: (x.T.reshape(t[0]),),
+        lambda xs, t: _rows(xs),
     ),
     # nn.Linear [D, N*H] -> [N, H, D] (attention output projection).
     "linear_from_heads": Transform(
-        lambda t: (t[0][2], t[0][0] * t[0][1]), lambda x, t: (x.T.reshape(t[0]),)
+        lambda t: (t[0][2], t[0][0] * t[0][1]),
+        lambda x, t: (x.T.reshape(t[0]),),
+        lambda xs, t: xs[0].reshape(-1, xs[0].shape[-1]).T,
     ),
     # Conv1D [N*H, D] -> [N, H, D].
     "rows_from_heads": Transform(
-        lambda t: (t[0][0] * t[0][1], t[0][2]), lambda x, t: (x.reshape(t[0]),)
+        lambda t: (t[0][0] * t[0][1], t[0][2]),
+        lambda x, t: (x.reshape(t[0]),),
+        lambda xs, t: xs[0].reshape(-1, xs[0].shape[-1]),
     ),
     # Conv1D [D, 3*N*H] holding q | k | v along the output axis -> 3 x [D, N, H].
     "fused_columns_to_heads": Transform(
-        lambda t: (t[0][0], sum(s[1] * s[2] for s in t)),
-        lambda x, t: _split(x, 1, t, lambda s: s[1] * s[2]),
+        lambda t: (t[0][0], sum(_heads(s) for s in t)),
+        lambda x, t: _split(x, 1, t, _heads),
+        lambda xs, t: np.concatenate([x.reshape(x.shape[0], -1) for x in xs], 1),
     ),
     # The matching fused bias [3*N*H] -> 3 x [N, H].
     "fused_flat": Transform(
         lambda t: (sum(math.prod(s) for s in t),),
         lambda x, t: _split(x, 0, t, math.prod),
+        lambda xs, t: np.concatenate([x.ravel() for x in xs]),
+    ),
+    # nn.Linear [(N + 2K)*H, D] holding q | k | v along its rows -> [D, N, H], 2 x [D, K, H]
+    # (Phi-3's qkv_proj).
+    "fused_linear_to_heads": Transform(
+        lambda t: (sum(_heads(s) for s in t), t[0][0]),
+        lambda x, t: _split_rows(x, t, _heads),
+        lambda xs, t: _rows(xs),
+    ),
+    # nn.Linear [2F, D] holding gate | up along its rows -> 2 x [D, F] (Phi-3's gate_up_proj).
+    "fused_linear": Transform(
+        lambda t: (sum(s[1] for s in t), t[0][0]),
+        lambda x, t: _split_rows(x, t, lambda s: s[1]),
+        lambda xs, t: _rows(xs),
+    ),
+    # A Gemma RMSNorm weight w, whose scale is 1 + w.
+    "plus_one": Transform(
+        lambda t: t[0], lambda x, t: (x.astype(np.float32) + 1,), lambda xs, t: xs[0] - 1
     ),
 }
 

@@ -1,0 +1,97 @@
+"""config.json translators of Gemma, Gemma 2 and Gemma 3 (text).
+
+Gemma scales the token embeddings by ``sqrt(d_model)``, scales the attention logits by
+``query_pre_attn_scalar ** -0.5`` and stores each RMSNorm's weight as ``w`` for a scale of
+``1 + w`` (the tensor table adds the one). Gemma 2 and 3 put a norm before and after each
+sublayer (``norm_placement="sandwich"``) and alternate local (sliding-window) and global
+layers (``layer_pattern``), Gemma 3 with a RoPE base of its own for the local layers and
+QK-norm; Gemma 2 soft-caps the attention logits (the ``mha`` mixer's ``softcap``) and the
+output logits (``logits_softcap``).
+"""
+
+from __future__ import annotations
+
+from attnlab.pretrained.hf_base import (
+    UnsupportedCheckpointError,
+    common_fields,
+    ffn_kind,
+    reject,
+    require,
+    rope_theta_of,
+)
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_types(c: dict, family: str) -> list[str]:
+    n = require(c, "num_hidden_layers")
+    types = c.get("layer_types")
+    if types is None:
+        every = {"gemma2": 2, "gemma3_text": c.get("sliding_window_pattern", 6)}[family]
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
+        ]
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    if unknown or len(types) != n:
+        raise UnsupportedCheckpointError(
+            f"config.json layer_types={types!r}: list num_hidden_layers={n} entries of "
+            f"{list(_LAYER_TYPES)}"
+        )
+    return list(types)
+
+
+def _layer_pattern(c: dict, family: str) -> tuple[float, list[dict] | None]:
+    """``(rope_theta, layer_pattern)``: each layer's window and RoPE base."""
+    if family == "gemma":
+        return rope_theta_of(c), None
+    global_theta = rope_theta_of(c, layer_type="full_attention")
+    local_theta = global_theta
+    if family == "gemma3_text":
+        local_theta = c.get("rope_local_base_freq") or rope_theta_of(
+            c, layer_type="sliding_attention"
+        )
+    window = require(c, "sliding_window")
+    pattern = [
+        {"window": window, "rope_theta": float(local_theta)}
+        if kind == "sliding_attention"
+        else {"window": None, "rope_theta": None}
+        for kind in _layer_types(c, family)
+    ]
+    return global_theta, pattern
+
+
+def gemma(c: dict, family: str) -> dict:
+    reject(c, "use_bidirectional_attention", (True,), "attnlab loads Gemma as a causal decoder")
+    reject(c, "attention_bias", (True,), "Gemma checkpoints have no attention biases")
+    N = require(c, "num_attention_heads")
+    H = c.get("head_dim") or require(c, "hidden_size") // N
+    theta, pattern = _layer_pattern(c, family)
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    softcap = c.get("attn_logit_softcapping") if family != "gemma" else None
+    return common_fields(
+        c,
+        arch="decoder",
+        vocab_size=require(c, "vocab_size"),
+        d_model=require(c, "hidden_size"),
+        n_layers=require(c, "num_hidden_layers"),
+        n_heads=N,
+        n_kv_heads=c.get("num_key_value_heads") or N,
+        head_dim=H,
+        d_ff=require(c, "intermediate_size"),
+        max_len=c.get("max_position_embeddings") or 8192,
+        position="rope",
+        rope_theta=theta,
+        layer_pattern=pattern,
+        norm="rmsnorm",
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        norm_placement="pre" if family == "gemma" else "sandwich",
+        qk_norm=family == "gemma3_text",
+        ffn=ffn_kind(c, "hidden_activation", "gelu_pytorch_tanh", gated=True, name=act),
+        tie_embeddings=c.get("tie_word_embeddings", True) is not False,
+        embed_scale=True,
+        attn_scale=float(c.get("query_pre_attn_scalar") or H) ** -0.5,
+        mixer_settings={"softcap": float(softcap)} if softcap else None,
+        logits_softcap=(
+            float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None
+        ),
+    )

@@ -1,0 +1,111 @@
+"""Tensor-name tables of the open families of today: Gemma, Gemma 2/3, OLMo 2 and Phi-3
+(see ``attnlab.pretrained.mappings`` for what a table is). ``MAPPINGS`` holds every family's
+table, these and the classic ones."""
+
+from __future__ import annotations
+
+from attnlab.pretrained import mappings
+from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
+
+_L = "model.layers.{i}"
+_A = "decoder.layers.{i}"
+_IGNORE = ("model.layers.*.self_attn.rotary_emb.inv_freq", "lm_head.weight")
+
+
+def _norm(hf, ours, fn="copy"):
+    return (f"{hf}.weight", f"{ours}.scale_D", fn)
+
+
+def _gated_ffn():
+    return [
+        (f"{_L}.mlp.gate_proj.weight", f"{_A}.ffn.w_gate_DF", "linear"),
+        (f"{_L}.mlp.up_proj.weight", f"{_A}.ffn.w_in_DF", "linear"),
+        (f"{_L}.mlp.down_proj.weight", f"{_A}.ffn.w_out_FD", "linear"),
+    ]
+
+
+def _ends(fn="copy"):
+    return [
+        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
+        _norm("model.norm", "decoder.final_norm", fn),
+        ("lm_head.weight", "head.head_DV", "linear"),
+    ]
+
+
+# Gemma: every RMSNorm stores w for a scale of 1 + w; 2 and 3 add the sandwich's post-norms,
+# 3 QK-norm.
+GEMMA = Mapping(
+    prefix="model.",
+    rules=_table(
+        _ends("plus_one"),
+        _norm(f"{_L}.input_layernorm", f"{_A}.attn_norm", "plus_one"),
+        _linear_attention(f"{_L}.self_attn", f"{_A}.attn", bias=False),
+        _norm(f"{_L}.self_attn.q_norm", f"{_A}.attn.q_norm", "plus_one"),
+        _norm(f"{_L}.self_attn.k_norm", f"{_A}.attn.k_norm", "plus_one"),
+        _norm(f"{_L}.post_attention_layernorm", f"{_A}.attn_post_norm", "plus_one"),
+        _norm(f"{_L}.pre_feedforward_layernorm", f"{_A}.ffn_norm", "plus_one"),
+        _norm(f"{_L}.post_feedforward_layernorm", f"{_A}.ffn_post_norm", "plus_one"),
+        _gated_ffn(),
+    ),
+    ignore=_IGNORE,
+)
+# Gemma 1 is pre-norm: its post_attention_layernorm is the FFN's input norm.
+GEMMA1 = Mapping(
+    prefix="model.",
+    rules=_table(
+        _ends("plus_one"),
+        _norm(f"{_L}.input_layernorm", f"{_A}.attn_norm", "plus_one"),
+        _linear_attention(f"{_L}.self_attn", f"{_A}.attn", bias=False),
+        _norm(f"{_L}.post_attention_layernorm", f"{_A}.ffn_norm", "plus_one"),
+        _gated_ffn(),
+    ),
+    ignore=_IGNORE,
+)
+
+# OLMo 2: each sublayer's output is normed (norm_placement="output"); QK-norm over the
+# whole q and k projections.
+OLMO2 = Mapping(
+    prefix="model.",
+    rules=_table(
+        _ends(),
+        _linear_attention(f"{_L}.self_attn", f"{_A}.attn"),
+        _norm(f"{_L}.self_attn.q_norm", f"{_A}.attn.q_norm"),
+        _norm(f"{_L}.self_attn.k_norm", f"{_A}.attn.k_norm"),
+        _norm(f"{_L}.post_attention_layernorm", f"{_A}.attn_norm"),
+        _norm(f"{_L}.post_feedforward_layernorm", f"{_A}.ffn_norm"),
+        _gated_ffn(),
+    ),
+    ignore=_IGNORE,
+)
+
+# Phi-3: q | k | v in one qkv_proj, gate | up in one gate_up_proj.
+PHI3 = Mapping(
+    prefix="model.",
+    rules=_table(
+        _ends(),
+        _norm(f"{_L}.input_layernorm", f"{_A}.attn_norm"),
+        (
+            f"{_L}.self_attn.qkv_proj.weight",
+            (f"{_A}.attn.q_DNH", f"{_A}.attn.k_DKH", f"{_A}.attn.v_DKH"),
+            "fused_linear_to_heads",
+        ),
+        (f"{_L}.self_attn.o_proj.weight", f"{_A}.attn.o_NHD", "linear_from_heads"),
+        _norm(f"{_L}.post_attention_layernorm", f"{_A}.ffn_norm"),
+        (
+            f"{_L}.mlp.gate_up_proj.weight",
+            (f"{_A}.ffn.w_gate_DF", f"{_A}.ffn.w_in_DF"),
+            "fused_linear",
+        ),
+        (f"{_L}.mlp.down_proj.weight", f"{_A}.ffn.w_out_FD", "linear"),
+    ),
+    ignore=_IGNORE,
+)
+
+MAPPINGS = {
+    **mappings.MAPPINGS,
+    "gemma": GEMMA1,
+    "gemma2": GEMMA,
+    "gemma3_text": GEMMA,
+    "olmo2": OLMO2,
+    "phi3": PHI3,
+}
