@@ -7,6 +7,7 @@ attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir
               [--retry-failed] [--allow-changes]
 attnlab sweep --collect DIR
 attnlab eval --workdir DIR [--step N] [--full]
+attnlab eval --harness TASKS (--workdir DIR | --pretrained HF_DIR) [--include-path DIR]
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflow stop|raise]
                [--temperature T ...] [--step N]
@@ -64,7 +65,11 @@ def _train(args, overrides):
 
 def _eval(args, overrides):
     from attnlab import runs
+    from attnlab.evaluation import commands
 
+    commands.check(args)
+    if args.harness is not None:
+        return commands.harness(args)
     print(json.dumps(runs.evaluate(args.workdir, args.step, full=args.full)))
 
 
@@ -115,12 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "eval", parents=[debug, step], help="evaluate the latest checkpoint on the validation split"
     )
-    e.add_argument("--workdir", required=True)
+    e.add_argument("--workdir", default=None)
     e.add_argument(
         "--full",
         action="store_true",
         help="every token of the validation split once (non-overlapping context windows)",
     )
+    from attnlab.evaluation.commands import add_flags as add_harness_flags
+
+    add_harness_flags(e)
     e.set_defaults(fn=_eval)
 
     pl = sub.add_parser(

@@ -1,0 +1,141 @@
+"""``AttnlabLM``: an attnlab model as an ``lm_eval.api.model.LM``, and ``run_harness``.
+
+``loglikelihood`` scores ``(context, continuation)`` pairs the harness's way
+(``TemplateLM``: trailing spaces of the context move to the continuation, the continuation's
+ids are those of ``context + continuation`` after the context's; an empty context is
+conditioned on ``Backend.prefix_id``), rows cut to their last ``max_len + 1`` ids.
+``loglikelihood_rolling`` sums disjoint windows of the model's context over the whole text
+(the harness's ``get_rolling_token_windows``). ``generate_until`` decodes greedily with the
+KV-cache decoder in batches of requests that share their generation settings, prompts cut
+to leave room for ``max_gen_toks``, and cuts each text at its first stop sequence.
+
+Nothing is downloaded: tasks come from the harness's own task folders or ``include_path``
+(local YAML files); the data sets they name must be on disk (``dataset_path: json`` with
+``data_files``, say) or in the Hugging Face cache with ``HF_DATASETS_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from attnlab.errors import ConfigError
+
+
+def _lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.api.model import TemplateLM
+    except ImportError:
+        raise ConfigError(
+            "--harness needs the EleutherAI harness: pip install 'attnlab[eval]'"
+        ) from None
+    return lm_eval, TemplateLM
+
+
+def make_lm(backend, batch_size: int = 8):
+    """The ``LM`` of ``backend`` (an ``attnlab.evaluation.Backend``)."""
+    _, TemplateLM = _lm_eval()
+    from lm_eval.models.utils import handle_stop_sequences
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    class AttnlabLM(TemplateLM):
+        def __init__(self):
+            super().__init__()
+            self.backend, self.batch_size = backend, batch_size
+
+        @property
+        def eot_token_id(self):
+            return backend.prefix_id if backend.eos_id is None else backend.eos_id
+
+        @property
+        def prefix_token_id(self):
+            return backend.prefix_id
+
+        @property
+        def tokenizer_name(self) -> str:
+            return backend.name
+
+        def tok_encode(self, string, add_special_tokens=None, **kwargs):
+            return backend.encode(string)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+            rows = [(list(ctx) + list(cont), len(cont)) for _, ctx, cont in requests]
+            return backend.scores(rows, self.batch_size)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            out = []
+            for (text,) in [r.args for r in requests]:
+                windows = get_rolling_token_windows(
+                    backend.encode(text), backend.prefix_id, backend.max_len, 1
+                )
+                rows = [(ctx + cont, len(cont)) for ctx, cont in map(make_disjoint_window, windows)]
+                out.append(sum(s for s, _ in backend.scores(rows, self.batch_size)))
+            return out
+
+        def generate_until(self, requests, disable_tqdm=False):
+            out = [None] * len(requests)
+            groups: dict[str, list[int]] = {}
+            for i, r in enumerate(requests):
+                groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
+            for key, members in groups.items():
+                kwargs = json.loads(key)
+                until = handle_stop_sequences(kwargs.get("until"), None)
+                n = int(kwargs.get("max_gen_toks", 256))
+                keep = max(backend.max_len - n, 1)
+                for first in range(0, len(members), self.batch_size):
+                    chunk = members[first : first + self.batch_size]
+                    prompts = [
+                        (backend.encode(requests[i].args[0]) or [backend.prefix_id])[-keep:]
+                        for i in chunk
+                    ]
+                    for i, ids in zip(chunk, backend.generate(prompts, n), strict=True):
+                        text = backend.decode(ids)
+                        for stop in until:
+                            text = text.split(stop)[0] if stop else text
+                        out[i] = text
+            return out
+
+    return AttnlabLM()
+
+
+def run_harness(
+    backend,
+    tasks,
+    *,
+    include_path=None,
+    limit=None,
+    num_fewshot=None,
+    batch_size: int = 8,
+    log_samples: bool = False,
+) -> dict:
+    """The harness's ``results`` per task (as ``lm_eval.simple_evaluate`` gives them), and
+    with ``log_samples`` each task's ``samples`` (documents, responses, metrics)."""
+    lm_eval, _ = _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    names = [t for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t]
+    if not names:
+        raise ConfigError("--harness needs task names, e.g. --harness lambada_openai,hellaswag")
+    if include_path is not None and not pathlib.Path(include_path).is_dir():
+        raise ConfigError(f"--include-path {include_path}: no such directory of task YAML files")
+    manager = TaskManager(include_path=None if include_path is None else str(include_path))
+    unknown = [t for t in names if not manager.match_tasks([t])]
+    if unknown:
+        raise ConfigError(
+            f"--harness: unknown task {unknown[0]!r}; `lm-eval ls tasks` lists them, or pass "
+            "--include-path DIR with its YAML file"
+        )
+    results = lm_eval.simple_evaluate(
+        model=make_lm(backend, batch_size),
+        tasks=names,
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        log_samples=log_samples,
+        bootstrap_iters=0,
+    )
+    out = {"results": results["results"], "versions": results.get("versions", {})}
+    if log_samples:
+        out["samples"] = results["samples"]
+    return out
