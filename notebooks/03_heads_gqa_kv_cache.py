@@ -33,6 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import treescope
 from flax import nnx
 from matplotlib.figure import Figure
 
@@ -204,6 +205,17 @@ assert max_diff <= 1e-5
 assert (np.asarray(cache.lengths) == T).all()
 stored = cache.k.nbytes + cache.v.nbytes
 assert stored == kv_cache_bytes(small, B, small.max_len, dtype="float32")
+
+# %% [markdown]
+# Both are pytrees, and `treescope` draws them as trees: folded, each array with its shape,
+# dtype and a summary of its values; click a node to unfold it. The model's parameters are
+# stacked on the layer axis (`q_DNH` is `[L, D, N, H]`, the letters of `attnlab.dims`); the
+# cache holds each role (`keys`, `values`) as `[L, B, K, S, H]`, only the K = 2 key/value
+# heads, with each row's length.
+
+# %%
+treescope.display(model)
+treescope.display(cache)
 
 # %% [markdown]
 # ## 4. Cached vs uncached decoding

@@ -31,6 +31,7 @@ import tempfile
 
 import jax
 import numpy as np
+import treescope
 from IPython.display import display
 
 import attnlab
@@ -103,6 +104,22 @@ weights_BLNTS = np.stack([np.asarray(layer["self"]) for layer in out.weights], a
 labels = shown(task.decode(rows_BT[0]))
 print(f"weights [B, L, N, T, S] = {weights_BLNTS.shape}")
 print(repr(task.decode(rows_BT[0])))
+
+# %% [markdown]
+# A printed `[B, L, N, T, S]` array is unreadable; `treescope.render_array` draws the first
+# row's weights as one heat map per head (queries down, keys across), with a slider over the
+# layers. Hover over a cell for its value.
+
+# %%
+treescope.display(
+    treescope.render_array(
+        weights_BLNTS[0],
+        rows=[2],
+        columns=[1, 3],
+        sliders=[0],
+        axis_labels={0: "L", 1: "N", 2: "T (query)", 3: "S (key)"},
+    )
+)
 
 # %%
 for layer in range(weights_BLNTS.shape[1]):

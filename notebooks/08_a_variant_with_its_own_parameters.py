@@ -47,6 +47,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import treescope
 from flax import nnx
 
 import attnlab
@@ -144,6 +145,16 @@ try:
                 mixer_settings={"temperature": -1.0})  # fmt: skip
 except attnlab.errors.ConfigError as e:
     print(e)
+
+# %% [markdown]
+# `treescope` shows what the class declares: the module with its parameters (the
+# projections of softmax attention plus `log_tau_N` and `null_NH`, each named by its
+# shape's letters), and the cache of a model built with it, which keeps the same `keys` and
+# `values` as `mha`, `[L, B, K, S, H]`.
+
+# %%
+treescope.display(NullKeyAttention(cfg, NullKeyAttention.Settings(), rngs=nnx.Rngs(0)))
+treescope.display(attnlab.init_cache(cfg, batch_size=2, max_len=cfg.max_len))
 
 # %% [markdown]
 # ## 2. Trained against softmax attention on MQAR
