@@ -33,6 +33,8 @@ import pathlib
 import tempfile
 
 import numpy as np
+import treescope
+from flax import nnx
 
 import attnlab
 from attnlab import viz
@@ -144,3 +146,13 @@ assert np.all((result.tokens >= 0) & (result.tokens < task.vocab_size))
 assert all(
     s.startswith(p) and len(s) == len(p) + new_tokens for s, p in zip(samples, PROMPTS, strict=True)
 )
+
+# %% [markdown]
+# The trained parameters as one tree (`nnx.state`), drawn by `treescope`: each leaf is named
+# by its shape's letters and summarised (mean, standard deviation, range); click a node to
+# unfold it. This experiment unrolls its layers (`scan_layers=False`, faster at this width),
+# so each block has its own subtree; a scanned stack (the default) holds one subtree whose
+# leaves share a leading `L` axis.
+
+# %%
+treescope.display(nnx.state(model, nnx.Param))
