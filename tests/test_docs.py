@@ -34,6 +34,17 @@ def test_the_check_names_what_is_missing(tmp_path):
     assert not any(line.startswith("attnlab.ModelConfig ") for line in found)
 
 
+def test_the_shapes_page_lists_every_letter_of_the_key():
+    import re
+
+    from attnlab import dims
+
+    letters = re.findall(r"^([A-Z])  +\S", dims.__doc__, re.M)
+    page = (REPO / "docs" / "concepts" / "shapes.md").read_text()
+    assert len(letters) > 10
+    assert [x for x in letters if f"| `{x}` |" not in page] == []
+
+
 def _build(config_file, site_dir):
     from mkdocs.commands.build import build
     from mkdocs.config import load_config
