@@ -1,9 +1,12 @@
 """Hugging Face checkpoints (config.json + model.safetensors) as attnlab models.
 
 ``load_pretrained(path)`` returns a ``Pretrained`` handle. Families: gpt2, llama, mistral,
-qwen2, qwen3, bert, bart, marian and t5. ``configs`` translates config.json into a
-``ModelConfig``, ``mappings`` holds one tensor-name table per family, ``loader`` reads and
-converts, ``handle`` runs the model with Hugging Face-like arguments.
+qwen2, qwen3, olmo2, phi3, gemma, gemma2, gemma3_text, bert, bart, marian and t5
+(docs/pretrained.md). ``configs`` translates config.json into a ``ModelConfig`` (one
+``hf_*`` module per family group), ``mappings`` and ``mappings_open`` hold one tensor-name
+table per family, ``loader`` reads and converts, ``handle`` runs the model with Hugging
+Face-like arguments; ``export`` writes a model back as a Hugging Face folder
+(``attnlab export-hf``).
 """
 
 from attnlab.pretrained.configs import (
@@ -12,6 +15,7 @@ from attnlab.pretrained.configs import (
     family_of,
     model_config_from_hf,
 )
+from attnlab.pretrained.export import ExportError, export_model, export_run
 from attnlab.pretrained.handle import Pretrained
 from attnlab.pretrained.loader import (
     CheckpointError,
@@ -26,12 +30,15 @@ from attnlab.pretrained.loader import (
 __all__ = [
     "FAMILIES",
     "CheckpointError",
+    "ExportError",
     "MissingTensorError",
     "Pretrained",
     "TensorShapeError",
     "UnexpectedTensorError",
     "UnsupportedCheckpointError",
     "convert",
+    "export_model",
+    "export_run",
     "family_of",
     "load_pretrained",
     "model_config_from_hf",

@@ -50,12 +50,13 @@ def _layer_pattern(c: dict, family: str) -> tuple[float, list[dict] | None]:
         local_theta = c.get("rope_local_base_freq") or rope_theta_of(
             c, layer_type="sliding_attention"
         )
-    window = require(c, "sliding_window")
+    types = _layer_types(c, family)
+    window = require(c, "sliding_window") if "sliding_attention" in types else None
     pattern = [
         {"window": window, "rope_theta": float(local_theta)}
         if kind == "sliding_attention"
         else {"window": None, "rope_theta": None}
-        for kind in _layer_types(c, family)
+        for kind in types
     ]
     return global_theta, pattern
 

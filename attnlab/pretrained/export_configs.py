@@ -1,0 +1,119 @@
+"""config.json writers, one per family export-hf supports: a ``ModelConfig`` -> the dict the
+family's translator (``attnlab.pretrained.configs``) reads back as that config. A writer
+may write what its family cannot express; ``export.hf_config_of`` keeps it only when the
+config read back computes the same model."""
+
+from __future__ import annotations
+
+from attnlab.config import ModelConfig
+
+# attnlab gated FFN kinds -> Hugging Face activation names.
+_ACT = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
+
+
+def _base(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
+    if cfg.arch != "decoder":
+        raise ValueError(f"arch={cfg.arch!r}: export-hf writes decoder-only models")
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": _ACT.get(cfg.ffn, cfg.ffn),
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.attn_bias,
+        "pad_token_id": cfg.pad_id,
+        "dtype": "float32",
+    }
+
+
+def _windows(cfg: ModelConfig) -> dict:
+    """``layer_types`` and ``sliding_window`` of the per-layer windows (one window size)."""
+    windows = cfg.layer_windows(cfg.n_layers)
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"windows {windows}: a family's layers share one window size")
+    types = ["full_attention" if w is None else "sliding_attention" for w in windows]
+    return {"sliding_window": sizes.pop() if sizes else None, "layer_types": types}
+
+
+def llama(cfg):
+    return _base(cfg, "llama", "LlamaForCausalLM")
+
+
+def qwen3(cfg):
+    return _base(cfg, "qwen3", "Qwen3ForCausalLM")
+
+
+def mistral(cfg):
+    windows = set(cfg.layer_windows(cfg.n_layers))
+    if len(windows) > 1:
+        raise ValueError(f"windows {sorted(windows, key=str)}: Mistral slides in every layer")
+    return {**_base(cfg, "mistral", "MistralForCausalLM"), "sliding_window": windows.pop()}
+
+
+def olmo2(cfg):
+    return _base(cfg, "olmo2", "Olmo2ForCausalLM")
+
+
+def phi3(cfg):
+    out = _base(cfg, "phi3", "Phi3ForCausalLM")
+    del out["head_dim"], out["attention_bias"]
+    if cfg.rotary_dim is not None:
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    return out
+
+
+def _gemma(cfg, model_type, architecture):
+    out = _base(cfg, model_type, architecture)
+    out["hidden_activation"] = out.pop("hidden_act")
+    scale = cfg.attn_scale**-2
+    out["query_pre_attn_scalar"] = round(scale) if abs(scale - round(scale)) < 1e-6 else scale
+    return out
+
+
+def gemma(cfg):
+    return _gemma(cfg, "gemma", "GemmaForCausalLM")
+
+
+def gemma2(cfg):
+    out = {**_gemma(cfg, "gemma2", "Gemma2ForCausalLM"), **_windows(cfg)}
+    out["attn_logit_softcapping"] = getattr(cfg.mixer_settings, "softcap", None)
+    out["final_logit_softcapping"] = cfg.logits_softcap
+    return out
+
+
+def gemma3_text(cfg):
+    out = {**_gemma(cfg, "gemma3_text", "Gemma3ForCausalLM"), **_windows(cfg)}
+    thetas = cfg.layer_rope_thetas(cfg.n_layers)
+    kinds = out["layer_types"]
+    by_kind = {k: {t for t, kk in zip(thetas, kinds, strict=True) if kk == k} for k in set(kinds)}
+    if any(len(v) > 1 for v in by_kind.values()):
+        raise ValueError("Gemma 3 has one RoPE base per layer type")
+    full = by_kind.get("full_attention", {cfg.rope_theta}).pop()
+    local = by_kind.get("sliding_attention", {cfg.rope_theta}).pop()
+    out["rope_parameters"] = {
+        "full_attention": {"rope_type": "default", "rope_theta": full},
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+    }
+    return out
+
+
+WRITERS = {
+    "llama": llama,
+    "qwen3": qwen3,
+    "mistral": mistral,
+    "olmo2": olmo2,
+    "phi3": phi3,
+    "gemma": gemma,
+    "gemma2": gemma2,
+    "gemma3_text": gemma3_text,
+}

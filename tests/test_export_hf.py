@@ -1,0 +1,157 @@
+"""``attnlab export-hf`` and ``export_model``: attnlab models written as Hugging Face folders.
+
+Each round trip builds a tiny attnlab model of one family's shape (every parameter moved off
+its init, so a dropped or transposed tensor shows), writes it with ``export_model`` and
+loads the folder in transformers: its logits must equal attnlab's to 1e-4 at the real
+positions of a left-padded batch. The command itself is checked on a tiny trained run.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (and torch) are needed to read the exported folders"
+)
+torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
+
+from test_pretrained import max_diff  # noqa: E402
+from test_pretrained_hf import hf  # noqa: E402
+from test_pretrained_open import left_padded  # noqa: E402
+from tiers import cases  # noqa: E402
+
+from attnlab.cli import main  # noqa: E402
+from attnlab.config import ModelConfig  # noqa: E402
+from attnlab.nn.models import build_model  # noqa: E402
+from attnlab.pretrained import load_pretrained  # noqa: E402
+from attnlab.pretrained.export import ExportError, export_model  # noqa: E402
+
+TOL = 1e-4
+_LLAMA = dict(
+    arch="decoder",
+    vocab_size=96,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=128,
+    max_len=64,
+    position="rope",
+    norm="rmsnorm",
+    norm_eps=1e-6,
+    ffn="swiglu",
+    tie_embeddings=False,
+)
+_GEMMA = dict(
+    _LLAMA,
+    head_dim=24,
+    norm_placement="sandwich",
+    ffn="geglu_tanh",
+    embed_scale=True,
+    tie_embeddings=True,
+    attn_scale=16**-0.5,
+)
+SHAPES = {
+    "llama": (dict(_LLAMA, rope_theta=500.0), "llama"),
+    "qwen3": (dict(_LLAMA, head_dim=24, qk_norm=True), "qwen3"),
+    # Soft caps that bind on a tiny random model; local and global layers.
+    "gemma2": (
+        dict(
+            _GEMMA,
+            layer_pattern=[{"window": 5}, {"window": None}],
+            mixer_settings={"softcap": 1.0},
+            logits_softcap=2.0,
+        ),
+        "gemma2",
+    ),
+    # QK-norm; the local layers with a RoPE base of their own.
+    "gemma3": (
+        dict(
+            _GEMMA,
+            n_layers=3,
+            qk_norm=True,
+            rope_theta=1e6,
+            layer_pattern=[{"window": 5, "rope_theta": 10.0}, {"window": None}],
+        ),
+        "gemma3_text",
+    ),
+}
+
+
+# The fast tier exports Gemma 2 (sandwich norms, soft caps, local and global layers).
+EXPORT_SLOW = "one more exported family, built, written and read by transformers"
+
+
+def perturbed(cfg: ModelConfig, seed: int):
+    """A model of ``cfg`` whose every parameter is its init plus noise."""
+    model = build_model(cfg, seed=seed)
+    state = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [
+        a + 0.2 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys, strict=True)
+    ]
+    nnx.update(model, jax.tree.unflatten(tree, noisy))
+    return model
+
+
+def transformers_logits(folder, ids, mask):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        return model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+
+
+@pytest.mark.parametrize(
+    "name",
+    cases(
+        list(SHAPES),
+        slow={n: "one more exported family, read by transformers" for n in ("qwen3", "gemma3")},
+    ),
+)
+def test_exported_model_loads_in_transformers_with_equal_logits(tmp_path, name):
+    fields, family = SHAPES[name]
+    model = perturbed(ModelConfig(**fields), seed=3)
+    assert export_model(model, tmp_path / "hf") == family
+    ids, mask = left_padded(np.random.default_rng(5))
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, valid_BT=real).logits)
+    expected = transformers_logits(tmp_path / "hf", ids, mask)
+    assert max_diff(ours[real], expected[real]) <= TOL
+    # And back: load_pretrained reads the folder as the same model.
+    back = load_pretrained(tmp_path / "hf")
+    assert max_diff(np.asarray(back.logits(ids, mask))[real], ours[real]) <= TOL
+
+
+def test_a_model_no_family_describes_is_refused_naming_the_supported_ones(tmp_path):
+    cfg = ModelConfig(**dict(_LLAMA, position="learned", norm="layernorm"))
+    with pytest.raises(ExportError, match=r"supported: \[.*'gemma2'.*'llama'"):
+        export_model(build_model(cfg), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow(reason="trains a tiny run, then reads the exported folder with transformers")
+def test_export_hf_command_round_trips_a_trained_run(tmp_path, capsys):
+    from test_cli import exp
+
+    from attnlab.runs.loading import load_run
+
+    run = tmp_path / "lm"
+    argv = ["train", "--no-progress", "--config", exp("char_lm"), "--workdir", str(run)]
+    assert main(argv + ["--config.eval.sample_tokens=0"]) == 0
+    out = tmp_path / "hf"
+    assert main(["export-hf", "--workdir", str(run), "--out", str(out)]) == 0
+    assert "llama" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    model = load_run(run).model
+    ids, mask = left_padded(np.random.default_rng(6))
+    ids = ids % model.cfg.vocab_size
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, valid_BT=real).logits)
+    assert max_diff(ours[real], transformers_logits(out, ids, mask)[real]) <= TOL
+    # A second export into the now non-empty folder is refused.
+    assert main(["export-hf", "--workdir", str(run), "--out", str(out)]) != 0
