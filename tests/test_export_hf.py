@@ -110,7 +110,7 @@ def transformers_logits(folder, ids, mask):
     "name",
     cases(
         list(SHAPES),
-        slow={n: "one more exported family, read by transformers" for n in ("qwen3", "gemma3")},
+        slow={n: EXPORT_SLOW for n in ("llama", "qwen3", "gemma3")},
     ),
 )
 def test_exported_model_loads_in_transformers_with_equal_logits(tmp_path, name):
