@@ -9,6 +9,7 @@ from attnlab import ops
 from attnlab.compilation import compilation_cache
 from attnlab.config import ModelConfig
 from attnlab.decode import GenerationResult, generate
+from attnlab.ffns import FFN, FFNSettings, register_ffn, registered_ffns
 from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
 from attnlab.mixers import (
     CacheEntry,
@@ -23,6 +24,8 @@ from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
     "CacheEntry",
+    "FFN",
+    "FFNSettings",
     "GenerationResult",
     "KVCache",
     "Mixer",
@@ -41,7 +44,9 @@ __all__ = [
     "load_run",
     "ops",
     "register_attention",
+    "register_ffn",
     "register_mixer",
+    "registered_ffns",
     "registered_mixers",
 ]
 __version__ = "0.1.0"

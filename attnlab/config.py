@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from attnlab.errors import ConfigError
+from attnlab.ffns import get_ffn, make_ffn_settings
 from attnlab.mixers import get_mixer, make_settings
 from attnlab.ops.activations import FFN_KINDS
 from attnlab.ops.attention import IMPLEMENTATIONS
@@ -118,6 +119,8 @@ class ModelConfig:
     qk_norm_scope: str = "head"  # or "projection": over all heads at once (OLMo 2)
 
     ffn: str = "gelu"
+    ffn_variant: str = "dense"  # the FFN module: attnlab.registered_ffns() ("moe")
+    ffn_settings: Any = None  # the FFN variant's Settings (a dict of its fields; None: defaults)
     attn_bias: bool = False  # biases on the q/k/v projections
     out_bias: bool = False  # bias on the attention output projection
     ffn_bias: bool = False
@@ -173,6 +176,12 @@ class ModelConfig:
         if not isinstance(self.mixer, str):
             _fail("mixer", self.mixer, "name a registered mixer (attnlab.registered_mixers())")
         object.__setattr__(self, "mixer_settings", make_settings(self.mixer, self.mixer_settings))
+        if not isinstance(self.ffn_variant, str):
+            _fail(
+                "ffn_variant", self.ffn_variant, "name a registered FFN (attnlab.registered_ffns())"
+            )
+        settings = make_ffn_settings(self.ffn_variant, self.ffn_settings)
+        object.__setattr__(self, "ffn_settings", settings)
         validate_raw(self)
         derived = set()
         for name, value in _derivations(self):
@@ -218,6 +227,8 @@ class ModelConfig:
         values = self.to_dict()
         if "mixer" in changes and changes["mixer"] != self.mixer:
             values["mixer_settings"] = None
+        if "ffn_variant" in changes and changes["ffn_variant"] != self.ffn_variant:
+            values["ffn_settings"] = None
         values.update(changes)
         return ModelConfig(**values)
 
@@ -230,6 +241,7 @@ class ModelConfig:
             if f.init
         }
         out["mixer_settings"] = self.mixer_settings.to_dict()
+        out["ffn_settings"] = self.ffn_settings.to_dict()
         if self.layer_pattern is not None:
             out["layer_pattern"] = [dataclasses.asdict(p) for p in self.layer_pattern]
         return out
@@ -350,6 +362,9 @@ def validate(cfg: ModelConfig) -> None:
     if not isinstance(cfg.mixer_settings, get_mixer(cfg.mixer).Settings):
         _fail("mixer_settings", cfg.mixer_settings, f"settings of mixer={cfg.mixer!r}")
     cfg.mixer_settings.validate(cfg)
+    if not isinstance(cfg.ffn_settings, get_ffn(cfg.ffn_variant).Settings):
+        _fail("ffn_settings", cfg.ffn_settings, f"settings of ffn_variant={cfg.ffn_variant!r}")
+    cfg.ffn_settings.validate(cfg)
     if cfg.attention_fn not in attention_variants():
         _fail(
             "attention_fn",

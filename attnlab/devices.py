@@ -51,7 +51,7 @@ def choose(cfg, setting: str | None = None) -> int:
             )
         return n
     default_mesh = int(cfg.mesh.data) == -1 and all(
-        int(cfg.mesh[a]) == 1 for a in ("fsdp", "tensor", "context")
+        int(cfg.mesh.get(a, 1)) == 1 for a in ("fsdp", "tensor", "context", "expert")
     )
     several_hosts = bool(cfg.distributed.coordinator_address) or (
         int(os.environ.get("SLURM_NTASKS", "1")) > 1

@@ -21,6 +21,7 @@ Y     token types (BERT segment embeddings)
 C     prefill chunk length (a long prompt fed through the KV cache C tokens at a time)
 I     steps of a scan (prefill chunks, decode steps)
 R     a low-rank latent's width (multi-head latent attention's kv_lora_rank, q_lora_rank)
+E     experts of a mixture of experts (attnlab.nn.moe)
 ====  ======================================================================
 
 Masks are boolean and broadcastable to ``[B, N|1, T, S]``; ``True`` means *may attend*.

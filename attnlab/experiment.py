@@ -39,6 +39,7 @@ from attnlab.config import ModelConfig
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
 from attnlab.mixers import get_mixer
+from attnlab.optimizers import OPTIMIZERS, SCHEDULES
 from attnlab.variants import attention_variants
 
 ConfigDict = config_dict.ConfigDict
@@ -227,12 +228,12 @@ def validate(cfg: ConfigDict) -> ModelConfig:
     _require(e.batches >= 0, "eval.batches", e.batches, "must be >= 0 (0 disables evaluation)")
     _require(o.learning_rate > 0, "optim.learning_rate", o.learning_rate, "must be positive")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    _require(o.name in ("adamw", "muon"), "optim.name", o.name, "use 'adamw' or 'muon'")
+    _require(o.name in OPTIMIZERS, "optim.name", o.name, f"use one of {sorted(OPTIMIZERS)}")
     _require(
-        o.schedule in ("cosine", "constant", "linear", "wsd"),
+        o.schedule in SCHEDULES,
         "optim.schedule",
         o.schedule,
-        "use 'cosine', 'linear', 'constant' or 'wsd' (warmup-stable-decay)",
+        f"use one of {sorted(SCHEDULES)} (wsd: warmup-stable-decay)",
     )
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")

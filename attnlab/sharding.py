@@ -1,6 +1,7 @@
 """The device mesh from the config, logical-axis rules, and shardings for state and batches.
 
-Mesh axes are ``data``, ``fsdp``, ``tensor`` and ``context`` (``MESH_AXES``), all of the
+Mesh axes are ``data``, ``fsdp``, ``tensor``, ``context`` and ``expert`` (a mixture of
+experts' experts split over it; ``attnlab.nn.moe``) (``MESH_AXES``), all of the
 ``Auto`` axis type: shardings are placed on parameters, batches and a few activations, and
 XLA (GSPMD) inserts the collectives. ``mesh_from_config`` builds the mesh from the
 experiment's ``mesh`` group: one axis may be -1 to take the remaining devices; the default
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from attnlab.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "context")
+MESH_AXES = ("data", "fsdp", "tensor", "context", "expert")
 
 
 class MeshError(ConfigError):
@@ -54,6 +55,7 @@ LETTERS = {
     "X": "buckets",
     "Y": "token_types",
     "R": "latent",
+    "E": "expert",
 }
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
@@ -68,6 +70,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "buckets": None,
     "token_types": None,
     "latent": None,
+    "expert": "expert",
     # activations
     "batch": ("data", "fsdp"),
     "length": "context",
@@ -139,7 +142,7 @@ def make_mesh(sizes: Mapping[str, int] | None = None, devices=None) -> jax.shard
 
 def mesh_from_config(cfg) -> jax.sharding.Mesh:
     """The mesh of an experiment's ``mesh`` group."""
-    return make_mesh({axis: int(cfg.mesh[axis]) for axis in MESH_AXES})
+    return make_mesh({axis: int(cfg.mesh.get(axis, 1)) for axis in MESH_AXES})
 
 
 def axis_size(mesh, axes) -> int:

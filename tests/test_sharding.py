@@ -48,8 +48,8 @@ def test_mesh_tests_pass_on_eight_cpu_devices():
 
 
 def test_mesh_shape_fills_one_axis_and_names_both_numbers():
-    assert sharding.mesh_shape({"data": -1}, 8) == (8, 1, 1, 1)
-    assert sharding.mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == (2, 2, 2, 1)
+    assert sharding.mesh_shape({"data": -1}, 8) == (8, 1, 1, 1, 1)
+    assert sharding.mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == (2, 2, 2, 1, 1)
     with pytest.raises(sharding.MeshError, match=r"has 6 devices but 8 are present"):
         sharding.mesh_shape({"data": 3, "tensor": 2}, 8)
     with pytest.raises(sharding.MeshError, match="at most one may be -1"):

@@ -22,12 +22,15 @@ and written in place; ``ModelConfig.remat`` rematerialises each layer in the bac
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from attnlab import kv_cache, ops
 from attnlab.config import ModelConfig
+from attnlab.ffns import get_ffn
 from attnlab.kv_cache import KVCache, LayerCache, Ring
 from attnlab.mixers import MixerCall, get_mixer
 from attnlab.nn import context_parallel
@@ -43,6 +46,22 @@ REMAT_POLICIES = {
 }
 
 
+def _unstacked(layers, n: int):
+    """``n`` separate blocks sliced from a stacked one."""
+    graphdef, params = nnx.split(layers)
+    return nnx.List(
+        [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], params)) for i in range(n)]
+    )
+
+
+def _total_aux(aux):
+    """The FFN reports of every layer (stacked on a leading layer axis) with ``loss``
+    summed over the layers; None when the FFN reports nothing."""
+    if not aux:
+        return None
+    return {**aux, "loss": jnp.sum(aux["loss"])}
+
+
 def stacked(make, n: int, rngs: nnx.Rngs):
     """``n`` modules ``make(rngs)`` as one module whose parameters have a leading axis."""
     keys = jax.random.split(rngs.params(), n)
@@ -52,7 +71,9 @@ def stacked(make, n: int, rngs: nnx.Rngs):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, cross: bool = False, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: ModelConfig, *, cross: bool = False, dense_ffn: bool = False, rngs: nnx.Rngs
+    ):
         D = cfg.d_model
         self.placement = cfg.norm_placement
         self.rate = cfg.dropout
@@ -64,7 +85,9 @@ class Block(nnx.Module):
         self.cross_norm = Norm(cfg, D, rngs=rngs) if cross else None
         self.cross_attn = Attention(cfg, cross=True, rngs=rngs) if cross else None
         self.ffn_norm = Norm(cfg, D, rngs=rngs)
-        self.ffn = FeedForward(cfg, rngs=rngs)
+        # The FFN variant (ModelConfig.ffn_variant), or the plain FFN in a stack's prefix.
+        ffn = FeedForward if dense_ffn else get_ffn(cfg.ffn_variant)
+        self.ffn = ffn(cfg, None if dense_ffn else cfg.ffn_settings, rngs=rngs)
 
     def _residual(self, x, norm, fn, key, post_norm=None):
         """One residual sub-layer in the configured placement (``ModelConfig.norm_placement``:
@@ -81,7 +104,8 @@ class Block(nnx.Module):
         return x + dropout(y, self.rate, key), rest
 
     def __call__(self, x_BTD, call: MixerCall, *, enc_BSD=None, cross_mask=None, cross_kv=None):
-        """Returns ``(x_BTD, cache, weights)``; ``weights`` is a dict or None.
+        """Returns ``(x_BTD, cache, weights, aux)``; ``weights`` is a dict or None, ``aux``
+        what the FFN reports (``attnlab.ffns``; empty for the plain FFN).
 
         ``call`` is the self-attention's (``MixerCall``); cross-attention attends over
         ``enc_BSD``, or its keys and values ``cross_kv`` computed once, under ``cross_mask``.
@@ -111,14 +135,18 @@ class Block(nnx.Module):
             )
             if call.return_weights:
                 weights["cross"] = w_cross
-        x_BTD, _ = self._residual(
+        x_BTD, (aux,) = self._residual(
             x_BTD,
             self.ffn_norm,
-            lambda h: (self.ffn(h, key=fold(key, 4)),),
+            lambda h: self._ffn(h, fold(key, 4)),
             fold(key, 5),
             self.ffn_post_norm,
         )
-        return x_BTD, cache, weights
+        return x_BTD, cache, weights, aux
+
+    def _ffn(self, h_BTD, key):
+        out = self.ffn(h_BTD, key=key)
+        return out if isinstance(out, tuple) else (out, {})
 
 
 class Stack(nnx.Module):
@@ -137,7 +165,13 @@ class Stack(nnx.Module):
             else None
         )
         self.embed_norm = Norm(cfg, cfg.d_model, rngs=rngs) if cfg.embedding_norm else None
-        self.layers = stacked(lambda r: Block(cfg, cross=cross, rngs=r), n_layers, rngs)
+        # A prefix of layers with the plain FFN (an FFN variant's ``prefix_layers``, such as
+        # DeepSeek's dense first layers): a stack of its own, scanned before the others.
+        self.n_prefix = get_ffn(cfg.ffn_variant).prefix_layers(cfg, cfg.ffn_settings)
+        dense = lambda r: Block(cfg, cross=cross, dense_ffn=True, rngs=r)
+        self.prefix = stacked(dense, self.n_prefix, rngs) if self.n_prefix else None
+        block = lambda r: Block(cfg, cross=cross, rngs=r)
+        self.layers = stacked(block, n_layers - self.n_prefix, rngs)
         self.final_norm = Norm(cfg, cfg.d_model, rngs=rngs) if cfg.final_norm else None
         # Static per-layer data: each layer's window (None: full attention) and RoPE base.
         self.windows = cfg.layer_windows(n_layers) if causal else (None,) * n_layers
@@ -153,13 +187,9 @@ class Stack(nnx.Module):
         """
         if isinstance(self.layers, nnx.List):
             return
-        graphdef, params = nnx.split(self.layers)
-        self.layers = nnx.List(
-            [
-                nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], params))
-                for i in range(self.n_layers)
-            ]
-        )
+        self.layers = _unstacked(self.layers, self.n_layers - self.n_prefix)
+        if self.prefix is not None:
+            self.prefix = _unstacked(self.prefix, self.n_prefix)
 
     def _bias(self, q_positions_BT, k_positions_BS):
         """The position bias as a description (``ops.PositionBias``), or None."""
@@ -257,9 +287,8 @@ class Stack(nnx.Module):
         thetas = set(self.rope_thetas)
         rope_L = jnp.array(self.rope_thetas, jnp.float32) if len(thetas) > 1 else None
         split = cache is not None and cache.split
-        graphdef = self._graphdef()
 
-        def layer(carry, xs):
+        def layer(graphdef, carry, xs):
             x_BTD, entries = carry
             params, index, window, theta, cross_kv = xs
             block = nnx.merge(graphdef, params)
@@ -283,15 +312,17 @@ class Stack(nnx.Module):
             )
             if cross_kv is not None:
                 cross_kv = tuple(jnp.swapaxes(c, 1, 2) for c in cross_kv)  # [B, S, K, H]
-            x_BTD, view, weights = block(
+            x_BTD, view, weights, aux = block(
                 x_BTD, call, enc_BSD=enc_BSD, cross_mask=cross_mask, cross_kv=cross_kv
             )
             x_BTD = constrain(x_BTD, "batch", "length", "act_embed")  # the residual stream
-            return (x_BTD, None if view is None else view.layers), weights
+            return (x_BTD, None if view is None else view.layers), (weights, aux)
 
         if self.cfg.remat != "none":
             policy = REMAT_POLICIES[self.cfg.remat]
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
+            layer = jax.checkpoint(
+                layer, policy=policy, prevent_cse=not self.cfg.scan_layers, static_argnums=(0,)
+            )
 
         cross_kv = None
         if cache is not None and cache.cross is not None:
@@ -299,7 +330,7 @@ class Stack(nnx.Module):
         index_L = jnp.arange(self.n_layers, dtype=jnp.int32)
         per_layer_data = (index_L, window_L, rope_L, cross_kv)
         entries = None if cache is None else cache.layers
-        x_BTD, entries, weights = self._over_layers(layer, x_BTD, entries, per_layer_data)
+        x_BTD, entries, (weights, aux) = self._over_layers(layer, x_BTD, entries, per_layer_data)
         if context is not None:
             x_BTD = context.leave(x_BTD)
         if self.final_norm is not None:
@@ -309,21 +340,41 @@ class Stack(nnx.Module):
             weights = tuple(unstack(i) for i in range(self.n_layers))
         if cache is not None:
             cache = cache.replace(layers=entries, lengths=cache.lengths + count_B)
-        return x_BTD, cache, weights
-
-    def _graphdef(self):
-        block = self.layers[0] if isinstance(self.layers, nnx.List) else self.layers
-        return nnx.graphdef(block)
+        return x_BTD, cache, weights, _total_aux(aux)
 
     def _over_layers(self, layer, x_BTD, entries, per_layer_data):
+        """Applies the prefix layers (if any), then the others; the outputs of both
+        (per-layer weights, the FFN's ``aux``) are joined along the layer axis."""
+        k = self.n_prefix
+        if self.prefix is None:
+            return self._over_group(layer, self.layers, x_BTD, entries, per_layer_data)
+        split = entries is not None and isinstance(next(iter(entries.values())), tuple)
+        part = lambda e, s: {n: a[s] for n, a in e.items()} if split else e
+        head = jax.tree.map(lambda a: a[:k], per_layer_data)
+        tail = jax.tree.map(lambda a: a[k:], per_layer_data)
+        x_BTD, first, (w0, _) = self._over_group(
+            layer, self.prefix, x_BTD, part(entries, slice(None, k)), head
+        )
+        x_BTD, rest, (w1, aux) = self._over_group(
+            layer, self.layers, x_BTD, part(entries, slice(k, None)), tail
+        )
+        if split:
+            rest = {n: first[n] + rest[n] for n in rest}
+        weights = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), w0, w1)
+        return x_BTD, rest, (weights, aux)
+
+    def _over_group(self, layer, layers, x_BTD, entries, per_layer_data):
         """Applies ``layer`` to every layer: scanned over the stacked parameters, or unrolled
         (``scan_layers=False``, separate blocks). The cache entries are carried through, and
         a split cache (one array per layer) is written layer by layer where it lies."""
         split = entries is not None and isinstance(next(iter(entries.values())), tuple)
-        if isinstance(self.layers, nnx.List):  # separate blocks (see ``unstack``)
-            params, layer_params = None, [nnx.state(block) for block in self.layers]
+        n_layers = len(jax.tree.leaves(per_layer_data)[0])
+        if isinstance(layers, nnx.List):  # separate blocks (see ``unstack``)
+            params, layer_params = None, [nnx.state(block) for block in layers]
+            layer = functools.partial(layer, nnx.graphdef(layers[0]))
         else:
-            params, layer_params = nnx.state(self.layers), None
+            params, layer_params = nnx.state(layers), None
+            layer = functools.partial(layer, nnx.graphdef(layers))
         if layer_params is None and self.cfg.scan_layers:
             if split:  # the scan needs the layers stacked again
                 entries = {n: jnp.concatenate(a) for n, a in entries.items()}
@@ -334,7 +385,7 @@ class Stack(nnx.Module):
                 entries = {n: kv_cache.layer_arrays(a) for n, a in entries.items()}
             return x_BTD, entries, weights
         per_layer, written = [], []
-        for i in range(self.n_layers):
+        for i in range(n_layers):
             data = jax.tree.map(lambda a, i=i: a[i], per_layer_data)
             p = layer_params[i] if params is None else jax.tree.map(lambda a, i=i: a[i], params)
             layer_entries = {n: a[i] for n, a in entries.items()} if split else entries

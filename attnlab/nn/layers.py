@@ -8,6 +8,7 @@ from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.ffns import FFN, register_ffn
 from attnlab.ops.linear import dense
 
 
@@ -94,10 +95,11 @@ class RelativeBias(nnx.Module):
         )
 
 
-class FeedForward(nnx.Module):
-    """Position-wise FFN, plain (ReLU, GELU) or gated (SwiGLU, GeGLU)."""
+@register_ffn("dense")
+class FeedForward(FFN):
+    """Position-wise FFN, plain (ReLU, GELU) or gated (SwiGLU, GeGLU): ``ffn_variant="dense"``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, settings=None, *, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
         out_std = cfg.init_std / (2 * max(cfg.n_layers, 1)) ** 0.5
         self.kind = cfg.ffn

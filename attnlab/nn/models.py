@@ -16,6 +16,8 @@ loop's divergence check stops the run (a gather would otherwise clamp or wrap si
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,9 @@ class ModelOutput:
     cache: KVCache | None = None
     weights: tuple | None = None  # per layer: {"self": [B,N,T,S], "cross": ...}
     hidden: jax.Array | None = None  # [B, T, D] last hidden state
+    # What the FFN variant reports (attnlab.ffns), per layer; "loss" summed over the layers
+    # joins the training objective. None for the plain FFN.
+    aux: dict | None = None
 
 
 def _default_positions(B, T):
@@ -144,7 +149,7 @@ class DecoderLM(nnx.Module):
         real new tokens, right-padded: the cache keeps only those); ``segment_ids_BT`` packs
         several documents into one row (attention stays within a segment).
         """
-        x_BTD, new_cache, weights = _run_decoder(
+        x_BTD, new_cache, weights, aux = _run_decoder(
             self.decoder,
             self.embed(tokens_BT),
             positions_BT,
@@ -154,7 +159,8 @@ class DecoderLM(nnx.Module):
             key=key,
             return_weights=return_weights,
         )
-        return ModelOutput(self.head(x_BTD, self.embed.tokens), new_cache, weights, x_BTD)
+        logits = self.head(x_BTD, self.embed.tokens)
+        return ModelOutput(logits, new_cache, weights, x_BTD, aux)
 
 
 class EncoderMLM(nnx.Module):
@@ -194,7 +200,7 @@ class EncoderMLM(nnx.Module):
             types_BT = jnp.zeros_like(tokens_BT) if token_types_BT is None else token_types_BT
             x_BTD = x_BTD + jnp.take(self.token_types_YD[...], types_BT, axis=0).astype(x_BTD.dtype)
         positions_BT = _default_positions(B, T) if positions_BT is None else positions_BT
-        hidden_BTD, _, weights = self.encoder(
+        hidden_BTD, _, weights, aux = self.encoder(
             x_BTD,
             positions_BT=positions_BT,
             valid_BS=valid_BT,
@@ -207,7 +213,7 @@ class EncoderMLM(nnx.Module):
             h_BTD = dense(h_BTD, self.transform_DD[...])
             h_BTD = ops.activations.activation(kind)(add_bias(h_BTD, self.transform_bias_D[...]))
             h_BTD = self.transform_norm(h_BTD)
-        return ModelOutput(self.head(h_BTD, self.embed.tokens), None, weights, hidden_BTD)
+        return ModelOutput(self.head(h_BTD, self.embed.tokens), None, weights, hidden_BTD, aux)
 
 
 class EncoderDecoder(nnx.Module):
@@ -221,7 +227,7 @@ class EncoderDecoder(nnx.Module):
     def encode(self, src_BS, *, src_valid_BS=None, key=None, return_weights=False):
         """Encoder output ``[B, S, D]`` (and per-layer weights when asked)."""
         B, S = src_BS.shape
-        enc_BSD, _, weights = self.encoder(
+        enc_BSD, _, weights, _ = self.encoder(
             self.embed(src_BS),
             positions_BT=_default_positions(B, S),
             valid_BS=src_valid_BS,
@@ -267,7 +273,7 @@ class EncoderDecoder(nnx.Module):
             src_valid_BS = cache.src_valid
         elif enc_BSD is None:
             raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
-        x_BTD, new_cache, weights = _run_decoder(
+        x_BTD, new_cache, weights, aux = _run_decoder(
             self.decoder,
             self.embed(tgt_BT),
             positions_BT,
@@ -278,7 +284,8 @@ class EncoderDecoder(nnx.Module):
             key=key,
             return_weights=return_weights,
         )
-        return ModelOutput(self.head(x_BTD, self.embed.tokens), new_cache, weights, x_BTD)
+        logits = self.head(x_BTD, self.embed.tokens)
+        return ModelOutput(logits, new_cache, weights, x_BTD, aux)
 
     def __call__(
         self, src_BS, tgt_BT, *, src_valid_BS=None, key=None, return_weights=False
@@ -324,8 +331,12 @@ def init_params(cfg: ModelConfig, seed):
 _init_jit = jax.jit(init_params, static_argnums=0)
 
 
-def count_params(cfg: ModelConfig) -> int:
-    """Number of parameters, from shapes alone (nothing is allocated)."""
+def count_params(cfg: ModelConfig, *, active: bool = False) -> int:
+    """Number of parameters, from shapes alone (nothing is allocated).
+
+    ``active``: the parameters one token uses, a mixture of experts' routed experts (the
+    parameters whose names start with the expert axis, ``w_in_EDF``...) counted for
+    ``top_k`` of ``n_experts``; the router and shared experts count whole."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(
             f"count_params takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
@@ -333,4 +344,11 @@ def count_params(cfg: ModelConfig) -> int:
         )
     abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
-    return int(sum(x.size for x in jax.tree.leaves(params)))
+    if not active or not hasattr(cfg.ffn_settings, "top_k"):
+        return int(sum(x.size for x in jax.tree.leaves(params)))
+    s, total = cfg.ffn_settings, 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
+        routed = re.search(r"_E[A-Z]+$", name) is not None
+        total += x.size // s.n_experts * s.top_k if routed else x.size
+    return int(total)

@@ -30,6 +30,7 @@ from attnlab.runs.sampling import sample_text
 from attnlab.runs.tracking import Profiler, Tracker, describe, summary
 from attnlab.runs.workdir import METRICS_FILE, SAMPLES_FILE, Run
 from attnlab.train import Trainer, injected_hyperparams, lr_multiplier, zeros_acc
+from attnlab.train.router_metrics import router_record
 
 # Metrics of the evaluation that mean nothing for a task: not printed (still logged).
 NOT_PRINTED = {"text": ("eval_exact_match",)}
@@ -146,7 +147,7 @@ def _loop(
         return jax.tree.map(lambda *xs: np.stack([local(x) for x in xs]), *parts)
 
     def empty_acc():
-        acc = zeros_acc()
+        acc = zeros_acc(trainer.mcfg)
         return jax.tree.map(lambda z: jnp.zeros((n,) + z.shape, z.dtype), acc) if stacked else acc
 
     def active():
@@ -203,6 +204,7 @@ def _loop(
                         continue
                     if trainer.skip_nonfinite:
                         record["skipped_steps"] = int(a["nonfinite"])
+                    record.update(router_record(a))
                     if do_eval:
                         record.update(evals[i])
                     if do_eval:

@@ -4,6 +4,11 @@ Batches are dicts of arrays. ``lm``: ``inputs``, ``targets``, ``loss_mask`` ``[B
 ``mlm`` adds ``valid``; ``seq2seq``: ``src``, ``src_valid`` ``[B, S]`` and ``tgt_in``,
 ``tgt_out``, ``loss_mask`` ``[B, T]``. Losses are sums over counted tokens, so micro-batches
 and trials can be added before normalising once.
+
+A model whose FFN reports an auxiliary loss (``ModelOutput.aux``, a mixture of experts'
+load-balancing and router z-losses, already weighted) adds it per counted token to the
+objective (``objective_sums``), so the normalised objective is the mean cross-entropy
+plus that loss; the reported loss stays the cross-entropy.
 """
 
 from __future__ import annotations
@@ -12,23 +17,38 @@ import jax.numpy as jnp
 import optax
 
 
-def model_logits(model, batch, kind, key=None):
-    """Logits and the matching (targets, loss mask) for a batch of ``kind``."""
+def model_output(model, batch, kind, key=None):
+    """The ``ModelOutput`` and the matching (targets, loss mask) for a batch of ``kind``."""
     if kind == "lm":
         out = model(batch["inputs"], key=key)
-        return out.logits, batch["targets"], batch["loss_mask"]
+        return out, batch["targets"], batch["loss_mask"]
     if kind == "mlm":
         out = model(batch["inputs"], valid_BT=batch["valid"], key=key)
-        return out.logits, batch["targets"], batch["loss_mask"]
+        return out, batch["targets"], batch["loss_mask"]
     if kind == "seq2seq":
         out = model(batch["src"], batch["tgt_in"], src_valid_BS=batch["src_valid"], key=key)
-        return out.logits, batch["tgt_out"], batch["loss_mask"]
+        return out, batch["tgt_out"], batch["loss_mask"]
     raise ValueError(f"unknown task kind {kind!r}")
+
+
+def model_logits(model, batch, kind, key=None):
+    """Logits and the matching (targets, loss mask) for a batch of ``kind``."""
+    out, targets, mask = model_output(model, batch, kind, key)
+    return out.logits, targets, mask
 
 
 def loss_sums(model, batch, kind, key=None):
     """Summed masked cross-entropy and the number of counted tokens."""
-    logits_BTV, targets_BT, mask_BT = model_logits(model, batch, kind, key)
+    s, n, extras, _ = objective_sums(model, batch, kind, key)
+    return s, n, extras
+
+
+def objective_sums(model, batch, kind, key=None):
+    """``(ce_sum, tokens, (logits, targets, mask), aux)``: the summed cross-entropy as in
+    ``loss_sums`` and the FFN's report (None without one); ``ce_sum + tokens *
+    aux["loss"]`` is the objective to differentiate."""
+    out, targets_BT, mask_BT = model_output(model, batch, kind, key)
+    logits_BTV = out.logits
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
     mask_BT = mask_BT.astype(jnp.float32)
-    return (ce_BT * mask_BT).sum(), mask_BT.sum(), (logits_BTV, targets_BT, mask_BT)
+    return (ce_BT * mask_BT).sum(), mask_BT.sum(), (logits_BTV, targets_BT, mask_BT), out.aux

@@ -21,9 +21,7 @@ import numpy as np
 import optax
 
 from attnlab import sharding
-
-NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")
-
+from attnlab.optimizers import NO_DECAY_NAMES, SCHEDULES, get_optimizer
 
 # Schedules whose value at a step does not depend on the total step count before the decay:
 # a finished run trained on to more steps continues exactly (WSD places its decay by the new
@@ -56,12 +54,7 @@ def lr_multiplier(o, total_steps: int):
         if o.schedule == "wsd":
             warm = jnp.minimum(1.0, (step + 1.0) / max(warmup_end, 1)) if warmup_end else 1.0
         frac = jnp.clip((step - warmup) / decay_steps, 0.0, 1.0)
-        if o.schedule == "cosine":
-            decay = o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
-        elif o.schedule in ("linear", "wsd"):
-            decay = 1.0 - (1.0 - o.min_lr_ratio) * frac
-        else:
-            decay = jnp.ones_like(frac)
+        decay = SCHEDULES[o.schedule](o, frac)
         return jnp.where(step < warmup, warm, decay)
 
     return schedule
@@ -84,54 +77,12 @@ def decay_mask(params, decay_embeddings: bool = False):
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
-def muon_dimensions(params):
-    """Muon's reading of each weight: ``MuonDimensionNumbers`` for the matrices of the
-    attention and feed-forward layers, None (Adam) for everything else."""
-
-    def decide(path, x):
-        name = jax.tree_util.keystr(path)
-        stacked = any(getattr(k, "key", None) == "layers" for k in path)
-        if x.ndim - stacked < 2 or any(n in name for n in NO_DECAY_NAMES):
-            return None
-        keys = [getattr(k, "key", getattr(k, "name", "")) for k in path]
-        suffix = next(str(k) for k in reversed(keys) if str(k) not in ("value", "raw_value"))
-        suffix = suffix.rsplit("_", 1)[-1]
-        axes = tuple(range(int(stacked), x.ndim))
-        if suffix.startswith("D"):  # from the model width to the rest (q_DNH, w_in_DF)
-            return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:1], output_axis=axes[1:])
-        return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:-1], output_axis=axes[-1:])
-
-    return jax.tree_util.tree_map_with_path(decide, params)
-
-
-OPTIMIZERS = ("adamw", "muon")
-
-
 def make_optimizer(o, total_steps: int, params):
-    """AdamW or Muon (hyperparameters injected into the state), clipping and the schedule."""
-    name = o.get("name", "adamw")
-    mask = decay_mask(params, o.decay_embeddings)
-    if name == "muon":
-        core = optax.inject_hyperparams(optax.contrib.muon)(
-            learning_rate=o.learning_rate,
-            beta=o.get("muon_beta", 0.95),
-            weight_decay=o.weight_decay,
-            weight_decay_mask=mask,
-            adam_b1=o.b1,
-            adam_b2=o.b2,
-            eps=o.eps,
-            adam_learning_rate=o.get("adam_learning_rate", 3e-3),
-            muon_weight_dimension_numbers=muon_dimensions(params),
-        )
-    else:
-        core = optax.inject_hyperparams(optax.adamw)(
-            learning_rate=o.learning_rate,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            mask=mask,
-        )
+    """The registered optimiser ``optim.name`` (hyperparameters injected into the state),
+    after global-norm clipping, times the schedule."""
+    core = get_optimizer(o.get("name", "adamw")).build(
+        o, params, decay_mask(params, o.decay_embeddings)
+    )
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
     return optax.chain(*parts, core, optax.scale_by_schedule(lr_multiplier(o, total_steps)))
 
@@ -160,16 +111,14 @@ def injected_hyperparams(opt_state) -> dict:
 # The optimiser values held in its state: a resumed run with --allow-changes updates them,
 # and a sweep's trials share one initialisation program and then set their own.
 INJECTED = ("learning_rate", "weight_decay", "b1", "b2", "eps", "adam_learning_rate", "muon_beta")
-# Where Muon keeps them (its Adam moments drive the parameters that are no matrices).
-MUON_NAMES = {"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"}
 
 
 def set_optim_values(opt_state, o):
     """Sets the optimiser values held in ``opt_state`` to those of the config ``o``."""
     hyper = injected_hyperparams(opt_state)
-    muon = o.get("name", "adamw") == "muon"
+    where = get_optimizer(o.get("name", "adamw")).state_names
     for name in INJECTED:
-        key = MUON_NAMES.get(name, name) if muon else name
+        key = where.get(name, name)
         if key in hyper:
             old = jnp.asarray(hyper[key])
             # where the old value lies (replicated over a mesh); no compile for the cast

@@ -33,13 +33,14 @@ from attnlab import experiment, sharding
 from attnlab.config import ModelConfig
 from attnlab.nn import build_model
 from attnlab.nn.models import init_params
-from attnlab.train.objectives import loss_sums
+from attnlab.train.objectives import loss_sums, objective_sums
 from attnlab.train.optim import (
     INJECTED,
     layers_over_batch_devices,
     make_optimizer,
     set_optim_values,
 )
+from attnlab.train.router_metrics import router_sums, zeros_router
 
 _SEED = jax.ShapeDtypeStruct((), jnp.uint32)
 _INIT_PROGRAMS: dict = {}  # what an initialisation depends on -> (its jit, its optim group)
@@ -62,7 +63,7 @@ def _init_program(mcfg, tx):
             "params": params,
             "opt_state": tx.init(params),
             "step": jnp.zeros((), jnp.int32),
-            "acc": zeros_acc(),
+            "acc": zeros_acc(mcfg),
             "key": jax.random.key_data(jax.random.key(seed)),
         }
 
@@ -102,8 +103,9 @@ def _wait_for_last_program():
         last.block_until_ready()
 
 
-def zeros_acc():
-    """The empty accumulator of the train state (cleared after each log line)."""
+def zeros_acc(mcfg=None):
+    """The empty accumulator of the train state (cleared after each log line); a
+    mixture-of-experts ``mcfg`` adds its router statistics (``router_metrics``)."""
     return {
         "loss_sum": jnp.zeros((), jnp.float32),
         "tokens": jnp.zeros((), jnp.float32),
@@ -111,6 +113,7 @@ def zeros_acc():
         "steps": jnp.zeros((), jnp.int32),
         "nonfinite": jnp.zeros((), jnp.int32),
         "first_nonfinite": jnp.zeros((), jnp.int32),
+        **zeros_router(mcfg),
     }
 
 
@@ -258,17 +261,18 @@ class Trainer:
 
     def _grads(self, params, batch, key):
         def f(p):
-            s, n, _ = loss_sums(self.model(p), batch, self.kind, key)
-            return s, n
+            s, n, _, aux = objective_sums(self.model(p), batch, self.kind, key)
+            extra = 0.0 if aux is None else n * aux["loss"]  # the FFN's auxiliary loss
+            return s + extra, (s, n, router_sums(aux))
 
-        (s, n), g = jax.value_and_grad(f, has_aux=True)(params)
-        return s, n, g
+        (_, (s, n, router)), g = jax.value_and_grad(f, has_aux=True)(params)
+        return s, n, g, router
 
     def _train_step(self, state, batch):
         params, step = state["params"], state["step"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), step)
         if self.accum == 1:
-            loss_sum, tokens, grads = self._grads(params, batch, key)
+            loss_sum, tokens, grads, router = self._grads(params, batch, key)
         else:  # accumulate summed gradients over micro-batches, then normalise once
             micro = jax.tree.map(
                 lambda x: x.reshape((self.accum, x.shape[0] // self.accum) + x.shape[1:]), batch
@@ -276,11 +280,15 @@ class Trainer:
 
             def body(carry, inputs):
                 i, mb = inputs
-                s, n, g = self._grads(params, mb, jax.random.fold_in(key, i))
-                return jax.tree.map(jnp.add, carry, (s, n, g)), None
+                g = self._grads(params, mb, jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, g), None
 
             zero = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            (loss_sum, tokens, grads), _ = jax.lax.scan(body, zero, (jnp.arange(self.accum), micro))
+            zero += (zeros_router(self.mcfg),)
+            (loss_sum, tokens, grads, router), _ = jax.lax.scan(
+                body, zero, (jnp.arange(self.accum), micro)
+            )
+            router = {k: v / self.accum if v.ndim == 0 else v for k, v in router.items()}
         grads = jax.tree.map(lambda g: g / jnp.maximum(tokens, 1.0), grads)
         grad_norm = optax.tree.norm(grads)
         if self.muon:  # each batch device orthogonalises its share of the layers
@@ -307,6 +315,8 @@ class Trainer:
                 (acc["first_nonfinite"] == 0) & ~ok, step + 1, acc["first_nonfinite"]
             ),
         }
+        for k, v in router.items():  # router statistics of a mixture of experts
+            acc[k] = state["acc"][k] + jnp.where(ok, v, jnp.zeros_like(v))
         new = {
             "params": params,
             "opt_state": opt_state,

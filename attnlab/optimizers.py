@@ -1,0 +1,128 @@
+"""The optimisers and learning-rate schedules a config may name: two registries.
+
+``@register_optimizer(name, state_names=...)`` adds a builder ``(o, params, mask) ->
+optax.GradientTransformation`` (``o``: the ``optim`` config, ``mask``: which parameters take
+weight decay); its hyperparameters should be injected (``optax.inject_hyperparams``) so a
+resumed run and a sweep's trials can set them in the state. ``state_names`` maps an
+``optim`` field to the name the optimiser's state keeps it under, where they differ.
+``@register_schedule(name)`` adds the decay of the peak learning rate after warmup, a
+function of the fraction of the decay phase done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# Parameters that are no matrices in the optimiser's sense: no weight decay, Adam in Muon.
+NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """A registered optimiser: its builder and where its state keeps the ``optim`` values."""
+
+    name: str
+    build: Callable
+    state_names: dict
+
+
+OPTIMIZERS: dict[str, Optimizer] = {}
+SCHEDULES: dict[str, Callable] = {}
+
+
+def register_optimizer(name: str, *, state_names: dict | None = None):
+    """Registers ``build(o, params, mask)`` as ``optim.name=name``."""
+
+    def add(build):
+        OPTIMIZERS[name] = Optimizer(name, build, dict(state_names or {}))
+        return build
+
+    return add
+
+
+def register_schedule(name: str):
+    """Registers ``decay(o, frac)`` (``frac``: 0 to 1 over the decay phase) as
+    ``optim.schedule=name``."""
+
+    def add(decay):
+        SCHEDULES[name] = decay
+        return decay
+
+    return add
+
+
+def get_optimizer(name: str) -> Optimizer:
+    """The registered optimiser ``name`` (a ``ValueError`` listing them otherwise)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={name!r} is not registered; use one of {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
+
+
+@register_optimizer("adamw")
+def adamw(o, params, mask):
+    """AdamW, decoupled weight decay on ``mask``."""
+    return optax.inject_hyperparams(optax.adamw)(
+        learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
+        weight_decay=o.weight_decay, mask=mask,
+    )  # fmt: skip
+
+
+@register_optimizer("muon", state_names={"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"})
+def muon(o, params, mask):
+    """Muon on the matrices (``muon_dimensions``), Adam at ``adam_learning_rate`` on the rest."""
+    return optax.inject_hyperparams(optax.contrib.muon)(
+        learning_rate=o.learning_rate,
+        beta=o.get("muon_beta", 0.95),
+        weight_decay=o.weight_decay,
+        weight_decay_mask=mask,
+        adam_b1=o.b1,
+        adam_b2=o.b2,
+        eps=o.eps,
+        adam_learning_rate=o.get("adam_learning_rate", 3e-3),
+        muon_weight_dimension_numbers=muon_dimensions(params),
+    )
+
+
+def muon_dimensions(params):
+    """Muon's reading of each weight: ``MuonDimensionNumbers`` for the matrices of the
+    attention and feed-forward layers, None (Adam) for everything else."""
+
+    def decide(path, x):
+        name = jax.tree_util.keystr(path)
+        stacked = any(getattr(k, "key", None) == "layers" for k in path)
+        if x.ndim - stacked < 2 or any(n in name for n in NO_DECAY_NAMES):
+            return None
+        keys = [getattr(k, "key", getattr(k, "name", "")) for k in path]
+        suffix = next(str(k) for k in reversed(keys) if str(k) not in ("value", "raw_value"))
+        suffix = suffix.rsplit("_", 1)[-1]
+        axes = tuple(range(int(stacked), x.ndim))
+        if suffix.startswith("D"):  # from the model width to the rest (q_DNH, w_in_DF)
+            return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:1], output_axis=axes[1:])
+        return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:-1], output_axis=axes[-1:])
+
+    return jax.tree_util.tree_map_with_path(decide, params)
+
+
+@register_schedule("cosine")
+def cosine(o, frac):
+    return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
+
+
+@register_schedule("linear")
+def linear(o, frac):
+    return 1.0 - (1.0 - o.min_lr_ratio) * frac
+
+
+@register_schedule("constant")
+def constant(o, frac):
+    return jnp.ones_like(frac)
+
+
+# Warmup-stable-decay: the peak held after warmup, a linear decay over the last
+# ``optim.decay_fraction`` of the steps (``train.optim.lr_multiplier`` places the phases).
+register_schedule("wsd")(linear)

@@ -1,0 +1,56 @@
+"""A mixture of experts against the dense model of equal active parameters, on the char LM.
+
+The MoE model replaces every FFN by 8 SwiGLU experts of width ``F`` with top-2 routing
+(``ffn_variant="moe"``); the dense baseline (variant ``dense``) has one SwiGLU FFN of width
+``2F``, so each token passes through the same number of FFN weights (the router's
+``D x 8`` per layer aside). Both train on the embedded corpus with the same data, steps
+and optimiser; compare their losses at equal steps::
+
+    attnlab train --config experiments/moe_lm.py --workdir runs/moe_lm/moe
+    attnlab train --config experiments/moe_lm.py:dense --workdir runs/moe_lm/dense
+
+``:tiny`` and ``:dense_tiny`` are the CPU twins. The MoE run logs its load-balancing and
+z-losses, each expert's share of the assignments and the dropped assignments (0) at every
+log line (``metrics.jsonl``); ``docs/moe.md`` reports the measured losses.
+"""
+
+from attnlab.experiment import base_config
+
+VARIANTS = ("tiny", "dense", "dense_tiny")
+EXPERTS, TOP_K, D_EXPERT = 8, 2, 96
+
+
+def get_config(variant=None):
+    c = base_config()
+    c.name = "moe_lm"
+    c.model.update(
+        arch="decoder",
+        vocab_size=256,
+        d_model=96,
+        n_layers=3,
+        n_heads=4,
+        max_len=128,
+        position="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        d_ff=TOP_K * D_EXPERT,  # the dense model's width; each expert has D_EXPERT
+        norm_bias=False,
+    )
+    c.data.update(kind="text", path="", tokenizer="char", seq_len=128, max_chars=2_000_000)
+    c.optim.update(learning_rate=2e-3, warmup_steps=50, min_lr_ratio=0.1, weight_decay=0.1)
+    c.train.update(steps=600, batch_size=16, seed=0, log_every_steps=20)
+    c.eval.update(
+        every_steps=100, batches=8, batch_size=32, sample_tokens=160, sample_prompt="def "
+    )
+    c.checkpoint.update(every_steps=200, max_to_keep=2)
+    if variant in ("tiny", "dense_tiny"):
+        c.model.update(d_model=32, n_layers=2, n_heads=2, d_ff=2 * 16, max_len=32)
+        c.data.update(seq_len=32, max_chars=50_000)
+        c.train.update(steps=3, batch_size=4, log_every_steps=1)
+        c.eval.update(every_steps=3, batches=1, batch_size=4, sample_tokens=8)
+        c.checkpoint.update(every_steps=3)
+    if variant not in ("dense", "dense_tiny"):
+        c.model.ffn_variant = "moe"
+        d_expert = c.model.d_ff // TOP_K
+        c.model.ffn_settings.update(n_experts=EXPERTS, top_k=TOP_K, d_expert=d_expert)
+    return c
