@@ -86,6 +86,7 @@ def base_config() -> ConfigDict:
             vocab_size=1024,  # of a data.tokenizer="bpe" trained on the corpus
             source="",  # "hf_datasets": data.path is a Hugging Face data set on disk
             text_field="text",  # its column of text
+            pipeline="index",  # "grain": packed documents (attnlab.data.grain_pipeline)
         )
     )
     c.optim = ConfigDict(

@@ -152,7 +152,7 @@ def prepare_cached(cfg, workdir=None, progress: bool = False) -> pathlib.Path:
     ds = load_records(path)
     tok = prepared.build_tokenizer(spec, lambda: _texts(ds, field), config_field(cfg, "vocab_size"))
     size = sum(_stat(f)[0] for f in files)
-    sources = [(str(path), size, lambda: _texts(ds, field))]
+    sources = [(str(path), size, lambda: _texts(ds, field), True)]  # a record, a document
     prepared.write_prepared(
         sources, out, tok, val_fraction=config_field(cfg, "val_fraction"), progress=progress
     )

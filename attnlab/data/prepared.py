@@ -36,6 +36,7 @@ from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
 from attnlab.errors import DataError, DataFileError, PreparedCorpusError, one_line
 
 TOKENS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "meta.json", "tokenizer.json"
+DOCUMENTS_FILE = "documents.npy"  # int64 end offsets of the documents in tokens.bin
 CHUNK_CHARS = 1 << 20
 SCAN_BYTES = 1 << 31  # token files up to this size have every id checked when opened
 
@@ -116,7 +117,8 @@ def write_prepared(sources, out, tok, *, val_fraction: float = 0.1, progress=Tru
     """Writes the prepared corpus of ``sources`` into ``out`` with tokenizer ``tok``.
 
     ``sources``: ``(name, bytes, pieces)`` per document, ``pieces()`` the document's text in
-    pieces that end at line ends; their tokens are written one after another.
+    pieces that end at line ends; their tokens are written one after another. A fourth item
+    True makes each piece a document of its own (the records of a data set).
     """
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     out = pathlib.Path(out)
@@ -129,7 +131,7 @@ def write_prepared(sources, out, tok, *, val_fraction: float = 0.1, progress=Tru
             "replaced: free some space or choose another --out"
         ) from None
     finally:
-        for name in (TOKENS_FILE, TOKENIZER_FILE, META_FILE):
+        for name in (TOKENS_FILE, TOKENIZER_FILE, DOCUMENTS_FILE, META_FILE):
             if (out / (name + ".tmp")).is_file():
                 (out / (name + ".tmp")).unlink()
 
@@ -146,24 +148,30 @@ def _encoded(tok, pieces, group: int = 256):
 def _write(sources, out, tok, dtype, val_fraction, progress) -> dict:
     from tqdm.auto import tqdm
 
-    digest, total, written = hashlib.sha256(), 0, []
+    digest, total, written, ends = hashlib.sha256(), 0, [], []
     tmp = out / (TOKENS_FILE + ".tmp")
     size = sum(s[1] for s in sources)
     with (
         tmp.open("wb") as sink,
         tqdm(total=size, unit="B", unit_scale=True, disable=not progress) as bar,
     ):
-        for name, nbytes, pieces in sources:
+        for name, nbytes, pieces, *each in sources:
             count = 0
             for ids in _encoded(tok, pieces()):
                 data = np.asarray(ids).astype(dtype).tobytes()
                 sink.write(data)
                 digest.update(data)
                 count += len(ids)
+                if each and each[0] and len(ids):
+                    ends.append(total + count)
             total += count
+            if not (each and each[0]) and count:
+                ends.append(total)
             written.append({"path": name, "bytes": nbytes, "tokens": count})
             bar.update(nbytes)
     tok.save(out / (TOKENIZER_FILE + ".tmp"))
+    with (out / (DOCUMENTS_FILE + ".tmp")).open("wb") as f:
+        np.save(f, np.asarray(ends, np.int64))
     n_train = len(split_train_val(np.empty(total, np.uint8), val_fraction)[0])
     meta = {
         "format": 1,
@@ -176,10 +184,11 @@ def _write(sources, out, tok, dtype, val_fraction, progress) -> dict:
         "val_tokens": total - n_train,
         "val_fraction": val_fraction,
         "sha256": digest.hexdigest(),
-        "sources": written,
+        "documents": len(ends),
+        "sources": written[:1000],  # the first thousand; every document's end: documents.npy
     }
     (out / (META_FILE + ".tmp")).write_text(json.dumps(meta, indent=1) + "\n")
-    for name in (TOKENS_FILE, TOKENIZER_FILE, META_FILE):  # all written: now replace
+    for name in (TOKENS_FILE, TOKENIZER_FILE, DOCUMENTS_FILE, META_FILE):  # all written
         os.replace(out / (name + ".tmp"), out / name)
     return meta
 
@@ -259,6 +268,23 @@ def open_prepared(path):
     return meta, tok, tokens
 
 
+def document_ends(path, meta) -> np.ndarray:
+    """The end offset of every document in ``tokens.bin`` (one document for corpora written
+    before ``documents.npy`` was)."""
+    file = pathlib.Path(path) / DOCUMENTS_FILE
+    if not file.is_file():
+        return np.array([int(meta["tokens"])], np.int64)
+    ends = np.load(file)
+    if ends.ndim != 1 or (
+        len(ends) and (ends[-1] != int(meta["tokens"]) or (np.diff(ends) <= 0).any())
+    ):
+        raise PreparedCorpusError(
+            f"{file} does not match {META_FILE}; rewrite it with `attnlab data prepare FILES... "
+            f"--out {path}`"
+        )
+    return ends
+
+
 def verify(path) -> bool:
     """Whether ``tokens.bin`` still has the SHA-256 recorded in ``meta.json``."""
     from attnlab.data.fetch import sha256_of
@@ -275,4 +301,5 @@ def prepared_task(cfg, workdir=None, host=(0, 1)):
         pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path / meta["tokenizer"], pathlib.Path(workdir) / RUN_TOKENIZER)
     n = meta["train_tokens"]
-    return token_task(cfg, "prepared", tok, tokens[:n], tokens[n:], host=host)
+    ends = document_ends(path, meta)
+    return token_task(cfg, "prepared", tok, tokens[:n], tokens[n:], host=host, documents=ends)

@@ -75,6 +75,7 @@ _DEFAULTS = {
     "vocab_size": 0,
     "source": "",
     "text_field": "text",
+    "pipeline": "index",
 }
 
 
@@ -106,6 +107,7 @@ class Task:
         mask_id: int | None = None,
         train_ids: np.ndarray | None = None,
         val_ids: np.ndarray | None = None,
+        train_batches: Callable[[int, int, int], dict] | None = None,
     ):
         if kind not in ID_FIELDS:
             raise DataError(f"Task kind must be one of {tuple(ID_FIELDS)}, got {kind!r}")
@@ -114,6 +116,7 @@ class Task:
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = pad_id, bos_id, eos_id, mask_id
         self.train_ids, self.val_ids = train_ids, val_ids
         self._sample, self._eval_batches = sample, eval_batches
+        self._train_batches = train_batches  # (seed, step, batch_size) -> batch, if given
         self._full_eval_batches = full_eval_batches
         self._decode, self._encode = decode, encode
 
@@ -133,6 +136,8 @@ class Task:
         return batch
 
     def train_batch(self, seed: int, step: int, batch_size: int) -> dict:
+        if self._train_batches is not None:
+            return self._checked(self._train_batches(seed, step, batch_size))
         return self._checked(self._sample(batch_rng(seed, step, TRAIN_STREAM), batch_size))
 
     def eval_batches(self, batch_size: int, num_batches: int) -> list[dict]:

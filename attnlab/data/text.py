@@ -16,6 +16,8 @@ from attnlab.data.tasks import EVAL_SEED, EVAL_STREAM, TOKENIZER_FILE, Task, bat
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
 from attnlab.errors import DataError
 
+PIPELINES = ("index", "grain")
+
 
 def _load_corpus(path, max_chars) -> str:
     if not path:
@@ -116,9 +118,38 @@ def text_task(cfg, workdir, mlm, host=(0, 1)):
     return token_task(cfg, name, tokenizer, train, val, mlm=mlm, host=host)
 
 
-def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1)) -> Task:
-    """A text task over token arrays (in memory or memory-mapped); windows are read by index."""
+def _grain_batches(cfg, train, documents, host):
+    """``data.pipeline``: None for the windows read by index, else Grain's packed batches."""
+    pipeline = config_field(cfg, "pipeline")
+    if pipeline not in PIPELINES:
+        raise DataError(f"data.pipeline must be one of {PIPELINES}; got {pipeline!r}")
+    if pipeline == "index":
+        return None
+    from attnlab.data.grain_pipeline import GrainSampler, packed_batches
+
+    ends = np.array([len(train)]) if documents is None else documents
     seq_len = config_field(cfg, "seq_len")
+
+    def make(seed, batch_size):
+        return packed_batches(
+            train,
+            ends,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            seed=seed,
+            host=host,
+            limit=len(train),
+        )
+
+    return GrainSampler(make)
+
+
+def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1), documents=None) -> Task:
+    """A text task over token arrays (in memory or memory-mapped); windows are read by index,
+    or packed from ``documents`` (their end offsets) by Grain with ``data.pipeline="grain"``."""
+    seq_len = config_field(cfg, "seq_len")
+    if mlm and config_field(cfg, "pipeline") != "index":
+        raise DataError("data.pipeline='grain' packs language-model batches: use data.kind='text'")
     window = seq_len if mlm else seq_len + 1
     for split, part in (("train", train), ("validation", val)):
         if len(part) < window:
@@ -150,6 +181,7 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1)) -> T
 
         return Task(
             kind="lm",
+            train_batches=_grain_batches(cfg, train, documents, host),
             vocab_size=tokenizer.vocab_size,
             sample=sample,
             eval_batches=evaluate,

@@ -20,7 +20,8 @@ import optax
 def model_output(model, batch, kind, key=None):
     """The ``ModelOutput`` and the matching (targets, loss mask) for a batch of ``kind``."""
     if kind == "lm":
-        out = model(batch["inputs"], key=key)
+        packed = {f"{k}_BT": batch[k] for k in ("segment_ids", "positions") if k in batch}
+        out = model(batch["inputs"], key=key, **packed)  # packed rows: documents kept apart
         return out, batch["targets"], batch["loss_mask"]
     if kind == "mlm":
         out = model(batch["inputs"], valid_BT=batch["valid"], key=key)
