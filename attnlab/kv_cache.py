@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from attnlab.architectures import architecture
 from attnlab.config import ModelConfig
 from attnlab.kv_ring import (  # noqa: F401 - the ring's names, where callers look for them
     Ring,
@@ -175,8 +176,8 @@ def init_cache(
     of ``max_len`` slots (False), or a ring whenever the config allows one and ``max_len``
     exceeds the window (None). ``dtype`` is that of entries that do not name their own.
     """
-    if cfg.arch == "encoder":
-        raise ValueError("ModelConfig.arch='encoder' has no causal decoder: nothing to cache")
+    if not architecture(cfg).generates:
+        raise ValueError(f"ModelConfig.arch={cfg.arch!r} has no causal decoder: nothing to cache")
     if max_len > cfg.max_len:
         raise ValueError(
             f"cache max_len={max_len} exceeds ModelConfig.max_len={cfg.max_len}: the model has "

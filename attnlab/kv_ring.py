@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from attnlab import ops
+from attnlab.architectures import architecture
 from attnlab.config import ModelConfig
 from attnlab.errors import DecodeError
 
@@ -23,7 +24,7 @@ def ring_window(cfg: ModelConfig) -> int | None:
     A ring keeps each row's last W tokens, enough only when every self-attention layer of
     the cached stack is causal and slides with the same window W.
     """
-    if cfg.arch == "encoder" or not cfg.causal:
+    if not architecture(cfg).generates or not cfg.causal:
         return None
     windows = set(cfg.layer_windows(cfg.stack_layers))
     return None if len(windows) != 1 or None in windows else windows.pop()

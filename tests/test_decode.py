@@ -319,6 +319,31 @@ def test_other_argument_errors(lm, s2s):
         generate(s2s, [[1, 2]], 64, start_id=1)
     with pytest.raises(ValueError, match="num_beams > 1 is deterministic"):
         generate(lm, [[1]], 2, num_beams=2, temperature=1.0)
+    with pytest.raises(
+        ValueError, match=r"no option \['temprature'\]; the options are .*'temperature'"
+    ):
+        generate(lm, [[1]], 2, temprature=1.0)
+
+
+def test_grouped_options_equal_their_keyword_shorthands(lm):
+    """``GenerateOptions`` groups and the flat keywords are one set of settings."""
+    from attnlab.decode.options import Beams, CacheOptions, GenerateOptions, Stopping
+    from attnlab.decode.sampling import SamplingConfig
+
+    grouped = GenerateOptions(
+        sampling=SamplingConfig(temperature=0.9, top_k=5), seed=3,
+        stop=Stopping(eos_id=None), cache=CacheOptions(max_len=32), return_logits=True,
+    )  # fmt: skip
+    a = generate(lm, [[1, 2, 3]], 6, options=grouped)
+    b = generate(lm, [[1, 2, 3]], 6, temperature=0.9, top_k=5, seed=3, eos_id=None,
+                 max_len=32, return_logits=True)  # fmt: skip
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logits, b.logits)
+    beams = generate(lm, [[1, 2, 3]], 4, options=GenerateOptions(beams=Beams(num_beams=2)))
+    assert beams.scores.shape == (1,)
+    # a keyword overrides its group's field and leaves the others
+    c = generate(lm, [[1, 2, 3]], 6, options=grouped, seed=4)
+    assert not np.array_equal(c.tokens, a.tokens) or not np.array_equal(c.logits, a.logits)
 
 
 # ------------------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ import numpy as np
 from flax import nnx
 
 from attnlab import kv_cache
+from attnlab.architectures import architecture
 from attnlab.config import DTYPES
 from attnlab.decode import checks
 from attnlab.decode.compiled import Decoder, chunk_size
 from attnlab.decode.loops import phases
+from attnlab.decode.options import GenerateOptions
 from attnlab.decode.recompute import recompute_loop
-from attnlab.decode.sampling import SamplingConfig
 from attnlab.errors import DecodeError
 
 STOP_REASONS = ("eos", "max_new_tokens", "capacity")
@@ -173,190 +174,182 @@ def _split(model):
     return graphdef, params, model.cfg, dict(eos_id=None, start_id=None)
 
 
+@dataclasses.dataclass
+class _Inputs:
+    """A generation's host inputs: each row's prefix (prompt or start token), the source of
+    an encoder-decoder model, and the cache capacity the checks allowed."""
+
+    ids_BP: np.ndarray
+    lengths_B: np.ndarray
+    src: np.ndarray | None
+    valid: np.ndarray | None
+    cap: int
+
+
 def generate(
     model,
     prompt_ids,
     max_new_tokens: int,
     *,
     prompt_lengths=None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    seed: int = 0,
-    eos_id: int | None | str = "config",
-    pad_id: int | None = None,
-    max_len: int | None = None,
-    on_overflow: str = "raise",
-    return_logits: bool = False,
-    num_beams: int = 1,
-    length_penalty: float = 1.0,
-    start_id: int | None = None,
     source_valid=None,
-    recompute: bool = False,
-    ring: bool | None = None,
-    prefill_chunk: int | None = None,
-    dtype: str | None = None,
-    mesh=None,
+    start_id: int | None = None,
+    options: GenerateOptions | None = None,
+    **option_fields,
 ) -> GenerationResult:
     """Generates up to ``max_new_tokens`` tokens per row with a model or a ``Pretrained``.
 
     Decoder-only models continue ``prompt_ids`` (a right-padded ``[B, P]`` int array or a
     list of lists; ``prompt_lengths`` defaults to ``P`` or the list lengths).
     Encoder-decoder models read ``prompt_ids`` as source ids (valid where ``source_valid``
-    ``[B, S]``, default the row lengths) and decode from ``start_id``. ``eos_id="config"``
-    and ``None`` defaults take a ``Pretrained`` handle's eos, decoder start and pad ids
-    (plain models: no EOS, ``ModelConfig.pad_id``); ``eos_id=None`` never stops early.
+    ``[B, S]``, default the row lengths) and decode from ``start_id`` (default: a
+    ``Pretrained`` handle's decoder start id).
 
-    ``max_len`` is the cache capacity (default ``ModelConfig.max_len``): the positions a row
-    may reach; ``on_overflow``: ``"raise"`` (a ValueError before any computation) or
-    ``"stop"`` (rows stop with reason ``"capacity"``). ``num_beams > 1`` runs beam search
-    (greedy scores over summed log-probs / ``length ** length_penalty``, in ``.scores``).
-    ``recompute=True``, implied for a decoder with ``ModelConfig.causal=False``, re-runs the
-    whole sequence per token instead of using the cache. ``.tokens`` holds the new ids only,
-    ``.sequences`` the prompt (or start token) too.
+    ``options`` (``GenerateOptions``, see ``attnlab.decode.options``) holds the rest in
+    groups: ``sampling`` (temperature, top_k, top_p, min_p) and ``seed``; ``beams``
+    (num_beams, length_penalty); ``stop`` (eos_id, pad_id, on_overflow); ``cache``
+    (max_len, ring, prefill_chunk, dtype, mesh, recompute); ``return_logits``. Each field
+    name also works as a keyword: ``generate(model, ids, 20, temperature=0.8, ring=True)``.
 
-    ``ring``: a ring-buffer cache of ``ModelConfig.sliding_window`` slots, for models whose
-    every layer slides with that window (True), a linear cache of ``max_len`` slots
-    (False), or a ring where the config allows one and ``max_len`` exceeds the window
-    (None): a ring's memory does not grow with ``max_len`` (see ``attnlab.kv_cache``).
-    ``prefill_chunk``: feed the prompt through the cache that many tokens at a time (None:
-    in chunks of ``Decoder``'s ``PREFILL_CHUNK`` = 1024 tokens above that length).
-
-    ``dtype`` (e.g. ``"bfloat16"``) decodes with the weights, activations and cache in that
-    dtype (the weights cast once per call; logits and sampling stay float32): half the bytes
-    a token streams at batch 1, at bfloat16's precision.
-
-    ``mesh`` (a ``jax.sharding.Mesh``, see ``attnlab.sharding``) decodes on it: parameters
-    sharded by their logical axes, the cache's rows over the batch axes and its kv heads over
-    ``tensor`` where they divide, the batch padded to the batch axes and cut afterwards.
+    ``.tokens`` holds the new ids only, ``.sequences`` the prompt (or start token) too;
+    ``.stop_reason`` says per row why it stopped (``STOP_REASONS``).
     """
+    opts = (options or GenerateOptions()).updated(**option_fields)
     graphdef, params, cfg, special = _split(model)
-    if cfg.arch == "encoder":
-        raise DecodeError("ModelConfig.arch='encoder' has no causal decoder to generate with")
+    if not architecture(cfg).generates:
+        raise DecodeError(f"ModelConfig.arch={cfg.arch!r} has no causal decoder to generate with")
+    dtype = opts.cache.dtype
     if dtype is not None and (dtype != cfg.dtype or dtype != cfg.param_dtype):
         graphdef, params, cfg = in_dtype(graphdef, params, cfg, dtype)
-    seq2seq = cfg.arch == "encoder_decoder"
-    eos_id = special["eos_id"] if eos_id == "config" else eos_id
-    pad_id = cfg.pad_id if pad_id is None else pad_id
-    if on_overflow not in ("raise", "stop"):
-        raise DecodeError(f"on_overflow={on_overflow!r} must be 'raise' or 'stop'")
-    sampling = SamplingConfig(temperature, top_k, top_p, min_p)
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise DecodeError(f"num_beams={num_beams!r} must be an int >= 1")
-    recompute = recompute or not (seq2seq or cfg.causal)
-    if num_beams > 1:
-        if not sampling.greedy:
-            raise DecodeError("num_beams > 1 is deterministic beam search: leave temperature 0")
-        if return_logits:
-            raise DecodeError("return_logits is only available with num_beams=1")
-        if recompute:
-            raise DecodeError("num_beams > 1 needs the KV cache: recompute supports num_beams=1")
-        if 2 * num_beams > cfg.vocab_size:
-            raise DecodeError(f"num_beams={num_beams} needs vocab_size >= {2 * num_beams}")
-    if ring and recompute:
-        raise DecodeError(
-            "ring=True asks for a ring-buffer KV cache, but recompute=True (implied by "
-            "ModelConfig.causal=False) uses no cache: pass ring=None, or recompute=False"
-        )
-    if ring is not None and not isinstance(ring, bool):
-        raise DecodeError(f"ring={ring!r} must be True, False or None (ring where it fits)")
-    chunk_size(1, prefill_chunk)  # checks the value before any computation
+    seq2seq = architecture(cfg).seq2seq
+    recompute = opts.cache.recompute or not (seq2seq or cfg.causal)
+    opts.stop.check()
+    opts.beams.check(opts.sampling.greedy, opts.return_logits, recompute, cfg.vocab_size)
+    opts.cache.check(recompute)
+    chunk_size(1, opts.cache.prefill_chunk)  # checks the value before any computation
     n = checks.check_count(max_new_tokens)
+    eos_id = special["eos_id"] if opts.stop.eos_id == "config" else opts.stop.eos_id
+    pad_id = cfg.pad_id if opts.stop.pad_id is None else opts.stop.pad_id
     checks.check_token("eos_id", eos_id, cfg.vocab_size, optional=True)
     checks.check_token("pad_id", pad_id, cfg.vocab_size)
-    stop_hint = num_beams == 1
-    raise_n = n if on_overflow == "raise" or not stop_hint else 0
+    stop_hint = opts.beams.num_beams == 1
+    raise_n = n if opts.stop.on_overflow == "raise" or not stop_hint else 0
+    fit = dict(raise_n=raise_n, max_len=opts.cache.max_len, stop_hint=stop_hint)
     if seq2seq:
         start_id = special["start_id"] if start_id is None else start_id
-        if start_id is None:
-            raise DecodeError(
-                "start_id is required for encoder-decoder models: pass the decoder start id"
-            )
-        checks.check_token("start_id", start_id, cfg.vocab_size)
-        src_BS, src_len_B = checks.rows(prompt_ids, prompt_lengths, pad_id, "source_ids", None)
-        if source_valid is None:
-            valid_BS = np.arange(src_BS.shape[1])[None, :] < src_len_B[:, None]
-        else:
-            valid_BS = np.asarray(source_valid).astype(bool)
-            if valid_BS.shape != src_BS.shape:
-                raise DecodeError(
-                    f"source_valid has shape {valid_BS.shape} but source_ids {src_BS.shape}: "
-                    "they must match"
-                )
-        checks.check_ids(src_BS, cfg.vocab_size, "source_ids", valid=valid_BS)
-        checks.check_length("source_ids", src_BS.shape[1], cfg.max_len, "truncate the source")
-        cap = checks.check_fits("start token 1", 1, raise_n, cfg, max_len, stop_hint=stop_hint)
-        ids_BP = np.full((src_BS.shape[0], 1), start_id, np.int64)
-        lengths_B = np.ones((src_BS.shape[0],), np.int64)
+        inputs = _seq2seq_inputs(cfg, prompt_ids, prompt_lengths, source_valid, start_id,
+                                 pad_id, **fit)  # fmt: skip
     else:
         if start_id is not None or source_valid is not None:
             raise DecodeError(
                 "start_id and source_valid apply to encoder-decoder models; a decoder-only "
                 "model continues prompt_ids (mark padding with prompt_lengths)"
             )
-        ids_BP, lengths_B = checks.rows(
-            prompt_ids, prompt_lengths, pad_id, "prompt_ids", cfg.vocab_size
-        )
-        empty = np.flatnonzero(lengths_B == 0)
-        if empty.size:
-            raise DecodeError(
-                f"prompt row {int(empty[0])} is empty (length 0): a decoder-only model needs "
-                "at least one prompt token (e.g. a BOS id) to condition on"
-            )
-        longest = int(lengths_B.max())
-        what = f"prompt length {longest} (row {int(lengths_B.argmax())})"
-        cap = checks.check_fits(what, longest, raise_n, cfg, max_len, stop_hint=stop_hint)
-
-    B = ids_BP.shape[0]
-    prefixes = [ids_BP[b, : lengths_B[b]] for b in range(B)]
+        inputs = _decoder_inputs(cfg, prompt_ids, prompt_lengths, pad_id, **fit)
+    B = inputs.ids_BP.shape[0]
+    prefixes = [inputs.ids_BP[b, : inputs.lengths_B[b]] for b in range(B)]
     specials = (np.int32(n), np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id))
-    key = jax.random.key(seed)
-    src = valid = None
-    if seq2seq:
-        width = bucket(src_BS.shape[1], cfg.max_len)
-        src = padded(np.where(valid_BS, src_BS, pad_id), [src_BS.shape[1]] * B, width, pad_id)
-        valid = np.zeros((B, width), bool)
-        valid[:, : src_BS.shape[1]] = valid_BS
-    if recompute:
-        W = bucket(int(lengths_B.max()) + n, cap)
-        ids_BW = padded(ids_BP, lengths_B, W, pad_id)
-        out = recompute_loop(
-            graphdef,
-            params,
-            jnp.asarray(ids_BW),
-            jnp.asarray(lengths_B, jnp.int32),
-            src,
-            valid,
-            key,
-            *specials,
-            sampling.traced(),
-            return_logits=return_logits,
-        )
-        return result(prefixes, out, n, pad_id, logits=out["logits_BSV"])
+    run = _recomputed if recompute else _cached
+    out, extra = run(graphdef, params, cfg, inputs, specials, opts)
+    return result(prefixes, out, n, pad_id, **extra)
 
+
+def _seq2seq_inputs(cfg, src_ids, src_lengths, source_valid, start_id, pad_id, **fit):
+    """An encoder-decoder generation's inputs: the checked source (padded to a bucket of
+    widths) and one start token per row."""
+    if start_id is None:
+        raise DecodeError(
+            "start_id is required for encoder-decoder models: pass the decoder start id"
+        )
+    checks.check_token("start_id", start_id, cfg.vocab_size)
+    src_BS, src_len_B = checks.rows(src_ids, src_lengths, pad_id, "source_ids", None)
+    if source_valid is None:
+        valid_BS = np.arange(src_BS.shape[1])[None, :] < src_len_B[:, None]
+    else:
+        valid_BS = np.asarray(source_valid).astype(bool)
+        if valid_BS.shape != src_BS.shape:
+            raise DecodeError(
+                f"source_valid has shape {valid_BS.shape} but source_ids {src_BS.shape}: "
+                "they must match"
+            )
+    checks.check_ids(src_BS, cfg.vocab_size, "source_ids", valid=valid_BS)
+    checks.check_length("source_ids", src_BS.shape[1], cfg.max_len, "truncate the source")
+    cap = checks.check_fits("start token 1", 1, fit["raise_n"], cfg, fit["max_len"],
+                            stop_hint=fit["stop_hint"])  # fmt: skip
+    B, S = src_BS.shape
+    width = bucket(S, cfg.max_len)
+    src = padded(np.where(valid_BS, src_BS, pad_id), [S] * B, width, pad_id)
+    valid = np.zeros((B, width), bool)
+    valid[:, :S] = valid_BS
+    ids_BP = np.full((B, 1), start_id, np.int64)
+    return _Inputs(ids_BP, np.ones((B,), np.int64), src, valid, cap)
+
+
+def _decoder_inputs(cfg, prompt_ids, prompt_lengths, pad_id, **fit):
+    """A decoder-only generation's inputs: the checked prompts, none of them empty."""
+    ids_BP, lengths_B = checks.rows(
+        prompt_ids, prompt_lengths, pad_id, "prompt_ids", cfg.vocab_size
+    )
+    empty = np.flatnonzero(lengths_B == 0)
+    if empty.size:
+        raise DecodeError(
+            f"prompt row {int(empty[0])} is empty (length 0): a decoder-only model needs "
+            "at least one prompt token (e.g. a BOS id) to condition on"
+        )
+    longest = int(lengths_B.max())
+    what = f"prompt length {longest} (row {int(lengths_B.argmax())})"
+    cap = checks.check_fits(what, longest, fit["raise_n"], cfg, fit["max_len"],
+                            stop_hint=fit["stop_hint"])  # fmt: skip
+    return _Inputs(ids_BP, lengths_B, None, None, cap)
+
+
+def _recomputed(graphdef, params, cfg, inputs: _Inputs, specials, opts: GenerateOptions):
+    """No cache: the whole sequence runs again for each token (``recompute_loop``)."""
+    lengths_B = inputs.lengths_B
+    W = bucket(int(lengths_B.max()) + int(specials[0]), inputs.cap)
+    out = recompute_loop(
+        graphdef,
+        params,
+        jnp.asarray(padded(inputs.ids_BP, lengths_B, W, int(specials[2]))),
+        jnp.asarray(lengths_B, jnp.int32),
+        inputs.src,
+        inputs.valid,
+        jax.random.key(opts.seed),
+        *specials,
+        opts.sampling.traced(),
+        return_logits=opts.return_logits,
+    )
+    return out, dict(logits=out["logits_BSV"])
+
+
+def _cached(graphdef, params, cfg, inputs: _Inputs, specials, opts: GenerateOptions):
+    """The compiled decoder: (encode,) prefill through the cache, then the sampling or the
+    beam loop, on ``opts.cache.mesh`` when one is given."""
     decoder = Decoder.for_graph(graphdef, cfg)
-    tokens_BT = padded(ids_BP, lengths_B, bucket(int(lengths_B.max()), cap), pad_id)
-    slots = cache_slots(max(int(lengths_B.max()) + n, tokens_BT.shape[1]), cap)
-    placed = on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, slots, ring)
+    lengths_B, n, pad_id = inputs.lengths_B, int(specials[0]), int(specials[2])
+    tokens_BT = padded(inputs.ids_BP, lengths_B, bucket(int(lengths_B.max()), inputs.cap), pad_id)
+    slots = cache_slots(max(int(lengths_B.max()) + n, tokens_BT.shape[1]), inputs.cap)
+    c = opts.cache
+    placed = on_mesh(c.mesh, cfg, params, tokens_BT, lengths_B, inputs.src, inputs.valid,
+                     slots, c.ring)  # fmt: skip
     with placed.context:
         cache = placed.cache
-        if seq2seq:
+        if inputs.src is not None:
             cache = decoder.encode(placed.params, cache, placed.src, placed.valid)
         logits_BV, cache = decoder.prefill(
             placed.params, cache, placed.tokens, placed.lengths,
-            chunk=chunk_size(tokens_BT.shape[1], prefill_chunk),
+            chunk=chunk_size(tokens_BT.shape[1], c.prefill_chunk),
         )  # fmt: skip
-        if num_beams > 1:
+        if opts.beams.num_beams > 1:
             out = decoder.beam_loop(
-                placed.params, cache, logits_BV, *specials, np.float32(length_penalty),
-                num_beams=num_beams,
+                placed.params, cache, logits_BV, *specials, np.float32(opts.beams.length_penalty),
+                num_beams=opts.beams.num_beams,
             )  # fmt: skip
             out = placed.cut(out)
-            return result(prefixes, out, n, pad_id, scores=np.asarray(out["score_B"]))
+            return out, dict(scores=np.asarray(out["score_B"]))
         out = decoder.sample_loop(
-            placed.params, cache, logits_BV, key, *specials, sampling.traced(),
-            return_logits=return_logits,
+            placed.params, cache, logits_BV, jax.random.key(opts.seed), *specials,
+            opts.sampling.traced(), return_logits=opts.return_logits,
         )  # fmt: skip
     out = placed.cut(out)
-    return result(prefixes, out, n, pad_id, logits=out["logits_BSV"])
+    return out, dict(logits=out["logits_BSV"])

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 
+from attnlab.architectures import architecture
 from attnlab.errors import ConfigError, DecodeError, PretrainedFileError, one_line
 
 
@@ -80,7 +81,7 @@ def _sample(args, overrides):
     cfg, trainer, task, model = run.config, run.trainer, run.task, run.model
     max_len = trainer.mcfg.max_len
     common = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if trainer.mcfg.arch == "encoder_decoder":
+    if architecture(trainer.mcfg).seq2seq:
         if args.source is None:
             raise DecodeError('this run is an encoder-decoder model: pass --source "..."')
         position = trainer.mcfg.position
@@ -89,7 +90,7 @@ def _sample(args, overrides):
         tokens = runs.seq2seq_continuation(model, task, args.source, n, **common)
         print(runs.decode_known(task, tokens))
         return
-    if trainer.mcfg.arch != "decoder":
+    if not architecture(trainer.mcfg).generates:
         raise DecodeError(
             f"{args.workdir} holds an {trainer.mcfg.arch} model: sampling needs a decoder-only "
             "or encoder-decoder run"

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attnlab.architectures import architecture
 from attnlab.config import ModelConfig
 from attnlab.decode.loops import beam_loop, sample_loop
 from attnlab.errors import DecodeError
@@ -46,10 +47,12 @@ class Decoder:
     """
 
     def __init__(self, graphdef, cfg: ModelConfig):
-        if cfg.arch == "encoder":
-            raise DecodeError("ModelConfig.arch='encoder' has no causal decoder to generate with")
+        if not architecture(cfg).generates:
+            raise DecodeError(
+                f"ModelConfig.arch={cfg.arch!r} has no causal decoder to generate with"
+            )
         self.graphdef, self.cfg = graphdef, cfg
-        self.seq2seq = cfg.arch == "encoder_decoder"
+        self.seq2seq = architecture(cfg).seq2seq
         self.traces = collections.Counter()
         self.unstack_layers = cfg.decode_unstacked
         jit = functools.partial(jax.jit, donate_argnames="cache")
@@ -188,7 +191,7 @@ def unstacked(model):
     are returned as they are. The result's parameters no longer have the stacked layout,
     so it is not for training or for saving checkpoints.
     """
-    if model.cfg.arch == "encoder" or not model.cfg.decode_unstacked:
+    if not architecture(model.cfg).generates or not model.cfg.decode_unstacked:
         return model
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)  # new modules over the same arrays

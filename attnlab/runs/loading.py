@@ -20,6 +20,7 @@ import pathlib
 from typing import Any
 
 from attnlab import experiment, sharding
+from attnlab.architectures import architecture
 from attnlab.checkpoint import Checkpointer
 from attnlab.data import make_task
 from attnlab.errors import CheckpointError, WorkdirError
@@ -63,7 +64,7 @@ class Run:
             seq2seq_continuation,
         )
 
-        if self.trainer.mcfg.arch == "encoder_decoder":
+        if architecture(self.trainer.mcfg).seq2seq:
             tokens = seq2seq_continuation(self.model, self.task, prompt, max_new_tokens, **options)
             return decode_known(self.task, tokens)
         prompt = prompt or default_prompt(self.config, self.task)
