@@ -22,6 +22,7 @@ from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
 from attnlab.pretrained.hf_llama import llama_like
+from attnlab.pretrained.hf_moe import mixtral, qwen3_moe
 
 __all__ = ["FAMILIES", "UnsupportedCheckpointError", "family_of", "model_config_from_hf"]
 
@@ -36,6 +37,8 @@ FAMILIES = {
     "gemma": lambda c: gemma(c, "gemma"),
     "gemma2": lambda c: gemma(c, "gemma2"),
     "gemma3_text": lambda c: gemma(c, "gemma3_text"),
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -48,12 +51,14 @@ _ARCHITECTURE_PREFIXES = {
     "Llama": "llama",
     "Mistral": "mistral",
     "Qwen2": "qwen2",
+    "Qwen3Moe": "qwen3_moe",  # before its prefix Qwen3
     "Qwen3": "qwen3",
     "Olmo2": "olmo2",
     "Phi3": "phi3",
     "Gemma": "gemma",
     "Gemma2": "gemma2",
     "Gemma3": "gemma3_text",
+    "Mixtral": "mixtral",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",

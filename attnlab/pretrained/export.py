@@ -25,7 +25,7 @@ from attnlab.config import ModelConfig
 from attnlab.errors import PretrainedError
 from attnlab.pretrained.configs import model_config_from_hf
 from attnlab.pretrained.export_configs import WRITERS
-from attnlab.pretrained.mappings import TRANSFORMS
+from attnlab.pretrained.mappings import TRANSFORMS, split_experts
 from attnlab.pretrained.mappings_open import MAPPINGS
 
 
@@ -70,17 +70,31 @@ def _irrelevant(cfg: ModelConfig) -> set[str]:
         out.add("qk_norm_scope")
     if cfg.arch == "decoder":
         out |= {"mlm_transform", "n_decoder_layers"}
+    settings = getattr(cfg, "ffn_settings", None)
+    if getattr(settings, "dense_layers", None) == 0 and not settings.n_shared:
+        out.add("d_ff")  # every FFN is experts of width d_expert (compared in ffn_settings)
     return out
+
+
+def _computed(cfg: ModelConfig, name: str):
+    """Field ``name`` as far as it changes the computation: an FFN variant's settings without
+    its training-only loss weights, its expert width resolved."""
+    value = getattr(cfg, name)
+    if name == "ffn_settings" and hasattr(value, "load_balance_weight"):
+        value = dataclasses.replace(
+            value, load_balance_weight=0.0, z_loss_weight=0.0, d_expert=value.d_expert or cfg.d_ff
+        )
+    return value
 
 
 def differences(ours: ModelConfig, read: ModelConfig) -> list[str]:
     """The fields (and per-layer properties) in which two configs compute differently."""
-    skip = _NOT_COMPARED | _irrelevant(ours)
+    skip = _NOT_COMPARED | _irrelevant(ours) | _irrelevant(read)
     out = []
     for f in dataclasses.fields(ModelConfig):
         if not f.init or f.name in skip:
             continue
-        a, b = getattr(ours, f.name), getattr(read, f.name)
+        a, b = _computed(ours, f.name), _computed(read, f.name)
         same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and b else a == b
         if not same:
             out.append(f"{f.name}={a!r} (read back {b!r})")
@@ -145,7 +159,7 @@ def hf_tensors(model, family: str) -> dict[str, np.ndarray]:
     left = sorted(set(values) - written)
     if left:
         raise ExportError(f"no {family} tensor name holds attnlab parameter(s) {left[:5]}")
-    return tensors
+    return split_experts(tensors)
 
 
 def export_model(model, out) -> str:

@@ -107,6 +107,36 @@ def gemma3_text(cfg):
     return out
 
 
+def _experts(cfg, **fixed) -> dict:
+    """The expert fields shared by Mixtral and Qwen3-MoE (ffn_variant "moe" only)."""
+    s = cfg.ffn_settings
+    if getattr(cfg, "ffn_variant", "dense") != "moe":
+        raise ValueError("ffn_variant is not 'moe'")
+    return {"num_local_experts": s.n_experts, "num_experts_per_tok": s.top_k, **fixed}
+
+
+def mixtral(cfg):
+    experts = _experts(cfg)
+    windows = set(cfg.layer_windows(cfg.n_layers))
+    if len(windows) > 1:
+        raise ValueError(f"windows {sorted(windows, key=str)}: Mixtral slides in every layer")
+    out = {**_base(cfg, "mixtral", "MixtralForCausalLM"), "sliding_window": windows.pop()}
+    out["intermediate_size"] = cfg.ffn_settings.d_expert or cfg.d_ff
+    return {**out, **experts}
+
+
+def qwen3_moe(cfg):
+    _experts(cfg)
+    out = _base(cfg, "qwen3_moe", "Qwen3MoeForCausalLM")
+    d_expert = cfg.ffn_settings.d_expert or cfg.d_ff
+    return {
+        **out,
+        **_experts(
+            cfg, moe_intermediate_size=d_expert, norm_topk_prob=cfg.ffn_settings.renormalize
+        ),
+    }
+
+
 WRITERS = {
     "llama": llama,
     "qwen3": qwen3,
@@ -116,4 +146,6 @@ WRITERS = {
     "gemma": gemma,
     "gemma2": gemma2,
     "gemma3_text": gemma3_text,
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
 }

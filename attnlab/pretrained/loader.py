@@ -26,7 +26,7 @@ from attnlab.config import ModelConfig
 from attnlab.errors import PretrainedError, PretrainedFileError, one_line
 from attnlab.nn.models import build_model
 from attnlab.pretrained.configs import family_of, model_config_from_hf
-from attnlab.pretrained.mappings import TRANSFORMS, Mapping
+from attnlab.pretrained.mappings import TRANSFORMS, Mapping, stack_experts
 from attnlab.pretrained.mappings_open import MAPPINGS
 
 
@@ -224,7 +224,7 @@ def _stack_layers(values: dict, flat: dict) -> dict:
 def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
     """The NNX model of ``cfg`` with every parameter taken from ``tensors``."""
     mapping = MAPPINGS[family_of(hf_config)]
-    tensors = _with_prefix(tensors, mapping)
+    tensors = stack_experts(_with_prefix(tensors, mapping))
     abstract = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_dotted(path): leaf for path, leaf in nnx.to_flat_state(params)}

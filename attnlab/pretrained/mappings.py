@@ -13,6 +13,10 @@ unless they match one of the mapping's ``ignore`` patterns (tied copies, non-tra
 buffers). ``prefix`` is the wrapper of the task head class (``model.``, ``bert.``...): a
 checkpoint of the bare base model, whose names lack it, gets it prepended.
 
+Per-expert tensors ``...experts.{e}.NAME`` are stacked on load into one tensor
+``...experts.NAME`` ``[E, ...]`` that the rules name (``stack_experts``; export splits them
+again with ``split_experts``).
+
 Transforms turn a stored tensor into the attnlab layout; each also states the stored
 shape it expects given the target shapes, so a mismatch is reported on the stored tensor.
 Hugging Face ``nn.Linear`` stores ``[out, in]``; GPT-2's ``Conv1D`` stores ``[in, out]``.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 
@@ -109,11 +114,49 @@ TRANSFORMS = {
         lambda x, t: _split_rows(x, t, lambda s: s[1]),
         lambda xs, t: _rows(xs),
     ),
+    # Experts stacked on load ([E, out, in], one nn.Linear each) -> [E, in, out].
+    "experts_linear": Transform(
+        lambda t: (t[0][0], t[0][2], t[0][1]),
+        lambda x, t: (x.transpose(0, 2, 1),),
+        lambda xs, t: xs[0].transpose(0, 2, 1),
+    ),
     # A Gemma RMSNorm weight w, whose scale is 1 + w.
     "plus_one": Transform(
         lambda t: t[0], lambda x, t: (x.astype(np.float32) + 1,), lambda xs, t: xs[0] - 1
     ),
 }
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.*)$")
+_STACKED = re.compile(r"^(.*\.experts)\.(\D.*)$")
+
+
+def stack_experts(tensors: dict) -> dict:
+    """``...experts.{e}.NAME`` for e = 0..E-1 -> one ``...experts.NAME`` of shape [E, ...]."""
+    groups, out = {}, {}
+    for name, x in tensors.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = x
+        else:
+            groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = x
+    for name, parts in groups.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ValueError(f"experts of {name} are numbered {sorted(parts)}, not 0..E-1")
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
+def split_experts(tensors: dict) -> dict:
+    """The inverse of ``stack_experts``."""
+    out = {}
+    for name, x in tensors.items():
+        m = _STACKED.match(name)
+        if m is None:
+            out[name] = x
+        else:
+            out.update({f"{m[1]}.{e}.{m[2]}": np.ascontiguousarray(x[e]) for e in range(len(x))})
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

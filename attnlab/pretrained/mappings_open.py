@@ -1,4 +1,5 @@
-"""Tensor-name tables of the open families of today: Gemma, Gemma 2/3, OLMo 2 and Phi-3
+"""Tensor-name tables of the open families of today: Gemma, Gemma 2/3, OLMo 2, Phi-3, Mixtral
+and Qwen3-MoE
 (see ``attnlab.pretrained.mappings`` for what a table is). ``MAPPINGS`` holds every family's
 table, these and the classic ones."""
 
@@ -101,6 +102,30 @@ PHI3 = Mapping(
     ignore=_IGNORE,
 )
 
+
+# Mixtral and Qwen3-MoE: a router and per-experts FFNs in place of the FFN (stacked on load).
+def _moe_table(moe, gate, up, down, *, qk_norm):
+    rows = [
+        _ends(),
+        _norm(f"{_L}.input_layernorm", f"{_A}.attn_norm"),
+        _linear_attention(f"{_L}.self_attn", f"{_A}.attn", bias=False),
+        _norm(f"{_L}.post_attention_layernorm", f"{_A}.ffn_norm"),
+        (f"{_L}.{moe}.gate.weight", f"{_A}.ffn.router_DE", "linear"),
+        (f"{_L}.{moe}.experts.{gate}.weight", f"{_A}.ffn.w_gate_EDF", "experts_linear"),
+        (f"{_L}.{moe}.experts.{up}.weight", f"{_A}.ffn.w_in_EDF", "experts_linear"),
+        (f"{_L}.{moe}.experts.{down}.weight", f"{_A}.ffn.w_out_EFD", "experts_linear"),
+    ]
+    if qk_norm:
+        rows += [
+            _norm(f"{_L}.self_attn.q_norm", f"{_A}.attn.q_norm"),
+            _norm(f"{_L}.self_attn.k_norm", f"{_A}.attn.k_norm"),
+        ]
+    return Mapping(prefix="model.", rules=_table(*rows), ignore=_IGNORE)
+
+
+MIXTRAL = _moe_table("block_sparse_moe", "w1", "w3", "w2", qk_norm=False)
+QWEN3_MOE = _moe_table("mlp", "gate_proj", "up_proj", "down_proj", qk_norm=True)
+
 MAPPINGS = {
     **mappings.MAPPINGS,
     "gemma": GEMMA1,
@@ -108,4 +133,6 @@ MAPPINGS = {
     "gemma3_text": GEMMA,
     "olmo2": OLMO2,
     "phi3": PHI3,
+    "mixtral": MIXTRAL,
+    "qwen3_moe": QWEN3_MOE,
 }

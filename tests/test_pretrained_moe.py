@@ -1,0 +1,153 @@
+"""Mixture-of-experts checkpoints that transformers writes: Mixtral and Qwen3-MoE.
+
+As in ``test_pretrained_open``: a tiny random model per family, saved with
+``save_pretrained`` (experts stored one tensor per expert, stacked by the loader), loaded by
+attnlab; logits ≤ 1e-4 at the real positions of a left-padded batch, and 16 greedy tokens
+through attnlab's KV cache equal to ``model.generate``. Four experts, two per token, so
+the routing decides the outputs; Qwen3-MoE without renormalised top-k weights
+(``norm_topk_prob=False``), Mixtral with. A Mixtral-shaped attnlab model is also exported
+and read back by transformers.
+"""
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
+)
+torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
+
+from test_export_hf import perturbed, transformers_logits  # noqa: E402
+from test_pretrained import max_diff  # noqa: E402
+from test_pretrained_hf import hf, perturb  # noqa: E402
+from test_pretrained_open import left_padded  # noqa: E402
+from tiers import cases  # noqa: E402
+
+from attnlab.config import ModelConfig  # noqa: E402
+from attnlab.pretrained import export_model, load_pretrained  # noqa: E402
+
+TOL = 1e-4
+V = 96
+_BASE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.25,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SPECS = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_BASE, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _BASE,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    built = {}
+
+    def get(name):
+        if name not in built:
+            config_cls, model_cls, kwargs = SPECS[name]
+            config = getattr(transformers, config_cls)(**kwargs)
+            seed = 31 + list(SPECS).index(name)
+            torch.manual_seed(seed)
+            model = getattr(transformers, model_cls)._from_config(
+                config, attn_implementation="eager", dtype=torch.float32
+            )
+            perturb(model, torch.Generator().manual_seed(100 + seed))
+            model.eval()
+            model.generation_config.eos_token_id = None
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(folder)
+            built[name] = model, folder
+        return built[name]
+
+    return get
+
+
+MOE_SLOW = "a second mixture-of-experts family, built and compiled"
+
+
+@pytest.mark.parametrize("name", cases(list(SPECS), slow={"qwen3_moe": MOE_SLOW}))
+def test_logits_match_transformers_with_left_padding(checkpoints, name):
+    model, folder = checkpoints(name)
+    ids, mask = left_padded(np.random.default_rng(0))
+    with torch.no_grad():
+        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    handle = load_pretrained(folder)
+    assert handle.family == name and handle.config.ffn_variant == "moe"
+    real = mask.astype(bool)
+    assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL
+
+
+@pytest.mark.slow(reason="cached decoding of a mixture-of-experts model, compiled")
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_with_cache_matches_transformers(checkpoints, name):
+    model, folder = checkpoints(name)
+    handle = load_pretrained(folder)
+    n, length = 16, 9
+    prompt = np.random.default_rng(2).integers(3, V, (1, length)).astype(np.int32)
+    with torch.no_grad():
+        out = model.generate(
+            hf(prompt),
+            attention_mask=torch.ones_like(hf(prompt)),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=n,
+            use_cache=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    expected = out.sequences.numpy()[:, length:]
+    assert len(set(expected[0].tolist())) >= 2  # not one token repeated
+    result = handle.generate(prompt, n, eos_id=None, return_logits=True)
+    np.testing.assert_array_equal(np.asarray(result.tokens), expected)
+    assert max_diff(result.logits, torch.stack(out.logits, 1).numpy()) <= TOL
+
+
+@pytest.mark.slow(reason="a Mixtral-shaped model exported and read by transformers")
+def test_mixtral_shaped_model_exports_with_equal_logits(tmp_path):
+    cfg = ModelConfig(
+        arch="decoder",
+        vocab_size=V,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=48,
+        max_len=64,
+        position="rope",
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        ffn="swiglu",
+        tie_embeddings=False,
+        ffn_variant="moe",
+        ffn_settings={"n_experts": 4, "top_k": 2},
+    )
+    model = perturbed(cfg, seed=4)
+    assert export_model(model, tmp_path / "hf") == "mixtral"
+    ids, mask = left_padded(np.random.default_rng(5))
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, valid_BT=real).logits)
+    assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL
