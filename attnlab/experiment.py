@@ -38,6 +38,7 @@ from ml_collections import config_dict
 from attnlab.config import ModelConfig
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
+from attnlab.ffns import get_ffn
 from attnlab.mixers import get_mixer
 from attnlab.optimizers import OPTIMIZERS, SCHEDULES
 from attnlab.variants import attention_variants
@@ -56,7 +57,7 @@ def _model_defaults() -> ConfigDict:
         if not field.init:
             continue
         value = field.default
-        if field.name == "mixer_settings":  # the variant's own fields, whatever they are
+        if field.name in ("mixer_settings", "ffn_settings"):  # a variant's own fields
             value = ConfigDict()
         elif value is None:  # Optional field: lock its type, keep it unset
             args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
@@ -130,7 +131,7 @@ def base_config() -> ConfigDict:
     )
     c.checkpoint = ConfigDict(dict(every_steps=500, max_to_keep=3))
     # The device mesh (attnlab.sharding): one axis may be -1, the remaining devices.
-    c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, context=1))
+    c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, context=1, expert=1))
     c.mesh.rules = ConfigDict()  # logical axis -> mesh axis overrides of sharding.RULES
     # Many hosts: jax.distributed.initialize before anything else. "auto" initialises when
     # a coordinator is given or a multi-task SLURM job is detected; "on" always; "off" never.
@@ -320,24 +321,26 @@ def _load_python(path: pathlib.Path):
     return module
 
 
-def _settings_fields(base: ConfigDict, overrides) -> None:
+def _settings_fields(base: ConfigDict, overrides, kind="mixer", default="mha", get=get_mixer):
     """Gives ``model.mixer_settings`` every field of the chosen variant's settings (the
     variant an override names, else the experiment's), so ``--config.model.mixer_settings.X``
-    overrides work; values the experiment set for that variant are kept."""
+    overrides work; values the experiment set for that variant are kept. The same for
+    ``model.ffn_settings`` with ``kind="ffn_variant"``."""
     if "model" not in base:
         return
-    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("--config.model.mixer=")]
-    name = chosen[-1] if chosen else base.model.get("mixer", "mha")
+    field = f"{kind.split('_')[0]}_settings"
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith(f"--config.model.{kind}=")]
+    name = chosen[-1] if chosen else base.model.get(kind, default)
     try:
-        fields = dataclasses.asdict(get_mixer(name).Settings())
+        fields = dataclasses.asdict(get(name).Settings())
     except ConfigError:
         return  # an unregistered name: ModelConfig's validation says so
-    given = base.model.get("mixer_settings") or {}
+    given = base.model.get(field) or {}
     given = given.to_dict() if isinstance(given, ConfigDict) else dict(given)
-    if name == base.model.get("mixer", "mha"):
+    if name == base.model.get(kind, default):
         fields.update(given)
     with base.unlocked():
-        base.model.mixer_settings = ConfigDict(fields)
+        base.model[field] = ConfigDict(fields)
 
 
 def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
@@ -373,6 +376,7 @@ def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
             raise ExperimentError(f"{spec}: get_config failed: {_clean(e)}") from None
         base.experiment_file = str(path.resolve())
     _settings_fields(base, overrides)
+    _settings_fields(base, overrides, "ffn_variant", "dense", get_ffn)
     argv = ["attnlab"]
     fv = flags.FlagValues()
     for o in overrides:
