@@ -42,11 +42,13 @@ class FFNSettings:
         """Raises ``ConfigError`` (``self.fail``) for values that do not fit ``cfg``."""
 
     def fail(self, field: str, fix: str):
+        """Raises a ``ConfigError`` naming ``ffn_settings.<field>``, its value and ``fix``."""
         raise ConfigError(
             f"ModelConfig.ffn_settings.{field}={getattr(self, field)!r} is invalid: {fix}"
         )
 
     def to_dict(self) -> dict:
+        """The settings as a plain, JSON-able dict."""
         return dataclasses.asdict(self)
 
 
