@@ -138,6 +138,30 @@ def test_packed_documents_do_not_attend_to_each_other():
         np.testing.assert_allclose(packed[r][keep], alone[i, : keep.sum()], rtol=1e-5, atol=1e-5)
 
 
+def test_a_task_restores_its_pipeline_state_without_replaying(tmp_path):
+    import json
+
+    from attnlab.data import make_task
+    from attnlab.data.prepared import prepare
+
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of the first file\n" for i in range(60)))
+    (tmp_path / "b.txt").write_text("".join(f"row {i}, the second\n" for i in range(80)))
+    prepare([str(tmp_path / "*.txt")], tmp_path / "p", tokenizer="byte", progress=False)
+    cfg = {"kind": "prepared", "path": str(tmp_path / "p"), "seq_len": 24, "pipeline": "grain"}
+    task = make_task(cfg)
+    for step in range(4):
+        task.train_batch(5, step, 4)
+    state = json.loads(json.dumps(task.data_state()))  # as the checkpoint's metadata holds it
+    assert state["step"] == 4
+    want = [task.train_batch(5, step, 4) for step in (4, 5)]
+    resumed = make_task(cfg)
+    resumed.restore_data_state(state)
+    resumed._train_batches._make = None  # a replay would have to rebuild the iterator
+    got = [resumed.train_batch(5, step, 4) for step in (4, 5)]
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(want, got, strict=True) for k in a)
+    assert make_task({**cfg, "pipeline": "index"}).data_state() is None
+
+
 @pytest.mark.slow(reason="trains a tiny run three times on the Grain pipeline")
 def test_a_run_on_packed_grain_batches_resumes_bitwise(tmp_path):
     import pathlib
@@ -156,6 +180,10 @@ def test_a_run_on_packed_grain_batches_resumes_bitwise(tmp_path):
     runs.train(cfg(), tmp_path / "straight", progress=False)
     runs.train(cfg(), tmp_path / "resumed", progress=False, stop_after=4)
     runs.train(cfg(), tmp_path / "resumed", progress=False)
+    from attnlab.checkpoint import Checkpointer
+
+    with Checkpointer(tmp_path / "resumed" / "checkpoints") as ckpt:
+        assert ckpt.restore_metadata(4)["data_state"]["step"] == 4  # resumed from the state
     a, b = runs.load_run(tmp_path / "straight"), runs.load_run(tmp_path / "resumed")
     assert a.step == b.step == 6
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):

@@ -125,8 +125,9 @@ def restore_state(directory, iterator):
 
 class GrainSampler:
     """``train_batch(seed, step, batch_size)`` over a Grain iterator: consecutive steps read
-    the next batch; any other step rebuilds the iterator and moves it to that step (by
-    replaying the batches before it, which Grain reproduces exactly)."""
+    the next batch. ``get_state()``/``set_state()`` save and restore where it stands (the
+    run keeps it in its checkpoint); any other step rebuilds the iterator and moves it to
+    that step by replaying the batches before it, which Grain reproduces exactly."""
 
     def __init__(self, make):
         self._make, self._key, self._it, self._next = make, None, None, 0
@@ -140,3 +141,16 @@ class GrainSampler:
             self._next += 1
         self._next += 1
         return next(self._it)
+
+    def get_state(self) -> dict | None:
+        if self._it is None:
+            return None
+        seed, batch_size = self._key
+        state = self._it.get_state()
+        return {"seed": seed, "batch_size": batch_size, "step": self._next, "iterator": state}
+
+    def set_state(self, state: dict) -> None:
+        self._key = (int(state["seed"]), int(state["batch_size"]))
+        self._it = iter(self._make(*self._key))
+        self._it.set_state(state["iterator"])
+        self._next = int(state["step"])

@@ -140,6 +140,17 @@ class Task:
             return self._checked(self._train_batches(seed, step, batch_size))
         return self._checked(self._sample(batch_rng(seed, step, TRAIN_STREAM), batch_size))
 
+    def data_state(self) -> dict | None:
+        """Where the training pipeline stands (a JSON-able dict, saved with a checkpoint), or
+        None where batches are a pure function of (seed, step)."""
+        get = getattr(self._train_batches, "get_state", None)
+        return None if get is None else get()
+
+    def restore_data_state(self, state: dict | None) -> None:
+        """Moves the training pipeline to ``state`` (from ``data_state``); None: nothing."""
+        if state is not None and hasattr(self._train_batches, "set_state"):
+            self._train_batches.set_state(state)
+
     def eval_batches(self, batch_size: int, num_batches: int) -> list[dict]:
         """The same ``num_batches`` batches on every call."""
         if self._eval_batches is not None:

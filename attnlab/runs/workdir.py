@@ -240,7 +240,10 @@ class Run:
         state, self.start = restore_newest(
             self.ckpt, abstract, steps, trainer.all_finite, move_aside=True
         )
-        self.elapsed = float(self.ckpt.restore_metadata(self.start).get("elapsed_sec", 0.0))
+        metadata = self.ckpt.restore_metadata(self.start)
+        self.elapsed = float(metadata.get("elapsed_sec", 0.0))
+        if jax.process_count() == 1:
+            self.task.restore_data_state(metadata.get("data_state"))
         if self.changes:
             set_optim_values(state["opt_state"], self.cfg.optim)
         truncate_jsonl(self.workdir / METRICS_FILE, self.start)
@@ -261,6 +264,8 @@ class Run:
         if step in self.ckpt.all_steps():
             self.ckpt.delete(step)
         meta = {"elapsed_sec": self.elapsed, "step": step, "interrupted": stop_signal()}
+        if jax.process_count() == 1:  # one process: its input pipeline's position too
+            meta["data_state"] = self.task.data_state()
         self.ckpt.save(step, state, metadata=meta, force=True)
 
     def log(self, record: dict, file: str = METRICS_FILE):
