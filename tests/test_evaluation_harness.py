@@ -121,3 +121,52 @@ def test_eval_harness_flags_are_checked(tmp_path, capsys):
     assert "--pretrained is scored by --harness" in capsys.readouterr().err
     assert main(["eval"]) == 2
     assert "needs --workdir DIR" in capsys.readouterr().err
+
+
+@pytest.mark.slow(reason="writes a tiny GPT-2 with transformers and runs the harness on it")
+def test_a_pretrained_folder_scores_as_transformers_does(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from attnlab.data.bpe import train_bpe
+    from attnlab.evaluation.backends import from_pretrained
+    from attnlab.evaluation.harness import run_harness
+
+    text = "the quick brown fox jumps over the lazy dog.\nthe dog sleeps; the fox runs.\n" * 40
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    tok = train_bpe(text, 300)
+    tok.save(folder / "tokenizer.json")
+    end = tok.vocab_size - 1
+    cfg = transformers.GPT2Config(
+        vocab_size=tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+        bos_token_id=end, eos_token_id=end, pad_token_id=0, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    questions = [("the quick brown", [" fox", " dog"], 0), ("the dog", [" sleeps", " runs."], 0)]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "mc.jsonl").write_text(
+        "".join(json.dumps({"q": q, "choices": c, "answer": a}) + "\n" for q, c, a in questions)
+    )
+    (tmp_path / "t" / "mc.yaml").write_text(
+        "task: gpt2_mc\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path}/t/mc.jsonl\noutput_type: multiple_choice\ndoc_to_text: '{{{{q}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\ntarget_delimiter: ''\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    out = run_harness(
+        from_pretrained(folder), "gpt2_mc", include_path=tmp_path / "t", log_samples=True
+    )
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    for sample in out["samples"]["gpt2_mc"]:
+        q = sample["doc"]["q"]
+        for choice, resp in zip(sample["doc"]["choices"], sample["resps"], strict=True):
+            context = hf_tok(q)["input_ids"]
+            cont = hf_tok(q + choice)["input_ids"][len(context) :]
+            ids = torch.tensor([context + cont])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0].double(), -1).numpy()
+            n = len(cont)
+            direct = sum(logp[len(context) - 1 + i, cont[i]] for i in range(n))
+            np.testing.assert_allclose(resp[0][0], direct, rtol=1e-4, atol=1e-4)
