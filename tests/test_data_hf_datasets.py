@@ -54,6 +54,8 @@ def test_hf_datasets_batches_equal_the_texts_in_memory(tmp_path, fmt):
     assert (tmp_path / "run" / "tokenizer.json").is_file()
     prepared = list((tmp_path / "cache" / "prepared").iterdir())
     assert len(prepared) == 1  # tokenised once: a second task memory-maps the same corpus
+    lengths = [len((r["text"] + "\n\n").encode()) for r in RECORDS]  # a record, a document
+    assert np.load(prepared[0] / "documents.npy").tolist() == np.cumsum(lengths).tolist()
     stamp = (prepared[0] / "tokens.bin").stat().st_mtime_ns
     make_task(cfg, tmp_path / "run")
     assert list((tmp_path / "cache" / "prepared").iterdir()) == prepared
