@@ -36,7 +36,6 @@ def _lm_eval():
 def make_lm(backend, batch_size: int = 8):
     """The ``LM`` of ``backend`` (an ``attnlab.evaluation.Backend``)."""
     _, TemplateLM = _lm_eval()
-    from lm_eval.models.utils import handle_stop_sequences
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     class AttnlabLM(TemplateLM):
@@ -74,29 +73,36 @@ def make_lm(backend, batch_size: int = 8):
             return out
 
         def generate_until(self, requests, disable_tqdm=False):
-            out = [None] * len(requests)
-            groups: dict[str, list[int]] = {}
-            for i, r in enumerate(requests):
-                groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
-            for key, members in groups.items():
-                kwargs = json.loads(key)
-                until = handle_stop_sequences(kwargs.get("until"), None)
-                n = int(kwargs.get("max_gen_toks", 256))
-                keep = max(backend.max_len - n, 1)
-                for first in range(0, len(members), self.batch_size):
-                    chunk = members[first : first + self.batch_size]
-                    prompts = [
-                        (backend.encode(requests[i].args[0]) or [backend.prefix_id])[-keep:]
-                        for i in chunk
-                    ]
-                    for i, ids in zip(chunk, backend.generate(prompts, n), strict=True):
-                        text = backend.decode(ids)
-                        for stop in until:
-                            text = text.split(stop)[0] if stop else text
-                        out[i] = text
-            return out
+            return _generate_until(backend, requests, self.batch_size)
 
     return AttnlabLM()
+
+
+def _generate_until(backend, requests, batch_size: int) -> list[str]:
+    """Greedy continuations, decoded together per generation settings, cut at the first
+    stop sequence."""
+    from lm_eval.models.utils import handle_stop_sequences
+
+    out = [None] * len(requests)
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(json.dumps(r.args[1], sort_keys=True, default=str), []).append(i)
+    for key, members in groups.items():
+        kwargs = json.loads(key)
+        until = handle_stop_sequences(kwargs.get("until"), None)
+        n = int(kwargs.get("max_gen_toks", 256))
+        keep = max(backend.max_len - n, 1)
+        for first in range(0, len(members), batch_size):
+            chunk = members[first : first + batch_size]
+            prompts = [
+                (backend.encode(requests[i].args[0]) or [backend.prefix_id])[-keep:] for i in chunk
+            ]
+            for i, ids in zip(chunk, backend.generate(prompts, n), strict=True):
+                text = backend.decode(ids)
+                for stop in until:
+                    text = text.split(stop)[0] if stop else text
+                out[i] = text
+    return out
 
 
 def run_harness(
