@@ -156,7 +156,7 @@ def test_per_layer_window_equals_blocks_applied_one_by_one():
         block = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], params))
         assert isinstance(block, Block)
         mask = ops.sliding_window(T, window=2) if i == 1 else ops.causal(T)
-        x, _, _ = block(x, MixerCall(positions_BT=pos, mask=mask, bias=bias))
+        x, *_ = block(x, MixerCall(positions_BT=pos, mask=mask, bias=bias))
     want = model.head(stack.final_norm(x), model.embed.tokens)
     np.testing.assert_allclose(model(ids).logits, want, atol=1e-5, rtol=1e-5)
     every = build_model(cfg.replace(sliding_window_layers=None), seed=0)

@@ -1,7 +1,7 @@
 """Flax NNX modules that own parameters and call ``attnlab.ops``."""
 
 from attnlab.nn.attention import Attention
-from attnlab.nn.blocks import Block, Stack
+from attnlab.nn.blocks import Block
 from attnlab.nn.layers import Embed, FeedForward, LearnedPositions, Norm, RelativeBias
 from attnlab.nn.models import (
     ARCHITECTURES,
@@ -12,6 +12,7 @@ from attnlab.nn.models import (
     build_model,
     count_params,
 )
+from attnlab.nn.stack import Stack
 from attnlab.variants import attention_variants, get_attention, register_attention
 
 __all__ = [

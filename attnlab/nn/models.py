@@ -27,8 +27,8 @@ from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
-from attnlab.nn.blocks import Stack
 from attnlab.nn.layers import Embed, Norm, normal
+from attnlab.nn.stack import Stack
 from attnlab.ops.linear import add_bias, dense, fold
 from attnlab.sharding import constrain
 
