@@ -22,7 +22,7 @@ from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
 from attnlab.pretrained.hf_llama import llama_like
-from attnlab.pretrained.hf_moe import mixtral, qwen3_moe
+from attnlab.pretrained.hf_moe import deepseek_v3, mixtral, qwen3_moe
 
 __all__ = ["FAMILIES", "UnsupportedCheckpointError", "family_of", "model_config_from_hf"]
 
@@ -39,6 +39,7 @@ FAMILIES = {
     "gemma3_text": lambda c: gemma(c, "gemma3_text"),
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
+    "deepseek_v3": deepseek_v3,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -59,6 +60,7 @@ _ARCHITECTURE_PREFIXES = {
     "Gemma2": "gemma2",
     "Gemma3": "gemma3_text",
     "Mixtral": "mixtral",
+    "DeepseekV3": "deepseek_v3",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",

@@ -25,6 +25,7 @@ from attnlab.config import ModelConfig
 from attnlab.errors import PretrainedError
 from attnlab.pretrained.configs import model_config_from_hf
 from attnlab.pretrained.export_configs import WRITERS
+from attnlab.pretrained.loader import layer_groups
 from attnlab.pretrained.mappings import TRANSFORMS, split_experts
 from attnlab.pretrained.mappings_open import MAPPINGS
 
@@ -128,17 +129,20 @@ def hf_config_of(cfg: ModelConfig) -> tuple[str, dict]:
 
 def _per_layer_values(model) -> dict[str, np.ndarray]:
     """Every parameter by dotted path, stacked layers split as ``stack.layers.{i}.name``."""
+    flat = {
+        ".".join(str(p) for p in path): leaf
+        for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    groups = layer_groups(flat)
     out = {}
-    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = ".".join(str(p) for p in path)
+    for name, leaf in flat.items():
         value = np.asarray(leaf.get_value(), np.float32)
-        match = re.match(r"^(.*)\.layers\.(.*)$", name)
-        if match is None:
+        if name not in groups:
             out[name] = value
             continue
-        stack, rest = match.groups()
-        for i in range(value.shape[0]):
-            out[f"{stack}.layers.{i}.{rest}"] = value[i]
+        stack, rest, first, n = groups[name]
+        for i in range(n):
+            out[f"{stack}.layers.{first + i}.{rest}"] = value[i]
     return out
 
 

@@ -1,4 +1,5 @@
-"""config.json translators of the mixture-of-experts decoders: Mixtral and Qwen3-MoE.
+"""config.json translators of the mixture-of-experts decoders: Mixtral, Qwen3-MoE and
+DeepSeek-V3.
 
 Both are Llama-shaped decoders (Mixtral as Mistral, Qwen3-MoE as Qwen3 with QK-norm) whose
 every FFN is ``ffn_variant="moe"``: softmax router scores, top-k experts, the top-k weights
@@ -7,7 +8,7 @@ renormalised (Qwen3-MoE: when ``norm_topk_prob``), each expert a SwiGLU FFN.
 
 from __future__ import annotations
 
-from attnlab.pretrained.hf_base import UnsupportedCheckpointError, require
+from attnlab.pretrained.hf_base import UnsupportedCheckpointError, reject, require
 from attnlab.pretrained.hf_llama import llama_like
 
 
@@ -40,5 +41,38 @@ def qwen3_moe(c: dict) -> dict:
         d_expert=require(c, "moe_intermediate_size"),
         renormalize=bool(c.get("norm_topk_prob", False)),
         load_balance_weight=float(c.get("router_aux_loss_coef", 0.001)),
+        z_loss_weight=0.0,
+    )
+
+
+def deepseek_v3(c: dict) -> dict:
+    """Multi-head latent attention (``mixer="mla"``) and, after ``first_k_dense_replace``
+    dense layers, experts chosen by sigmoid scores with a selection bias, grouped routing
+    and shared experts."""
+    reject(c, "topk_method", lambda v: v not in (None, "noaux_tc"), "only noaux_tc routing")
+    reject(c, "scoring_func", lambda v: v not in (None, "sigmoid"), "only sigmoid scores")
+    Hn, Hr = require(c, "qk_nope_head_dim"), require(c, "qk_rope_head_dim")
+    fields = llama_like({**c, "head_dim": Hn + Hr}, "llama")
+    mla = {
+        "kv_lora_rank": require(c, "kv_lora_rank"),
+        "q_lora_rank": c.get("q_lora_rank"),
+        "qk_nope_head_dim": Hn,
+        "qk_rope_head_dim": Hr,
+        "v_head_dim": require(c, "v_head_dim"),
+    }
+    return _moe(
+        {**fields, "mixer": "mla", "mixer_settings": mla},
+        n_experts=require(c, "n_routed_experts"),
+        top_k=require(c, "num_experts_per_tok"),
+        d_expert=require(c, "moe_intermediate_size"),
+        score="sigmoid",
+        renormalize=bool(c.get("norm_topk_prob", True)),
+        n_group=c.get("n_group") or 1,
+        topk_group=c.get("topk_group") or 1,
+        selection_bias=True,
+        routed_scaling=float(c.get("routed_scaling_factor", 1.0)),
+        n_shared=c.get("n_shared_experts") or 0,
+        dense_layers=c.get("first_k_dense_replace") or 0,
+        load_balance_weight=0.0,
         z_loss_weight=0.0,
     )

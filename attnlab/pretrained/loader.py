@@ -27,7 +27,7 @@ from attnlab.errors import PretrainedError, PretrainedFileError, one_line
 from attnlab.nn.models import build_model
 from attnlab.pretrained.configs import family_of, model_config_from_hf
 from attnlab.pretrained.mappings import TRANSFORMS, Mapping, stack_experts
-from attnlab.pretrained.mappings_open import MAPPINGS
+from attnlab.pretrained.mappings_open import MAPPINGS, PREPARE
 
 
 class CheckpointError(PretrainedError):
@@ -190,41 +190,63 @@ def _with_prefix(tensors: dict, mapping: Mapping) -> dict:
     return {prefix + name: value for name, value in tensors.items()}
 
 
+_GROUP = re.compile(r"^(.*)\.(prefix|layers)\.(.*)$")
+
+
+def layer_groups(flat: dict) -> dict:
+    """``path -> (stack, rest, first, n)`` of every stacked parameter ``[n, ...]``, whose
+    layers are the stack's ``first .. first + n - 1``: a stack's prefix layers
+    (``stack.prefix``, the dense first layers of a mixture of experts) come first."""
+    prefix_n, out = {}, {}
+    for path, leaf in flat.items():
+        m = _GROUP.match(path)
+        if m and m[2] == "prefix":
+            prefix_n[m[1]] = leaf.get_value().shape[0]
+    for path, leaf in flat.items():
+        m = _GROUP.match(path)
+        if m:
+            first = prefix_n.get(m[1], 0) if m[2] == "layers" else 0
+            out[path] = (m[1], m[3], first, leaf.get_value().shape[0])
+    return out
+
+
 def _per_layer(flat: dict) -> tuple[dict, dict]:
     """Stacked parameters ``stack.layers.p`` ``[L, ...]`` as per-layer shapes
     ``stack.layers.{i}.p`` (the names the tables use); also ``{stack: L}``."""
     shapes, counts = {}, {}
+    groups = layer_groups(flat)
     for path, leaf in flat.items():
         shape = tuple(leaf.get_value().shape)
-        match = re.match(r"^(.*)\.layers\.(.*)$", path)
-        if match is None:
+        if path not in groups:
             shapes[path] = shape
             continue
-        stack, rest = match.groups()
-        counts[stack] = shape[0]
-        for i in range(shape[0]):
-            shapes[f"{stack}.layers.{i}.{rest}"] = shape[1:]
+        stack, rest, first, n = groups[path]
+        counts[stack] = max(counts.get(stack, 0), first + n)
+        for i in range(n):
+            shapes[f"{stack}.layers.{first + i}.{rest}"] = shape[1:]
     return shapes, counts
 
 
 def _stack_layers(values: dict, flat: dict) -> dict:
     """Per-layer values back into the stacked parameters of ``flat``."""
     out = {}
-    for path, leaf in flat.items():
-        match = re.match(r"^(.*)\.layers\.(.*)$", path)
-        if match is None:
+    groups = layer_groups(flat)
+    for path in flat:
+        if path not in groups:
             out[path] = values[path]
             continue
-        stack, rest = match.groups()
-        n = leaf.get_value().shape[0]
-        out[path] = np.stack([values[f"{stack}.layers.{i}.{rest}"] for i in range(n)])
+        stack, rest, first, n = groups[path]
+        out[path] = np.stack([values[f"{stack}.layers.{first + i}.{rest}"] for i in range(n)])
     return out
 
 
 def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
     """The NNX model of ``cfg`` with every parameter taken from ``tensors``."""
-    mapping = MAPPINGS[family_of(hf_config)]
+    family = family_of(hf_config)
+    mapping = MAPPINGS[family]
     tensors = stack_experts(_with_prefix(tensors, mapping))
+    if family in PREPARE:
+        tensors = PREPARE[family](tensors, hf_config)
     abstract = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_dotted(path): leaf for path, leaf in nnx.to_flat_state(params)}

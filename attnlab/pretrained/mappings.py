@@ -120,6 +120,15 @@ TRANSFORMS = {
         lambda x, t: (x.transpose(0, 2, 1),),
         lambda xs, t: xs[0].transpose(0, 2, 1),
     ),
+    # DeepSeek's kv_b_proj [N*(Hn + Hv), R] holding each head's k | v -> [R, N, Hn], [R, N, Hv].
+    "kv_b_to_heads": Transform(
+        lambda t: (t[0][1] * (t[0][2] + t[1][2]), t[0][0]),
+        lambda x, t: tuple(
+            p.transpose(2, 0, 1)
+            for p in np.split(x.reshape(t[0][1], -1, t[0][0]), [t[0][2]], axis=1)
+        ),
+        lambda xs, t: np.concatenate([x.transpose(1, 2, 0) for x in xs], 1).reshape(-1, t[0][0]),
+    ),
     # A Gemma RMSNorm weight w, whose scale is 1 + w.
     "plus_one": Transform(
         lambda t: t[0], lambda x, t: (x.astype(np.float32) + 1,), lambda xs, t: xs[0] - 1

@@ -5,6 +5,8 @@ table, these and the classic ones."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from attnlab.pretrained import mappings
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
 
@@ -126,6 +128,72 @@ def _moe_table(moe, gate, up, down, *, qk_norm):
 MIXTRAL = _moe_table("block_sparse_moe", "w1", "w3", "w2", qk_norm=False)
 QWEN3_MOE = _moe_table("mlp", "gate_proj", "up_proj", "down_proj", qk_norm=True)
 
+
+# DeepSeek-V3: multi-head latent attention; dense FFNs in the first layers, then a router
+# (with its selection bias), per-expert FFNs and shared experts.
+_M = f"{_L}.self_attn"
+DEEPSEEK_V3 = Mapping(
+    prefix="model.",
+    rules=_table(
+        _ends(),
+        _norm(f"{_L}.input_layernorm", f"{_A}.attn_norm"),
+        (f"{_M}.q_proj.weight", f"{_A}.attn.q_DNH", "linear_to_heads"),
+        (f"{_M}.q_a_proj.weight", f"{_A}.attn.q_down_DR", "linear"),
+        _norm(f"{_M}.q_a_layernorm", f"{_A}.attn.q_norm"),
+        (f"{_M}.q_b_proj.weight", f"{_A}.attn.q_up_RNH", "linear_to_heads"),
+        (
+            f"{_M}.kv_a_proj_with_mqa.weight",
+            (f"{_A}.attn.kv_down_DR", f"{_A}.attn.k_rope_DH"),
+            "fused_linear",
+        ),
+        _norm(f"{_M}.kv_a_layernorm", f"{_A}.attn.kv_norm"),
+        (f"{_M}.kv_b_proj.weight", (f"{_A}.attn.k_up_RNH", f"{_A}.attn.v_up_RNH"), "kv_b_to_heads"),
+        (f"{_M}.o_proj.weight", f"{_A}.attn.o_NHD", "linear_from_heads"),
+        _norm(f"{_L}.post_attention_layernorm", f"{_A}.ffn_norm"),
+        _gated_ffn(),
+        (f"{_L}.mlp.gate.weight", f"{_A}.ffn.router_DE", "linear"),
+        (f"{_L}.mlp.gate.e_score_correction_bias", f"{_A}.ffn.selection_bias_E"),
+        (f"{_L}.mlp.experts.gate_proj.weight", f"{_A}.ffn.w_gate_EDF", "experts_linear"),
+        (f"{_L}.mlp.experts.up_proj.weight", f"{_A}.ffn.w_in_EDF", "experts_linear"),
+        (f"{_L}.mlp.experts.down_proj.weight", f"{_A}.ffn.w_out_EFD", "experts_linear"),
+        (f"{_L}.mlp.shared_experts.gate_proj.weight", f"{_A}.ffn.shared_gate_DF", "linear"),
+        (f"{_L}.mlp.shared_experts.up_proj.weight", f"{_A}.ffn.shared_in_DF", "linear"),
+        (f"{_L}.mlp.shared_experts.down_proj.weight", f"{_A}.ffn.shared_out_FD", "linear"),
+    ),
+    ignore=_IGNORE,
+)
+
+
+def _deinterleave(w, size, rope):
+    """Rows of ``w`` in blocks of ``size`` whose last ``rope`` rows are RoPE pairs stored
+    interleaved (x0 y0 x1 y1 ...), reordered to the half-split layout (x0 x1 ... y0 y1 ...)."""
+    perm = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)]) + size - rope
+    order = np.arange(size)
+    order[size - rope :] = perm
+    blocks = w.reshape(-1, size, *w.shape[1:])
+    return blocks[:, order].reshape(w.shape)
+
+
+def deepseek_rope_layout(tensors: dict, c: dict) -> dict:
+    """DeepSeek-V3 stores its RoPE dims interleaved (``rope_interleave``); attnlab rotates
+    halves: the q and shared-key rows are reordered, which changes no logit."""
+    if c.get("rope_interleave", True) is False:
+        return tensors
+    Hr, Hn = c["qk_rope_head_dim"], c["qk_nope_head_dim"]
+    R = c["kv_lora_rank"]
+    out = dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            out[name] = _deinterleave(w, Hn + Hr, Hr)
+        elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            out[name] = _deinterleave(w, R + Hr, Hr)
+    return out
+
+
+# Per-family rewrites of the stored tensors before the table applies (stored name layouts
+# that no per-tensor transform can see, such as a config-dependent row order).
+PREPARE = {"deepseek_v3": deepseek_rope_layout}
+
 MAPPINGS = {
     **mappings.MAPPINGS,
     "gemma": GEMMA1,
@@ -135,4 +203,5 @@ MAPPINGS = {
     "phi3": PHI3,
     "mixtral": MIXTRAL,
     "qwen3_moe": QWEN3_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
 }
