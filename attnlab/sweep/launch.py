@@ -122,7 +122,8 @@ def launch_search(
     or MySQL URL); the default SQLite file suits workers on one machine."""
     import submitit
 
-    from attnlab.sweep.search import default_storage, open_study, write_best, write_plots
+    from attnlab.sweep.search import default_storage, open_study
+    from attnlab.sweep.search_report import write_best, write_plots
 
     if launcher not in ("local", "slurm"):
         raise ExperimentError(f"--launcher={launcher!r}: use 'local' or 'slurm' here")

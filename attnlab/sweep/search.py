@@ -47,17 +47,22 @@ from attnlab.sweep.plan import Trial, apply_overrides, group_trials, plan_sweep
 from attnlab.sweep.results import collect, write_results
 from attnlab.sweep.run import (
     OUTCOMES,
-    SWEEP_FILE,
     checkpoint_steps,
     run_one_by_one,
     run_stacked,
     summary_line,
 )
+from attnlab.sweep.search_report import (
+    final_value,
+    write_best,
+    write_manifest,
+    write_plots,
+)
 from attnlab.sweep.spec import SCALARS, Choice, LogUniform, Uniform
 
 SAMPLERS = ("tpe", "cmaes", "random", "grid")
 PRUNERS = ("none", "median", "asha", "successive_halving", "hyperband")
-STUDY_FILE, BEST_FILE = "study.db", "best.json"
+STUDY_FILE = "study.db"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +303,7 @@ def run_search(
             cfg = apply_overrides(plan.base, values)
             trials.append(Trial(name, values, cfg))
             by_dir[name] = t
-        _write_manifest(plan, root, study)
+        write_manifest(plan, root, study)
         preempted = _train_batch(
             trials, by_dir, study, root, search, parallel, progress, stop_after, tally, log
         )
@@ -358,7 +363,7 @@ def _train_batch(
             status = json.loads((root / t.name / "status.json").read_text())["status"]
             trial = by_dir[t.name]
             if status == "finished":
-                value = _final(root / t.name, search.metric)
+                value = final_value(root / t.name, search.metric)
                 if value is None:
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 else:
@@ -372,76 +377,6 @@ def _train_batch(
         if preempted:
             break
     return preempted
-
-
-def _final(trial_dir, metric):
-    path = trial_dir / runs.METRICS_FILE
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    values = [r[metric] for r in rows if metric in r]
-    return float(values[-1]) if values else None
-
-
-def _write_manifest(plan, root, study):
-    trials = [
-        {"name": f.user_attrs["dir"], "overrides": f.user_attrs["overrides"]}
-        for f in study.get_trials(deepcopy=False)
-        if "dir" in f.user_attrs and (root / f.user_attrs["dir"]).parent == root
-    ]
-    manifest = {"config": plan.config, "overrides": list(plan.base_overrides), "trials": trials}
-    runs.atomic_write(root / SWEEP_FILE, json.dumps(manifest, indent=2) + "\n")
-
-
-def write_best(study, plan, root, log) -> dict | None:
-    """``DIR/best.json``: the best trial's number, directory, value, parameters and config."""
-    try:
-        best = study.best_trial
-    except ValueError:
-        log("search: no trial finished; no best trial yet")
-        return None
-    overrides = best.user_attrs.get("overrides", best.params)
-    cfg = apply_overrides(plan.base, overrides)
-    record = {
-        "number": best.number,
-        "trial": best.user_attrs.get("dir"),
-        "value": best.value,
-        "metric": plan.search.metric,
-        "params": best.params,
-        "overrides": overrides,
-        "config": json.loads(experiment.to_json(cfg)),
-    }
-    runs.atomic_write(root / BEST_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
-    log(
-        f"best: trial {best.number} ({record['trial']}), {plan.search.metric} {best.value:.4f}, "
-        + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items()
-        )
-    )
-    return record
-
-
-def write_plots(study, root, log) -> list[pathlib.Path]:
-    """Optuna's parameter importances and parallel coordinates, as PNG (where they apply)."""
-    _optuna()
-    from optuna.visualization import matplotlib as ovm
-
-    paths = []
-    for name, plot in (
-        ("param_importances.png", ovm.plot_param_importances),
-        ("parallel_coordinate.png", ovm.plot_parallel_coordinate),
-    ):
-        try:
-            fig = plot(study).figure
-        except (ValueError, RuntimeError, ZeroDivisionError) as e:
-            log(f"search: no {name} ({e})")
-            continue
-        fig.set_size_inches(8, 4.5)
-        fig.tight_layout()
-        fig.savefig(root / name, dpi=110)
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
-        paths.append(root / name)
-    return paths
 
 
 def load_sweep(config: str, overrides: Sequence[str] = (), *, max_trials=None):
