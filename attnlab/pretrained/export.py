@@ -26,8 +26,8 @@ from attnlab.errors import PretrainedError
 from attnlab.pretrained.configs import model_config_from_hf
 from attnlab.pretrained.export_configs import WRITERS
 from attnlab.pretrained.loader import layer_groups
-from attnlab.pretrained.mappings import TRANSFORMS, split_experts
 from attnlab.pretrained.mappings_open import MAPPINGS
+from attnlab.pretrained.transforms import TRANSFORMS, split_experts
 
 
 class ExportError(PretrainedError, ValueError):

@@ -26,8 +26,9 @@ from attnlab.config import ModelConfig
 from attnlab.errors import PretrainedError, PretrainedFileError, one_line
 from attnlab.nn.models import build_model
 from attnlab.pretrained.configs import family_of, model_config_from_hf
-from attnlab.pretrained.mappings import TRANSFORMS, Mapping, stack_experts
+from attnlab.pretrained.mappings import Mapping
 from attnlab.pretrained.mappings_open import MAPPINGS, PREPARE
+from attnlab.pretrained.transforms import TRANSFORMS, stack_experts
 
 
 class CheckpointError(PretrainedError):
