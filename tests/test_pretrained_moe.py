@@ -1,9 +1,10 @@
 """Mixture-of-experts checkpoints that transformers writes: Mixtral, Qwen3-MoE, DeepSeek-V3.
 
 As in ``test_pretrained_open``: a tiny random model per family, saved with
-``save_pretrained`` (experts stored one tensor per expert, stacked by the loader), loaded by
-attnlab; logits ≤ 1e-4 at the real positions of a left-padded batch, and 16 greedy tokens
-through attnlab's KV cache equal to ``model.generate``. Four experts, two per token, so
+``save_pretrained`` (experts stored one tensor per expert, stacked by the loader; Mixtral in
+shards listed by ``model.safetensors.index.json``), loaded by attnlab; logits ≤ 1e-4 at the
+real positions of a left-padded batch, and 16 greedy tokens through attnlab's KV cache
+equal to ``model.generate``. Four experts, two per token, so
 the routing decides the outputs; Qwen3-MoE without renormalised top-k weights
 (``norm_topk_prob=False``), Mixtral with. A Mixtral-shaped attnlab model is also exported
 and read back by transformers.
@@ -112,7 +113,8 @@ def checkpoints(tmp_path_factory):
             model.eval()
             model.generation_config.eos_token_id = None
             folder = tmp_path_factory.mktemp(name)
-            model.save_pretrained(folder)
+            # Mixtral is written in shards (model.safetensors.index.json), as large ones are.
+            model.save_pretrained(folder, max_shard_size="100KB" if name == "mixtral" else None)
             built[name] = model, folder
         return built[name]
 
@@ -128,6 +130,9 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
     ids, mask = left_padded(np.random.default_rng(0))
     with torch.no_grad():
         expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    if name == "mixtral":
+        assert (folder / "model.safetensors.index.json").is_file()
+        assert len(list(folder.glob("model-*.safetensors"))) > 1
     handle = load_pretrained(folder)
     assert handle.family == name and handle.config.ffn_variant == "moe"
     real = mask.astype(bool)
