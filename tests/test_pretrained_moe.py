@@ -139,19 +139,13 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
     assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL
 
 
-# Stack._over_layers hands the layers after a dense prefix the cache as it was before the
-# prefix ran (`part(entries, slice(k, None))` where the stacked cache should be `first`), so
-# the prefix layers' keys are lost after the prompt; loading and one forward pass are right.
-PREFIX_CACHE_BUG = "cached decoding with dense first layers drops the prefix layers' cache"
-
-
 @pytest.mark.slow(reason="cached decoding of a mixture-of-experts model, compiled")
 @pytest.mark.parametrize(
     "name",
     [
         "mixtral",
         "qwen3_moe",
-        pytest.param("deepseek_v3", marks=pytest.mark.xfail(strict=True, reason=PREFIX_CACHE_BUG)),
+        "deepseek_v3",
     ],
 )
 def test_greedy_with_cache_matches_transformers(checkpoints, name):

@@ -303,8 +303,10 @@ class Stack(nnx.Module):
         x_BTD, first, (w0, _) = self._over_group(
             layer, self.prefix, x_BTD, part(entries, slice(None, k)), head
         )
+        # The second group writes on after the first: its slice of a split cache, or the
+        # whole cache the prefix wrote (layers write at their own index).
         x_BTD, rest, (w1, aux) = self._over_group(
-            layer, self.layers, x_BTD, part(entries, slice(k, None)), tail
+            layer, self.layers, x_BTD, part(entries if split else first, slice(k, None)), tail
         )
         if split:
             rest = {n: first[n] + rest[n] for n in rest}
