@@ -3,7 +3,8 @@
 Each round trip builds a tiny attnlab model of one family's shape (every parameter moved off
 its init, so a dropped or transposed tensor shows), writes it with ``export_model`` and
 loads the folder in transformers: its logits must equal attnlab's to 1e-4 at the real
-positions of a left-padded batch. The command itself is checked on a tiny trained run.
+positions of a left-padded batch. The command itself is checked on tiny trained runs
+(Llama- and Gemma 2-shaped).
 """
 
 import json
@@ -134,19 +135,31 @@ def test_a_model_no_family_describes_is_refused_naming_the_supported_ones(tmp_pa
     assert not (tmp_path / "hf").exists()
 
 
+# The char_lm run as it is (Llama-shaped), and made Gemma 2-shaped by overrides.
+RUNS = {
+    "llama": [],
+    "gemma2": [
+        "--config.model.norm_placement=sandwich",
+        "--config.model.ffn=geglu_tanh",
+        "--config.model.embed_scale=True",
+    ],
+}
+
+
 @pytest.mark.slow(reason="trains a tiny run, then reads the exported folder with transformers")
-def test_export_hf_command_round_trips_a_trained_run(tmp_path, capsys):
+@pytest.mark.parametrize("family", list(RUNS))
+def test_export_hf_command_round_trips_a_trained_run(tmp_path, capsys, family):
     from test_cli import exp
 
     from attnlab.runs.loading import load_run
 
     run = tmp_path / "lm"
     argv = ["train", "--no-progress", "--config", exp("char_lm"), "--workdir", str(run)]
-    assert main(argv + ["--config.eval.sample_tokens=0"]) == 0
+    assert main(argv + ["--config.eval.sample_tokens=0", *RUNS[family]]) == 0
     out = tmp_path / "hf"
     assert main(["export-hf", "--workdir", str(run), "--out", str(out)]) == 0
-    assert "llama" in capsys.readouterr().out
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert family in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
     model = load_run(run).model
     ids, mask = left_padded(np.random.default_rng(6))
     ids = ids % model.cfg.vocab_size

@@ -42,7 +42,8 @@ def _windows(cfg: ModelConfig) -> dict:
     if len(sizes) > 1:
         raise ValueError(f"windows {windows}: a family's layers share one window size")
     types = ["full_attention" if w is None else "sliding_attention" for w in windows]
-    return {"sliding_window": sizes.pop() if sizes else None, "layer_types": types}
+    # transformers wants a window even when no layer slides; then it is never used.
+    return {"sliding_window": sizes.pop() if sizes else cfg.max_len, "layer_types": types}
 
 
 def llama(cfg):
