@@ -6,8 +6,8 @@ shards listed by ``model.safetensors.index.json``), loaded by attnlab; logits â‰
 real positions of a left-padded batch, and 16 greedy tokens through attnlab's KV cache
 equal to ``model.generate``. Four experts, two per token, so
 the routing decides the outputs; Qwen3-MoE without renormalised top-k weights
-(``norm_topk_prob=False``), Mixtral with. A Mixtral-shaped attnlab model is also exported
-and read back by transformers.
+(``norm_topk_prob=False``), Mixtral with. Mixtral- and Qwen3-MoE-shaped attnlab models are
+also exported and read back by transformers.
 """
 
 import numpy as np
@@ -171,27 +171,39 @@ def test_greedy_with_cache_matches_transformers(checkpoints, name):
     assert max_diff(result.logits, torch.stack(out.logits, 1).numpy()) <= TOL
 
 
-@pytest.mark.slow(reason="a Mixtral-shaped model exported and read by transformers")
-def test_mixtral_shaped_model_exports_with_equal_logits(tmp_path):
-    cfg = ModelConfig(
-        arch="decoder",
-        vocab_size=V,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=48,
-        max_len=64,
-        position="rope",
-        norm="rmsnorm",
-        norm_eps=1e-6,
-        ffn="swiglu",
-        tie_embeddings=False,
-        ffn_variant="moe",
-        ffn_settings={"n_experts": 4, "top_k": 2},
-    )
-    model = perturbed(cfg, seed=4)
-    assert export_model(model, tmp_path / "hf") == "mixtral"
+_MOE_MODEL = dict(
+    arch="decoder",
+    vocab_size=V,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=48,
+    max_len=64,
+    position="rope",
+    norm="rmsnorm",
+    norm_eps=1e-6,
+    ffn="swiglu",
+    tie_embeddings=False,
+    ffn_variant="moe",
+)
+EXPORTS = {
+    "mixtral": dict(_MOE_MODEL, ffn_settings={"n_experts": 4, "top_k": 2}),
+    # QK-norm, experts narrower than d_ff, top-k weights not renormalised.
+    "qwen3_moe": dict(
+        _MOE_MODEL,
+        head_dim=16,
+        qk_norm=True,
+        ffn_settings={"n_experts": 4, "top_k": 2, "d_expert": 24, "renormalize": False},
+    ),
+}
+
+
+@pytest.mark.slow(reason="a mixture-of-experts model exported and read by transformers")
+@pytest.mark.parametrize("family", list(EXPORTS))
+def test_moe_shaped_model_exports_with_equal_logits(tmp_path, family):
+    model = perturbed(ModelConfig(**EXPORTS[family]), seed=4)
+    assert export_model(model, tmp_path / "hf") == family
     ids, mask = left_padded(np.random.default_rng(5))
     real = mask.astype(bool)
     ours = np.asarray(model(ids, valid_BT=real).logits)
