@@ -1,0 +1,201 @@
+"""The rules of ``ModelConfig``: the choices a field may take and the checks that run on
+construction, each naming the offending field and the fix (``ConfigError``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attnlab.architectures import ARCHITECTURES, architecture
+from attnlab.errors import ConfigError
+from attnlab.ffns import get_ffn
+from attnlab.mixers import get_mixer
+from attnlab.ops.activations import FFN_KINDS
+from attnlab.ops.attention import IMPLEMENTATIONS
+from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
+from attnlab.variants import attention_variants
+
+if TYPE_CHECKING:
+    from attnlab.config import ModelConfig
+
+ARCHS = tuple(ARCHITECTURES)
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
+NORMS = ("layernorm", "rmsnorm")
+# pre: x + f(norm(x)); post: norm(x + f(x)); sandwich: x + norm2(f(norm1(x))) (Gemma 2/3);
+# output: x + norm(f(x)) (OLMo 2).
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "output")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT = ("none", "full", "dots")
+DECODE_LAYERS = ("auto", "unstacked", "scan")
+
+
+def _fail(field, value, fix):
+    raise ConfigError(f"ModelConfig.{field}={value!r} is invalid: {fix}")
+
+
+def _choice(cfg, field, options):
+    value = getattr(cfg, field)
+    if value not in options:
+        _fail(field, value, f"use one of {list(options)}")
+
+
+def _derivations(cfg: ModelConfig):
+    """(field, value) for every field that None derives, in dependency order."""
+    yield "n_kv_heads", cfg.n_heads
+    if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
+        _fail(
+            "d_model",
+            cfg.d_model,
+            f"d_model must be divisible by n_heads={cfg.n_heads}, or set head_dim explicitly",
+        )
+    yield "head_dim", cfg.d_model // cfg.n_heads
+    yield "d_ff", 4 * cfg.d_model
+    yield "n_decoder_layers", cfg.n_layers
+    yield "final_norm", cfg.norm_placement != "post"
+    yield "attn_scale", (cfg.head_dim or cfg.d_model // cfg.n_heads) ** -0.5
+
+
+def validate_raw(cfg: ModelConfig) -> None:
+    """Checks the sizes that derived values are computed from."""
+    for field in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(field, value, "must be a positive integer")
+    optional = ("n_decoder_layers", "n_kv_heads", "head_dim", "d_ff", "sliding_window")
+    for field in optional + ("attention_block_q", "attention_block_k"):
+        value = getattr(cfg, field)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            _fail(field, value, "must be a positive integer, or None for the default")
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Raises ``ConfigError`` naming the offending field and the fix."""
+    validate_raw(cfg)
+    _check_choices(cfg)
+    _check_attention(cfg)
+    _check_variants(cfg)
+    _check_numbers(cfg)
+
+
+def _check_choices(cfg: ModelConfig) -> None:
+    """Fields that name one of a fixed set, and the shapes those choices need."""
+    _choice(cfg, "arch", ARCHS)
+    _choice(cfg, "position", POSITIONS)
+    _choice(cfg, "norm", NORMS)
+    _choice(cfg, "norm_placement", NORM_PLACEMENTS)
+    _choice(cfg, "qk_norm_scope", ("head", "projection"))
+    if architecture(cfg).seq2seq and cfg.norm_placement not in ("pre", "post"):
+        _fail("norm_placement", cfg.norm_placement, "encoder_decoder takes 'pre' or 'post'")
+    rd = cfg.rotary_dim
+    if rd is not None and not (isinstance(rd, int) and 0 < rd <= cfg.head_dim and rd % 2 == 0):
+        _fail("rotary_dim", rd, f"an even number of head dims in (0, head_dim={cfg.head_dim}]")
+    cap = cfg.logits_softcap
+    if cap is not None and not (isinstance(cap, int | float) and 0 < cap < float("inf")):
+        _fail("logits_softcap", cap, "a positive number (Gemma 2 uses 30.0), or None")
+    _choice(cfg, "ffn", FFN_KINDS)
+    _choice(cfg, "attention_impl", IMPLEMENTATIONS)
+    _choice(cfg, "dtype", DTYPES)
+    _choice(cfg, "param_dtype", DTYPES)
+    _choice(cfg, "sinusoidal_layout", ("interleaved", "split"))
+    _choice(cfg, "remat", REMAT)
+    _choice(cfg, "decode_layers", DECODE_LAYERS)
+
+
+def _check_attention(cfg: ModelConfig) -> None:
+    """The attention implementation, context parallelism and the layers' windows."""
+    for field in ("attention_block_q", "attention_block_k"):
+        value = getattr(cfg, field)
+        if value is not None and cfg.attention_impl != "chunked":
+            _fail(
+                field, value, "block sizes apply to attention_impl='chunked' only; set it or None"
+            )
+    if cfg.attention_impl == "chunked" and cfg.attention_dropout > 0:
+        _fail(
+            "attention_dropout",
+            cfg.attention_dropout,
+            "attention_impl='chunked' has no attention dropout: set it to 0, or use "
+            "attention_impl='reference'",
+        )
+    _choice(cfg, "context_parallel", CONTEXT_PARALLEL)
+    if not isinstance(cfg.context_load_balance, bool):
+        _fail("context_load_balance", cfg.context_load_balance, "must be True or False")
+    if not isinstance(cfg.scan_layers, bool):
+        _fail("scan_layers", cfg.scan_layers, "must be True (lax.scan) or False (unrolled)")
+    chosen = cfg.sliding_window_layers
+    if chosen is not None:
+        if cfg.sliding_window is None:
+            _fail("sliding_window_layers", chosen, "set sliding_window too, or leave it None")
+        n = max(cfg.n_layers, cfg.n_decoder_layers)
+        if not all(isinstance(i, int) and 0 <= i < n for i in chosen):
+            _fail("sliding_window_layers", chosen, f"list layer indices in [0, {n})")
+    if cfg.layer_pattern is not None:
+        if cfg.sliding_window is not None or cfg.sliding_window_layers is not None:
+            _fail(
+                "layer_pattern",
+                cfg.layer_pattern,
+                "it sets each layer's window: leave sliding_window and sliding_window_layers None",
+            )
+        for spec in cfg.layer_pattern:
+            if spec.window is not None and (not isinstance(spec.window, int) or spec.window < 1):
+                _fail("layer_pattern", spec, "a window must be a positive integer or None")
+            if spec.rope_theta is not None and spec.rope_theta <= 0:
+                _fail("layer_pattern", spec, "a rope_theta must be positive or None")
+        if not architecture(cfg).generates and any(s.window is not None for s in cfg.layer_pattern):
+            _fail("layer_pattern", cfg.layer_pattern, "sliding windows are causal: decoders only")
+
+
+def _check_variants(cfg: ModelConfig) -> None:
+    """The registered mixer, FFN and score function, and their own settings."""
+    if not isinstance(cfg.mixer_settings, get_mixer(cfg.mixer).Settings):
+        _fail("mixer_settings", cfg.mixer_settings, f"settings of mixer={cfg.mixer!r}")
+    cfg.mixer_settings.validate(cfg)
+    if not isinstance(cfg.ffn_settings, get_ffn(cfg.ffn_variant).Settings):
+        _fail("ffn_settings", cfg.ffn_settings, f"settings of ffn_variant={cfg.ffn_variant!r}")
+    cfg.ffn_settings.validate(cfg)
+    if cfg.attention_fn not in attention_variants():
+        _fail(
+            "attention_fn",
+            cfg.attention_fn,
+            f"register it with attnlab.nn.register_attention first; known: "
+            f"{sorted(attention_variants())}",
+        )
+
+
+def _check_numbers(cfg: ModelConfig) -> None:
+    """Sizes, rates and ids in their domains; what the architecture rules out."""
+    if cfg.n_heads % cfg.n_kv_heads:
+        _fail(
+            "n_kv_heads",
+            cfg.n_kv_heads,
+            f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads (use a divisor of it)",
+        )
+    if cfg.position == "rope" and cfg.head_dim % 2:
+        _fail("head_dim", cfg.head_dim, "RoPE rotates pairs, so the head dim must be even")
+    if cfg.position == "sinusoidal" and cfg.d_model % 2:
+        _fail("d_model", cfg.d_model, "sinusoidal positions need an even d_model")
+    if cfg.rope_theta <= 0:
+        _fail("rope_theta", cfg.rope_theta, "must be positive")
+    if cfg.position_offset < 0:
+        _fail("position_offset", cfg.position_offset, "must be >= 0")
+    if cfg.relative_buckets < 2 or cfg.relative_max_distance < 1:
+        _fail(
+            "relative_buckets",
+            cfg.relative_buckets,
+            "need relative_buckets >= 2 and relative_max_distance >= 1",
+        )
+    for field in ("dropout", "attention_dropout"):
+        value = getattr(cfg, field)
+        if not 0.0 <= value < 1.0:
+            _fail(field, value, "a dropout rate must lie in [0, 1)")
+    if cfg.norm_eps <= 0:
+        _fail("norm_eps", cfg.norm_eps, "must be positive")
+    if cfg.init_std <= 0:
+        _fail("init_std", cfg.init_std, "must be positive")
+    if not 0 <= cfg.pad_id < cfg.vocab_size:
+        _fail("pad_id", cfg.pad_id, f"must be a token id in [0, vocab_size={cfg.vocab_size})")
+    if cfg.type_vocab_size < 0:
+        _fail("type_vocab_size", cfg.type_vocab_size, "must be >= 0 (0 = no token types)")
+    arch = architecture(cfg)
+    if arch.bidirectional and not cfg.causal:
+        _fail("causal", cfg.causal, "only decoder-only models take causal=False (an ablation)")
+    if not arch.generates and cfg.sliding_window is not None:
+        _fail("sliding_window", cfg.sliding_window, "sliding windows are causal: decoders only")
