@@ -9,10 +9,15 @@ A "step" is the jitted forward and backward pass of one FFN sub-layer over ``B x
 * ``moe_every_expert``: the same experts run on every token and masked (the dense
   reference of the tests), what dropless dispatch saves.
 
+Also the cached decoding speed (``attnlab.generate``, greedy) of a tiny Mixtral-shaped
+model (RoPE, RMSNorm, GQA, 8 SwiGLU experts top-2) against its dense twin of equal active
+parameters: new tokens per second for ``--decode-batch`` rows of ``--decode-tokens``.
+
 Prints one JSON object: the config, the machine and, per variant, ms per step, us per
-token and the ratio to ``dense``.
+token and the ratio to ``dense``; under ``decode``, tokens/s per model.
 
     python benchmarks/moe.py [--d-model 256] [--experts 8] [--top-k 2] [--d-expert 256]
+                             [--decode-batch 4] [--decode-tokens 64]
                              [--batch 8] [--seq 256] [--repeats 10]
 """
 
@@ -28,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab import ModelConfig
+from attnlab import ModelConfig, build_model, generate
 from attnlab.nn.layers import FeedForward
 from attnlab.nn.moe import MoE
 from attnlab.ops.activations import activation
@@ -70,6 +75,33 @@ def step_ms(module, call, x_BTD, repeats: int) -> float:
     return 1e3 * best
 
 
+def decode_tokens_per_sec(a) -> dict:
+    """Greedy cached decoding of a tiny Mixtral-shaped model and its dense twin."""
+    shape = dict(
+        vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, max_len=256,
+        position="rope", norm="rmsnorm", ffn="swiglu", tie_embeddings=False,
+    )  # fmt: skip
+    models = {
+        "mixtral_shaped": ModelConfig(
+            **shape, ffn_variant="moe", ffn_settings=dict(n_experts=8, top_k=2, d_expert=128)
+        ),
+        "dense_twin": ModelConfig(**shape, d_ff=2 * 128),
+    }
+    prompt = jax.random.randint(jax.random.key(2), (a.decode_batch, 16), 0, 256)
+    out = {}
+    for name, cfg in models.items():
+        model = build_model(cfg, seed=0)
+        generate(model, prompt, a.decode_tokens)  # compiles; the ids come back to the host
+        t0 = time.perf_counter()
+        generate(model, prompt, a.decode_tokens)
+        seconds = time.perf_counter() - t0
+        out[name] = dict(
+            tokens_per_sec=round(a.decode_batch * a.decode_tokens / seconds, 1),
+            seconds=round(seconds, 3),
+        )
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=256)
@@ -79,6 +111,8 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--decode-batch", type=int, default=4)
+    p.add_argument("--decode-tokens", type=int, default=64)
     a = p.parse_args()
     settings = dict(n_experts=a.experts, top_k=a.top_k, d_expert=a.d_expert)
     base = dict(d_model=a.d_model, n_heads=4, n_layers=1, ffn="swiglu")
@@ -110,6 +144,7 @@ def main():
             )
             for name, ms in runs.items()
         },
+        decode=dict(batch=a.decode_batch, new_tokens=a.decode_tokens, **decode_tokens_per_sec(a)),
         machine=dict(
             platform=platform.platform(),
             processor=platform.processor() or platform.machine(),
