@@ -114,7 +114,8 @@ def checkpoints(tmp_path_factory):
             model.generation_config.eos_token_id = None
             folder = tmp_path_factory.mktemp(name)
             # Mixtral is written in shards (model.safetensors.index.json), as large ones are.
-            model.save_pretrained(folder, max_shard_size="100KB" if name == "mixtral" else None)
+            shards = {"max_shard_size": "100KB"} if name == "mixtral" else {}
+            model.save_pretrained(folder, **shards)
             built[name] = model, folder
         return built[name]
 
