@@ -6,9 +6,10 @@
 """
 
 from attnlab import ops
+from attnlab.architectures import Architecture, architecture
 from attnlab.compilation import compilation_cache
 from attnlab.config import ModelConfig
-from attnlab.decode import GenerationResult, generate
+from attnlab.decode import GenerateOptions, GenerationResult, generate
 from attnlab.ffns import FFN, FFNSettings, register_ffn, registered_ffns
 from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
 from attnlab.mixers import (
@@ -20,12 +21,15 @@ from attnlab.mixers import (
     registered_mixers,
 )
 from attnlab.nn import build_model, count_params
+from attnlab.optimizers import register_optimizer, register_schedule
 from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
+    "Architecture",
     "CacheEntry",
     "FFN",
     "FFNSettings",
+    "GenerateOptions",
     "GenerationResult",
     "KVCache",
     "Mixer",
@@ -33,6 +37,7 @@ __all__ = [
     "MixerSettings",
     "ModelConfig",
     "Run",
+    "architecture",
     "attention_variants",
     "build_model",
     "compilation_cache",
@@ -46,6 +51,8 @@ __all__ = [
     "register_attention",
     "register_ffn",
     "register_mixer",
+    "register_optimizer",
+    "register_schedule",
     "registered_ffns",
     "registered_mixers",
 ]

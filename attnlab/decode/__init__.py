@@ -45,6 +45,7 @@ from attnlab.decode.api import STOP_REASONS, GenerationResult, generate
 from attnlab.decode.checks import check_ids
 from attnlab.decode.compiled import Decoder, unstacked
 from attnlab.decode.loops import beam_loop, phases, sample_loop, while_in_phases
+from attnlab.decode.options import Beams, CacheOptions, GenerateOptions, Stopping
 from attnlab.decode.sampling import (
     SamplingConfig,
     filter_logits,
@@ -56,9 +57,13 @@ from attnlab.decode.sampling import (
 
 __all__ = [
     "STOP_REASONS",
+    "Beams",
+    "CacheOptions",
     "Decoder",
+    "GenerateOptions",
     "GenerationResult",
     "SamplingConfig",
+    "Stopping",
     "beam_loop",
     "check_ids",
     "filter_logits",
