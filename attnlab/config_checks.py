@@ -3,8 +3,6 @@ construction, each naming the offending field and the fix (``ConfigError``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from attnlab.architectures import ARCHITECTURES, architecture
 from attnlab.errors import ConfigError
 from attnlab.ffns import get_ffn
@@ -13,9 +11,6 @@ from attnlab.ops.activations import FFN_KINDS
 from attnlab.ops.attention import IMPLEMENTATIONS
 from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
 from attnlab.variants import attention_variants
-
-if TYPE_CHECKING:
-    from attnlab.config import ModelConfig
 
 ARCHS = tuple(ARCHITECTURES)
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")
@@ -38,7 +33,7 @@ def _choice(cfg, field, options):
         _fail(field, value, f"use one of {list(options)}")
 
 
-def _derivations(cfg: ModelConfig):
+def _derivations(cfg):
     """(field, value) for every field that None derives, in dependency order."""
     yield "n_kv_heads", cfg.n_heads
     if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
@@ -54,7 +49,7 @@ def _derivations(cfg: ModelConfig):
     yield "attn_scale", (cfg.head_dim or cfg.d_model // cfg.n_heads) ** -0.5
 
 
-def validate_raw(cfg: ModelConfig) -> None:
+def validate_raw(cfg) -> None:
     """Checks the sizes that derived values are computed from."""
     for field in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
         value = getattr(cfg, field)
@@ -67,7 +62,7 @@ def validate_raw(cfg: ModelConfig) -> None:
             _fail(field, value, "must be a positive integer, or None for the default")
 
 
-def validate(cfg: ModelConfig) -> None:
+def validate(cfg) -> None:
     """Raises ``ConfigError`` naming the offending field and the fix."""
     validate_raw(cfg)
     _check_choices(cfg)
@@ -76,7 +71,7 @@ def validate(cfg: ModelConfig) -> None:
     _check_numbers(cfg)
 
 
-def _check_choices(cfg: ModelConfig) -> None:
+def _check_choices(cfg) -> None:
     """Fields that name one of a fixed set, and the shapes those choices need."""
     _choice(cfg, "arch", ARCHS)
     _choice(cfg, "position", POSITIONS)
@@ -100,7 +95,7 @@ def _check_choices(cfg: ModelConfig) -> None:
     _choice(cfg, "decode_layers", DECODE_LAYERS)
 
 
-def _check_attention(cfg: ModelConfig) -> None:
+def _check_attention(cfg) -> None:
     """The attention implementation, context parallelism and the layers' windows."""
     for field in ("attention_block_q", "attention_block_k"):
         value = getattr(cfg, field)
@@ -143,7 +138,7 @@ def _check_attention(cfg: ModelConfig) -> None:
             _fail("layer_pattern", cfg.layer_pattern, "sliding windows are causal: decoders only")
 
 
-def _check_variants(cfg: ModelConfig) -> None:
+def _check_variants(cfg) -> None:
     """The registered mixer, FFN and score function, and their own settings."""
     if not isinstance(cfg.mixer_settings, get_mixer(cfg.mixer).Settings):
         _fail("mixer_settings", cfg.mixer_settings, f"settings of mixer={cfg.mixer!r}")
@@ -160,7 +155,7 @@ def _check_variants(cfg: ModelConfig) -> None:
         )
 
 
-def _check_numbers(cfg: ModelConfig) -> None:
+def _check_numbers(cfg) -> None:
     """Sizes, rates and ids in their domains; what the architecture rules out."""
     if cfg.n_heads % cfg.n_kv_heads:
         _fail(
