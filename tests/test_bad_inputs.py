@@ -20,8 +20,8 @@ import pytest
 from attnlab.checkpoint import Checkpointer
 from attnlab.cli import main
 from attnlab.data.prepared import prepare
-from attnlab.decode.commands import _room
 from attnlab.errors import DecodeError, TokenIdError
+from attnlab.sample_command import _room
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = f"{REPO / 'experiments' / 'char_lm.py'}:tiny"

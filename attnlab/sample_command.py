@@ -1,4 +1,5 @@
-"""``attnlab sample``: text from a run's checkpoint or a Hugging Face folder."""
+"""``attnlab sample``: text from a run's checkpoint or a Hugging Face folder (a command, above
+the runs and the pretrained loaders it reads from)."""
 
 from __future__ import annotations
 
