@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     from attnlab.data.commands import add_parser as add_data_parser
     from attnlab.pretrained.commands import add_parser as add_export_parser
     from attnlab.sample_command import add_parser as add_sample_parser
-    from attnlab.sweep.commands import add_parser as add_sweep_parser
+    from attnlab.sweep.command_line import add_parser as add_sweep_parser
 
     add_sample_parser(sub, [debug, step])
     add_export_parser(sub, [debug, step])
