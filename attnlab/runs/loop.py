@@ -119,125 +119,153 @@ def _loop(
     but their stackable values, so they log, evaluate and checkpoint at the same steps.
     Each run's files are written as if it had trained alone.
     """
-    cfg, n = runs[0].cfg, len(runs)
-    t, e = cfg.train, cfg.eval
-    total, batch_size = trainer.total_steps, int(t.batch_size)
+    loop = _Loop(trainer, runs, stacked, on_eval)
     # Every leaf committed to where it lies, as the step's outputs and the accumulators
     # reset at each log are: a jitted step is compiled again for each mix of committed
     # and uncommitted arguments (three compilations of the same step otherwise).
     state = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), state)
-    eval_batches = runs[0].task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
-    tokens_per_step = batch_size * int(cfg.data.seq_len)
+    cfg, total = runs[0].cfg, trainer.total_steps
     train_step = trainer.stacked_train_step if stacked else trainer.train_step
-    lr_at = lr_multiplier(cfg.optim, total)
-
-    def view(tree, i):
-        return jax.tree.map(lambda x: x[i], tree) if stacked else tree
-
-    rows = sharding.process_rows(batch_size)  # this process's rows of the global batch
-
-    def local(x):
-        """This process's rows: text tasks read them alone, the others give every row."""
-        return x[rows] if x.shape[0] == batch_size else x
-
-    def batch(step):
-        if not stacked:
-            return jax.tree.map(local, runs[0].task.train_batch(int(t.seed), step, batch_size))
-        parts = [r.task.train_batch(int(r.cfg.train.seed), step, batch_size) for r in runs]
-        return jax.tree.map(lambda *xs: np.stack([local(x) for x in xs]), *parts)
-
-    def empty_acc():
-        acc = zeros_acc(trainer.mcfg)
-        return jax.tree.map(lambda z: jnp.zeros((n,) + z.shape, z.dtype), acc) if stacked else acc
-
-    def active():
-        return [(i, r) for i, r in enumerate(runs) if r.failure is None]
-
-    start = runs[0].start
-    bar = Progress(start, total, progress, hide=NOT_PRINTED.get(cfg.data.kind, ()))
-    window_start, window_steps = time.perf_counter(), 0
-    stopped_by_signal = False
+    bar = Progress(runs[0].start, total, progress, hide=NOT_PRINTED.get(cfg.data.kind, ()))
     with PreemptionGuard() as guard:
-        step = start
-        while step < total and active():
+        step = runs[0].start
+        while step < total and loop.active():
             if profiler is not None:
                 profiler.before(step + 1)
-            state, _ = train_step(state, batch(step))
+            state, _ = train_step(state, loop.batch(step))
             step += 1
             if profiler is not None:
                 profiler.after(step, state)
-            window_steps += 1
-            do_eval = bool(eval_batches) and (step % e.every_steps == 0 or step == total)
-            do_log = step % t.log_every_steps == 0 or do_eval or step == total
-            logged = []
-            for _, r in active():
+            loop.window_steps += 1
+            do_eval = bool(loop.eval_batches) and (
+                step % cfg.eval.every_steps == 0 or step == total
+            )
+            for _, r in loop.active():
                 r.record, r.step = None, step
-            if do_log:
-                acc = jax.device_get(state["acc"])
-                peak_lr = jax.device_get(injected_hyperparams(state["opt_state"])["learning_rate"])
-                now = time.perf_counter()
-                window = now - window_start
-                # Fresh accumulators where the old ones lie (global arrays on a mesh).
-                state["acc"] = jax.tree.map(
-                    lambda z, old: jax.device_put(z, old.sharding), empty_acc(), state["acc"]
-                )
-                evals = None
-                if do_eval:
-                    evals = trainer.evaluate(state["params"], eval_batches, stacked=stacked)
-                    evals = evals if stacked else [evals]
-                for i, r in active():
-                    r.elapsed += window
-                    a = view(acc, i)
-                    record = {
-                        "step": step,
-                        "train_loss": float(a["loss_sum"] / max(a["tokens"], 1.0)),
-                        "learning_rate": float(view(peak_lr, i) * lr_at(step - 1)),
-                        "grad_norm": float(a["grad_norm_sum"] / max(int(a["steps"]), 1)),
-                        "tokens_per_sec": window_steps * tokens_per_step / max(window, 1e-9),
-                        "elapsed_sec": r.elapsed,
-                    }
-                    if int(a["nonfinite"]) and not trainer.skip_nonfinite:
-                        # The record that shows the divergence (non-finite steps are not
-                        # accumulated, so the loss is marked); no checkpoint follows it.
-                        r.log({**record, "train_loss": math.nan}, METRICS_FILE)
-                        r.failure = divergence(trainer, r, a, None, step)
-                        continue
-                    if trainer.skip_nonfinite:
-                        record["skipped_steps"] = int(a["nonfinite"])
-                    record.update(router_record(a))
-                    if do_eval:
-                        record.update(evals[i])
-                    if do_eval:
-                        text = sample_text(trainer, r.task, view(state["params"], i), r.cfg, step)
-                        if text is not None:
-                            r.log({"step": step, "text": text}, SAMPLES_FILE)
-                            r.tracker.sample(step, text)
-                    r.log(record, METRICS_FILE)
-                    r.tracker.metrics(record)
-                    r.record = record
-                    logged.append((r.workdir.name if stacked else "", record))
-                    if do_eval and on_eval is not None and on_eval(r, record):
-                        save_checked(trainer, r, step, view(state, i))
-                        r.failure = r.failure or Pruned(f"pruned at step {step}")
-                        if stacked:
-                            mask_row(state["opt_state"], i)
-                window_start, window_steps = time.perf_counter(), 0
+            logged = []
+            if step % cfg.train.log_every_steps == 0 or do_eval or step == total:
+                logged = loop.log(state, step, do_eval)
             bar.update(1, logged)
             if step % cfg.checkpoint.every_steps == 0 or step == total:
-                for i, r in active():
-                    save_checked(trainer, r, step, view(state, i))
+                loop.save(state, step)
             if guard.requested or (stop_after is not None and step >= stop_after):
-                for i, r in active():
-                    if r.ckpt.latest_step() != step:
-                        # Steps past the last log line stay in ``acc``, which is saved too.
-                        save_checked(trainer, r, step, view(state, i))
-                why = guard.signal_name or f"stop_after={stop_after}"
-                where = runs[0].workdir if n == 1 else runs[0].workdir.parent
-                print(f"stopped at step {step} ({why}); checkpoint saved in {where}", flush=True)
-                stopped_by_signal = guard.requested
-                break
+                loop.stop(state, step, guard.signal_name or f"stop_after={stop_after}")
+                bar.close()
+                return guard.requested
     bar.close()
-    return stopped_by_signal
+    return False
+
+
+class _Loop:
+    """What ``_loop`` does at each kind of step, for one run or stacked runs."""
+
+    def __init__(self, trainer, runs, stacked, on_eval):
+        self.trainer, self.runs, self.stacked, self.on_eval = trainer, runs, stacked, on_eval
+        cfg = runs[0].cfg
+        e, self.batch_size = cfg.eval, int(cfg.train.batch_size)
+        self.eval_batches = (
+            runs[0].task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
+        )
+        self.tokens_per_step = self.batch_size * int(cfg.data.seq_len)
+        self.lr_at = lr_multiplier(cfg.optim, trainer.total_steps)
+        self.rows = sharding.process_rows(self.batch_size)  # this process's rows of the batch
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def view(self, tree, i):
+        """Run ``i``'s part of a stacked tree (the tree itself for one run)."""
+        return jax.tree.map(lambda x: x[i], tree) if self.stacked else tree
+
+    def active(self):
+        return [(i, r) for i, r in enumerate(self.runs) if r.failure is None]
+
+    def _local(self, x):
+        """This process's rows: text tasks read them alone, the others give every row."""
+        return x[self.rows] if x.shape[0] == self.batch_size else x
+
+    def batch(self, step):
+        runs, B = self.runs, self.batch_size
+        if not self.stacked:
+            return jax.tree.map(
+                self._local, runs[0].task.train_batch(int(runs[0].cfg.train.seed), step, B)
+            )
+        parts = [r.task.train_batch(int(r.cfg.train.seed), step, B) for r in runs]
+        return jax.tree.map(lambda *xs: np.stack([self._local(x) for x in xs]), *parts)
+
+    def _empty_acc(self):
+        acc = zeros_acc(self.trainer.mcfg)
+        if not self.stacked:
+            return acc
+        return jax.tree.map(lambda z: jnp.zeros((len(self.runs),) + z.shape, z.dtype), acc)
+
+    def log(self, state, step, do_eval) -> list:
+        """Each active run's record (and evaluation, sample, pruning); the accumulators
+        reset. Returns ``(name, record)`` of the runs that logged, for the progress bar."""
+        acc = jax.device_get(state["acc"])
+        peak_lr = jax.device_get(injected_hyperparams(state["opt_state"])["learning_rate"])
+        window = time.perf_counter() - self.window_start
+        # Fresh accumulators where the old ones lie (global arrays on a mesh).
+        state["acc"] = jax.tree.map(
+            lambda z, old: jax.device_put(z, old.sharding), self._empty_acc(), state["acc"]
+        )
+        evals = None
+        if do_eval:
+            evals = self.trainer.evaluate(state["params"], self.eval_batches, stacked=self.stacked)
+            evals = evals if self.stacked else [evals]
+        logged = []
+        for i, r in self.active():
+            r.elapsed += window
+            a = self.view(acc, i)
+            record = {
+                "step": step,
+                "train_loss": float(a["loss_sum"] / max(a["tokens"], 1.0)),
+                "learning_rate": float(self.view(peak_lr, i) * self.lr_at(step - 1)),
+                "grad_norm": float(a["grad_norm_sum"] / max(int(a["steps"]), 1)),
+                "tokens_per_sec": self.window_steps * self.tokens_per_step / max(window, 1e-9),
+                "elapsed_sec": r.elapsed,
+            }
+            if int(a["nonfinite"]) and not self.trainer.skip_nonfinite:
+                # The record that shows the divergence (non-finite steps are not
+                # accumulated, so the loss is marked); no checkpoint follows it.
+                r.log({**record, "train_loss": math.nan}, METRICS_FILE)
+                r.failure = divergence(self.trainer, r, a, None, step)
+                continue
+            if self.trainer.skip_nonfinite:
+                record["skipped_steps"] = int(a["nonfinite"])
+            record.update(router_record(a))
+            if do_eval:
+                record.update(evals[i])
+                self._sample(state, i, r, step)
+            r.log(record, METRICS_FILE)
+            r.tracker.metrics(record)
+            r.record = record
+            logged.append((r.workdir.name if self.stacked else "", record))
+            if do_eval and self.on_eval is not None and self.on_eval(r, record):
+                save_checked(self.trainer, r, step, self.view(state, i))
+                r.failure = r.failure or Pruned(f"pruned at step {step}")
+                if self.stacked:
+                    mask_row(state["opt_state"], i)
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        return logged
+
+    def _sample(self, state, i, r, step):
+        text = sample_text(self.trainer, r.task, self.view(state["params"], i), r.cfg, step)
+        if text is not None:
+            r.log({"step": step, "text": text}, SAMPLES_FILE)
+            r.tracker.sample(step, text)
+
+    def save(self, state, step):
+        for i, r in self.active():
+            save_checked(self.trainer, r, step, self.view(state, i))
+
+    def stop(self, state, step, why):
+        """Checkpoints every active run where it stands (unless just saved) and says so."""
+        for i, r in self.active():
+            if r.ckpt.latest_step() != step:
+                # Steps past the last log line stay in ``acc``, which is saved too.
+                save_checked(self.trainer, r, step, self.view(state, i))
+        runs = self.runs
+        where = runs[0].workdir if len(runs) == 1 else runs[0].workdir.parent
+        print(f"stopped at step {step} ({why}); checkpoint saved in {where}", flush=True)
 
 
 def train_runs(
