@@ -44,14 +44,12 @@ cache size follows from its config alone.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
 from flax import nnx, struct
 
-from attnlab.errors import ConfigError
+from attnlab.registry import Registry, Settings
 
 SLOTS = -1  # the token axis of a per-token cache entry, sized when the cache is built
 
@@ -75,21 +73,11 @@ class CacheEntry:
 
 
 @dataclasses.dataclass(frozen=True)
-class MixerSettings:
-    """Base of a variant's settings: a frozen dataclass of plain values (JSON-able)."""
+class MixerSettings(Settings):
+    """Base of a mixer's settings: a frozen dataclass of plain values (JSON-able); errors
+    name ``mixer_settings.<field>``."""
 
-    def validate(self, cfg) -> None:
-        """Raises ``ConfigError`` (``self.fail``) for values that do not fit ``cfg``."""
-
-    def fail(self, field: str, fix: str):
-        """Raises a ``ConfigError`` naming ``mixer_settings.<field>``, its value and ``fix``."""
-        raise ConfigError(
-            f"ModelConfig.mixer_settings.{field}={getattr(self, field)!r} is invalid: {fix}"
-        )
-
-    def to_dict(self) -> dict:
-        """The settings as a plain, JSON-able dict."""
-        return dataclasses.asdict(self)
+    _field = "mixer_settings"
 
 
 @struct.dataclass
@@ -130,93 +118,39 @@ class Mixer(nnx.Module):
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[Mixer]] = {}
 # The built-in variants, imported on first use (each registers itself).
-_BUILTINS = {
-    "mha": "attnlab.nn.attention",
-    "sinks": "attnlab.nn.mixers.sinks",
-    "gated": "attnlab.nn.mixers.gated",
-    "differential": "attnlab.nn.mixers.differential",
-    "mla": "attnlab.nn.mixers.mla",
-}
-
-
-def _load_builtins():
-    for module in _BUILTINS.values():
-        importlib.import_module(module)
+_MIXERS = Registry(
+    "mixer",
+    Mixer,
+    MixerSettings,
+    field="mixer",
+    settings_field="mixer_settings",
+    register="register_mixer",
+    builtins={
+        "mha": "attnlab.nn.attention",
+        "sinks": "attnlab.nn.mixers.sinks",
+        "gated": "attnlab.nn.mixers.gated",
+        "differential": "attnlab.nn.mixers.differential",
+        "mla": "attnlab.nn.mixers.mla",
+    },
+)
 
 
 def register_mixer(name: str, cls: type[Mixer] | None = None, *, overwrite: bool = False):
     """Registers ``cls`` as ``ModelConfig(mixer=name)``; usable as a class decorator."""
-
-    def register(cls):
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"register_mixer: the name must be a non-empty str, got {name!r}")
-        if not (isinstance(cls, type) and issubclass(cls, Mixer)):
-            raise TypeError(f"register_mixer({name!r}): {cls!r} is not a subclass of Mixer")
-        settings = cls.Settings
-        ok = isinstance(settings, type) and issubclass(settings, MixerSettings)
-        if not (ok and dataclasses.is_dataclass(settings) and settings.__dataclass_params__.frozen):
-            raise TypeError(
-                f"mixer {name!r}: its Settings must be a frozen MixerSettings dataclass"
-            )
-        if name in _REGISTRY and not overwrite and _REGISTRY[name] is not cls:
-            raise ValueError(f"mixer {name!r} exists; pass overwrite=True to replace it")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return register if cls is None else register(cls)
+    return _MIXERS.register(name, cls, overwrite=overwrite)
 
 
 def registered_mixers() -> dict[str, type[Mixer]]:
     """Every registered variant by name (the built-ins included)."""
-    _load_builtins()
-    return dict(_REGISTRY)
+    return _MIXERS.all()
 
 
 def get_mixer(name: str) -> type[Mixer]:
-    if name not in _REGISTRY and name in _BUILTINS:
-        importlib.import_module(_BUILTINS[name])
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        _load_builtins()
-        raise ConfigError(
-            f"ModelConfig.mixer={name!r} is not registered: register it with "
-            f"attnlab.register_mixer first; known: {sorted(_REGISTRY)}"
-        ) from None
+    """The mixer registered as ``name`` (a ``ConfigError`` listing them otherwise)."""
+    return _MIXERS.get(name)
 
 
 def make_settings(name: str, value) -> MixerSettings:
     """``value`` (None, a mapping or the variant's Settings) as mixer ``name``'s Settings."""
-    settings_cls = get_mixer(name).Settings
-    if value is None:
-        return settings_cls()
-    if isinstance(value, settings_cls):
-        return value
-    if isinstance(value, MixerSettings):
-        raise ConfigError(
-            f"ModelConfig.mixer_settings is a {type(value).__name__}, but mixer={name!r} takes "
-            f"{settings_cls.__name__}: pass that, a dict of its fields, or None"
-        )
-    if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"ModelConfig.mixer_settings={value!r} is invalid: pass a dict of "
-            f"{settings_cls.__name__}'s fields, or None for the defaults"
-        )
-    fields = {f.name: f for f in dataclasses.fields(settings_cls)}
-    # A field left None means "the default" in any variant's settings: one carried over from
-    # the variant a config held before (a sweep changing model.mixer) is dropped.
-    value = {k: v for k, v in value.items() if k in fields or v is not None}
-    unknown = sorted(set(value) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"ModelConfig.mixer_settings has unknown field(s) {unknown} for mixer={name!r}; "
-            f"its fields are {sorted(fields)}"
-        )
-    return settings_cls(**{k: _hashable(v) for k, v in value.items()})
-
-
-def _hashable(value):
-    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+    return _MIXERS.settings(name, value)
