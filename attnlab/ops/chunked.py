@@ -36,12 +36,20 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnlab.ops.chunked_blocks import (
+    Static,
+    bias_block,
+    block_grid,
+    mask_block,
+    pad_axis,
+    to_BKG,
+    visit_order,
+)
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
 
@@ -52,112 +60,32 @@ DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 
 
-class _Static(NamedTuple):
-    """What the custom VJP treats as static: the logit scale, the cap and the blocking."""
-
-    scale: float
-    softcap: float | None
-    block_q: int
-    block_k: int
-    S: int  # keys before padding: keys at index >= S are masked
-
-
-def _to_BKG(x, K, G):
-    """[B|1, N|1, ...] -> [B|1, K|1, G|1, ...] (a bias's or a mask's head axis grouped)."""
-    if x.shape[1] == 1:
-        return x[:, :, None]
-    return x.reshape(x.shape[0], K, G, *x.shape[2:])
-
-
-def _pad_axis(x, axis, size, value=0):
-    if x.shape[axis] in (1, size):
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _slice_TS(x, i, j, st: _Static):
-    """Block (i, j) of a [B|1, K|1, G|1, T|1, S|1] array (axes of size 1 are kept)."""
-    if x.shape[3] != 1:
-        x = jax.lax.dynamic_slice_in_dim(x, i * st.block_q, st.block_q, 3)
-    if x.shape[4] != 1:
-        x = jax.lax.dynamic_slice_in_dim(x, j * st.block_k, st.block_k, 4)
-    return x
-
-
-def _mask_block(mask, i, j, st: _Static, S_pad):
-    """[B|1, K|1, G|1, tq, tk] bool of block (i, j), or None when nothing is masked."""
-    tq, tk = st.block_q, st.block_k
-    if isinstance(mask, MaskSpec):
-        out = mask.block(i * tq, tq, j * tk, tk)[:, :, None]  # [B|1, 1, 1, tq, tk]
-    elif mask is not None:
-        out = _slice_TS(mask, i, j, st)
-    else:
-        out = None
-    if S_pad != st.S:  # padded keys
-        real_k = ((j * tk + jnp.arange(tk)) < st.S)[None, None, None, None, :]
-        out = real_k if out is None else out & real_k
-    return out
-
-
-def _bias_block(bias, i, j, st: _Static, K, G, params=None):
-    """[B|1, K|1, G|1, tq|1, tk|1] float32 bias of block (i, j), or None."""
-    if bias is None:
-        return None
-    if isinstance(bias, PositionBias):
-        b = bias.block(i * st.block_q, st.block_q, j * st.block_k, st.block_k, params)
-        return _to_BKG(b, K, G).astype(jnp.float32)
-    return _slice_TS(bias, i, j, st).astype(jnp.float32)
-
-
-def _block_grid(mask, st: _Static, nq, nk):
-    """[nq, nk] bool: the (query block, key block) pairs that may hold an allowed entry."""
-    if isinstance(mask, MaskSpec):
-        return mask.block_any(st.block_q, st.block_k)
-    if mask is None:
-        return jnp.ones((nq, nk), bool)
-    Bm, Km, Gm, Tm, Sm = mask.shape
-    # [.., T|1, S|1] -> [.., nq|1, tq|1, nk|1, tk|1], then any() over all but the block axes.
-    rows = (nq, st.block_q) if Tm != 1 else (1, 1)
-    cols = (nk, st.block_k) if Sm != 1 else (1, 1)
-    per_block = mask.reshape(Bm * Km * Gm, *rows, *cols).any(axis=(0, 2, 4))
-    return jnp.broadcast_to(per_block, (nq, nk))
-
-
-def _visit_order(grid):
-    """For each row of ``grid``: the indices of its True entries first (in order), and
-    their count. A loop over ``order[r, :count[r]]`` visits exactly the needed blocks."""
-    order = jnp.argsort(~grid, axis=1, stable=True).astype(jnp.int32)
-    return order, grid.sum(1).astype(jnp.int32)
-
-
 def _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad):
     """Block (i, j) logits in float32, capped and masked; its mask (None when nothing is
     masked); and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
     _, K, G, _, _ = q_blk.shape
     s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=jnp.float32)
     s = s * st.scale
-    b = _bias_block(bias, i, j, st, K, G)
+    b = bias_block(bias, i, j, st, K, G)
     if b is not None:
         s = s + b
     dcap = None
     if st.softcap is not None:
         tanh = jnp.tanh(s / st.softcap)
         s, dcap = st.softcap * tanh, 1.0 - tanh * tanh
-    allowed = _mask_block(mask, i, j, st, S_pad)
+    allowed = mask_block(mask, i, j, st, S_pad)
     if allowed is not None:
         s = jnp.where(allowed, s, MASK_VALUE)
     return s, allowed, dcap
 
 
-def _forward(st: _Static, q, k, v, mask, bias):
+def _forward(st: Static, q, k, v, mask, bias):
     """(out [B, K, G, T, H], lse [B, K, G, T]) of padded, head-major inputs."""
     B, K, G, T_pad, H = q.shape
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq, nk = T_pad // tq, S_pad // tk
-    order, count = _visit_order(_block_grid(mask, st, nq, nk))
+    order, count = visit_order(block_grid(mask, st, nq, nk))
 
     def query_block(_, i):
         q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
@@ -214,14 +142,14 @@ def _reduce_to(x, shape):
     return x.sum(axes, keepdims=True) if axes else x
 
 
-def _backward(st: _Static, res, cotangents):
+def _backward(st: Static, res, cotangents):
     q, k, v, mask, bias, out, lse = res
     dout, dlse = cotangents
     B, K, G, T_pad, H = q.shape
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq, nk = T_pad // tq, S_pad // tk
-    order, count = _visit_order(_block_grid(mask, st, nq, nk).T)  # query blocks per key block
+    order, count = visit_order(block_grid(mask, st, nq, nk).T)  # query blocks per key block
     # D - d lse: the per-row term of dS (``d lse`` is zero on fully masked rows, lse = inf).
     d_BKGT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1) - dlse
     dense_bias = bias is not None and not isinstance(bias, PositionBias)
@@ -301,13 +229,13 @@ def _backward(st: _Static, res, cotangents):
     return dq.astype(q.dtype), dk, dv, _zero_cotangent(mask), dbias
 
 
-def _bias_param_grad(bias: PositionBias, ds, i, j, st: _Static, K, G):
+def _bias_param_grad(bias: PositionBias, ds, i, j, st: Static, K, G):
     """Cotangent of ``bias.params`` from block (i, j)'s logit cotangent ``ds``."""
     block, vjp = jax.vjp(
         lambda p: bias.block(i * st.block_q, st.block_q, j * st.block_k, st.block_k, p),
         bias.params,
     )
-    ct = _reduce_to(ds, _to_BKG(block, K, G).shape).reshape(block.shape)
+    ct = _reduce_to(ds, to_BKG(block, K, G).shape).reshape(block.shape)
     (grad,) = vjp(ct.astype(block.dtype))
     return jax.tree.map(lambda g: g.astype(jnp.float32), grad)
 
@@ -372,15 +300,15 @@ def chunked_attention(
         softcap = _static("softcap", softcap)
         if not softcap > 0:
             raise ValueError(f"softcap={softcap} must be positive (the cap's c in c*tanh(s/c))")
-    st = _Static(scale=scale, softcap=softcap, block_q=tq, block_k=tk, S=S)
+    st = Static(scale=scale, softcap=softcap, block_q=tq, block_k=tk, S=S)
     if sinks is not None:
         sinks = jnp.asarray(sinks)
         if sinks.shape != (N,):
             raise ValueError(f"sinks must hold one logit per query head, [{N}]; got {sinks.shape}")
 
     q = jnp.transpose(q_BTNH.reshape(B, T, K, G, H), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
-    q = _pad_axis(q, 3, T_pad)
-    k, v = (_pad_axis(jnp.swapaxes(x, 1, 2), 2, S_pad) for x in (k_BSKH, v_BSKH))
+    q = pad_axis(q, 3, T_pad)
+    k, v = (pad_axis(jnp.swapaxes(x, 1, 2), 2, S_pad) for x in (k_BSKH, v_BSKH))
 
     if isinstance(mask, MaskSpec):
         if mask.shape != (T, S):
@@ -390,7 +318,7 @@ def chunked_attention(
         mask = jnp.asarray(mask, bool)
         if mask.ndim != 4:
             raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {mask.shape}")
-        mask = _pad_axis(_pad_axis(_to_BKG(mask, K, G), 3, T_pad, False), 4, S_pad, False)
+        mask = pad_axis(pad_axis(to_BKG(mask, K, G), 3, T_pad, False), 4, S_pad, False)
     if isinstance(bias, PositionBias):
         bias = bias.replace(
             q_pos=_pad_edge(jnp.asarray(bias.q_pos), T_pad),
@@ -400,7 +328,7 @@ def chunked_attention(
         bias = jnp.asarray(bias)
         if bias.ndim != 4:
             raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {bias.shape}")
-        bias = _pad_axis(_pad_axis(_to_BKG(bias, K, G), 3, T_pad), 4, S_pad)
+        bias = pad_axis(pad_axis(to_BKG(bias, K, G), 3, T_pad), 4, S_pad)
 
     out, lse = _attention(st, q, k, v, mask, bias)
     out, lse = out[:, :, :, :T], lse[:, :, :, :T]  # [B, K, G, T, H], [B, K, G, T]

@@ -68,7 +68,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from attnlab.ops.attention import dot_product_attention
-from attnlab.ops.ring import chunk_mask, fold_key, prepare, ring_attention, vary_like
+from attnlab.ops.ring import ring_attention
+from attnlab.ops.shards import chunk_mask, fold_key, prepare, vary_like
 
 __all__ = [
     "METHODS",

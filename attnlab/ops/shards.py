@@ -1,0 +1,84 @@
+"""What the context-parallel methods share about a sequence split over devices: the mask of
+one (query chunk, key chunk) pair evaluated from positions, keys that vary over the mesh's
+manual axes, dropout keys folded per chunk, and the shape check of q/k/v."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def chunk_mask(
+    q_pos_BT,
+    k_pos_BS,
+    *,
+    causal=False,
+    window=None,
+    q_segment_BT=None,
+    k_segment_BS=None,
+    k_valid_BS=None,
+):
+    """``[B|1, 1, T, S]`` mask (True = may attend) of queries and keys at the given
+    positions, or None when no rule applies.
+
+    ``causal``: ``k <= q``; ``window`` (int or traced scalar): ``q - window < k <= q``, as
+    ``masks.sliding_window`` (it implies causal); segments: equal non-zero ids, as
+    ``masks.segment``; ``k_valid_BS``: real keys, as ``masks.padding``.
+    """
+    if (q_segment_BT is None) != (k_segment_BS is None):
+        raise ValueError("chunk_mask: give both q_segment_BT and k_segment_BS, or neither")
+    mask_BTS = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if causal or window is not None:
+        d_BTS = jnp.asarray(q_pos_BT)[:, :, None] - jnp.asarray(k_pos_BS)[:, None, :]
+        mask_BTS = d_BTS >= 0
+        if window is not None:
+            mask_BTS = mask_BTS & (d_BTS < jnp.asarray(window, d_BTS.dtype))
+    if q_segment_BT is not None:
+        q_BT1, k_B1S = q_segment_BT[:, :, None], k_segment_BS[:, None, :]
+        mask_BTS = both(mask_BTS, (q_BT1 == k_B1S) & (q_BT1 > 0) & (k_B1S > 0))
+    if k_valid_BS is not None:
+        mask_BTS = both(mask_BTS, jnp.asarray(k_valid_BS, bool)[:, None, :])
+    return None if mask_BTS is None else mask_BTS[:, None]
+
+
+def vary_like(x, like):
+    """``x`` varying over every manual mesh axis that ``like`` varies over (inside
+    ``shard_map``; unchanged outside it or without float values)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    missing = tuple(sorted(_varying(like) - _varying(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _varying(x) -> set:
+    """The manual mesh axes ``x`` varies over (its type's varying-axes set)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)  # JAX 0.10; earlier releases: ``vma``
+    return set(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def fold_key(key, *data):
+    """``key`` folded with each of ``data`` in turn (None stays None: no dropout)."""
+    if key is None:
+        return None
+    for d in data:
+        key = jax.random.fold_in(key, d)
+    return key
+
+
+def prepare(q_BTNH, k_BSKH, v_BSKH, scale):
+    """``((B, T, N, H, K, G), scale)`` after checking the q/k/v shapes (``scale`` None:
+    ``H ** -0.5``)."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if k_BSKH.shape != v_BSKH.shape or N % K or k_BSKH.shape[3] != H:
+        raise ValueError(
+            f"context-parallel attention expects q [B, T, N, H] and k, v [B, S, K, H] with K "
+            f"dividing N; got q={q_BTNH.shape}, k={k_BSKH.shape}, v={v_BSKH.shape}"
+        )
+    return (B, T, N, H, K, N // K), H**-0.5 if scale is None else scale
