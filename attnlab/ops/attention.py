@@ -215,6 +215,19 @@ def cpu_prefers_chunked(T: int, backend: str) -> bool:
     return T >= AUTO_CHUNKED_MIN_T and backend == "cpu"
 
 
+def _refuse_on_chunked(logits_fn, dropout_rate):
+    """The chunked path's backward pass is written for plain softmax attention."""
+    if logits_fn is not None:
+        raise ValueError(
+            "logits_fn is not supported by implementation='chunked' (its backward pass "
+            "is written for plain softmax attention): use implementation='reference'"
+        )
+    raise ValueError(
+        f"attention dropout (dropout_rate={dropout_rate}) is not supported by "
+        "implementation='chunked': set the rate to 0 or use implementation='reference'"
+    )
+
+
 def dot_product_attention(
     q_BTNH,
     k_BSKH,
@@ -275,21 +288,9 @@ def dot_product_attention(
         if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
             block_q = block_k = AUTO_BLOCK
     if implementation == "chunked" and not return_weights:
-        if logits_fn is not None:
-            raise ValueError(
-                "logits_fn is not supported by implementation='chunked' (its backward pass "
-                "is written for plain softmax attention): use implementation='reference'"
-            )
-        if drop:
-            raise ValueError(
-                f"attention dropout (dropout_rate={dropout_rate}) is not supported by "
-                "implementation='chunked': set the rate to 0 or use implementation='reference'"
-            )
-        blocks = {
-            name: value
-            for name, value in (("block_q", block_q), ("block_k", block_k))
-            if value is not None
-        }
+        if logits_fn is not None or drop:
+            _refuse_on_chunked(logits_fn, dropout_rate)
+        blocks = {n: v for n, v in (("block_q", block_q), ("block_k", block_k)) if v is not None}
         return chunked_attention(
             q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, sinks=sinks,
             softcap=softcap, **blocks,
@@ -306,17 +307,9 @@ def dot_product_attention(
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
     if return_weights or implementation == "reference" or logits_fn is not None or drop or changed:
         out_BTNH, weights_BNTS = reference_attention(
-            q_BTNH,
-            k_BSKH,
-            v_BSKH,
-            mask=mask,
-            bias=bias,
-            scale=scale,
-            logits_fn=logits_fn,
-            dropout_rate=dropout_rate,
-            dropout_key=dropout_key,
-            **softmax,
-        )
+            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, logits_fn=logits_fn,
+            dropout_rate=dropout_rate, dropout_key=dropout_key, **softmax,
+        )  # fmt: skip
         return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
     return _fused_attention(
         q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, implementation=implementation
