@@ -11,7 +11,14 @@ import pytest
 
 from attnlab.cli import main
 from attnlab.data import make_task
-from attnlab.data.prepared import META_FILE, TOKENS_FILE, open_prepared, prepare, verify
+from attnlab.data.prepared import (
+    DOCUMENTS_FILE,
+    META_FILE,
+    TOKENS_FILE,
+    open_prepared,
+    prepare,
+    verify,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind\n" * 80
@@ -75,6 +82,7 @@ def test_a_corpus_larger_than_the_process_may_read_is_memory_mapped(tmp_path):
     meta = json.loads((prep / META_FILE).read_text())
     meta.update(tokens=n, train_tokens=n - 2**20, val_tokens=2**20)
     (prep / META_FILE).write_text(json.dumps(meta))
+    np.save(prep / DOCUMENTS_FILE, np.array([n], np.int64))  # one document, as large
     # The peak resident set of this process's own memory (VmHWM): ru_maxrss would also count
     # the forked copy of the test process, whose size depends on the tests run before.
     script = textwrap.dedent(f"""
