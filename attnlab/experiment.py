@@ -33,14 +33,8 @@ from ml_collections import config_dict
 
 from attnlab.errors import ConfigError
 from attnlab.experiment_schema import (  # noqa: F401  (read as attnlab.experiment.*)
-    _DOMAINS,
-    ON_NONFINITE,
     ExperimentError,
-    _check_domains,
     _load_python,
-    _model_defaults,
-    _real,
-    _require,
     base_config,
     import_experiment,
     model_config,
