@@ -22,6 +22,9 @@ C     prefill chunk length (a long prompt fed through the KV cache C tokens at a
 I     steps of a scan (prefill chunks, decode steps)
 R     a low-rank latent's width (multi-head latent attention's kv_lora_rank, q_lora_rank)
 E     experts of a mixture of experts (attnlab.nn.moe)
+J     a recurrent state's second width (Gated DeltaNet's value head dim, Mamba-2's state size)
+W     taps of a short causal convolution (a recurrent layer's conv kernel)
+Z     channels of a recurrent layer's fused projection or convolution
 ====  ======================================================================
 
 Masks are boolean and broadcastable to ``[B, N|1, T, S]``; ``True`` means *may attend*.

@@ -56,6 +56,9 @@ LETTERS = {
     "Y": "token_types",
     "R": "latent",
     "E": "expert",
+    "J": "state_dim",
+    "W": "conv_taps",
+    "Z": "channels",
 }
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
@@ -71,6 +74,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "token_types": None,
     "latent": None,
     "expert": "expert",
+    "state_dim": None,
+    "conv_taps": None,
+    "channels": None,
     # activations
     "batch": ("data", "fsdp"),
     "length": "context",

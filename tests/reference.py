@@ -417,3 +417,69 @@ def latent_attention(x_BTD, p, *, mask=None, positions_BT=None, theta=10000.0, e
         weights_BTS = _softmax_allowed_rows(logits, mask_BTS)
         out += np.einsum("BTS,BSH->BTH", weights_BTS, v_n) @ g("o_NHD")[n]
     return out, c_BTR, k_rope_BTH
+
+
+# --------------------------------------------------------------------------------------------
+# Recurrent-state layers
+# --------------------------------------------------------------------------------------------
+
+
+def gated_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=None):
+    """The gated delta rule ("Gated Delta Networks", Yang et al. 2024, eq. 10), token by
+    token, in its matrix form (per head, ``S`` is ``[H, J]``, keys ``H`` wide)::
+
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+
+    Returns ``(o_BTNJ, state_BNHJ)``.
+    """
+    q, k, v, g, beta = map(_f64, (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
+    B, T, N, H = k.shape
+    J = v.shape[-1]
+    S = np.zeros((B, N, H, J)) if state_BNHJ is None else _f64(state_BNHJ).copy()
+    out = np.zeros((B, T, N, J))
+    for b in range(B):
+        for n in range(N):
+            for t in range(T):
+                kt = k[b, t, n][:, None]
+                transition = np.exp(g[b, t, n]) * (np.eye(H) - beta[b, t, n] * kt @ kt.T)
+                S[b, n] = transition @ S[b, n] + beta[b, t, n] * kt @ v[b, t, n][None, :]
+                out[b, t, n] = S[b, n].T @ q[b, t, n]
+    return out, S
+
+
+def selective_state_space(x_BTNH, dt_BTN, A_N, B_BTNJ, C_BTNJ, state_BNHJ=None):
+    """Mamba-2's SSM (Dao and Gu 2024, "Transformers are SSMs", eq. 1 with the scalar
+    ``A_t = exp(dt_t A)`` of SSD and the zero-order-hold input ``dt_t B_t``), per head::
+
+        h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,   y_t = h_t C_t
+
+    (``h`` is ``[H, J]``: head width by state size.) Returns ``(y_BTNH, state_BNHJ)``.
+    """
+    x, dt, A, Bm, Cm = map(_f64, (x_BTNH, dt_BTN, A_N, B_BTNJ, C_BTNJ))
+    Bsz, T, N, H = x.shape
+    J = Bm.shape[-1]
+    h = np.zeros((Bsz, N, H, J)) if state_BNHJ is None else _f64(state_BNHJ).copy()
+    y = np.zeros((Bsz, T, N, H))
+    for b in range(Bsz):
+        for n in range(N):
+            for t in range(T):
+                h[b, n] = np.exp(dt[b, t, n] * A[n]) * h[b, n] + dt[b, t, n] * np.outer(
+                    x[b, t, n], Bm[b, t, n]
+                )
+                y[b, t, n] = h[b, n] @ Cm[b, t, n]
+    return y, h
+
+
+def causal_depthwise_conv(x_BTZ, w_WZ, bias_Z=None, state_BWZ=None):
+    """``y[t, z] = bias[z] + sum_i w[i, z] x[t - (W - 1) + i, z]`` with the ``W - 1`` inputs
+    before the first token taken from ``state`` (zeros when None)."""
+    x, w = _f64(x_BTZ), _f64(w_WZ)
+    B, T, Z = x.shape
+    W = w.shape[0]
+    state = np.zeros((B, W - 1, Z)) if state_BWZ is None else _f64(state_BWZ)
+    xp = np.concatenate([state, x], axis=1)
+    y = np.zeros((B, T, Z)) if bias_Z is None else np.broadcast_to(_f64(bias_Z), (B, T, Z)).copy()
+    for t in range(T):
+        for i in range(W):
+            y[:, t] += w[i] * xp[:, t + i]
+    return y

@@ -1,0 +1,99 @@
+"""The gated delta rule ("Gated Delta Networks", Yang et al. 2024; Qwen3-Next's linear
+attention) in three forms: a one-token step, the per-token recurrence (``lax.scan``, the
+reference) and the chunked parallel form (training and prefill).
+
+Per head, with the state ``S`` a ``[H, J]`` matrix (key width H, value width J), an
+L2-normalised key ``k_t``, a query ``q_t`` (L2-normalised and scaled by ``H ** -0.5`` by
+the caller), a value ``v_t``, a log-decay ``g_t <= 0`` and a write strength ``beta_t``::
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T q_t
+
+A token with ``g = 0`` and ``beta = 0`` leaves ``S`` as it was (padding). Every form keeps
+the state in float32 and returns ``(o, S)``; shapes use ``attnlab.dims`` (N heads, H the
+key width, J the value width, C a chunk's length, I the chunks).
+
+The chunked form (the WY/UT transform of DeltaNet) solves each chunk's writes at once: with
+``Gam[i, j] = exp(gam_i - gam_j)`` (``ops.recurrent.chunk_decays``) and ``T = I +
+strict_lower(diag(beta) K K^T * Gam)``, the chunk's corrected values are ``U = T^-1 (beta
+V) - T^-1 (beta K exp(gam)) S0``; then ``O = (Q exp(gam)) S0 + (Q K^T * Gam) U`` and
+``S1 = exp(gam_C) S0 + (K exp(gam_C - gam))^T U``. Chunks run in sequence (a scan over
+``I``), each in matrix products.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from attnlab.ops.recurrent import HIGHEST, chunk_decays, chunk_size_for, from_chunks, to_chunks
+
+f32 = lambda x: x.astype(jnp.float32)
+
+
+def _initial(state_BNHJ, B, N, H, J):
+    return jnp.zeros((B, N, H, J), jnp.float32) if state_BNHJ is None else f32(state_BNHJ)
+
+
+def delta_rule_step(q_BNH, k_BNH, v_BNJ, g_BN, beta_BN, state_BNHJ):
+    """One token of the gated delta rule: ``(o_BNJ, state_BNHJ)``."""
+    q_BNH, k_BNH, v_BNJ, g_BN, beta_BN = map(f32, (q_BNH, k_BNH, v_BNJ, g_BN, beta_BN))
+    S = f32(state_BNHJ) * jnp.exp(g_BN)[..., None, None]
+    kv_BNJ = jnp.einsum("BNHJ,BNH->BNJ", S, k_BNH, precision=HIGHEST)
+    delta_BNJ = (v_BNJ - kv_BNJ) * beta_BN[..., None]
+    S = S + k_BNH[..., :, None] * delta_BNJ[..., None, :]
+    return jnp.einsum("BNHJ,BNH->BNJ", S, q_BNH, precision=HIGHEST), S
+
+
+def delta_rule_recurrent(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=None):
+    """The per-token recurrence (the reference form): ``(o_BTNJ, state_BNHJ)``."""
+    B, _, N, H = k_BTNH.shape
+    S = _initial(state_BNHJ, B, N, H, v_BTNJ.shape[-1])
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
+
+    def step(S, x):
+        o_BNJ, S = delta_rule_step(*x, S)
+        return S, o_BNJ
+
+    S, o_TBNJ = jax.lax.scan(step, S, xs)
+    return jnp.moveaxis(o_TBNJ, 0, 1), S
+
+
+def delta_rule_chunked(
+    q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=None, *, chunk_size: int = 64
+):
+    """The chunked parallel form: ``(o_BTNJ, state_BNHJ)``, equal to the recurrence."""
+    B, T, N, H = k_BTNH.shape
+    J = v_BTNJ.shape[-1]
+    C = chunk_size_for(T, chunk_size)
+    # [I, B, N, C, ...]: chunks first (the scan's axis), heads before the chunk's tokens.
+    heads = lambda x: jnp.moveaxis(to_chunks(f32(x), C), 3, 2)
+    q, k, v = heads(q_BTNH), heads(k_BTNH), heads(v_BTNJ)
+    g_IBNC, beta_IBNC = heads(g_BTN), heads(beta_BTN)
+    gam_IBNC, pair_IBNCC = chunk_decays(g_IBNC)
+    kb = k * beta_IBNC[..., None]
+    dots = lambda a, b: jnp.einsum("...iH,...jH->...ij", a, b, precision=HIGHEST)
+    strict_CC = jnp.tril(jnp.ones((C, C), bool), -1)
+    t_IBNCC = jnp.eye(C) + jnp.where(strict_CC, dots(kb, k) * pair_IBNCC, 0.0)
+    solve = lambda b: solve_triangular(t_IBNCC, b, lower=True, unit_diagonal=True)
+    u_IBNCJ = solve(v * beta_IBNC[..., None])
+    w_IBNCH = solve(kb * jnp.exp(gam_IBNC)[..., None])
+    qk_IBNCC = dots(q, k) * pair_IBNCC
+    q_decayed = q * jnp.exp(gam_IBNC)[..., None]
+    k_decayed = k * jnp.exp(gam_IBNC[..., -1:] - gam_IBNC)[..., None]
+    chunk_IBN = jnp.exp(gam_IBNC[..., -1])
+
+    def chunk(S, x):
+        u_BNCJ, w_BNCH, qk_BNCC, q_BNCH, k_BNCH, decay_BN = x
+        mm = lambda eq, a, b: jnp.einsum(eq, a, b, precision=HIGHEST)
+        u_BNCJ = u_BNCJ - mm("BNCH,BNHJ->BNCJ", w_BNCH, S)
+        o_BNCJ = mm("BNCH,BNHJ->BNCJ", q_BNCH, S) + mm("BNCc,BNcJ->BNCJ", qk_BNCC, u_BNCJ)
+        S = S * decay_BN[..., None, None] + mm("BNCH,BNCJ->BNHJ", k_BNCH, u_BNCJ)
+        return S, o_BNCJ
+
+    S = _initial(state_BNHJ, B, N, H, J)
+    S, o_IBNCJ = jax.lax.scan(
+        chunk, S, (u_IBNCJ, w_IBNCH, qk_IBNCC, q_decayed, k_decayed, chunk_IBN)
+    )
+    return from_chunks(jnp.moveaxis(o_IBNCJ, 2, 3), T), S
