@@ -132,6 +132,8 @@ _MIXERS = Registry(
         "gated": "attnlab.nn.mixers.gated",
         "differential": "attnlab.nn.mixers.differential",
         "mla": "attnlab.nn.mixers.mla",
+        "gated_deltanet": "attnlab.nn.mixers.gated_deltanet",
+        "mamba2": "attnlab.nn.mixers.mamba2",
     },
 )
 

@@ -74,8 +74,8 @@ def delta_rule_chunked(
     gam_IBNC, pair_IBNCC = chunk_decays(g_IBNC)
     kb = k * beta_IBNC[..., None]
     dots = lambda a, b: jnp.einsum("...iH,...jH->...ij", a, b, precision=HIGHEST)
-    strict_CC = jnp.tril(jnp.ones((C, C), bool), -1)
-    t_IBNCC = jnp.eye(C) + jnp.where(strict_CC, dots(kb, k) * pair_IBNCC, 0.0)
+    strict_CC = jnp.tril(jnp.ones((C, C), bool), -1)[None, None, None]
+    t_IBNCC = jnp.eye(C)[None, None, None] + jnp.where(strict_CC, dots(kb, k) * pair_IBNCC, 0.0)
     solve = lambda b: solve_triangular(t_IBNCC, b, lower=True, unit_diagonal=True)
     u_IBNCJ = solve(v * beta_IBNC[..., None])
     w_IBNCH = solve(kb * jnp.exp(gam_IBNC)[..., None])

@@ -68,7 +68,8 @@ def gated_rms_norm(x, gate, scale, *, eps=1e-6, group_size=None, norm_before_gat
     size = x32.shape[-1] if group_size is None else group_size
     groups = x32.reshape(*x32.shape[:-1], x32.shape[-1] // size, size)
     groups = groups * jax.lax.rsqrt(jnp.mean(jnp.square(groups), -1, keepdims=True) + eps)
-    y = groups.reshape(x32.shape) * scale.astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
+    y = groups.reshape(x32.shape) * scale.reshape((1,) * (x32.ndim - 1) + scale.shape)
     if norm_before_gate:
         y = y * silu
     return y.astype(x.dtype)
@@ -100,7 +101,7 @@ def chunk_decays(g_IBNC):
     ``exp(gam[i] - gam[j])`` for ``i >= j`` (0 above the diagonal)."""
     gam_IBNC = jnp.cumsum(g_IBNC, axis=-1)
     C = g_IBNC.shape[-1]
-    lower_CC = jnp.tril(jnp.ones((C, C), bool))
+    lower_CC = jnp.tril(jnp.ones((C, C), bool)).reshape((1,) * (g_IBNC.ndim - 1) + (C, C))
     diff = gam_IBNC[..., :, None] - gam_IBNC[..., None, :]
     pair_IBNCC = jnp.exp(jnp.where(lower_CC, diff, -jnp.inf))
     return gam_IBNC, pair_IBNCC

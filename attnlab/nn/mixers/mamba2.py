@@ -1,0 +1,161 @@
+"""Mamba-2 (SSD, "Transformers are SSMs", Dao and Gu 2024), ``mixer="mamba2"``, as
+transformers' ``Mamba2Mixer`` (and the Mamba-2 layers of Nemotron-H, Bamba, Falcon-H1)::
+
+    z, xBC, dt = in_proj(x)             fused: I gates, I + 2GJ conv inputs, N steps
+    x, B, C = silu(conv1d(xBC))                     short causal depthwise convolution
+    dt = softplus(dt + dt_bias),  A = -exp(A_log)   (dt clipped to [dt_limit_min, dt_limit_max])
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,   y_t = h_t C_t + D x_t
+    out = out_proj(RMSNorm_grouped(y * silu(z)))    the gated RMSNorm, per group
+
+``I = expand * d_model = num_heads * head_dim`` (the inner width), ``J`` the state size, ``G``
+the groups whose B and C the heads share. Parameters, laid out as transformers' so a
+checkpoint maps by name and shape: ``in_proj_DZ`` (``in_proj.weight.T``, ``[D, 2I + 2GJ +
+N]``) and ``in_proj_bias_Z`` (with ``use_bias``), ``conv_WZ`` (``conv1d.weight[:, 0].T``,
+``[W, I + 2GJ]``) and ``conv_bias_Z`` (with ``use_conv_bias``), ``dt_bias_N``, ``A_log_N``,
+``D_N``, ``norm_scale_Z`` (``norm.weight``), ``out_proj_ZD`` (and ``out_proj_bias_D``). The
+norm's eps is ``ModelConfig.norm_eps``.
+
+Cache (``attnlab.nn.mixers.recurrent``): ``"state"`` ``[N, head_dim, J]`` and ``"conv"``
+``[W - 1, I + 2GJ]``, in ``state_dtype``. The three forms are ``attnlab.ops.ssd``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attnlab.mixers import MixerCall, register_mixer
+from attnlab.nn.layers import normal
+from attnlab.nn.mixers.recurrent import RecurrentMixer, RecurrentSettings, _positive, token_validity
+from attnlab.ops import ssd
+from attnlab.ops.linear import add_bias, dense
+from attnlab.ops.recurrent import gated_rms_norm
+
+
+@register_mixer("mamba2")
+class Mamba2(RecurrentMixer):
+    """Mamba-2's selective state space layer (see the module docstring)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings(RecurrentSettings):
+        expand: int = 2  # the inner width I = expand * d_model
+        head_dim: int | None = None  # None: ModelConfig.head_dim
+        num_heads: int | None = None  # None: I // head_dim
+        state_size: int = 128  # J
+        n_groups: int = 1  # G: heads sharing one B and C
+        use_conv_bias: bool = True
+        use_bias: bool = False  # biases on in_proj and out_proj
+        dt_limit_min: float = 0.0  # dt is clipped to [dt_limit_min, dt_limit_max]
+        dt_limit_max: float | None = None  # None: no upper limit
+        time_step_min: float = 0.001  # dt's initial range (dt_bias = softplus^-1(dt))
+        time_step_max: float = 0.1
+        time_step_floor: float = 1e-4
+
+        def resolved(self, cfg) -> Mamba2.Settings:
+            """The settings with the fields left None derived from ``cfg``."""
+            head_dim = self.head_dim or cfg.head_dim
+            heads = self.num_heads or self.expand * cfg.d_model // head_dim
+            return dataclasses.replace(self, head_dim=head_dim, num_heads=heads)
+
+        def validate(self, cfg) -> None:
+            super().validate(cfg)
+            for field in ("head_dim", "num_heads"):
+                _positive(self, field)
+            for field in ("expand", "state_size", "n_groups"):
+                _positive(self, field, allow_none=False)
+            s = self.resolved(cfg)
+            inner = self.expand * cfg.d_model
+            if s.num_heads * s.head_dim != inner:
+                self.fail("num_heads", f"num_heads * head_dim = expand * d_model = {inner}")
+            if s.num_heads % self.n_groups:
+                self.fail("n_groups", f"a divisor of num_heads={s.num_heads}")
+            if not 0 < self.time_step_min <= self.time_step_max:
+                self.fail("time_step_min", "0 < time_step_min <= time_step_max")
+            top = self.dt_limit_max
+            if not (self.dt_limit_min >= 0 and (top is None or top > self.dt_limit_min)):
+                self.fail("dt_limit_max", "above dt_limit_min >= 0, or None for no limit")
+
+    def __init__(self, cfg, settings=None, *, rngs: nnx.Rngs):
+        s = (settings or self.Settings()).resolved(cfg)
+        self.settings, self.eps = s, cfg.norm_eps
+        D, N, inner, W = cfg.d_model, s.num_heads, s.expand * cfg.d_model, s.conv_kernel
+        Z = self.conv_channels(cfg, s)
+        pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+        zeros = lambda *shape: nnx.Param(jnp.zeros(shape, pd))
+        self.in_proj_DZ = normal(rngs, (D, inner + Z + N), std, pd)
+        self.in_proj_bias_Z = zeros(inner + Z + N) if s.use_bias else None
+        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
+        self.conv_WZ = nnx.Param(jax.random.uniform(rngs.params(), (W, Z), pd, -bound, bound))
+        self.conv_bias_Z = zeros(Z) if s.use_conv_bias else None
+        lo, hi = math.log(s.time_step_min), math.log(s.time_step_max)
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (N,), jnp.float32, lo, hi))
+        dt = jnp.maximum(dt, s.time_step_floor)
+        self.dt_bias_N = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(pd))  # softplus^-1
+        self.A_log_N = nnx.Param(jnp.log(jnp.arange(1, N + 1, dtype=jnp.float32)).astype(pd))
+        self.D_N = nnx.Param(jnp.ones((N,), pd))
+        self.norm_scale_Z = nnx.Param(jnp.ones((inner,), pd))
+        self.out_proj_ZD = normal(rngs, (inner, D), std / (2 * cfg.n_layers) ** 0.5, pd)
+        self.out_proj_bias_D = zeros(D) if s.use_bias else None
+
+    @classmethod
+    def state_shape(cls, cfg, settings):
+        s = settings.resolved(cfg)
+        return (s.num_heads, s.head_dim, s.state_size)
+
+    @classmethod
+    def conv_channels(cls, cfg, settings):
+        s = settings.resolved(cfg)
+        return s.expand * cfg.d_model + 2 * s.n_groups * s.state_size
+
+    def steps(self, dt_BTN, valid_BT):
+        """``dt`` after softplus and the limits, in float32; 0 where a token is not real."""
+        s = self.settings
+        bias_11N = self.dt_bias_N[...].astype(jnp.float32)[None, None, :]
+        dt_BTN = jax.nn.softplus(dt_BTN.astype(jnp.float32) + bias_11N)
+        dt_BTN = jnp.clip(dt_BTN, s.dt_limit_min, s.dt_limit_max)
+        return dt_BTN if valid_BT is None else jnp.where(valid_BT[..., None], dt_BTN, 0.0)
+
+    def __call__(self, x_BTD, call: MixerCall):
+        s = self.settings
+        B, T, _ = x_BTD.shape
+        N, P, G, J = s.num_heads, s.head_dim, s.n_groups, s.state_size
+        inner = N * P
+        valid_BT = token_validity(call, T)
+        if valid_BT is not None:
+            x_BTD = jnp.where(valid_BT[..., None], x_BTD, jnp.zeros_like(x_BTD))
+        proj_BTZ = dense(x_BTD, self.in_proj_DZ[...])
+        if self.in_proj_bias_Z is not None:
+            proj_BTZ = add_bias(proj_BTZ, self.in_proj_bias_Z[...])
+        z_BTZ, xbc_BTZ, dt_BTN = jnp.split(proj_BTZ, [inner, 2 * inner + 2 * G * J], axis=-1)
+        bias = None if self.conv_bias_Z is None else self.conv_bias_Z[...]
+        cache, xbc_BTZ = self.convolve(xbc_BTZ, call, valid_BT, self.conv_WZ[...], bias)
+        xbc_BTZ = jax.nn.silu(xbc_BTZ.astype(jnp.float32))
+        x_BTZ, b_BTZ, c_BTZ = jnp.split(xbc_BTZ, [inner, inner + G * J], axis=-1)
+        x_BTNH = x_BTZ.reshape(B, T, N, P)
+        groups = lambda y: jnp.repeat(y.reshape(B, T, G, J), N // G, axis=2)
+        A_N = -jnp.exp(self.A_log_N[...].astype(jnp.float32))
+        args = (x_BTNH, self.steps(dt_BTN, valid_BT), A_N, groups(b_BTZ), groups(c_BTZ))
+        state = self.initial_state(call)
+        if cache is not None and T == 1:  # a decode step
+            x, dt, _, b, c = (a[:, 0] if a.ndim > 1 else a for a in args)
+            y_BNH, state = ssd.ssd_step(x, dt, A_N, b, c, state)
+            y_BTNH = y_BNH[:, None]
+        elif s.form == "recurrent":
+            y_BTNH, state = ssd.ssd_recurrent(*args, state)
+        else:
+            y_BTNH, state = ssd.ssd_chunked(*args, state, chunk_size=s.chunk_size)
+        if cache is not None:
+            cache = cache.put("state", state)
+        y_BTNH = y_BTNH + self.D_N[...].astype(jnp.float32)[None, None, :, None] * x_BTNH
+        y_BTZ = gated_rms_norm(
+            y_BTNH.reshape(B, T, inner), z_BTZ, self.norm_scale_Z[...],
+            eps=self.eps, group_size=inner // G, norm_before_gate=False,
+        )  # fmt: skip
+        out_BTD = dense(y_BTZ.astype(x_BTD.dtype), self.out_proj_ZD[...])
+        if self.out_proj_bias_D is not None:
+            out_BTD = add_bias(out_BTD, self.out_proj_bias_D[...])
+        return out_BTD, cache, None
