@@ -3,6 +3,7 @@ weights: ``gated_deltanet`` against ``Qwen3NextGatedDeltaNet``, ``mamba2`` again
 ``Mamba2Mixer``, through the parameter mapping a checkpoint loader uses. Skipped without
 transformers and torch (the ``hf`` extra)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,7 +89,9 @@ def _against_transformers(mixer, form):
         want = layer(torch.tensor(x), attention_mask=torch.tensor(valid, dtype=torch.long))
     want = want.numpy()
     call = plain_call(B, T, jnp.asarray(valid))
-    got, cache, weights = module(jnp.asarray(x, jnp.float32), call)
+    graphdef, params = nnx.split(module)
+    run = jax.jit(lambda params, x: nnx.merge(graphdef, params)(x, call))
+    got, cache, weights = run(params, jnp.asarray(x, jnp.float32))
     assert cache is None and weights is None
     assert rel(np.asarray(got)[valid], want[valid]) <= 1e-5
 
