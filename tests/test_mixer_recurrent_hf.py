@@ -8,7 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_mixer_recurrent import MIXERS, SETTINGS, mixer_module, plain_call, rel, tiny
+from test_mixer_recurrent import (
+    MIXERS,
+    ONLY_GDN,
+    ONLY_MAMBA2,
+    SETTINGS,
+    mixer_module,
+    one_layer_cache,
+    plain_call,
+    rel,
+    tiny,
+)
+
+from attnlab.mixers import MixerCall
 
 
 def _torch_layer(mixer, cfg):
@@ -47,6 +59,7 @@ def _torch_layer(mixer, cfg):
                 p.copy_(1 + 0.2 * r)
             else:
                 p.copy_(0.3 * r)
+    layer.hf_config = hf
     return layer.double().eval(), torch
 
 
@@ -76,7 +89,8 @@ def _copy_weights(mixer, layer, module, cfg):
 def _against_transformers(mixer, form):
     """On the same random weights, 11 tokens (chunks of 4) and a left-padded row: our layer
     (in ``form``) equals transformers' ``Qwen3NextGatedDeltaNet`` /
-    ``Mamba2Mixer`` run in float64, at every real position, to 1e-5 relative."""
+    ``Mamba2Mixer`` (float64 weights and inputs; its kernels run the recurrence in float32),
+    at every real position, to 1e-5 relative."""
     cfg = tiny(mixer, d_model=16, mixer_settings={**SETTINGS[mixer], "form": form})
     layer, torch = _torch_layer(mixer, cfg)
     module = mixer_module(cfg)
@@ -96,7 +110,7 @@ def _against_transformers(mixer, form):
     assert rel(np.asarray(got)[valid], want[valid]) <= 1e-5
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", ONLY_GDN)
 def test_the_chunked_module_equals_transformers_torch_layer(mixer):
     _against_transformers(mixer, "chunked")
 
@@ -105,3 +119,47 @@ def test_the_chunked_module_equals_transformers_torch_layer(mixer):
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_the_recurrent_module_equals_transformers_torch_layer(mixer):
     _against_transformers(mixer, "recurrent")
+
+
+def _against_transformers_cached(mixer):
+    """A prefill of 6 tokens with a cache, then 3 one-token steps, through transformers'
+    ``DynamicCache`` (its recurrent-step kernels) and through ours: equal outputs to 1e-5
+    relative, and equal caches: the state in the same layout, our conv entry transformers'
+    last ``W - 1`` inputs (it keeps ``W``, channels first)."""
+    from transformers.cache_utils import DynamicCache
+
+    cfg = tiny(mixer, d_model=16, n_layers=1)
+    layer, torch = _torch_layer(mixer, cfg)
+    module = mixer_module(cfg)
+    _copy_weights(mixer, layer, module, cfg)
+    B, P, T = 2, 6, 9
+    x = np.random.default_rng(3).normal(size=(B, T, cfg.d_model))
+    hf_cache = DynamicCache(config=layer.hf_config)
+    with torch.no_grad():
+        want = [layer(torch.tensor(x[:, :P]), cache=hf_cache)]
+        want += [layer(torch.tensor(x[:, t : t + 1]), cache=hf_cache) for t in range(P, T)]
+    want = np.concatenate([w.numpy() for w in want], axis=1)
+    graphdef, params = nnx.split(module)
+
+    @jax.jit
+    def run(params, x_BTD):
+        module, entries, outs = nnx.merge(graphdef, params), None, []
+        for start, stop in [(0, P)] + [(t, t + 1) for t in range(P, T)]:
+            count = jnp.full((B,), stop - start, jnp.int32)
+            view = one_layer_cache(cfg, B, jnp.full((B,), start, jnp.int32), count, entries)
+            positions = jnp.zeros((B, stop - start), jnp.int32)
+            out, view, _ = module(x_BTD[:, start:stop], MixerCall(positions, cache=view))
+            entries, outs = view.layers, outs + [out]
+        return jnp.concatenate(outs, axis=1), entries
+
+    got, entries = run(params, jnp.asarray(x, jnp.float32))
+    assert rel(got, want) <= 1e-5
+    hf_state = hf_cache.get_recurrent_state(0).numpy()
+    assert rel(entries["state"][0], hf_state) <= 1e-5
+    hf_conv = hf_cache.get_conv_state(0).numpy()[:, :, 1:].transpose(0, 2, 1)
+    assert rel(entries["conv"][0], hf_conv) <= 1e-6
+
+
+@pytest.mark.parametrize("mixer", ONLY_MAMBA2)
+def test_prefill_and_steps_equal_transformers_cached_decoding(mixer):
+    _against_transformers_cached(mixer)
