@@ -135,6 +135,40 @@ def one_layer_cache(cfg, B, start_B, count_B, entries=None):
     return kv_cache.LayerCache(layers, jnp.int32(0), start_B, count_B, None, cache.slot_axes)
 
 
+def prefill_then_steps(module, cfg, x_BTD, P):
+    """``module`` over ``x`` through a one-layer cache: a prefill of ``P`` tokens, then one
+    token at a time (jitted). Returns the outputs ``[B, T, D]`` and the final entries."""
+    graphdef, params = nnx.split(module)
+    B, T, _ = x_BTD.shape
+
+    @jax.jit
+    def run(params, x_BTD):
+        module, entries, outs = nnx.merge(graphdef, params), None, []
+        for start, stop in [(0, P)] + [(t, t + 1) for t in range(P, T)]:
+            count = jnp.full((B,), stop - start, jnp.int32)
+            view = one_layer_cache(cfg, B, jnp.full((B,), start, jnp.int32), count, entries)
+            positions = jnp.zeros((B, stop - start), jnp.int32)
+            out, view, _ = module(x_BTD[:, start:stop], MixerCall(positions, cache=view))
+            entries, outs = view.layers, outs + [out]
+        return jnp.concatenate(outs, axis=1), entries
+
+    return run(params, x_BTD)
+
+
+@pytest.mark.parametrize("mixer", ONLY_MAMBA2)
+def test_a_bfloat16_state_decodes_close_to_the_float32_one(mixer):
+    """``state_dtype="bfloat16"`` keeps both entries in bfloat16 (the maths stays float32):
+    a prefill of 6 tokens and 3 steps stay within 2e-2 of the float32 state's outputs."""
+    x = jax.random.normal(jax.random.key(7), (2, 9, 16))
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = tiny(mixer, d_model=16, n_layers=1,
+                   mixer_settings={**SETTINGS[mixer], "state_dtype": dtype})  # fmt: skip
+        outs[dtype], entries = prefill_then_steps(mixer_module(cfg, seed=4), cfg, x, 6)
+        assert {a.dtype for a in entries.values()} == {jnp.dtype(dtype)}
+    assert 0 < rel(outs["bfloat16"], outs["float32"]) <= 2e-2
+
+
 # --------------------------------------------------------------------------------------------
 # Prefill split anywhere, then decoding, through the cache
 # --------------------------------------------------------------------------------------------

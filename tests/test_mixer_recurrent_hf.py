@@ -14,13 +14,11 @@ from test_mixer_recurrent import (
     ONLY_MAMBA2,
     SETTINGS,
     mixer_module,
-    one_layer_cache,
     plain_call,
+    prefill_then_steps,
     rel,
     tiny,
 )
-
-from attnlab.mixers import MixerCall
 
 
 def _torch_layer(mixer, cfg):
@@ -139,20 +137,7 @@ def _against_transformers_cached(mixer):
         want = [layer(torch.tensor(x[:, :P]), cache=hf_cache)]
         want += [layer(torch.tensor(x[:, t : t + 1]), cache=hf_cache) for t in range(P, T)]
     want = np.concatenate([w.numpy() for w in want], axis=1)
-    graphdef, params = nnx.split(module)
-
-    @jax.jit
-    def run(params, x_BTD):
-        module, entries, outs = nnx.merge(graphdef, params), None, []
-        for start, stop in [(0, P)] + [(t, t + 1) for t in range(P, T)]:
-            count = jnp.full((B,), stop - start, jnp.int32)
-            view = one_layer_cache(cfg, B, jnp.full((B,), start, jnp.int32), count, entries)
-            positions = jnp.zeros((B, stop - start), jnp.int32)
-            out, view, _ = module(x_BTD[:, start:stop], MixerCall(positions, cache=view))
-            entries, outs = view.layers, outs + [out]
-        return jnp.concatenate(outs, axis=1), entries
-
-    got, entries = run(params, jnp.asarray(x, jnp.float32))
+    got, entries = prefill_then_steps(module, cfg, jnp.asarray(x, jnp.float32), P)
     assert rel(got, want) <= 1e-5
     hf_state = hf_cache.get_recurrent_state(0).numpy()
     assert rel(entries["state"][0], hf_state) <= 1e-5

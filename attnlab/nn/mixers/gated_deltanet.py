@@ -30,7 +30,12 @@ from flax import nnx
 
 from attnlab.mixers import MixerCall, register_mixer
 from attnlab.nn.layers import normal
-from attnlab.nn.mixers.recurrent import RecurrentMixer, RecurrentSettings, _positive, token_validity
+from attnlab.nn.mixers.recurrent import (
+    RecurrentMixer,
+    RecurrentSettings,
+    check_positive,
+    token_validity,
+)
 from attnlab.ops import deltanet
 from attnlab.ops.linear import dense
 from attnlab.ops.recurrent import gated_rms_norm, l2_normalize
@@ -61,7 +66,7 @@ class GatedDeltaNet(RecurrentMixer):
         def validate(self, cfg) -> None:
             super().validate(cfg)
             for field in ("num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim"):
-                _positive(self, field)
+                check_positive(self, field)
             s = self.resolved(cfg)
             if s.num_v_heads % s.num_k_heads:
                 self.fail("num_k_heads", f"a divisor of num_v_heads={s.num_v_heads}")

@@ -30,7 +30,12 @@ from flax import nnx
 
 from attnlab.mixers import MixerCall, register_mixer
 from attnlab.nn.layers import normal
-from attnlab.nn.mixers.recurrent import RecurrentMixer, RecurrentSettings, _positive, token_validity
+from attnlab.nn.mixers.recurrent import (
+    RecurrentMixer,
+    RecurrentSettings,
+    check_positive,
+    token_validity,
+)
 from attnlab.ops import ssd
 from attnlab.ops.linear import add_bias, dense
 from attnlab.ops.recurrent import gated_rms_norm
@@ -64,9 +69,9 @@ class Mamba2(RecurrentMixer):
         def validate(self, cfg) -> None:
             super().validate(cfg)
             for field in ("head_dim", "num_heads"):
-                _positive(self, field)
+                check_positive(self, field)
             for field in ("expand", "state_size", "n_groups"):
-                _positive(self, field, allow_none=False)
+                check_positive(self, field, allow_none=False)
             s = self.resolved(cfg)
             inner = self.expand * cfg.d_model
             if s.num_heads * s.head_dim != inner:

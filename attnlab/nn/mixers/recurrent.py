@@ -27,7 +27,8 @@ FORMS = ("chunked", "recurrent")
 STATE_DTYPES = ("float32", "bfloat16")
 
 
-def _positive(settings, field, allow_none=True):
+def check_positive(settings, field, allow_none=True):
+    """Fails ``settings.<field>`` unless it is a positive int (or None, when allowed)."""
     value = getattr(settings, field)
     if value is None and allow_none:
         return
@@ -52,7 +53,7 @@ class RecurrentSettings(MixerSettings):
                 f"ModelConfig.arch={cfg.arch!r} is invalid with mixer={cfg.mixer!r}: a "
                 "recurrent layer is causal and decodes from its state; use arch='decoder'"
             )
-        _positive(self, "chunk_size", allow_none=False)
+        check_positive(self, "chunk_size", allow_none=False)
         if self.chunk_size & (self.chunk_size - 1):
             self.fail("chunk_size", "a power of two (64 by default)")
         c = self.conv_kernel
