@@ -155,7 +155,8 @@ def prefill_then_steps(module, cfg, x_BTD, P):
     return run(params, x_BTD)
 
 
-@pytest.mark.parametrize("mixer", ONLY_MAMBA2)
+@pytest.mark.slow(reason="runs a layer twice; the fast tier checks the bfloat16 entries' layout")
+@pytest.mark.parametrize("mixer", MIXERS)
 def test_a_bfloat16_state_decodes_close_to_the_float32_one(mixer):
     """``state_dtype="bfloat16"`` keeps both entries in bfloat16 (the maths stays float32):
     a prefill of 6 tokens and 3 steps stay within 2e-2 of the float32 state's outputs."""
@@ -175,7 +176,7 @@ def test_a_bfloat16_state_decodes_close_to_the_float32_one(mixer):
 
 # The fast tier draws a few split points, the slow tier many.
 SPLIT = settings(
-    max_examples=4,
+    max_examples=3,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -239,15 +240,71 @@ def _split_anywhere(mixer, examples):
     check()
 
 
-@pytest.mark.parametrize("mixer", ONLY_GDN)
-def test_a_prefill_split_anywhere_then_decoded_equals_one_prefill(mixer):
-    _split_anywhere(mixer, 4)
-
-
-@pytest.mark.slow(reason="draws 25 split points per layer")
+@pytest.mark.slow(reason="draws 25 split points per layer; the fast tier splits a decoder's")
 @pytest.mark.parametrize("mixer", MIXERS)
-def test_a_prefill_split_anywhere_then_decoded_equals_one_prefill_all(mixer):
+def test_a_prefill_split_anywhere_then_decoded_equals_one_prefill(mixer):
     _split_anywhere(mixer, 25)
+
+
+def _decoder_split_runner(mixer):
+    """As ``_split_runner`` for a whole decoder through ``Decoder.prefill_fn`` and
+    ``decode_step_fn``: one prefill, two prefills split at each row's drawn point, and the
+    library's chunked prefill (chunks of 3 tokens), each then decoding 3 tokens. Returns,
+    for each, the logits at the last prompt token and at every step, and the final cache."""
+    from attnlab.decode import Decoder
+
+    cfg = tiny(mixer)
+    decoder, params = Decoder.for_model(build_model(cfg, seed=6))
+    B, P, steps = 2, 8, 3
+    ids_BT = jax.random.randint(jax.random.key(8), (B, P + steps), 1, cfg.vocab_size)
+    full_B = jnp.full((B,), P, jnp.int32)
+
+    def decode(cache, first_BV):
+        logits = [first_BV]
+        for i in range(steps):
+            logits_BV, cache = decoder.decode_step_fn(params, cache, ids_BT[:, P + i])
+            logits.append(logits_BV)
+        return jnp.stack(logits, 1), cache.layers, cache.lengths
+
+    @jax.jit
+    def run(split_B):
+        fresh = lambda: attnlab.init_cache(cfg, B, cfg.max_len)
+        one = decode(*reversed(decoder.prefill_fn(params, fresh(), ids_BT[:, :P], full_B)))
+        chunked = decoder.prefill_fn(params, fresh(), ids_BT[:, :P], full_B, chunk=3)
+        first_BV, cache = decoder.prefill_fn(params, fresh(), ids_BT[:, :P], split_B)
+        rest_BP = jax.vmap(lambda x, s: jnp.roll(x, -s))(ids_BT[:, :P], split_B)
+        second_BV, cache = decoder.prefill_fn(params, cache, rest_BP, P - split_B)
+        last_BV = jnp.where((split_B == P)[:, None], first_BV, second_BV)
+        return one, decode(*reversed(chunked)), decode(cache, last_BV)
+
+    return run, P
+
+
+def _decoder_split(mixer, examples):
+    """A whole decoder: a prompt prefilled in two pieces split at drawn points (per row), or
+    in the library's chunks, then decoded: logits and final cache equal one prefill's."""
+    run, P = _decoder_split_runner(mixer)
+
+    @settings(SPLIT, max_examples=examples)
+    @given(st.lists(st.integers(0, P), min_size=2, max_size=2))
+    def check(splits):
+        one, chunked, two = run(jnp.asarray(splits, jnp.int32))
+        for other in (chunked, two):
+            for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(other), strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+    check()
+
+
+@pytest.mark.parametrize("mixer", ONLY_MAMBA2)
+def test_a_decoder_prefilled_in_pieces_decodes_as_one_prefill(mixer):
+    _decoder_split(mixer, 3)
+
+
+@pytest.mark.slow(reason="draws 15 split points per layer, each a whole decoder's run")
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_a_decoder_prefilled_in_pieces_decodes_as_one_prefill_all(mixer):
+    _decoder_split(mixer, 15)
 
 
 # --------------------------------------------------------------------------------------------
