@@ -9,12 +9,14 @@ the small shape, with the layers scanned and unrolled (``compile``).
 
     python benchmarks/train_throughput.py [--steps 30] [--shapes small,medium]
                                           [--compile-layers 4,16,32] [--skip-compile]
+    python benchmarks/train_throughput.py --host    # host time per step: nested state vs leaves
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -134,6 +136,47 @@ def mesh_memory(overrides, devices):
     return rows
 
 
+def host_overhead(steps, overrides):
+    """Milliseconds a step of a tiny model takes when the loop passes the nested train state
+    (flattened and rebuilt at every call) against its leaves (``Trainer.flat_train_step``,
+    what ``attnlab train`` does): the same program, so the difference is host time."""
+    s = dict(n_layers=2, n_heads=2, d_model=32, seq_len=16, batch=2)
+    cfg = config_for(s, 65, overrides)
+    trainer = train.Trainer(cfg, kind="lm")
+    batch = {
+        "inputs": np.zeros((s["batch"], s["seq_len"]), np.int32),
+        "targets": np.zeros((s["batch"], s["seq_len"]), np.int32),
+        "loss_mask": np.ones((s["batch"], s["seq_len"]), np.float32),
+    }
+    batch = jax.device_put(batch)
+    treedef = jax.tree.structure(trainer.abstract_state())
+    flat = trainer.flat_train_step(treedef)
+    steppers = {
+        "nested": (lambda x: trainer.train_step(x, batch)[0], lambda state: state),
+        "leaves": (lambda x: flat(x, batch)[0], jax.tree.leaves),
+    }
+    times = {}
+    for name, (step, start) in steppers.items():
+        x = start(trainer.init_state())
+        for _ in range(20):  # warm up (the program is compiled by the first call)
+            x = step(x)
+        jax.block_until_ready(x)
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                x = step(x)
+            jax.block_until_ready(x)
+            best = min(best, (time.perf_counter() - t0) / steps)
+        times[name] = best
+    return {
+        "shape": s,
+        "nested_state_step_ms": round(times["nested"] * 1e3, 4),
+        "leaves_step_ms": round(times["leaves"] * 1e3, 4),
+        "host_ms_saved_per_step": round((times["nested"] - times["leaves"]) * 1e3, 4),
+    }
+
+
 def compile_times(layers, overrides):
     """Seconds of the first train step (trace + compile) against depth, scanned and not."""
     rows = []
@@ -167,6 +210,11 @@ def main():
     p.add_argument("--compile-layers", default="4,16,32", help="depths for first-step times")
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument(
+        "--host",
+        action="store_true",
+        help="only the host time per step: the nested train state against its leaves",
+    )
+    p.add_argument(
         "--mesh",
         default="",
         help="e.g. data=2: train on a mesh (set XLA_FLAGS=--xla_force_host_platform_device_count"
@@ -179,6 +227,11 @@ def main():
         "core, the default of CPU runs), 1 (one multithreaded device) or N",
     )
     args = p.parse_args()
+    if args.host:
+        machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__}
+        row = {"benchmark": "train_host_overhead", "machine": machine, "load": os.getloadavg()}
+        print(json.dumps({**row, **host_overhead(max(args.steps, 200), args.override)}))
+        return
     mesh, explicit_mesh = None, bool(args.mesh)
     if not args.mesh:
         names = args.shapes.split(",")

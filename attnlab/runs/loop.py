@@ -125,33 +125,41 @@ def _loop(
     # and uncommitted arguments (three compilations of the same step otherwise).
     state = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), state)
     cfg, total = runs[0].cfg, trainer.total_steps
-    train_step = trainer.stacked_train_step if stacked else trainer.train_step
+    # The loop holds the state's leaves and rebuilds the state only where it reads it.
+    leaves, treedef = jax.tree.flatten(state)
+    train_step = trainer.flat_train_step(treedef, stacked=stacked)
     bar = Progress(runs[0].start, total, progress, hide=NOT_PRINTED.get(cfg.data.kind, ()))
     with PreemptionGuard() as guard:
         step = runs[0].start
         while step < total and loop.active():
             if profiler is not None:
                 profiler.before(step + 1)
-            state, _ = train_step(state, loop.batch(step))
+            leaves, _ = train_step(leaves, loop.batch(step))
             step += 1
             if profiler is not None:
-                profiler.after(step, state)
+                profiler.after(step, leaves)
             loop.window_steps += 1
             do_eval = bool(loop.eval_batches) and (
                 step % cfg.eval.every_steps == 0 or step == total
             )
             for _, r in loop.active():
                 r.record, r.step = None, step
+            do_log = step % cfg.train.log_every_steps == 0 or do_eval or step == total
+            do_save = step % cfg.checkpoint.every_steps == 0 or step == total
+            do_stop = guard.requested or (stop_after is not None and step >= stop_after)
             logged = []
-            if step % cfg.train.log_every_steps == 0 or do_eval or step == total:
-                logged = loop.log(state, step, do_eval)
+            if do_log or do_save or do_stop:
+                state = jax.tree.unflatten(treedef, leaves)
+                logged = loop.log(state, step, do_eval) if do_log else []
+                if do_save:
+                    loop.save(state, step)
+                if do_stop:
+                    loop.stop(state, step, guard.signal_name or f"stop_after={stop_after}")
+                    bar.update(1, logged)
+                    bar.close()
+                    return guard.requested
+                leaves = jax.tree.leaves(state)  # the log resets the accumulators in place
             bar.update(1, logged)
-            if step % cfg.checkpoint.every_steps == 0 or step == total:
-                loop.save(state, step)
-            if guard.requested or (stop_after is not None and step >= stop_after):
-                loop.stop(state, step, guard.signal_name or f"stop_after={stop_after}")
-                bar.close()
-                return guard.requested
     bar.close()
     return False
 
