@@ -11,7 +11,9 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+import xla_flags  # noqa: E402  (tests/ is on the path)
+
+os.environ["XLA_FLAGS"] = xla_flags.session()  # one CPU device unless asked, fast compiles
 # One persistent compilation cache that the test sessions own, shared with the processes the
 # tests start (the CLI, notebooks, sweeps): a tiny program compiles once, and the next
 # session (the slow tier after the fast one, a second run) reads it back. Never the user's.

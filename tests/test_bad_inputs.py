@@ -16,6 +16,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+import xla_flags
 
 from attnlab.checkpoint import Checkpointer
 from attnlab.cli import main
@@ -297,7 +298,7 @@ def test_eight_devices_evaluate_a_batch_they_cannot_split_and_sigterm_exits_143(
     """eval.batch_size=4 on a data axis of 8 is padded with masked rows (the same loss as on
     one device); SIGTERM once the first evaluation is logged writes the checkpoint, records
     ``interrupted`` and exits 143."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags.devices(8)}
     env.pop("ATTNLAB_DEBUG", None)
     argv = [sys.executable, "-m", "attnlab.cli", "train", "--no-progress", "--config", TINY]
     argv += ["--workdir", str(tmp_path / "run"), "--config.mesh.data=8"]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import xla_flags
 
 from attnlab import ModelConfig, build_model, ops, sharding
 from attnlab.ops import context_parallel as cp
@@ -30,11 +31,7 @@ def test_context_parallel_tests_pass_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")
     env = dict(os.environ, ATTNLAB_MESH_CHILD="1")
-    # Compiling is most of the time here; a lighter LLVM pipeline halves it.
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true"
-    )
+    env["XLA_FLAGS"] = xla_flags.devices(8)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import xla_flags
 
 from attnlab import experiment, sharding
 from attnlab.train import Trainer
@@ -29,7 +30,7 @@ def test_expert_mesh_tests_pass_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")
     env = dict(os.environ, ATTNLAB_MESH_CHILD="1")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags.devices(8)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

@@ -14,6 +14,7 @@ import types
 import jax
 import numpy as np
 import pytest
+import xla_flags
 
 from attnlab import experiment, sharding
 from attnlab.train import Trainer
@@ -30,7 +31,7 @@ def test_mesh_tests_pass_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")
     env = dict(os.environ, ATTNLAB_MESH_CHILD="1")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags.devices(8)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
@@ -256,7 +257,7 @@ def test_two_processes_of_four_devices_train_like_one(tmp_path):
         "--config.track.tensorboard=False",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = xla_flags.devices(4)
     hosts = [
         subprocess.Popen(
             [
@@ -277,7 +278,7 @@ def test_two_processes_of_four_devices_train_like_one(tmp_path):
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=300)[0] for p in hosts]
-    one_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    one_env = dict(env, XLA_FLAGS=xla_flags.devices(1))
     single = subprocess.run(  # after the two: gloo's start-up waits only 30 s for its peers
         [sys.executable, *args, "--workdir", str(tmp_path / "one")],
         cwd=REPO, env=one_env, capture_output=True, text=True, timeout=300,
