@@ -22,6 +22,7 @@ from attnlab.config_checks import (  # noqa: F401  (the choices, read from here 
     REMAT,
     _derivations,
     _fail,
+    rope_scaling_of,
     validate,
     validate_raw,
 )
@@ -106,6 +107,9 @@ class ModelConfig:
     sinusoidal_layout: str = "interleaved"  # or "split" (all sines, then all cosines)
     rope_theta: float = 10000.0
     rotary_dim: int | None = None  # RoPE rotates the first rotary_dim head dims (None: all)
+    # RoPE frequencies stretched for a longer context: a dict of attnlab.ops.RopeScaling's
+    # fields, e.g. {"kind": "yarn", "factor": 32.0, "original_max_len": 4096}; None: plain.
+    rope_scaling: Any = None
     relative_buckets: int = 32
     relative_max_distance: int = 128
 
@@ -182,6 +186,7 @@ class ModelConfig:
             )
         settings = make_ffn_settings(self.ffn_variant, self.ffn_settings)
         object.__setattr__(self, "ffn_settings", settings)
+        object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
         validate_raw(self)
         derived = set()
         for name, value in _derivations(self):
@@ -244,6 +249,10 @@ class ModelConfig:
         out["ffn_settings"] = self.ffn_settings.to_dict()
         if self.layer_pattern is not None:
             out["layer_pattern"] = [dataclasses.asdict(p) for p in self.layer_pattern]
+        if self.rope_scaling is not None:
+            scaling = dataclasses.asdict(self.rope_scaling)
+            out["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
+                                   for k, v in scaling.items()}  # fmt: skip
         return out
 
     @classmethod

@@ -105,7 +105,9 @@ class Attention(Mixer):
         if self.cfg.position != "rope" or self.cross:
             return x
         theta = self.cfg.rope_theta if theta is None else theta
-        return ops.apply_rope(x, positions, theta=theta, rotary_dim=self.cfg.rotary_dim)
+        return ops.apply_rope(
+            x, positions, theta=theta, rotary_dim=self.cfg.rotary_dim, scaling=self.cfg.rope_scaling
+        )
 
     def query(self, x_BTD, call: MixerCall):
         q_BTNH = self._project(x_BTD, self.q_DNH, self.q_bias_NH)

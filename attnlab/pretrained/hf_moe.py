@@ -1,5 +1,5 @@
-"""config.json translators of the mixture-of-experts decoders: Mixtral, Qwen3-MoE and
-DeepSeek-V3.
+"""config.json translators of the mixture-of-experts decoders: Mixtral, Qwen3-MoE,
+gpt-oss and DeepSeek-V3.
 
 Both are Llama-shaped decoders (Mixtral as Mistral, Qwen3-MoE as Qwen3 with QK-norm) whose
 every FFN is ``ffn_variant="moe"``: softmax router scores, top-k experts, the top-k weights
@@ -40,6 +40,24 @@ def qwen3_moe(c: dict) -> dict:
         top_k=require(c, "num_experts_per_tok"),
         d_expert=require(c, "moe_intermediate_size"),
         renormalize=bool(c.get("norm_topk_prob", False)),
+        load_balance_weight=float(c.get("router_aux_loss_coef", 0.001)),
+        z_loss_weight=0.0,
+    )
+
+
+def gpt_oss(c: dict) -> dict:
+    """Attention sinks (``mixer="sinks"``) with biases, sliding and full layers alternating,
+    YaRN RoPE; experts chosen by a router with a bias (softmax over the top-k logits, i.e.
+    renormalised top-k), each a clamped SwiGLU with biases."""
+    return _moe(
+        {**llama_like(c, "gpt_oss"), "mixer": "sinks"},
+        n_experts=require(c, "num_local_experts"),
+        top_k=require(c, "num_experts_per_tok"),
+        renormalize=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(c.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
         load_balance_weight=float(c.get("router_aux_loss_coef", 0.001)),
         z_loss_weight=0.0,
     )
