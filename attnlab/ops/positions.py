@@ -68,7 +68,9 @@ class RopeScaling:
     ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``), ``"longrope"`` (Phi-3: one
     divisor per frequency, ``short_factor`` while a call's positions stay within
     ``original_max_len``, ``long_factor`` beyond; ``attention_factor`` by default
-    ``sqrt(1 + ln(factor) / ln(original_max_len))``).
+    ``sqrt(1 + ln(factor) / ln(original_max_len))``). LongRoPE chooses per call: keys
+    cached before a decoding step crosses ``original_max_len`` keep their short rotation
+    (transformers' Phi-3 recomputes the whole sequence at that step instead).
     """
 
     kind: str

@@ -8,6 +8,7 @@ renormalised (Qwen3-MoE: when ``norm_topk_prob``), each expert a SwiGLU FFN.
 
 from __future__ import annotations
 
+from attnlab.ops.positions import yarn_mscale
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError, reject, require
 from attnlab.pretrained.hf_llama import llama_like
 
@@ -71,6 +72,11 @@ def deepseek_v3(c: dict) -> dict:
     reject(c, "scoring_func", lambda v: v not in (None, "sigmoid"), "only sigmoid scores")
     Hn, Hr = require(c, "qk_nope_head_dim"), require(c, "qk_rope_head_dim")
     fields = llama_like({**c, "head_dim": Hn + Hr}, "llama")
+    scaling = fields["rope_scaling"]
+    if scaling and scaling["kind"] == "yarn" and scaling.get("mscale_all_dim"):
+        # YaRN's temperature on the whole logit, beside the factor on the rotated dims.
+        mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        fields["attn_scale"] = (Hn + Hr) ** -0.5 * mscale * mscale
     mla = {
         "kv_lora_rank": require(c, "kv_lora_rank"),
         "q_lora_rank": c.get("q_lora_rank"),
