@@ -235,7 +235,38 @@ EXPORTS = {
         qk_norm=True,
         ffn_settings={"n_experts": 4, "top_k": 2, "d_expert": 24, "renormalize": False},
     ),
-}
+    # Sinks and biases, sliding then full layers, YaRN, the clamped SwiGLU with biases.
+    "gpt_oss": dict(
+        _MOE_MODEL,
+        head_dim=8,
+        mixer="sinks",
+        attn_bias=True,
+        out_bias=True,
+        layer_pattern=[{"window": 5}, {"window": None}],
+        rope_scaling={"kind": "yarn", "factor": 4.0, "original_max_len": 16, "truncate": False},
+        ffn_settings={
+            "n_experts": 4, "top_k": 2, "d_expert": 24, "router_bias": True,
+            "expert_bias": True, "swiglu_limit": 1.0, "load_balance_weight": 0.001,
+        },
+    ),
+    # MLA with q compression, a dense first layer, grouped sigmoid routing with a selection
+    # bias, a shared expert, YaRN with DeepSeek's mscale.
+    "deepseek_v3": dict(
+        _MOE_MODEL,
+        n_layers=3,
+        n_kv_heads=4,
+        head_dim=12,
+        mixer="mla",
+        mixer_settings={"kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8,
+                        "qk_rope_head_dim": 4, "v_head_dim": 12},
+        rope_scaling={"kind": "yarn", "factor": 4.0, "original_max_len": 16, "mscale": 0.707},
+        ffn_settings={
+            "n_experts": 8, "top_k": 2, "d_expert": 24, "score": "sigmoid", "n_group": 4,
+            "topk_group": 2, "selection_bias": True, "routed_scaling": 2.5, "n_shared": 1,
+            "dense_layers": 1,
+        },
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.slow(reason="a mixture-of-experts model exported and read by transformers")

@@ -146,3 +146,33 @@ def test_greedy_with_cache_matches_transformers(checkpoints, name):
     result = handle.generate(prompt, n, eos_id=None, return_logits=True)
     np.testing.assert_array_equal(np.asarray(result.tokens), expected)
     assert max_diff(result.logits, torch.stack(out.logits, 1).numpy()) <= TOL
+
+
+EXPORTS = {
+    "llama": dict(
+        rope_scaling={"kind": "llama3", "factor": 8.0, "original_max_len": 16,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    ),
+    # Rows of 20 tokens against a 16-token original context: the long factors.
+    "phi3": dict(
+        rotary_dim=8,
+        rope_scaling={"kind": "longrope", "factor": 4.0, "original_max_len": 16,
+                      "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [2.0, 4.0, 8.0, 16.0]},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow(reason="a scaled-RoPE model exported and read by transformers")
+@pytest.mark.parametrize("family", list(EXPORTS))
+def test_scaled_model_exports_with_equal_logits(tmp_path, family):
+    from test_export_hf import _LLAMA, perturbed, transformers_logits
+
+    from attnlab.config import ModelConfig
+    from attnlab.pretrained import export_model
+
+    model = perturbed(ModelConfig(**_LLAMA, **EXPORTS[family]), seed=6)
+    assert export_model(model, tmp_path / "hf") == family
+    ids, mask = left_padded(np.random.default_rng(5))
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, valid_BT=real).logits)
+    assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL

@@ -113,6 +113,9 @@ def rope_scaling_of(c: dict) -> dict | None:
         value = default if value is None else value
         if value is not None:
             out[ours] = value
+    if kind == "longrope" and c.get("original_max_position_embeddings"):
+        # Phi-3's config reads its top-level field over the one in rope_parameters.
+        out["original_max_len"] = c["original_max_position_embeddings"]
     if kind in ("yarn", "longrope") and "original_max_len" not in out:
         out["original_max_len"] = require(c, "max_position_embeddings")
     factor = spec.get("factor")

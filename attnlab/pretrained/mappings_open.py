@@ -148,6 +148,7 @@ GPT_OSS = Mapping(
         (f"{_X}.down_proj_bias", f"{_A}.ffn.b_out_ED"),
     ),
     ignore=_IGNORE,
+    per_expert=False,
 )
 
 
