@@ -1,7 +1,7 @@
-"""Checkpoints whose RoPE is scaled, loaded by attnlab and compared with transformers: a Llama
-with Llama 3.1's ``llama3`` scaling, a Phi-3 with LongRoPE (partial rotary, a 16-token
-original context: the 20-token batch uses the long factors, its first 12 tokens alone the
-short ones), and a DeepSeek-V3 with YaRN and DeepSeek's mscale pair (a factor on the
+"""Checkpoints whose RoPE is scaled, loaded by attnlab and compared with transformers: Llamas
+with linear and with Llama 3.1's ``llama3`` scaling, a Phi-3 with LongRoPE (partial rotary,
+a 16-token original context: the 20-token batch uses the long factors, its first 12 tokens
+alone the short ones), and a DeepSeek-V3 with YaRN and DeepSeek's mscale pair (a factor on the
 rotated dims and a temperature on the whole logit). gpt-oss's YaRN is in
 ``test_pretrained_moe``.
 
@@ -33,6 +33,12 @@ V = _BASE["vocab_size"]
 _DS = MOE_SPECS["deepseek_v3"][2]
 # name -> (family, config class, model class, kwargs)
 SPECS = {
+    "linear": (
+        "llama",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 100.0, "factor": 4.0}),
+    ),
     "llama3": (
         "llama",
         "LlamaConfig",
