@@ -4,16 +4,18 @@ References: ``tests/moe_reference.py`` (float64 NumPy from the formulas), transf
 DeepSeek-V3 router (with the ``hf`` extra), hand-computed losses and parameter counts.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from moe_reference import expert_layer_dense
+from moe_reference import expert_layer_clamped_dense, expert_layer_dense
 from moe_reference import route as np_route
 
 import attnlab
-from attnlab import ModelConfig, build_model, count_params
+from attnlab import ModelConfig, build_model, count_params, ops
 from attnlab.errors import ConfigError
 from attnlab.ops import moe
 from attnlab.train.objectives import objective_sums
@@ -127,6 +129,28 @@ def test_dropless_dispatch_equals_every_expert_on_every_token_then_mask(kind):
     np.testing.assert_allclose(np.asarray(parts[0] + parts[1]), want, atol=1e-5, rtol=1e-5)
 
 
+def test_gpt_oss_experts_clamped_swiglu_with_biases_equal_the_dense_reference():
+    """``glu=clamped_swiglu`` and the three biases against gpt-oss's formula in float64; the
+    limit (0.5) binds, so the unclamped SwiGLU gives other outputs."""
+    w_in, w_out, w_gate = _experts(4)
+    rng = np.random.default_rng(5)
+    b_in, b_gate, b_out = (rng.normal(size=s).astype(np.float32) for s in ((4, 6), (4, 6), (4, 8)))
+    x = rng.normal(size=(24, 8)).astype(np.float32)
+    experts, weights = np_route(rng.normal(size=(24, 4)), 2)
+    want = expert_layer_clamped_dense(
+        x, experts, weights, w_in, w_gate, w_out, b_in, b_gate, b_out, alpha=1.702, limit=0.5
+    )
+    run = lambda glu: moe.expert_ffn(
+        jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights, jnp.float32),
+        jnp.asarray(w_in), jnp.asarray(w_out), kind="swiglu", w_gate_EDF=jnp.asarray(w_gate),
+        b_in_EF=jnp.asarray(b_in), b_gate_EF=jnp.asarray(b_gate), b_out_ED=jnp.asarray(b_out),
+        glu=glu,
+    )  # fmt: skip
+    got = run(functools.partial(ops.clamped_swiglu, alpha=1.702, limit=0.5))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(run(None)) - want).max() > 1e-2
+
+
 def test_no_assignment_is_dropped_when_every_token_picks_the_same_expert():
     w_in, w_out, w_gate = _experts(2)
     x = np.random.default_rng(3).normal(size=(16, 8)).astype(np.float32)
@@ -154,6 +178,8 @@ def test_no_assignment_is_dropped_when_every_token_picks_the_same_expert():
         ({"score": "relu"}, r"ffn_settings\.score='relu' is invalid: use one of"),
         ({"dense_layers": 2}, r"ffn_settings\.dense_layers=2 is invalid: fewer than n_layers"),
         ({"experts": 4}, r"unknown field\(s\) \['experts'\] for ffn_variant='moe'"),
+        ({"swiglu_limit": 7.0}, r"ffn_settings\.swiglu_limit=7\.0 is invalid: clamps a SwiGLU"),
+        ({"swiglu_limit": -1.0}, r"ffn_settings\.swiglu_limit=-1\.0 is invalid: a positive"),
     ],
 )
 def test_bad_settings_name_the_field_and_the_fix(settings, needle):

@@ -94,10 +94,10 @@ class MoE(FFN):
             if self.dense_layers and cfg.arch == "encoder_decoder":
                 self.fail("dense_layers", "dense first layers are for one stack: use 0 here")
             if self.swiglu_limit is not None:
-                if cfg.ffn != "swiglu":
-                    self.fail("swiglu_limit", f"clamps a SwiGLU: set ffn='swiglu' (is {cfg.ffn!r})")
                 if not self.swiglu_limit > 0:
                     self.fail("swiglu_limit", "a positive number (gpt-oss: 7.0), or None")
+                if cfg.ffn != "swiglu":
+                    self.fail("swiglu_limit", f"clamps a SwiGLU: set ffn='swiglu' (is {cfg.ffn!r})")
             for name in ("load_balance_weight", "z_loss_weight", "routed_scaling"):
                 if not getattr(self, name) >= 0:
                     self.fail(name, "must be a number >= 0")
