@@ -322,5 +322,29 @@ def test_total_and_active_parameters_of_mixtral_and_deepseek_v3():
     assert count_params(deepseek, active=True) == active == 37_552_297_472  # the card: 37B
 
 
+def test_gpt_oss_parameter_counts_from_its_config_match_the_model_card():
+    """gpt-oss-120b's config.json through the loader's translator: 116.8B total; active
+    5.71B with the embedding table, 5.13B without (the card's count: 117B / 5.1B)."""
+    from attnlab.pretrained.configs import model_config_from_hf
+
+    V, D, L, E, F, N, K, H = 201088, 2880, 36, 128, 2880, 64, 8, 64
+    cfg = model_config_from_hf(
+        dict(
+            model_type="gpt_oss", vocab_size=V, hidden_size=D, intermediate_size=F,
+            num_hidden_layers=L, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
+            num_local_experts=E, num_experts_per_tok=4, sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * (L // 2),
+            attention_bias=True, tie_word_embeddings=False,
+        )
+    )  # fmt: skip
+    attn = 2 * D * N * H + 2 * D * K * H + N * H + 2 * K * H + D + N  # q k v o, biases, sinks
+    expert = 3 * D * F + 2 * F + D  # gate, up, down and their biases
+    total = L * (attn + E * expert + D * E + E + 2 * D) + 2 * V * D + D
+    assert count_params(cfg) == total == 116_829_156_672
+    active = total - L * (E - 4) * expert
+    assert count_params(cfg, active=True) == active == 5_711_982_912
+    assert active - V * D == 5_132_849_472  # the card: 5.1B
+
+
 def test_the_moe_variant_is_registered_beside_the_plain_ffn():
     assert {"dense", "moe"} <= set(attnlab.registered_ffns())
