@@ -146,3 +146,26 @@ def test_scaling_survives_to_dict_and_needs_rope():
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="ModelConfig.rope_scaling="):
         cfg.replace(position="learned")
+
+
+def test_config_json_scaling_is_read_from_either_layout_and_unknown_kinds_are_refused():
+    from attnlab.pretrained.configs import model_config_from_hf
+    from attnlab.pretrained.hf_base import UnsupportedCheckpointError
+
+    qwen2 = dict(
+        model_type="qwen2", vocab_size=32, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=131072,
+    )  # fmt: skip
+    # The older top-level layout (Qwen2.5's long-context recipe): factor and original length.
+    old = dict(qwen2, rope_theta=1e6, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})  # fmt: skip
+    s = model_config_from_hf(old).rope_scaling
+    assert (s.kind, s.factor, s.original_max_len, s.truncate) == ("yarn", 4.0, 32768, True)
+    # transformers v5's rope_parameters; a yarn without factor takes max / original length.
+    new = dict(qwen2, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6,
+                                       "original_max_position_embeddings": 32768})  # fmt: skip
+    assert model_config_from_hf(new).rope_scaling.factor == 4.0
+    assert model_config_from_hf(dict(qwen2, rope_theta=1e6)).rope_scaling is None
+    dynamic = dict(qwen2, rope_scaling={"type": "dynamic", "factor": 2.0})
+    with pytest.raises(UnsupportedCheckpointError, match=r"rope_scaling\.rope_type='dynamic'"):
+        model_config_from_hf(dynamic)
