@@ -226,6 +226,15 @@ class ModelConfig:
             return (self.rope_theta,) * n_layers
         return tuple(p[i % len(p)].rope_theta or self.rope_theta for i in range(n_layers))
 
+    def layer_ropes(self, n_layers: int) -> tuple[tuple, ...]:
+        """Each layer's ``(rope_theta, rope_scaling)``: ``rope_scaling`` scales the layers
+        on the model's base; a layer with a base of its own (``layer_pattern``) rotates
+        unscaled (Gemma 3's local layers)."""
+        p = self.layer_pattern
+        own = lambda i: p is not None and p[i % len(p)].rope_theta is not None
+        thetas = self.layer_rope_thetas(n_layers)
+        return tuple((thetas[i], None if own(i) else self.rope_scaling) for i in range(n_layers))
+
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes``; fields that were derived are derived again (and a new
         ``mixer`` takes its default settings unless ``mixer_settings`` is given)."""

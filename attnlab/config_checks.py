@@ -123,8 +123,6 @@ def _check_rope(cfg) -> None:
         return
     if cfg.position != "rope":
         _fail("rope_scaling", s, "scales RoPE: set position='rope' or rope_scaling=None")
-    if len(set(cfg.layer_rope_thetas(cfg.n_layers))) > 1:
-        _fail("rope_scaling", s, "one scaling for one RoPE base: drop layer_pattern's rope_theta")
     if s.kind == "longrope":
         half = (cfg.rotary_dim or cfg.head_dim) // 2
         for name in ("short_factor", "long_factor"):

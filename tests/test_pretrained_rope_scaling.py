@@ -25,12 +25,14 @@ from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_moe import SPECS as MOE_SPECS  # noqa: E402
 from test_pretrained_moe import perturb_buffers  # noqa: E402
 from test_pretrained_open import _BASE, left_padded  # noqa: E402
+from test_pretrained_open import SPECS as OPEN_SPECS  # noqa: E402
 
 from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
 
 TOL = 1e-4
 V = _BASE["vocab_size"]
 _DS = MOE_SPECS["deepseek_v3"][2]
+_GEMMA3 = OPEN_SPECS["gemma3_text"][2]
 # name -> (family, config class, model class, kwargs)
 SPECS = {
     "linear": (
@@ -64,6 +66,19 @@ SPECS = {
                 "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                 "factor": 4.0, "short_factor": [1.0, 1.5, 2.5, 4.0],
                 "long_factor": [2.0, 4.0, 8.0, 16.0],
+            },
+        ),
+    ),
+    # Linear scaling on the global layer only; the local layers keep their own base unscaled.
+    "gemma3_linear": (
+        "gemma3_text",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _GEMMA3,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
             },
         ),
     ),
@@ -117,7 +132,9 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
         expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
     handle = load_pretrained(folder)
     assert handle.family == SPECS[name][0]
-    assert handle.config.rope_scaling.kind == SPECS[name][3]["rope_parameters"]["rope_type"]
+    params = SPECS[name][3]["rope_parameters"]
+    kind = params.get("full_attention", params)["rope_type"]
+    assert handle.config.rope_scaling.kind == kind
     real = mask.astype(bool)
     assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL
     if name == "longrope":  # within the original context: the short factors
@@ -155,6 +172,13 @@ def test_greedy_with_cache_matches_transformers(checkpoints, name):
 
 
 EXPORTS = {
+    "gemma3_text": dict(
+        head_dim=24, norm_placement="sandwich", ffn="geglu_tanh", embed_scale=True,
+        qk_norm=True, attn_scale=16**-0.5, n_layers=3, rope_theta=10000.0,
+        layer_pattern=[{"window": 5, "rope_theta": 10.0}, {"window": None},
+                       {"window": 5, "rope_theta": 10.0}],
+        rope_scaling={"kind": "linear", "factor": 8.0},
+    ),
     "llama": dict(
         rope_scaling={"kind": "llama3", "factor": 8.0, "original_max_len": 16,
                       "low_freq_factor": 1.0, "high_freq_factor": 4.0},
@@ -176,7 +200,7 @@ def test_scaled_model_exports_with_equal_logits(tmp_path, family):
     from attnlab.config import ModelConfig
     from attnlab.pretrained import export_model
 
-    model = perturbed(ModelConfig(**_LLAMA, **EXPORTS[family]), seed=6)
+    model = perturbed(ModelConfig(**{**_LLAMA, **EXPORTS[family]}), seed=6)
     assert export_model(model, tmp_path / "hf") == family
     ids, mask = left_padded(np.random.default_rng(5))
     real = mask.astype(bool)

@@ -31,6 +31,7 @@ from attnlab.ops.masks import (
 from attnlab.ops.norms import layer_norm, rms_norm
 from attnlab.ops.positions import (
     PositionBias,
+    RopeChoice,
     RopeScaling,
     alibi_bias,
     alibi_slopes,
@@ -80,6 +81,7 @@ __all__ = [
     "relative_position_bucket",
     "relu",
     "rms_norm",
+    "RopeChoice",
     "RopeScaling",
     "rope_frequencies",
     "rope_inv_frequencies",

@@ -19,6 +19,7 @@ Learned absolute positions are parameters, so they live in ``attnlab.nn``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -178,6 +179,27 @@ def _rope_angles(H, positions_BT, theta, scaling):
         beyond = jnp.max(positions) + 1 > scaling.original_max_len
         inv_h = jnp.where(beyond, long_h, inv_h)
     return positions[..., None] * inv_h[None, None, :], factor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RopeChoice:
+    """One layer's RoPE among a stack's few kinds: ``options[index]``, a ``(theta,
+    scaling)`` pair. ``index`` may be traced (the scan over layers); the options are static,
+    so each kind's frequencies are computed from a concrete base (``jax.lax.switch``)."""
+
+    index: Any
+    options: tuple = dataclasses.field(metadata=dict(static=True))
+
+    def __call__(self, x_BTNH, positions_BT, *, rotary_dim=None):
+        """``apply_rope`` with this layer's base and scaling."""
+        branches = [
+            functools.partial(apply_rope, theta=theta, scaling=scaling, rotary_dim=rotary_dim)
+            for theta, scaling in self.options
+        ]
+        if len(branches) == 1:
+            return branches[0](x_BTNH, positions_BT)
+        return jax.lax.switch(self.index, branches, x_BTNH, positions_BT)
 
 
 def apply_rope(x_BTNH, positions_BT, *, theta=10000.0, rotary_dim=None, scaling=None):

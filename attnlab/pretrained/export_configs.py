@@ -141,7 +141,7 @@ def gemma3_text(cfg):
     full = by_kind.get("full_attention", {cfg.rope_theta}).pop()
     local = by_kind.get("sliding_attention", {cfg.rope_theta}).pop()
     out["rope_parameters"] = {
-        "full_attention": {"rope_type": "default", "rope_theta": full},
+        "full_attention": {**_rope_parameters(cfg), "rope_theta": full},
         "sliding_attention": {"rope_type": "default", "rope_theta": local},
     }
     return out

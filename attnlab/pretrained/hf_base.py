@@ -96,17 +96,20 @@ def _rope_spec(c: dict, key: str, spec: dict, *, scaled: bool) -> None:
         )
 
 
-def rope_scaling_of(c: dict) -> dict | None:
-    """``ModelConfig.rope_scaling`` from ``rope_parameters`` (or the older ``rope_scaling``):
-    None for plain RoPE. A ``factor`` or ``original_max_position_embeddings`` left out is
-    derived as transformers derives it (from ``max_position_embeddings``)."""
-    spec = c.get("rope_scaling") or {}
+def rope_scaling_of(c: dict, layer_type: str | None = None) -> dict | None:
+    """``ModelConfig.rope_scaling`` from ``rope_parameters`` (or the older ``rope_scaling``;
+    ``layer_type``: that entry of per-layer-type ``rope_parameters``): None for plain RoPE.
+    A ``factor`` or ``original_max_position_embeddings`` left out is derived as
+    transformers derives it (from ``max_position_embeddings``)."""
+    spec, key = c.get("rope_scaling") or {}, "rope_scaling"
     if _rope_kind(spec) == "default":
-        spec = c.get("rope_parameters") or {}
+        spec, key = c.get("rope_parameters") or {}, "rope_parameters"
+        if layer_type is not None and isinstance(spec.get(layer_type), dict):
+            spec, key = spec[layer_type], f"rope_parameters.{layer_type}"
     kind = _rope_kind(spec)
     if kind == "default":
         return None
-    _rope_spec(c, "rope_parameters", spec, scaled=True)
+    _rope_spec(c, key, spec, scaled=True)
     out = {"kind": kind}
     for ours, theirs, default in _SCALINGS[kind]:
         value = spec.get(theirs, c.get(theirs) if theirs.startswith("original") else None)
