@@ -1,5 +1,6 @@
 """Checkpoints whose RoPE is scaled, loaded by attnlab and compared with transformers: Llamas
-with linear and with Llama 3.1's ``llama3`` scaling, a Phi-3 with LongRoPE (partial rotary,
+with linear and with Llama 3.1's ``llama3`` scaling, a Gemma 3 whose global layer is scaled
+linearly while its local layers keep their own base unscaled, a Phi-3 with LongRoPE (partial rotary,
 a 16-token original context: the 20-token batch uses the long factors, its first 12 tokens
 alone the short ones), and a DeepSeek-V3 with YaRN and DeepSeek's mscale pair (a factor on the
 rotated dims and a temperature on the whole logit). gpt-oss's YaRN is in
@@ -9,7 +10,8 @@ As in ``test_pretrained_open``: logits ≤ 1e-4 at the real positions of a left-
 and loading without the scaling moves them by more than 1e-3; 16 greedy tokens through the
 KV cache equal transformers'. LongRoPE's greedy prompt is already past the original context:
 transformers recomputes the whole sequence when generation crosses it, while attnlab's
-cache keeps the keys as they were rotated (docs/pretrained.md).
+cache keeps the keys as they were rotated (docs/pretrained.md). Llama-, Gemma 3- and
+Phi-3-shaped models with these scalings are exported and read back by transformers.
 """
 
 import numpy as np
