@@ -78,6 +78,12 @@ _SCALING_FIELDS = {
 def rope_scaling_of(value) -> RopeScaling | None:
     """``ModelConfig.rope_scaling`` (None, a dict of ``RopeScaling``'s fields or one) as a
     checked ``RopeScaling``."""
+    if isinstance(value, dict) and value.get("kind") is None:  # an experiment's unset group
+        defaults = {f.name: f.default for f in dataclasses.fields(RopeScaling)}
+        changed = sorted(k for k, v in value.items() if k != "kind" and defaults.get(k) != v)
+        if changed:
+            _fail("rope_scaling.kind", None, f"name the scaling that {changed} configure")
+        value = None
     if value is None or isinstance(value, RopeScaling):
         scaling = value
     elif isinstance(value, dict):
