@@ -278,3 +278,23 @@ def test_moe_shaped_model_exports_with_equal_logits(tmp_path, family):
     real = mask.astype(bool)
     ours = np.asarray(model(ids, valid_BT=real).logits)
     assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL
+
+
+def test_gpt_oss_config_without_layer_types_or_rope_takes_transformers_defaults():
+    """A config.json that leaves out ``layer_types`` and the RoPE settings is read with
+    transformers' defaults: sliding layers first, YaRN 32x from 4,096 tokens, base 150,000."""
+    from attnlab.pretrained.configs import model_config_from_hf
+
+    kwargs = dict(SPECS["gpt_oss"][2], num_hidden_layers=3, max_position_embeddings=131072)
+    del kwargs["rope_parameters"]
+    theirs = transformers.GptOssConfig(**kwargs)
+    ours = model_config_from_hf(dict(kwargs, model_type="gpt_oss"))
+    windows = [5 if t == "sliding_attention" else None for t in theirs.layer_types]
+    assert list(ours.layer_windows(3)) == windows == [5, None, 5]
+    rope = theirs.rope_parameters
+    assert ours.rope_theta == rope["rope_theta"] == 150000.0
+    s = ours.rope_scaling
+    assert (s.kind, s.factor, s.original_max_len, s.truncate) == (
+        rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"],
+        rope["truncate"],
+    )  # fmt: skip

@@ -46,10 +46,26 @@ def qwen3_moe(c: dict) -> dict:
     )
 
 
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
 def gpt_oss(c: dict) -> dict:
     """Attention sinks (``mixer="sinks"``) with biases, sliding and full layers alternating,
     YaRN RoPE; experts chosen by a router with a bias (softmax over the top-k logits, i.e.
     renormalised top-k), each a clamped SwiGLU with biases."""
+    n = require(c, "num_hidden_layers")
+    if c.get("layer_types") is None:  # transformers' default: sliding first, then full
+        types = ["sliding_attention", "full_attention"] * (n // 2) + ["sliding_attention"] * (n % 2)
+        c = {**c, "layer_types": types}
+    if not c.get("rope_parameters") and not c.get("rope_scaling"):  # transformers' default
+        c = {**c, "rope_parameters": dict(_GPT_OSS_ROPE, rope_theta=c.get("rope_theta", 150000.0))}
     return _moe(
         {**llama_like(c, "gpt_oss"), "mixer": "sinks"},
         n_experts=require(c, "num_local_experts"),
