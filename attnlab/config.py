@@ -22,6 +22,7 @@ from attnlab.config_checks import (  # noqa: F401  (the choices, read from here 
     REMAT,
     _derivations,
     _fail,
+    rope_scaling_of,
     validate,
     validate_raw,
 )
@@ -106,6 +107,9 @@ class ModelConfig:
     sinusoidal_layout: str = "interleaved"  # or "split" (all sines, then all cosines)
     rope_theta: float = 10000.0
     rotary_dim: int | None = None  # RoPE rotates the first rotary_dim head dims (None: all)
+    # RoPE frequencies stretched for a longer context: a dict of attnlab.ops.RopeScaling's
+    # fields, e.g. {"kind": "yarn", "factor": 32.0, "original_max_len": 4096}; None: plain.
+    rope_scaling: Any = None
     relative_buckets: int = 32
     relative_max_distance: int = 128
 
@@ -182,6 +186,7 @@ class ModelConfig:
             )
         settings = make_ffn_settings(self.ffn_variant, self.ffn_settings)
         object.__setattr__(self, "ffn_settings", settings)
+        object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
         validate_raw(self)
         derived = set()
         for name, value in _derivations(self):
@@ -221,6 +226,15 @@ class ModelConfig:
             return (self.rope_theta,) * n_layers
         return tuple(p[i % len(p)].rope_theta or self.rope_theta for i in range(n_layers))
 
+    def layer_ropes(self, n_layers: int) -> tuple[tuple, ...]:
+        """Each layer's ``(rope_theta, rope_scaling)``: ``rope_scaling`` scales the layers
+        on the model's base; a layer with a base of its own (``layer_pattern``) rotates
+        unscaled (Gemma 3's local layers)."""
+        p = self.layer_pattern
+        own = lambda i: p is not None and p[i % len(p)].rope_theta is not None
+        thetas = self.layer_rope_thetas(n_layers)
+        return tuple((thetas[i], None if own(i) else self.rope_scaling) for i in range(n_layers))
+
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes``; fields that were derived are derived again (and a new
         ``mixer`` takes its default settings unless ``mixer_settings`` is given)."""
@@ -244,6 +258,10 @@ class ModelConfig:
         out["ffn_settings"] = self.ffn_settings.to_dict()
         if self.layer_pattern is not None:
             out["layer_pattern"] = [dataclasses.asdict(p) for p in self.layer_pattern]
+        if self.rope_scaling is not None:
+            scaling = dataclasses.asdict(self.rope_scaling)
+            out["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
+                                   for k, v in scaling.items()}  # fmt: skip
         return out
 
     @classmethod

@@ -3,6 +3,8 @@ construction, each naming the offending field and the fix (``ConfigError``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from attnlab.architectures import ARCHITECTURES, architecture
 from attnlab.errors import ConfigError
 from attnlab.ffns import get_ffn
@@ -10,6 +12,7 @@ from attnlab.mixers import get_mixer
 from attnlab.ops.activations import FFN_KINDS
 from attnlab.ops.attention import IMPLEMENTATIONS
 from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
+from attnlab.ops.positions import ROPE_SCALINGS, RopeScaling
 from attnlab.variants import attention_variants
 
 ARCHS = tuple(ARCHITECTURES)
@@ -62,10 +65,82 @@ def validate_raw(cfg) -> None:
             _fail(field, value, "must be a positive integer, or None for the default")
 
 
+# The fields each RoPE scaling reads besides kind and factor.
+_SCALING_FIELDS = {
+    "linear": (),
+    "llama3": ("original_max_len", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("original_max_len", "beta_fast", "beta_slow", "truncate", "mscale",
+             "mscale_all_dim", "attention_factor"),
+    "longrope": ("original_max_len", "short_factor", "long_factor", "attention_factor"),
+}  # fmt: skip
+
+
+def rope_scaling_of(value) -> RopeScaling | None:
+    """``ModelConfig.rope_scaling`` (None, a dict of ``RopeScaling``'s fields or one) as a
+    checked ``RopeScaling``."""
+    if isinstance(value, dict) and value.get("kind") is None:  # an experiment's unset group
+        defaults = {f.name: f.default for f in dataclasses.fields(RopeScaling)}
+        changed = sorted(k for k, v in value.items() if k != "kind" and defaults.get(k) != v)
+        if changed:
+            _fail("rope_scaling.kind", None, f"name the scaling that {changed} configure")
+        value = None
+    if value is None or isinstance(value, RopeScaling):
+        scaling = value
+    elif isinstance(value, dict):
+        names = {f.name for f in dataclasses.fields(RopeScaling)}
+        unknown = sorted(set(value) - names)
+        if unknown or "kind" not in value:
+            _fail("rope_scaling", value, f"a dict with 'kind' and fields of {sorted(names)}")
+        lists = {k: tuple(value[k]) for k in ("short_factor", "long_factor") if value.get(k)}
+        scaling = RopeScaling(**{**value, **lists})
+    else:
+        _fail("rope_scaling", value, "None or a dict such as {'kind': 'linear', 'factor': 4.0}")
+    if scaling is not None:
+        _check_rope_scaling(scaling)
+    return scaling
+
+
+def _check_rope_scaling(s: RopeScaling) -> None:
+    if s.kind not in ROPE_SCALINGS:
+        _fail("rope_scaling.kind", s.kind, f"use one of {list(ROPE_SCALINGS)}")
+    if not (isinstance(s.factor, int | float) and s.factor > 0):
+        _fail("rope_scaling.factor", s.factor, "a positive number (the context's stretch)")
+    needs = _SCALING_FIELDS[s.kind]
+    for name in set(_SCALING_FIELDS["yarn"] + _SCALING_FIELDS["longrope"]) - set(needs):
+        default = RopeScaling.__dataclass_fields__[name].default
+        if getattr(s, name) != default:
+            _fail(f"rope_scaling.{name}", getattr(s, name), f"not read by kind={s.kind!r}")
+    if "original_max_len" in needs:
+        n = s.original_max_len
+        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+            _fail("rope_scaling.original_max_len", n, "the pretraining context, a positive int")
+    if s.kind == "llama3" and not 0 < s.low_freq_factor < s.high_freq_factor:
+        _fail("rope_scaling.low_freq_factor", s.low_freq_factor, "in (0, high_freq_factor)")
+    if s.kind == "longrope":
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(s, name)
+            if not factors or not all(isinstance(f, int | float) and f > 0 for f in factors):
+                _fail(f"rope_scaling.{name}", factors, "head_dim / 2 positive divisors")
+
+
+def _check_rope(cfg) -> None:
+    s = cfg.rope_scaling
+    if s is None:
+        return
+    if cfg.position != "rope":
+        _fail("rope_scaling", s, "scales RoPE: set position='rope' or rope_scaling=None")
+    if s.kind == "longrope":
+        half = (cfg.rotary_dim or cfg.head_dim) // 2
+        for name in ("short_factor", "long_factor"):
+            if len(getattr(s, name)) != half:
+                _fail(f"rope_scaling.{name}", getattr(s, name), f"{half} factors (rotary dims / 2)")
+
+
 def validate(cfg) -> None:
     """Raises ``ConfigError`` naming the offending field and the fix."""
     validate_raw(cfg)
     _check_choices(cfg)
+    _check_rope(cfg)
     _check_attention(cfg)
     _check_variants(cfg)
     _check_numbers(cfg)

@@ -20,6 +20,7 @@ from ml_collections import config_dict
 from attnlab.config import ModelConfig
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
+from attnlab.ops.positions import RopeScaling
 from attnlab.optimizers import OPTIMIZERS, SCHEDULES
 from attnlab.variants import attention_variants
 
@@ -28,6 +29,21 @@ ConfigDict = config_dict.ConfigDict
 
 class ExperimentError(ConfigError):
     """An experiment config that cannot run; the message names the key and the fix."""
+
+
+def _rope_scaling_defaults() -> ConfigDict:
+    """``model.rope_scaling`` as ``RopeScaling``'s fields (``--config.model.rope_scaling.kind
+    =yarn`` ...), each typed; left without a kind it means no scaling."""
+    hints = typing.get_type_hints(RopeScaling)
+    cfg = ConfigDict()
+    for field in dataclasses.fields(RopeScaling):
+        value = field.default
+        if value is None or value is dataclasses.MISSING:
+            args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
+            kind = args[0] if args else hints[field.name]
+            value = config_dict.placeholder(typing.get_origin(kind) or kind)
+        setattr(cfg, field.name, value)
+    return cfg
 
 
 def _model_defaults() -> ConfigDict:
@@ -39,6 +55,8 @@ def _model_defaults() -> ConfigDict:
         value = field.default
         if field.name in ("mixer_settings", "ffn_settings"):  # a variant's own fields
             value = ConfigDict()
+        elif field.name == "rope_scaling":  # RopeScaling's fields; kind unset: no scaling
+            value = _rope_scaling_defaults()
         elif value is None:  # Optional field: lock its type, keep it unset
             args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
             value = config_dict.placeholder(typing.get_origin(args[0]) or args[0])

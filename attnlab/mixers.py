@@ -87,7 +87,9 @@ class MixerCall:
     positions_BT: jax.Array
     mask: Any = None  # ops.MaskSpec (or a ContextMask on a context-parallel mesh)
     bias: Any = None  # ops.PositionBias or None
-    rope_theta: Any = None  # this layer's RoPE base (traced inside the scan over layers)
+    # This layer's RoPE: a base (traced inside the scan over layers) or, when some layer's
+    # frequencies are scaled, an ops.RopeChoice of its base and scaling.
+    rope_theta: Any = None
     cache: Any = None  # kv_cache.LayerCache while decoding, else None
     key: jax.Array | None = None  # dropout key (None: no dropout)
     layer: Any = None  # the layer's index in its stack (int32, traced inside the scan)

@@ -47,3 +47,21 @@ def expert_layer_dense(x, experts, weights, w_in, w_out, w_gate=None):
         for e, w in zip(experts[t], weights[t], strict=True):
             gate[t, e] += w
     return np.einsum("te,etd->td", gate, every)
+
+
+def expert_layer_clamped_dense(x, experts, weights, w_in, w_gate, w_out, b_in, b_gate, b_out,
+                               *, alpha, limit):  # fmt: skip
+    """gpt-oss's experts, every one on every token then masked: ``g = min(x W_g + b_g,
+    limit)``, ``u = clip(x W_u + b_u, -limit, limit)``, ``(g sigmoid(alpha g) (u + 1)) W_o +
+    b_o``."""
+    f = lambda a: np.asarray(a, np.float64)
+    x = f(x)
+    g = np.minimum(np.einsum("td,edf->etf", x, f(w_gate)) + f(b_gate)[:, None], limit)
+    u = np.clip(np.einsum("td,edf->etf", x, f(w_in)) + f(b_in)[:, None], -limit, limit)
+    h = g / (1.0 + np.exp(-alpha * g)) * (u + 1)
+    every = np.einsum("etf,efd->etd", h, f(w_out)) + f(b_out)[:, None]
+    gate = np.zeros((x.shape[0], w_in.shape[0]))
+    for t in range(x.shape[0]):
+        for e, w in zip(experts[t], weights[t], strict=True):
+            gate[t, e] += w
+    return np.einsum("te,etd->td", gate, every)

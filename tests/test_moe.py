@@ -4,16 +4,18 @@ References: ``tests/moe_reference.py`` (float64 NumPy from the formulas), transf
 DeepSeek-V3 router (with the ``hf`` extra), hand-computed losses and parameter counts.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from moe_reference import expert_layer_dense
+from moe_reference import expert_layer_clamped_dense, expert_layer_dense
 from moe_reference import route as np_route
 
 import attnlab
-from attnlab import ModelConfig, build_model, count_params
+from attnlab import ModelConfig, build_model, count_params, ops
 from attnlab.errors import ConfigError
 from attnlab.ops import moe
 from attnlab.train.objectives import objective_sums
@@ -127,6 +129,28 @@ def test_dropless_dispatch_equals_every_expert_on_every_token_then_mask(kind):
     np.testing.assert_allclose(np.asarray(parts[0] + parts[1]), want, atol=1e-5, rtol=1e-5)
 
 
+def test_gpt_oss_experts_clamped_swiglu_with_biases_equal_the_dense_reference():
+    """``glu=clamped_swiglu`` and the three biases against gpt-oss's formula in float64; the
+    limit (0.5) binds, so the unclamped SwiGLU gives other outputs."""
+    w_in, w_out, w_gate = _experts(4)
+    rng = np.random.default_rng(5)
+    b_in, b_gate, b_out = (rng.normal(size=s).astype(np.float32) for s in ((4, 6), (4, 6), (4, 8)))
+    x = rng.normal(size=(24, 8)).astype(np.float32)
+    experts, weights = np_route(rng.normal(size=(24, 4)), 2)
+    want = expert_layer_clamped_dense(
+        x, experts, weights, w_in, w_gate, w_out, b_in, b_gate, b_out, alpha=1.702, limit=0.5
+    )
+    run = lambda glu: moe.expert_ffn(
+        jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights, jnp.float32),
+        jnp.asarray(w_in), jnp.asarray(w_out), kind="swiglu", w_gate_EDF=jnp.asarray(w_gate),
+        b_in_EF=jnp.asarray(b_in), b_gate_EF=jnp.asarray(b_gate), b_out_ED=jnp.asarray(b_out),
+        glu=glu,
+    )  # fmt: skip
+    got = run(functools.partial(ops.clamped_swiglu, alpha=1.702, limit=0.5))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(run(None)) - want).max() > 1e-2
+
+
 def test_no_assignment_is_dropped_when_every_token_picks_the_same_expert():
     w_in, w_out, w_gate = _experts(2)
     x = np.random.default_rng(3).normal(size=(16, 8)).astype(np.float32)
@@ -154,6 +178,8 @@ def test_no_assignment_is_dropped_when_every_token_picks_the_same_expert():
         ({"score": "relu"}, r"ffn_settings\.score='relu' is invalid: use one of"),
         ({"dense_layers": 2}, r"ffn_settings\.dense_layers=2 is invalid: fewer than n_layers"),
         ({"experts": 4}, r"unknown field\(s\) \['experts'\] for ffn_variant='moe'"),
+        ({"swiglu_limit": 7.0}, r"ffn_settings\.swiglu_limit=7\.0 is invalid: clamps a SwiGLU"),
+        ({"swiglu_limit": -1.0}, r"ffn_settings\.swiglu_limit=-1\.0 is invalid: a positive"),
     ],
 )
 def test_bad_settings_name_the_field_and_the_fix(settings, needle):
@@ -294,6 +320,30 @@ def test_total_and_active_parameters_of_mixtral_and_deepseek_v3():
     assert count_params(deepseek) == total == 671_026_419_200  # the card: 671B
     active = total - (L - 3) * routed // E * (E - 8)
     assert count_params(deepseek, active=True) == active == 37_552_297_472  # the card: 37B
+
+
+def test_gpt_oss_parameter_counts_from_its_config_match_the_model_card():
+    """gpt-oss-120b's config.json through the loader's translator: 116.8B total; active
+    5.71B with the embedding table, 5.13B without (the card's count: 117B / 5.1B)."""
+    from attnlab.pretrained.configs import model_config_from_hf
+
+    V, D, L, E, F, N, K, H = 201088, 2880, 36, 128, 2880, 64, 8, 64
+    cfg = model_config_from_hf(
+        dict(
+            model_type="gpt_oss", vocab_size=V, hidden_size=D, intermediate_size=F,
+            num_hidden_layers=L, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
+            num_local_experts=E, num_experts_per_tok=4, sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * (L // 2),
+            attention_bias=True, tie_word_embeddings=False,
+        )
+    )  # fmt: skip
+    attn = 2 * D * N * H + 2 * D * K * H + N * H + 2 * K * H + D + N  # q k v o, biases, sinks
+    expert = 3 * D * F + 2 * F + D  # gate, up, down and their biases
+    total = L * (attn + E * expert + D * E + E + 2 * D) + 2 * V * D + D
+    assert count_params(cfg) == total == 116_829_156_672
+    active = total - L * (E - 4) * expert
+    assert count_params(cfg, active=True) == active == 5_711_982_912
+    assert active - V * D == 5_132_849_472  # the card: 5.1B
 
 
 def test_the_moe_variant_is_registered_beside_the_plain_ffn():

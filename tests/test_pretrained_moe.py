@@ -1,4 +1,5 @@
-"""Mixture-of-experts checkpoints that transformers writes: Mixtral, Qwen3-MoE, DeepSeek-V3.
+"""Mixture-of-experts checkpoints that transformers writes: Mixtral, Qwen3-MoE, gpt-oss,
+DeepSeek-V3.
 
 As in ``test_pretrained_open``: a tiny random model per family, saved with
 ``save_pretrained`` (experts stored one tensor per expert, stacked by the loader; Mixtral in
@@ -6,8 +7,9 @@ shards listed by ``model.safetensors.index.json``), loaded by attnlab; logits â‰
 real positions of a left-padded batch, and 16 greedy tokens through attnlab's KV cache
 equal to ``model.generate``. Four experts, two per token, so
 the routing decides the outputs; Qwen3-MoE without renormalised top-k weights
-(``norm_topk_prob=False``), Mixtral with. Mixtral- and Qwen3-MoE-shaped attnlab models are
-also exported and read back by transformers.
+(``norm_topk_prob=False``), Mixtral with; gpt-oss with a clamp low enough to bind, sinks,
+a window shorter than the batch and YaRN over a short original context. Mixtral- and
+Qwen3-MoE-shaped attnlab models are also exported and read back by transformers.
 """
 
 import numpy as np
@@ -25,7 +27,7 @@ from test_pretrained_open import left_padded  # noqa: E402
 from tiers import cases  # noqa: E402
 
 from attnlab.config import ModelConfig  # noqa: E402
-from attnlab.pretrained import export_model, load_pretrained  # noqa: E402
+from attnlab.pretrained import convert, export_model, load_pretrained, read_tensors  # noqa: E402
 
 TOL = 1e-4
 V = 96
@@ -60,6 +62,29 @@ SPECS = {
             norm_topk_prob=False,
         ),
     ),
+    # Sinks, biases everywhere, sliding then full attention, YaRN (truncate False) from a
+    # 16-token context, experts with a clamped SwiGLU whose limit binds.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            _BASE,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            swiglu_limit=1.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 500.0,
+                "factor": 4.0,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     # MLA with q compression; 8 experts in 4 groups (2 used), a shared expert, one dense
     # first layer, sigmoid scores with a selection bias, RoPE dims stored interleaved.
     "deepseek_v3": (
@@ -89,10 +114,14 @@ SPECS = {
 
 @torch.no_grad()
 def perturb_buffers(model, gen):
-    """The selection bias is a buffer, zero at init: give it values that change choices."""
+    """The selection bias is a buffer, zero at init: give it values that change choices;
+    gpt-oss's sink logits go to the scale of the attention logits."""
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    for name, p in model.named_parameters():
+        if name.endswith("self_attn.sinks"):
+            p.copy_(1.0 + torch.randn(p.shape, generator=gen))
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +152,11 @@ def checkpoints(tmp_path_factory):
 
 
 MOE_SLOW = "a mixture-of-experts checkpoint built and its routed forward compiled (~9 s)"
+# The fast tier checks gpt-oss, the family with the most features of its own.
+FAST = "gpt_oss"
 
 
-@pytest.mark.parametrize("name", cases(list(SPECS), slow={n: MOE_SLOW for n in SPECS}))
+@pytest.mark.parametrize("name", cases(list(SPECS), slow={n: MOE_SLOW for n in SPECS if n != FAST}))
 def test_logits_match_transformers_with_left_padding(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = left_padded(np.random.default_rng(0))
@@ -138,6 +169,12 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
     assert handle.family == name and handle.config.ffn_variant == "moe"
     real = mask.astype(bool)
     assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL
+    if name == "gpt_oss":  # the clamp and YaRN bind: loading without either moves the logits
+        ffn = handle.config.ffn_settings.to_dict()
+        tensors = read_tensors(folder)
+        for change in ({"ffn_settings": {**ffn, "swiglu_limit": None}}, {"rope_scaling": None}):
+            other = convert(handle.hf_config, tensors, handle.config.replace(**change))
+            assert max_diff(other(ids, valid_BT=real).logits[real], expected[real]) > 1e-3
 
 
 @pytest.mark.slow(reason="cached decoding of a mixture-of-experts model, compiled")
@@ -146,6 +183,7 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
     [
         "mixtral",
         "qwen3_moe",
+        "gpt_oss",
         "deepseek_v3",
     ],
 )
@@ -197,7 +235,38 @@ EXPORTS = {
         qk_norm=True,
         ffn_settings={"n_experts": 4, "top_k": 2, "d_expert": 24, "renormalize": False},
     ),
-}
+    # Sinks and biases, sliding then full layers, YaRN, the clamped SwiGLU with biases.
+    "gpt_oss": dict(
+        _MOE_MODEL,
+        head_dim=8,
+        mixer="sinks",
+        attn_bias=True,
+        out_bias=True,
+        layer_pattern=[{"window": 5}, {"window": None}],
+        rope_scaling={"kind": "yarn", "factor": 4.0, "original_max_len": 16, "truncate": False},
+        ffn_settings={
+            "n_experts": 4, "top_k": 2, "d_expert": 24, "router_bias": True,
+            "expert_bias": True, "swiglu_limit": 1.0, "load_balance_weight": 0.001,
+        },
+    ),
+    # MLA with q compression, a dense first layer, grouped sigmoid routing with a selection
+    # bias, a shared expert, YaRN with DeepSeek's mscale.
+    "deepseek_v3": dict(
+        _MOE_MODEL,
+        n_layers=3,
+        n_kv_heads=4,
+        head_dim=12,
+        mixer="mla",
+        mixer_settings={"kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8,
+                        "qk_rope_head_dim": 4, "v_head_dim": 12},
+        rope_scaling={"kind": "yarn", "factor": 4.0, "original_max_len": 16, "mscale": 0.707},
+        ffn_settings={
+            "n_experts": 8, "top_k": 2, "d_expert": 24, "score": "sigmoid", "n_group": 4,
+            "topk_group": 2, "selection_bias": True, "routed_scaling": 2.5, "n_shared": 1,
+            "dense_layers": 1,
+        },
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.slow(reason="a mixture-of-experts model exported and read by transformers")
@@ -209,3 +278,23 @@ def test_moe_shaped_model_exports_with_equal_logits(tmp_path, family):
     real = mask.astype(bool)
     ours = np.asarray(model(ids, valid_BT=real).logits)
     assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL
+
+
+def test_gpt_oss_config_without_layer_types_or_rope_takes_transformers_defaults():
+    """A config.json that leaves out ``layer_types`` and the RoPE settings is read with
+    transformers' defaults: sliding layers first, YaRN 32x from 4,096 tokens, base 150,000."""
+    from attnlab.pretrained.configs import model_config_from_hf
+
+    kwargs = dict(SPECS["gpt_oss"][2], num_hidden_layers=3, max_position_embeddings=131072)
+    del kwargs["rope_parameters"]
+    theirs = transformers.GptOssConfig(**kwargs)
+    ours = model_config_from_hf(dict(kwargs, model_type="gpt_oss"))
+    windows = [5 if t == "sliding_attention" else None for t in theirs.layer_types]
+    assert list(ours.layer_windows(3)) == windows == [5, None, 5]
+    rope = theirs.rope_parameters
+    assert ours.rope_theta == rope["rope_theta"] == 150000.0
+    s = ours.rope_scaling
+    assert (s.kind, s.factor, s.original_max_len, s.truncate) == (
+        rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"],
+        rope["truncate"],
+    )  # fmt: skip

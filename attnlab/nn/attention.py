@@ -104,7 +104,10 @@ class Attention(Mixer):
     def _rope(self, x, positions, theta):
         if self.cfg.position != "rope" or self.cross:
             return x
-        theta = self.cfg.rope_theta if theta is None else theta
+        if theta is None:  # called alone: the model's RoPE
+            theta = ops.RopeChoice(0, ((self.cfg.rope_theta, self.cfg.rope_scaling),))
+        if isinstance(theta, ops.RopeChoice):  # a base with its scaling (the stack's layers)
+            return theta(x, positions, rotary_dim=self.cfg.rotary_dim)
         return ops.apply_rope(x, positions, theta=theta, rotary_dim=self.cfg.rotary_dim)
 
     def query(self, x_BTD, call: MixerCall):

@@ -9,16 +9,17 @@ over the tokens sorted by expert (``jax.lax.ragged_dot``). ``n_shared`` shared e
 layers of a stack keep the plain FFN of width ``ModelConfig.d_ff``.
 
 The families: Mixtral and Qwen3-MoE are softmax + renormalised top-k (Qwen3's
-``norm_topk_prob``); gpt-oss is the same with ``router_bias`` and ``expert_bias``;
-DeepSeek-V3 is ``score="sigmoid"``, ``selection_bias``, ``n_group=8, topk_group=4``,
-``n_shared=1``, ``routed_scaling=2.5``, ``dense_layers=3``.
+``norm_topk_prob``); gpt-oss is the same with ``router_bias``, ``expert_bias`` and
+``swiglu_limit`` (each expert's SwiGLU clamped, ``ops.clamped_swiglu`` with
+``swiglu_alpha``); DeepSeek-V3 is ``score="sigmoid"``, ``selection_bias``,
+``n_group=8, topk_group=4``, ``n_shared=1``, ``routed_scaling=2.5``, ``dense_layers=3``.
 
 Parameters (``E`` experts): ``router_DE`` (``b_router_E``, ``selection_bias_E``),
 ``w_in_EDF``, ``w_gate_EDF`` (gated activations), ``w_out_EFD`` (``b_in_EF``,
-``b_out_ED``), and ``shared_in_DF``, ``shared_gate_DF``, ``shared_out_FD``. The expert axis
-is the logical axis ``expert``: on a mesh with an ``expert`` axis the experts are split
-over it, each device runs its experts on the tokens routed there and the outputs are
-summed over the axis.
+``b_gate_EF``, ``b_out_ED``), and ``shared_in_DF``, ``shared_gate_DF``,
+``shared_out_FD``. The expert axis is the logical axis ``expert``: on a mesh with an
+``expert`` axis the experts are split over it, each device runs its experts on the tokens
+routed there and the outputs are summed over the axis.
 
 ``aux``: ``loss`` (``load_balance_weight`` x the Switch Transformer load-balancing loss +
 ``z_loss_weight`` x the router z-loss, added to the training objective), the two losses
@@ -28,6 +29,7 @@ unweighted, ``tokens_per_expert`` ``[E]`` and ``dropped`` (always 0: dispatch is
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,8 @@ class MoE(FFN):
         dense_layers: int = 0  # a stack's first layers keep the plain FFN (width d_ff)
         router_bias: bool = False  # gpt-oss
         expert_bias: bool = False  # biases inside each expert (gpt-oss)
+        swiglu_limit: float | None = None  # gpt-oss: the experts' SwiGLU clamped at this...
+        swiglu_alpha: float = 1.702  # ...with this sigmoid gain (ops.clamped_swiglu)
         load_balance_weight: float = 0.01
         z_loss_weight: float = 0.001
 
@@ -89,6 +93,11 @@ class MoE(FFN):
                 self.fail("dense_layers", f"fewer than n_layers={cfg.stack_layers}")
             if self.dense_layers and cfg.arch == "encoder_decoder":
                 self.fail("dense_layers", "dense first layers are for one stack: use 0 here")
+            if self.swiglu_limit is not None:
+                if not self.swiglu_limit > 0:
+                    self.fail("swiglu_limit", "a positive number (gpt-oss: 7.0), or None")
+                if cfg.ffn != "swiglu":
+                    self.fail("swiglu_limit", f"clamps a SwiGLU: set ffn='swiglu' (is {cfg.ffn!r})")
             for name in ("load_balance_weight", "z_loss_weight", "routed_scaling"):
                 if not getattr(self, name) >= 0:
                     self.fail(name, "must be a number >= 0")
@@ -113,6 +122,7 @@ class MoE(FFN):
         self.w_gate_EDF = normal(rngs, (E, D, F), std, dtype) if gated else None
         self.w_out_EFD = normal(rngs, (E, F, D), out_std, dtype)
         self.b_in_EF = zeros(E, F) if s.expert_bias else None
+        self.b_gate_EF = zeros(E, F) if s.expert_bias and gated else None
         self.b_out_ED = zeros(E, D) if s.expert_bias else None
         Fs = s.n_shared * F
         self.shared_in_DF = normal(rngs, (D, Fs), std, dtype) if Fs else None
@@ -141,9 +151,15 @@ class MoE(FFN):
     def _experts(self, x_TD, expert_TA, weight_TA):
         get = lambda p: None if p is None else p[...]
         weights = [get(self.w_in_EDF), get(self.w_out_EFD)]
-        weights += [get(self.w_gate_EDF), get(self.b_in_EF), get(self.b_out_ED)]
+        weights += [get(self.w_gate_EDF), get(self.b_in_EF), get(self.b_gate_EF)]
+        weights += [get(self.b_out_ED)]
+        s = self.settings
+        glu = None
+        if s.swiglu_limit is not None:
+            glu = functools.partial(ops.clamped_swiglu, alpha=s.swiglu_alpha, limit=s.swiglu_limit)
 
-        def run(x_TD, expert_TA, weight_TA, w_in, w_out, w_gate, b_in, b_out, expert_range=None):
+        def run(x_TD, expert_TA, weight_TA, w_in, w_out, w_gate, b_in, b_gate, b_out,
+                expert_range=None):  # fmt: skip
             return moe.expert_ffn(
                 x_TD,
                 expert_TA,
@@ -153,7 +169,9 @@ class MoE(FFN):
                 kind=self.kind,
                 w_gate_EDF=w_gate,
                 b_in_EF=b_in,
+                b_gate_EF=b_gate,
                 b_out_ED=b_out,
+                glu=glu,
                 expert_range=expert_range,
             )
 

@@ -104,6 +104,10 @@ class Stack(nnx.Module):
         # Static per-layer data: each layer's window (None: full attention) and RoPE base.
         self.windows = cfg.layer_windows(n_layers) if causal else (None,) * n_layers
         self.rope_thetas = cfg.layer_rope_thetas(n_layers)
+        self.ropes = cfg.layer_ropes(n_layers)
+        # With a scaling on some layers, each layer picks its (base, scaling) by index.
+        scaled = any(scaling is not None for _, scaling in self.ropes)
+        self.rope_options = tuple(dict.fromkeys(self.ropes)) if scaled else None
 
     def unstack(self):
         """Holds the layers as ``L`` separate blocks (sliced from the stacked parameters).
@@ -239,11 +243,20 @@ class Stack(nnx.Module):
         window_L = jnp.array([NO_WINDOW if w is None else w for w in self.windows], jnp.int32)
         thetas = set(self.rope_thetas)
         rope_L = jnp.array(self.rope_thetas, jnp.float32) if len(thetas) > 1 else None
+        if self.rope_options is not None:  # indices into the (base, scaling) options
+            index = [self.rope_options.index(r) for r in self.ropes]
+            rope_L = jnp.array(index, jnp.int32) if len(self.rope_options) > 1 else None
         cross_kv = None
         if cache is not None and cache.cross is not None:
             cross_kv = (cache.cross["keys"], cache.cross["values"])
         index_L = jnp.arange(self.n_layers, dtype=jnp.int32)
         return (index_L, window_L, rope_L, cross_kv)
+
+    def _layer_rope(self, per_layer):
+        """What a layer's mixer gets as ``MixerCall.rope_theta`` from its per-layer datum."""
+        if self.rope_options is not None:
+            return ops.RopeChoice(0 if per_layer is None else per_layer, self.rope_options)
+        return self.rope_thetas[0] if per_layer is None else per_layer
 
     def _layer(self, s: _Shared, enc_BSD, key, return_weights):
         """One layer as a function of ``(graphdef, (x, entries), per-layer data)``, the
@@ -267,7 +280,7 @@ class Stack(nnx.Module):
                 positions_BT=s.positions_BT,
                 mask=layer_mask,
                 bias=s.bias,
-                rope_theta=self.rope_thetas[0] if theta is None else theta,
+                rope_theta=self._layer_rope(theta),
                 cache=view,
                 key=fold(key, index),
                 layer=index,

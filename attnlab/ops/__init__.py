@@ -3,6 +3,7 @@
 from attnlab.ops import activations, chunked, linear, masks, norms, positions
 from attnlab.ops.activations import (
     FFN_KINDS,
+    clamped_swiglu,
     feed_forward,
     geglu,
     geglu_tanh,
@@ -30,11 +31,14 @@ from attnlab.ops.masks import (
 from attnlab.ops.norms import layer_norm, rms_norm
 from attnlab.ops.positions import (
     PositionBias,
+    RopeChoice,
+    RopeScaling,
     alibi_bias,
     alibi_slopes,
     apply_rope,
     relative_position_bias,
     relative_position_bucket,
+    rope_frequencies,
     rope_inv_frequencies,
     sinusoidal,
 )
@@ -77,10 +81,14 @@ __all__ = [
     "relative_position_bucket",
     "relu",
     "rms_norm",
+    "RopeChoice",
+    "RopeScaling",
+    "rope_frequencies",
     "rope_inv_frequencies",
     "segment",
     "silu",
     "sinusoidal",
     "sliding_window",
+    "clamped_swiglu",
     "swiglu",
 ]

@@ -79,6 +79,14 @@ def swiglu(gate, up):
     return silu(gate) * up
 
 
+def clamped_swiglu(gate, up, *, alpha=1.702, limit=7.0):
+    """gpt-oss's gated unit: ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate,
+    limit)`` and ``u = clip(up, -limit, limit)``; computed in float32."""
+    g = jnp.minimum(gate.astype(jnp.float32), limit)
+    u = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    return (g * jax.nn.sigmoid(alpha * g) * (u + 1)).astype(gate.dtype)
+
+
 def geglu(gate, up):
     """The GeGLU product ``gelu(gate) * up`` (exact GELU)."""
     return gelu(gate) * up

@@ -121,10 +121,15 @@ def expert_ffn(
     kind: str,
     w_gate_EDF=None,
     b_in_EF=None,
+    b_gate_EF=None,
     b_out_ED=None,
+    glu=None,
     expert_range: tuple | None = None,
 ):
     """``sum_a weight_ta * FFN_{expert_ta}(x_t)``, dropless (sorted rows, ``ragged_dot``).
+
+    ``glu(gate, up)``: the gated unit in place of ``activation(kind)(gate) * up`` (gpt-oss's
+    ``clamped_swiglu``); ``b_*``: per-expert biases of the projections.
 
     ``expert_range=(first, n_experts)`` (``first`` may be traced): the weights hold the
     experts ``first .. first + E_local - 1`` of ``n_experts``; assignments to other
@@ -146,11 +151,15 @@ def expert_ffn(
         local_Z = (expert_Z >= first) & (expert_Z < first + E_local)
         expert_Z = jnp.clip(expert_Z - first, 0, E_local - 1)
     act = activation(kind)
-    h_ZF = _ragged(x_ZD, w_in_EDF, sizes_E, start)
-    if b_in_EF is not None:
-        h_ZF = h_ZF + jnp.take(b_in_EF, expert_Z, axis=0).astype(h_ZF.dtype)
+
+    def project(w, b):
+        h_ZF = _ragged(x_ZD, w, sizes_E, start)
+        return h_ZF if b is None else h_ZF + jnp.take(b, expert_Z, axis=0).astype(h_ZF.dtype)
+
+    h_ZF = project(w_in_EDF, b_in_EF)
     if is_gated(kind):
-        h_ZF = act(_ragged(x_ZD, w_gate_EDF, sizes_E, start)) * h_ZF
+        gate_ZF = project(w_gate_EDF, b_gate_EF)
+        h_ZF = act(gate_ZF) * h_ZF if glu is None else glu(gate_ZF, h_ZF)
     else:
         h_ZF = act(h_ZF)
     y_ZD = _ragged(h_ZF.astype(x_TD.dtype), w_out_EFD, sizes_E, start)

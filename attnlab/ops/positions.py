@@ -3,7 +3,10 @@
 * ``sinusoidal``: the 2017 table, PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(...).
   ``layout="split"`` puts all sines first then all cosines (Marian, fairseq).
 * RoPE: ``apply_rope(x_BTNH, positions_BT)`` rotates pairs (i, i + H/2): the half-split
-  layout used by Llama, Mistral and Qwen.
+  layout used by Llama, Mistral and Qwen. ``RopeScaling`` describes a context extension of
+  its frequencies (``linear``, Llama 3.1's ``llama3``, ``yarn``, Phi-3's ``longrope``) and
+  ``rope_frequencies`` computes the scaled inverse frequencies and the factor that multiplies
+  the rotated dims (YaRN's and LongRoPE's attention factor).
 * ALiBi: ``alibi_slopes(N)`` and ``alibi_bias`` (``-slope * |q_pos - k_pos|``).
 * T5 relative position bias: ``relative_position_bucket`` and ``relative_position_bias``.
 * ``PositionBias``: ALiBi, T5 or any bias of the same form as a *description* (the
@@ -16,6 +19,7 @@ Learned absolute positions are parameters, so they live in ``attnlab.nn``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -49,19 +53,168 @@ def rope_inv_frequencies(head_dim, theta=10000.0):
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
-def apply_rope(x_BTNH, positions_BT, *, theta=10000.0, rotary_dim=None):
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are stretched for a longer context (``ModelConfig.rope_scaling``).
+
+    ``kind``: ``"linear"`` (every frequency / ``factor``), ``"llama3"`` (Llama 3.1: low
+    frequencies / ``factor``, high ones kept, a smooth ramp between the wavelengths
+    ``original_max_len / low_freq_factor`` and ``/ high_freq_factor``), ``"yarn"`` (YaRN:
+    a ramp between interpolated and original frequencies over the dims that turn
+    ``beta_slow`` .. ``beta_fast`` times in ``original_max_len``; the rotated dims scaled by
+    ``attention_factor``, by default ``0.1 ln(factor) + 1`` or DeepSeek's
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``), ``"longrope"`` (Phi-3: one
+    divisor per frequency, ``short_factor`` while a call's positions stay within
+    ``original_max_len``, ``long_factor`` beyond; ``attention_factor`` by default
+    ``sqrt(1 + ln(factor) / ln(original_max_len))``). LongRoPE chooses per call: keys
+    cached before a decoding step crosses ``original_max_len`` keep their short rotation
+    (transformers' Phi-3 recomputes the whole sequence at that step instead).
+    """
+
+    kind: str
+    factor: float = 1.0
+    original_max_len: int | None = None  # the pretraining context (llama3, yarn, longrope)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends to whole dims
+    mscale: float | None = None  # yarn (DeepSeek)
+    mscale_all_dim: float | None = None  # yarn (DeepSeek)
+    attention_factor: float | None = None  # yarn, longrope; None: the kind's default
+    short_factor: tuple | None = None  # longrope, H/2 divisors
+    long_factor: tuple | None = None  # longrope, H/2 divisors
+
+
+def yarn_mscale(factor, mscale=1.0):
+    """YaRN's ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The factor that multiplies the rotated dims of q and k (1 for most kinds)."""
+    s = scaling
+    if s is None or s.kind in ("linear", "llama3"):
+        return 1.0
+    if s.attention_factor is not None:
+        return float(s.attention_factor)
+    if s.kind == "yarn":
+        if s.mscale and s.mscale_all_dim:
+            return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+        return yarn_mscale(s.factor)
+    if s.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_len))
+
+
+def _llama3(inv, s: RopeScaling):
+    low_wavelen = s.original_max_len / s.low_freq_factor
+    high_wavelen = s.original_max_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _yarn(inv, dim, theta, s: RopeScaling):
+    def correction_dim(rotations):
+        turns = s.original_max_len / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency (fast dims), 0: interpolated
+    return inv / s.factor * (1 - keep) + inv * keep
+
+
+def rope_frequencies(head_dim, theta=10000.0, scaling: RopeScaling | None = None, *, long=False):
+    """``(inv_h, attention_factor)``: the ``[H/2]`` inverse frequencies ``theta^(-2i/H)``
+    under ``scaling`` (float32, computed in float64) and the factor on the rotated dims;
+    ``long``: LongRoPE's factors for a call beyond ``original_max_len``."""
+    if scaling is None:
+        return rope_inv_frequencies(head_dim, theta), 1.0
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    theta = float(theta)  # scaled frequencies need a concrete base
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    s = scaling
+    if s.kind == "linear":
+        inv = inv / s.factor
+    elif s.kind == "llama3":
+        inv = _llama3(inv, s)
+    elif s.kind == "yarn":
+        inv = _yarn(inv, head_dim, theta, s)
+    elif s.kind == "longrope":
+        factors = np.asarray(s.long_factor if long else s.short_factor, np.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(
+                f"longrope needs {inv.shape[0]} factors for head_dim={head_dim}, "
+                f"got {factors.shape[0]}"
+            )
+        inv = inv / factors
+    else:
+        raise ValueError(f"unknown RoPE scaling {s.kind!r}; use one of {ROPE_SCALINGS}")
+    return jnp.asarray(inv, jnp.float32), rope_attention_factor(s)
+
+
+def _rope_angles(H, positions_BT, theta, scaling):
+    """``(angles_BTh, attention_factor)``; LongRoPE picks its long factors for a call whose
+    positions pass ``original_max_len`` (as transformers decides per forward call)."""
+    positions = jnp.asarray(positions_BT, jnp.float32)
+    inv_h, factor = rope_frequencies(H, theta, scaling)
+    if scaling is not None and scaling.kind == "longrope":
+        long_h, _ = rope_frequencies(H, theta, scaling, long=True)
+        beyond = jnp.max(positions) + 1 > scaling.original_max_len
+        inv_h = jnp.where(beyond, long_h, inv_h)
+    return positions[..., None] * inv_h[None, None, :], factor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RopeChoice:
+    """One layer's RoPE among a stack's few kinds: ``options[index]``, a ``(theta,
+    scaling)`` pair. ``index`` may be traced (the scan over layers); the options are static,
+    so each kind's frequencies are computed from a concrete base (``jax.lax.switch``)."""
+
+    index: Any
+    options: tuple = dataclasses.field(metadata=dict(static=True))
+
+    def __call__(self, x_BTNH, positions_BT, *, rotary_dim=None):
+        """``apply_rope`` with this layer's base and scaling."""
+        branches = [
+            functools.partial(apply_rope, theta=theta, scaling=scaling, rotary_dim=rotary_dim)
+            for theta, scaling in self.options
+        ]
+        if len(branches) == 1:
+            return branches[0](x_BTNH, positions_BT)
+        return jax.lax.switch(self.index, branches, x_BTNH, positions_BT)
+
+
+def apply_rope(x_BTNH, positions_BT, *, theta=10000.0, rotary_dim=None, scaling=None):
     """Rotates ``x`` by its positions (half-split layout); computed in float32.
 
     ``rotary_dim`` (partial rotary, Phi-3): only the first ``rotary_dim`` head dims rotate,
-    as a head of that size; the rest pass through."""
+    as a head of that size; the rest pass through. ``scaling``: a ``RopeScaling`` of the
+    frequencies (its attention factor multiplies the rotated dims)."""
     if rotary_dim is not None and rotary_dim < x_BTNH.shape[-1]:
-        rotated = apply_rope(x_BTNH[..., :rotary_dim], positions_BT, theta=theta)
+        rotated = apply_rope(x_BTNH[..., :rotary_dim], positions_BT, theta=theta, scaling=scaling)
         return jnp.concatenate([rotated, x_BTNH[..., rotary_dim:]], -1)
     H = x_BTNH.shape[-1]
-    inv_h = rope_inv_frequencies(H, theta)
-    angles_BTh = jnp.asarray(positions_BT, jnp.float32)[..., None] * inv_h[None, None, :]
-    sin_BT1h = jnp.sin(angles_BTh)[:, :, None, :]
-    cos_BT1h = jnp.cos(angles_BTh)[:, :, None, :]
+    angles_BTh, factor = _rope_angles(H, positions_BT, theta, scaling)
+    sin_BT1h = jnp.sin(angles_BTh)[:, :, None, :] * factor
+    cos_BT1h = jnp.cos(angles_BTh)[:, :, None, :] * factor
     x = x_BTNH.astype(jnp.float32)
     x1, x2 = x[..., : H // 2], x[..., H // 2 :]
     out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], -1)

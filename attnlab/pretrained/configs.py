@@ -22,7 +22,7 @@ from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
 from attnlab.pretrained.hf_llama import llama_like
-from attnlab.pretrained.hf_moe import deepseek_v3, mixtral, qwen3_moe
+from attnlab.pretrained.hf_moe import deepseek_v3, gpt_oss, mixtral, qwen3_moe
 
 __all__ = ["FAMILIES", "UnsupportedCheckpointError", "family_of", "model_config_from_hf"]
 
@@ -39,6 +39,7 @@ FAMILIES = {
     "gemma3_text": lambda c: gemma(c, "gemma3_text"),
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
+    "gpt_oss": gpt_oss,
     "deepseek_v3": deepseek_v3,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
@@ -61,6 +62,7 @@ _ARCHITECTURE_PREFIXES = {
     "Gemma3": "gemma3_text",
     "Mixtral": "mixtral",
     "DeepseekV3": "deepseek_v3",
+    "GptOss": "gpt_oss",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",

@@ -163,7 +163,7 @@ def hf_tensors(model, family: str) -> dict[str, np.ndarray]:
     left = sorted(set(values) - written)
     if left:
         raise ExportError(f"no {family} tensor name holds attnlab parameter(s) {left[:5]}")
-    return split_experts(tensors)
+    return split_experts(tensors) if MAPPINGS[family].per_expert else tensors
 
 
 def export_model(model, out) -> str:

@@ -27,12 +27,48 @@ def _base(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
         "max_position_embeddings": cfg.max_len,
         "rms_norm_eps": cfg.norm_eps,
         "hidden_act": _ACT.get(cfg.ffn, cfg.ffn),
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": _rope_parameters(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": cfg.attn_bias,
         "pad_token_id": cfg.pad_id,
         "dtype": "float32",
     }
+
+
+# ModelConfig.rope_scaling's fields -> the rope_parameters keys transformers reads.
+_SCALING_KEYS = {
+    "factor": "factor",
+    "original_max_len": "original_max_position_embeddings",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "truncate": "truncate",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+    "attention_factor": "attention_factor",
+    "short_factor": "short_factor",
+    "long_factor": "long_factor",
+}
+_READS = {  # what each rope_type reads besides factor (the rest are left out)
+    "linear": (),
+    "llama3": ("original_max_len", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("original_max_len", "beta_fast", "beta_slow", "truncate", "mscale",
+             "mscale_all_dim", "attention_factor"),
+    "longrope": ("original_max_len", "short_factor", "long_factor", "attention_factor"),
+}  # fmt: skip
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    out = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    s = cfg.rope_scaling
+    if s is not None:
+        out = {**out, "rope_type": s.kind, "factor": s.factor}
+        for name in _READS[s.kind]:
+            value = getattr(s, name)
+            if value is not None:
+                out[_SCALING_KEYS[name]] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def _windows(cfg: ModelConfig) -> dict:
@@ -70,6 +106,9 @@ def phi3(cfg):
     del out["head_dim"], out["attention_bias"]
     if cfg.rotary_dim is not None:
         out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    if cfg.rope_scaling is not None and cfg.rope_scaling.original_max_len is not None:
+        # transformers' Phi-3 reads this top-level field over rope_parameters' own.
+        out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_len
     return out
 
 
@@ -102,7 +141,7 @@ def gemma3_text(cfg):
     full = by_kind.get("full_attention", {cfg.rope_theta}).pop()
     local = by_kind.get("sliding_attention", {cfg.rope_theta}).pop()
     out["rope_parameters"] = {
-        "full_attention": {"rope_type": "default", "rope_theta": full},
+        "full_attention": {**_rope_parameters(cfg), "rope_theta": full},
         "sliding_attention": {"rope_type": "default", "rope_theta": local},
     }
     return out
@@ -138,6 +177,45 @@ def qwen3_moe(cfg):
     }
 
 
+def gpt_oss(cfg):
+    if cfg.mixer != "sinks":
+        raise ValueError(f"mixer={cfg.mixer!r}: gpt-oss attends with sinks")
+    s = cfg.ffn_settings
+    out = {**_base(cfg, "gpt_oss", "GptOssForCausalLM"), **_windows(cfg), **_experts(cfg)}
+    out["intermediate_size"] = s.d_expert or cfg.d_ff
+    out["swiglu_limit"] = s.swiglu_limit
+    out["swiglu_alpha"] = s.swiglu_alpha
+    out["router_aux_loss_coef"] = s.load_balance_weight
+    return out
+
+
+def deepseek_v3(cfg):
+    """MLA (its settings resolved) and experts after the dense first layers; RoPE dims are
+    written in attnlab's half-split layout (``rope_interleave`` false)."""
+    if cfg.mixer != "mla":
+        raise ValueError(f"mixer={cfg.mixer!r}: DeepSeek-V3 attends with mla")
+    m, s = cfg.mixer_settings.resolved(cfg), cfg.ffn_settings
+    out = {**_base(cfg, "deepseek_v3", "DeepseekV3ForCausalLM"), **_experts(cfg)}
+    del out["head_dim"], out["num_local_experts"]
+    out.update(
+        kv_lora_rank=m.kv_lora_rank,
+        q_lora_rank=m.q_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_interleave=False,
+        n_routed_experts=s.n_experts,
+        moe_intermediate_size=s.d_expert or cfg.d_ff,
+        n_group=s.n_group,
+        topk_group=s.topk_group,
+        n_shared_experts=s.n_shared,
+        first_k_dense_replace=s.dense_layers,
+        routed_scaling_factor=s.routed_scaling,
+        norm_topk_prob=s.renormalize,
+    )
+    return out
+
+
 WRITERS = {
     "llama": llama,
     "qwen3": qwen3,
@@ -149,4 +227,6 @@ WRITERS = {
     "gemma3_text": gemma3_text,
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
+    "gpt_oss": gpt_oss,
+    "deepseek_v3": deepseek_v3,
 }

@@ -55,24 +55,91 @@ def pad_id_of(c: dict, vocab_size: int) -> int:
     return pad if isinstance(pad, int) and 0 <= pad < vocab_size else 0
 
 
-def _rope_spec(c: dict, key: str, spec: dict) -> None:
+# Hugging Face rope_type -> the RopeScaling fields it reads: (ours, theirs, default).
+_SCALINGS = {
+    "linear": (),
+    "llama3": (
+        ("original_max_len", "original_max_position_embeddings", None),
+        ("low_freq_factor", "low_freq_factor", None),
+        ("high_freq_factor", "high_freq_factor", None),
+    ),
+    "yarn": (
+        ("original_max_len", "original_max_position_embeddings", None),
+        ("beta_fast", "beta_fast", 32.0),
+        ("beta_slow", "beta_slow", 1.0),
+        ("truncate", "truncate", True),
+        ("mscale", "mscale", None),
+        ("mscale_all_dim", "mscale_all_dim", None),
+        ("attention_factor", "attention_factor", None),
+    ),
+    "longrope": (
+        ("original_max_len", "original_max_position_embeddings", None),
+        ("short_factor", "short_factor", None),
+        ("long_factor", "long_factor", None),
+        ("attention_factor", "attention_factor", None),
+    ),
+}
+
+
+def _rope_kind(spec: dict) -> str:
     kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind != "default":
+    return "longrope" if kind == "su" else kind  # Phi-3's older name
+
+
+def _rope_spec(c: dict, key: str, spec: dict, *, scaled: bool) -> None:
+    kind = _rope_kind(spec)
+    if kind != "default" and not (scaled and kind in _SCALINGS):
+        supported = ["default", *_SCALINGS] if scaled else ["default"]
         raise UnsupportedCheckpointError(
-            f"config.json {key}.rope_type={kind!r} is not supported: attnlab implements "
-            "plain RoPE only (rope_type 'default')"
+            f"config.json {key}.rope_type={kind!r} is not supported for this family: "
+            f"attnlab reads rope_type {supported}"
         )
 
 
-def rope_theta_of(c: dict, *, partial: bool = False, layer_type: str | None = None) -> float:
+def rope_scaling_of(c: dict, layer_type: str | None = None) -> dict | None:
+    """``ModelConfig.rope_scaling`` from ``rope_parameters`` (or the older ``rope_scaling``;
+    ``layer_type``: that entry of per-layer-type ``rope_parameters``): None for plain RoPE.
+    A ``factor`` or ``original_max_position_embeddings`` left out is derived as
+    transformers derives it (from ``max_position_embeddings``)."""
+    spec, key = c.get("rope_scaling") or {}, "rope_scaling"
+    if _rope_kind(spec) == "default":
+        spec, key = c.get("rope_parameters") or {}, "rope_parameters"
+        if layer_type is not None and isinstance(spec.get(layer_type), dict):
+            spec, key = spec[layer_type], f"rope_parameters.{layer_type}"
+    kind = _rope_kind(spec)
+    if kind == "default":
+        return None
+    _rope_spec(c, key, spec, scaled=True)
+    out = {"kind": kind}
+    for ours, theirs, default in _SCALINGS[kind]:
+        value = spec.get(theirs, c.get(theirs) if theirs.startswith("original") else None)
+        value = default if value is None else value
+        if value is not None:
+            out[ours] = value
+    if kind == "longrope" and c.get("original_max_position_embeddings"):
+        # Phi-3's config reads its top-level field over the one in rope_parameters.
+        out["original_max_len"] = c["original_max_position_embeddings"]
+    if kind in ("yarn", "longrope") and "original_max_len" not in out:
+        out["original_max_len"] = require(c, "max_position_embeddings")
+    factor = spec.get("factor")
+    if factor is None and kind in ("yarn", "longrope"):
+        factor = require(c, "max_position_embeddings") / out["original_max_len"]
+    out["factor"] = float(require({"factor": factor}, "factor"))
+    return out
+
+
+def rope_theta_of(
+    c: dict, *, partial: bool = False, layer_type: str | None = None, scaled: bool = False
+) -> float:
     """The RoPE base; ``partial``: the family reads ``partial_rotary_factor`` itself;
-    ``layer_type``: the entry of per-layer-type ``rope_parameters`` (Gemma 3)."""
+    ``layer_type``: the entry of per-layer-type ``rope_parameters`` (Gemma 3); ``scaled``:
+    the family reads a scaling of the frequencies (``rope_scaling_of``)."""
     params = c.get("rope_parameters") or {}
     key = "rope_parameters"
     if layer_type is not None and isinstance(params.get(layer_type), dict):
         params, key = params[layer_type], f"rope_parameters.{layer_type}"
-    _rope_spec(c, key, params)
-    _rope_spec(c, "rope_scaling", c.get("rope_scaling") or {})
+    _rope_spec(c, key, params, scaled=scaled)
+    _rope_spec(c, "rope_scaling", c.get("rope_scaling") or {}, scaled=scaled)
     if not partial and rotary_fraction(c) != 1.0:
         raise UnsupportedCheckpointError(
             f"config.json partial_rotary_factor={rotary_fraction(c)} is not supported"

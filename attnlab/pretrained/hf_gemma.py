@@ -17,6 +17,7 @@ from attnlab.pretrained.hf_base import (
     ffn_kind,
     reject,
     require,
+    rope_scaling_of,
     rope_theta_of,
 )
 
@@ -41,19 +42,21 @@ def _layer_types(c: dict, family: str) -> list[str]:
 
 
 def _layer_pattern(c: dict, family: str) -> tuple[float, list[dict] | None]:
-    """``(rope_theta, layer_pattern)``: each layer's window and RoPE base."""
+    """``(rope_theta, layer_pattern)``: each layer's window and RoPE base. The model's
+    RoPE scaling (``rope_parameters.full_attention``) scales the global layers; Gemma 3's
+    local layers have a base of their own and rotate unscaled."""
     if family == "gemma":
-        return rope_theta_of(c), None
-    global_theta = rope_theta_of(c, layer_type="full_attention")
-    local_theta = global_theta
+        return rope_theta_of(c, scaled=True), None
+    global_theta = rope_theta_of(c, layer_type="full_attention", scaled=True)
+    local_theta = None  # Gemma 2: the global base and scaling
     if family == "gemma3_text":
-        local_theta = c.get("rope_local_base_freq") or rope_theta_of(
-            c, layer_type="sliding_attention"
+        local_theta = float(
+            c.get("rope_local_base_freq") or rope_theta_of(c, layer_type="sliding_attention")
         )
     types = _layer_types(c, family)
     window = require(c, "sliding_window") if "sliding_attention" in types else None
     pattern = [
-        {"window": window, "rope_theta": float(local_theta)}
+        {"window": window, "rope_theta": local_theta}
         if kind == "sliding_attention"
         else {"window": None, "rope_theta": None}
         for kind in types
@@ -82,6 +85,7 @@ def gemma(c: dict, family: str) -> dict:
         max_len=c.get("max_position_embeddings") or 8192,
         position="rope",
         rope_theta=theta,
+        rope_scaling=rope_scaling_of(c, None if family == "gemma" else "full_attention"),
         layer_pattern=pattern,
         norm="rmsnorm",
         norm_eps=c.get("rms_norm_eps", 1e-6),

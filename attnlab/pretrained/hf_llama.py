@@ -10,6 +10,7 @@ from attnlab.pretrained.hf_base import (
     ffn_kind,
     reject,
     require,
+    rope_scaling_of,
     rope_theta_of,
     rotary_fraction,
 )
@@ -57,6 +58,7 @@ def llama_like(c: dict, family: str) -> dict:
         "qwen3": (bias, bias),
         "olmo2": (bias, bias),
         "phi3": (False, False),
+        "gpt_oss": (bias, bias),
     }[family]
     vocab = require(c, "vocab_size")
     H = c.get("head_dim") or D // N
@@ -75,7 +77,8 @@ def llama_like(c: dict, family: str) -> dict:
         d_ff=require(c, "intermediate_size"),
         max_len=c.get("max_position_embeddings") or 2048,
         position="rope",
-        rope_theta=rope_theta_of(c, partial=family == "phi3"),
+        rope_theta=rope_theta_of(c, partial=family == "phi3", scaled=True),
+        rope_scaling=rope_scaling_of(c),
         rotary_dim=rotary,
         norm="rmsnorm",
         norm_eps=c.get("rms_norm_eps", 1e-6),

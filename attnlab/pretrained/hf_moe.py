@@ -1,5 +1,5 @@
-"""config.json translators of the mixture-of-experts decoders: Mixtral, Qwen3-MoE and
-DeepSeek-V3.
+"""config.json translators of the mixture-of-experts decoders: Mixtral, Qwen3-MoE,
+gpt-oss and DeepSeek-V3.
 
 Both are Llama-shaped decoders (Mixtral as Mistral, Qwen3-MoE as Qwen3 with QK-norm) whose
 every FFN is ``ffn_variant="moe"``: softmax router scores, top-k experts, the top-k weights
@@ -8,6 +8,7 @@ renormalised (Qwen3-MoE: when ``norm_topk_prob``), each expert a SwiGLU FFN.
 
 from __future__ import annotations
 
+from attnlab.ops.positions import yarn_mscale
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError, reject, require
 from attnlab.pretrained.hf_llama import llama_like
 
@@ -45,6 +46,40 @@ def qwen3_moe(c: dict) -> dict:
     )
 
 
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def gpt_oss(c: dict) -> dict:
+    """Attention sinks (``mixer="sinks"``) with biases, sliding and full layers alternating,
+    YaRN RoPE; experts chosen by a router with a bias (softmax over the top-k logits, i.e.
+    renormalised top-k), each a clamped SwiGLU with biases."""
+    n = require(c, "num_hidden_layers")
+    if c.get("layer_types") is None:  # transformers' default: sliding first, then full
+        types = ["sliding_attention", "full_attention"] * (n // 2) + ["sliding_attention"] * (n % 2)
+        c = {**c, "layer_types": types}
+    if not c.get("rope_parameters") and not c.get("rope_scaling"):  # transformers' default
+        c = {**c, "rope_parameters": dict(_GPT_OSS_ROPE, rope_theta=c.get("rope_theta", 150000.0))}
+    return _moe(
+        {**llama_like(c, "gpt_oss"), "mixer": "sinks"},
+        n_experts=require(c, "num_local_experts"),
+        top_k=require(c, "num_experts_per_tok"),
+        renormalize=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(c.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
+        load_balance_weight=float(c.get("router_aux_loss_coef", 0.001)),
+        z_loss_weight=0.0,
+    )
+
+
 def deepseek_v3(c: dict) -> dict:
     """Multi-head latent attention (``mixer="mla"``) and, after ``first_k_dense_replace``
     dense layers, experts chosen by sigmoid scores with a selection bias, grouped routing
@@ -53,6 +88,11 @@ def deepseek_v3(c: dict) -> dict:
     reject(c, "scoring_func", lambda v: v not in (None, "sigmoid"), "only sigmoid scores")
     Hn, Hr = require(c, "qk_nope_head_dim"), require(c, "qk_rope_head_dim")
     fields = llama_like({**c, "head_dim": Hn + Hr}, "llama")
+    scaling = fields["rope_scaling"]
+    if scaling and scaling["kind"] == "yarn" and scaling.get("mscale_all_dim"):
+        # YaRN's temperature on the whole logit, beside the factor on the rotated dims.
+        mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        fields["attn_scale"] = (Hn + Hr) ** -0.5 * mscale * mscale
     mla = {
         "kv_lora_rank": require(c, "kv_lora_rank"),
         "q_lora_rank": c.get("q_lora_rank"),

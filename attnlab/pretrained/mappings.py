@@ -38,6 +38,7 @@ class Mapping:
     rules: tuple[Rule, ...]
     prefix: str = ""
     ignore: tuple[str, ...] = ()  # fnmatch patterns of stored names nothing needs
+    per_expert: bool = True  # experts stored one tensor each (stacked on load), or stacked
 
 
 def _rule(hf, to, fn="copy") -> Rule:

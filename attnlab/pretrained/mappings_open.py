@@ -1,5 +1,5 @@
-"""Tensor-name tables of the open families of today: Gemma, Gemma 2/3, OLMo 2, Phi-3, Mixtral
-and Qwen3-MoE
+"""Tensor-name tables of the open families of today: Gemma, Gemma 2/3, OLMo 2, Phi-3, Mixtral,
+Qwen3-MoE, gpt-oss and DeepSeek-V3
 (see ``attnlab.pretrained.mappings`` for what a table is). ``MAPPINGS`` holds every family's
 table, these and the classic ones."""
 
@@ -129,6 +129,29 @@ MIXTRAL = _moe_table("block_sparse_moe", "w1", "w3", "w2", qk_norm=False)
 QWEN3_MOE = _moe_table("mlp", "gate_proj", "up_proj", "down_proj", qk_norm=True)
 
 
+# gpt-oss: attention with biases and a sink logit per head; a router with a bias; experts
+# stored stacked, gate and up interleaved in gate_up_proj [E, D, 2F], each with a bias.
+_X = f"{_L}.mlp.experts"
+GPT_OSS = Mapping(
+    prefix="model.",
+    rules=_table(
+        _ends(),
+        _norm(f"{_L}.input_layernorm", f"{_A}.attn_norm"),
+        _linear_attention(f"{_L}.self_attn", f"{_A}.attn"),
+        (f"{_L}.self_attn.sinks", f"{_A}.attn.sinks_N"),
+        _norm(f"{_L}.post_attention_layernorm", f"{_A}.ffn_norm"),
+        (f"{_L}.mlp.router.weight", f"{_A}.ffn.router_DE", "linear"),
+        (f"{_L}.mlp.router.bias", f"{_A}.ffn.b_router_E"),
+        (f"{_X}.gate_up_proj", (f"{_A}.ffn.w_gate_EDF", f"{_A}.ffn.w_in_EDF"), "interleaved"),
+        (f"{_X}.gate_up_proj_bias", (f"{_A}.ffn.b_gate_EF", f"{_A}.ffn.b_in_EF"), "interleaved"),
+        (f"{_X}.down_proj", f"{_A}.ffn.w_out_EFD"),
+        (f"{_X}.down_proj_bias", f"{_A}.ffn.b_out_ED"),
+    ),
+    ignore=_IGNORE,
+    per_expert=False,
+)
+
+
 # DeepSeek-V3: multi-head latent attention; dense FFNs in the first layers, then a router
 # (with its selection bias), per-expert FFNs and shared experts.
 _M = f"{_L}.self_attn"
@@ -204,4 +227,5 @@ MAPPINGS = {
     "mixtral": MIXTRAL,
     "qwen3_moe": QWEN3_MOE,
     "deepseek_v3": DEEPSEEK_V3,
+    "gpt_oss": GPT_OSS,
 }

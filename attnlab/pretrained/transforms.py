@@ -102,6 +102,13 @@ TRANSFORMS = {
         lambda x, t: _split_rows(x, t, lambda s: s[1]),
         lambda xs, t: _rows(xs),
     ),
+    # [..., 2F] holding gate, up alternately along the last axis -> 2 x [..., F] (gpt-oss's
+    # gate_up_proj [E, D, 2F] and its bias [E, 2F]).
+    "interleaved": Transform(
+        lambda t: (*t[0][:-1], 2 * t[0][-1]),
+        lambda x, t: (x[..., 0::2], x[..., 1::2]),
+        lambda xs, t: np.stack(xs, -1).reshape(*xs[0].shape[:-1], -1),
+    ),
     # Experts stacked on load ([E, out, in], one nn.Linear each) -> [E, in, out].
     "experts_linear": Transform(
         lambda t: (t[0][0], t[0][2], t[0][1]),
