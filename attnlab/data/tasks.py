@@ -75,7 +75,8 @@ _DEFAULTS = {
     "vocab_size": 0,
     "source": "",
     "text_field": "text",
-    "pipeline": "index",
+    "pipeline": "grain",
+    "workers": 0,
 }
 
 
@@ -95,8 +96,8 @@ class Task:
         name: str,
         kind: str,
         vocab_size: int,
-        sample: Callable[[np.random.Generator, int], dict],
         decode: Callable[[np.ndarray], str],
+        sample: Callable[[np.random.Generator, int], dict] | None = None,
         eval_batches: Callable[[int, int], list[dict]] | None = None,
         full_eval_batches: Callable[[int], Iterator[dict]] | None = None,
         encode: Callable[[str], np.ndarray] | None = None,
@@ -116,7 +117,7 @@ class Task:
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = pad_id, bos_id, eos_id, mask_id
         self.train_ids, self.val_ids = train_ids, val_ids
         self._sample, self._eval_batches = sample, eval_batches
-        self._train_batches = train_batches  # (seed, step, batch_size) -> batch, if given
+        self._train_batches = train_batches  # (seed, step, batch_size) -> batch, or sample
         self._full_eval_batches = full_eval_batches
         self._decode, self._encode = decode, encode
 
