@@ -1,7 +1,9 @@
 """Text tasks: language-model and masked-language-model batches cut from token arrays.
 
-Windows are read by index from the token arrays (in memory or memory-mapped), so a batch is
-a pure function of (seed, step) like every task's (see ``tasks`` for the batch formats).
+The token arrays (in memory or memory-mapped) feed Grain (``grain_pipeline``): packed
+documents with ``data.pipeline="grain"`` (the default; the iterator's state is saved with
+each checkpoint), windows read by index with ``"index"`` and for masked language models (a
+pure function of (seed, step)). See ``tasks`` for the batch formats.
 """
 
 from __future__ import annotations
