@@ -128,3 +128,51 @@ def test_a_worker_process_gives_the_batches_and_state_of_the_inline_pipeline(tmp
     resumed.restore_data_state(json.loads(json.dumps(worker.data_state())))
     a, b = inline.train_batch(1, 3, 4), resumed.train_batch(1, 3, 4)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow(reason="three training processes, one killed with SIGKILL")
+def test_a_packed_run_killed_with_sigkill_resumes_bitwise(tmp_path):
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+
+    import jax
+
+    from attnlab import runs
+    from attnlab.checkpoint import Checkpointer
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+
+    def train(workdir):
+        cmd = [sys.executable, "-m", "attnlab.cli", "train", "--no-progress", "--config"]
+        cmd += [f"{repo / 'experiments' / 'char_lm.py'}:tiny", "--workdir", str(workdir)]
+        cmd += ["--config.train.steps=40", "--config.checkpoint.every_steps=10"]
+        cmd += ["--config.checkpoint.max_to_keep=10"]
+        cmd += ["--config.eval.sample_tokens=0", "--config.eval.every_steps=40"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the default pipeline: packed
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+
+    straight = train(tmp_path / "straight")
+    killed = train(tmp_path / "resumed")
+    for line in killed.stdout:
+        if line.startswith("step=25 "):  # checkpoints 10 and 20 written
+            break
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    out, _ = train(tmp_path / "resumed").communicate(timeout=300)
+    resumed_at = int(out.split("resuming from step ")[1].split()[0])
+    assert resumed_at >= 20, out
+    straight.communicate(timeout=300)
+    assert straight.returncode == 0
+    with Checkpointer(tmp_path / "resumed" / "checkpoints") as ckpt:
+        state = ckpt.restore_metadata(resumed_at)["data_state"]
+    assert state["step"] == resumed_at  # the pipeline resumed from its state, not a replay
+    a, b = runs.load_run(tmp_path / "straight"), runs.load_run(tmp_path / "resumed")
+    assert a.step == b.step == 40
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
