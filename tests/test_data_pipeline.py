@@ -176,3 +176,37 @@ def test_a_packed_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     assert a.step == b.step == 40
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow(reason="trains a tiny run three times")
+def test_a_run_of_several_processes_saves_and_restores_each_ones_state(tmp_path, monkeypatch):
+    """Process 1 of 2 (its input pipeline's view; one device trains its half of the rows):
+    its state goes to its own file at each checkpoint and a resumed run reads it back."""
+    import pathlib
+
+    import jax
+
+    from attnlab import experiment, runs
+    from attnlab.runs import workdir
+
+    monkeypatch.setattr(workdir, "_host", lambda: (1, 2))
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    overrides = ["--config.train.steps=6", "--config.checkpoint.every_steps=3"]
+    overrides += ["--config.eval.sample_tokens=0", "--config.checkpoint.max_to_keep=5"]
+
+    def cfg():
+        return experiment.load_config(f"{repo / 'experiments' / 'char_lm.py'}:tiny", overrides)
+
+    runs.train(cfg(), tmp_path / "straight", progress=False)
+    runs.train(cfg(), tmp_path / "resumed", progress=False, stop_after=4)
+    saved = gp.load_process_state(tmp_path / "resumed", 4, (1, 2))
+    assert saved["step"] == 4 and saved["batch_size"] == 4
+    restored = []
+    monkeypatch.setattr(
+        workdir, "load_process_state", lambda *a: restored.append(a) or gp.load_process_state(*a)
+    )
+    runs.train(cfg(), tmp_path / "resumed", progress=False)
+    assert restored == [(tmp_path / "resumed", 4, (1, 2))]
+    a, b = runs.load_run(tmp_path / "straight"), runs.load_run(tmp_path / "resumed")
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
