@@ -37,11 +37,13 @@ import pathlib
 import numpy as np
 
 PACKING_BINS = 16  # rows packed at a time: more bins, less padding, more reordering
-PREFETCH = 0  # batches a background thread keeps ready (0: no thread; see data.workers)
+# Batches a background thread keeps ready. None by default: packing a batch takes a few
+# milliseconds, a percent or two of a step, and a thread gained nothing measurable on the
+# 2-core machine (docs/data.md); data.workers moves the pipeline to worker processes.
+PREFETCH = 0
 # Threads reading chunks ahead of the packer. The reads are cheap slices of a memory map, so
 # on a small machine the threads' hand-offs cost more than they save (2 shared cores: 9,400
-# chunks/s with none, 5,600 with one, 3,400 with two); the prefetch thread overlaps the
-# whole pipeline with the step instead.
+# chunks/s with none, 5,600 with one, 3,400 with two).
 READ_THREADS = 0
 MAX_OFFSETS = 1 << 31  # window offsets shuffled at most; longer streams use every k-th
 STATE_DIR = "data_state"  # per-process iterator states of a multi-process run's checkpoints

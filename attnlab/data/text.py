@@ -13,6 +13,7 @@ import pathlib
 import numpy as np
 
 from attnlab.data import fetch, synthetic
+from attnlab.data import grain_pipeline as gp
 from attnlab.data.corpus import load_text, split_train_val, stdlib_corpus
 from attnlab.data.tasks import EVAL_SEED, EVAL_STREAM, TOKENIZER_FILE, Task, batch_rng, config_field
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
@@ -102,8 +103,6 @@ def _pipeline(cfg, mlm):
 def _train_batches(cfg, train, documents, host, map_fn, mlm):  # mlm: map_fn(rng, rows)
     """Grain's packed batches (``data.pipeline="grain"``, language models) or its windows
     read by index (``"index"``, and masked language models)."""
-    from attnlab.data import grain_pipeline as gp
-
     pipeline, workers = _pipeline(cfg, mlm)
     seq_len = config_field(cfg, "seq_len")
     if pipeline == "grain" and not mlm:
@@ -141,8 +140,6 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1), docu
                 "use a longer text, a smaller --config.data.seq_len or another "
                 "--config.data.val_fraction"
             )
-    from attnlab.data import grain_pipeline as gp
-
     common = dict(name=name, tokenizer=tokenizer, encode=tokenizer.encode)
     common.update(train_ids=train, val_ids=val)
 
