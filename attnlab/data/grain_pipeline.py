@@ -90,11 +90,12 @@ def spread_batches(tokens, *, window: int, batch_size: int, num_batches: int, ma
     starts = np.rint(np.linspace(0, len(tokens) - window, count)).astype(np.int64)
     ds = grain.MapDataset.source(starts)
     ds = ds.map(lambda start: np.asarray(tokens[start : start + window], np.int32))
-    return [map_fn(i, rows) for i, rows in enumerate(ds.batch(batch_size))]
+    ds = ds.batch(batch_size)
+    return [map_fn(i, ds[i]) for i in range(len(ds))]  # by index: no reading threads
 
 
 def consecutive_batches(ids, *, seq_len: int, batch_size: int):
-    """LM batches over all of ``ids`` (a Grain ``MapDataset``): row ``i`` predicts
+    """LM batches over all of ``ids`` (read from a Grain ``MapDataset``): row ``i`` predicts
     ``ids[i*T+1 : (i+1)*T+1]`` from the tokens before each, so every token after the first
     is a target exactly once; the tail row's padding and the rows that fill the last batch
     carry ``loss_mask`` 0."""
@@ -113,7 +114,8 @@ def consecutive_batches(ids, *, seq_len: int, batch_size: int):
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
     ds = _grain().MapDataset.range(0, n_targets, seq_len).map(row)
-    return ds.batch(batch_size, batch_fn=fill)
+    ds = ds.batch(batch_size, batch_fn=fill)
+    return (ds[i] for i in range(len(ds)))  # by index, as needed: no reading threads
 
 
 def document_chunks(ends, length: int, limit: int | None = None):
