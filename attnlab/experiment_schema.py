@@ -85,7 +85,8 @@ def base_config() -> ConfigDict:
             vocab_size=1024,  # of a data.tokenizer="bpe" trained on the corpus
             source="",  # "hf_datasets": data.path is a Hugging Face data set on disk
             text_field="text",  # its column of text
-            pipeline="index",  # "grain": packed documents (attnlab.data.grain_pipeline)
+            pipeline="grain",  # packed documents; "index": windows at every offset, stateless
+            workers=0,  # Grain worker processes for the packed pipeline (0: a prefetch thread)
         )
     )
     c.optim = ConfigDict(

@@ -1,14 +1,20 @@
-"""Input pipeline throughput, and the fraction of the train step spent waiting on data.
+"""Input pipeline throughput, the fraction of the train step spent waiting on data, startup.
 
 Writes a prepared corpus of random documents (``--tokens`` byte tokens, document lengths
-drawn from a geometric distribution of mean ``--doc-len``), then for each ``data.pipeline``
-("index": windows read by index; "grain": Grain's packed batches, prefetched by a thread):
+drawn from a geometric distribution of mean ``--doc-len``), then for each way of running
+the Grain pipeline ("index": windows read by index from a ``MapDataset``; "grain": packed
+batches in the training thread, the default; "grain+thread": the same with a prefetch
+thread; "grain+workers=N": ``data.workers=N`` worker processes):
 
 - ``batches_per_sec``: batches the task gives alone, no model;
 - ``wait_fraction``: in a training loop of a small model (the jitted train step of
   ``attnlab.train.Trainer``, dispatched asynchronously as ``attnlab train`` does), the
   seconds spent getting the next batch over the loop's wall time;
 - ``step_ms``: the loop's wall time per step.
+
+``startup_s``: seconds from a fresh interpreter's start to the first training batch of the
+tiny char_lm experiment (median of ``--startup-runs``), per pipeline. ``load`` is the
+machine's load average when each figure was taken (the machine may be shared).
 
     python benchmarks/input_pipeline.py [--tokens 4000000] [--batch 16] [--seq-len 256]
 """
@@ -19,6 +25,9 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -68,6 +77,46 @@ def wait_fraction(task, cfg, steps):
     return waiting / wall, 1000 * wall / steps
 
 
+FIRST_BATCH = """
+import time; t0 = time.perf_counter()
+from attnlab import experiment
+from attnlab.data import make_task
+cfg = experiment.load_config("experiments/char_lm.py:tiny", {overrides!r})
+make_task(cfg.data).train_batch(int(cfg.train.seed), 0, int(cfg.train.batch_size))
+print(time.perf_counter() - t0)
+"""
+
+
+def startup_seconds(pipeline: str, runs: int) -> float:
+    """Median seconds from a fresh interpreter to the tiny char_lm's first batch."""
+    code = FIRST_BATCH.format(overrides=[f"--config.data.pipeline={pipeline}"])
+    times = [
+        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout.split()[-1])
+        for _ in range(runs)
+    ]  # fmt: skip
+    return statistics.median(times)
+
+
+def _task(data, variant):
+    """The task of ``data`` run the way ``variant`` names."""
+    pipeline, _, extra = variant.partition("+")
+    workers = int(extra.split("=")[1]) if extra.startswith("workers") else 0
+    task = make_task({**data, "pipeline": pipeline, "workers": workers})
+    if extra == "thread":  # the packed pipeline with a prefetch thread
+        import grain
+
+        make = task._train_batches._make
+        task._train_batches._make = lambda seed, batch: (
+            grain.experimental.ThreadPrefetchIterDataset(make(seed, batch), prefetch_buffer_size=2)
+        )
+    return task
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4_000_000)
@@ -76,6 +125,8 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batches", type=int, default=300, help="batches timed without a model")
     p.add_argument("--steps", type=int, default=40, help="train steps timed")
+    p.add_argument("--startup-runs", type=int, default=5)
+    p.add_argument("--variants", default="index,grain,grain+thread,grain+workers=1,grain+workers=2")
     args = p.parse_args()
     report = {
         "machine": {
@@ -85,30 +136,35 @@ def main():
         },
         "config": vars(args),
         "pipelines": {},
+        "startup_s": {},
     }
+    for pipeline in ("index", "grain"):
+        if args.startup_runs:
+            row = {"seconds": round(startup_seconds(pipeline, args.startup_runs), 3)}
+            report["startup_s"][pipeline] = {**row, "load": load()}
+            print(json.dumps({f"startup {pipeline}": report["startup_s"][pipeline]}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         report["config"]["documents"] = write_corpus(tmp, args.tokens, args.doc_len)
         cfg = experiment.load_config("experiments/char_lm.py:tiny")
         cfg.model.update(vocab_size=256, d_model=128, n_layers=2, n_heads=4, max_len=args.seq_len)
         cfg.train.update(batch_size=args.batch)
-        for pipeline in ("index", "grain"):
-            data = {"kind": "prepared", "path": tmp, "seq_len": args.seq_len}
-            task = make_task({**data, "pipeline": pipeline})
+        data = {"kind": "prepared", "path": tmp, "seq_len": args.seq_len}
+        for variant in args.variants.split(","):
+            task = _task(data, variant)
             rate = batches_per_sec(task, args.batch, args.batches)
-            waiting, step_ms = wait_fraction(
-                make_task({**data, "pipeline": pipeline}), cfg, args.steps
-            )
+            waiting, step_ms = wait_fraction(_task(data, variant), cfg, args.steps)
             row = {
                 "batches_per_sec": round(rate, 1),
                 "tokens_per_sec": round(rate * args.batch * args.seq_len),
                 "wait_fraction": round(waiting, 4),
                 "step_ms": round(step_ms, 2),
+                "load": load(),
             }
-            if pipeline == "grain":
-                b = task.train_batch(0, 1, args.batch)
+            b = task.train_batch(0, 1, args.batch)
+            if "segment_ids" in b:
                 row["packed_token_fraction"] = round(float((b["segment_ids"] > 0).mean()), 4)
-            report["pipelines"][pipeline] = row
-            print(json.dumps({pipeline: row}), flush=True)
+            report["pipelines"][variant] = row
+            print(json.dumps({variant: row}), flush=True)
     print(json.dumps(report, indent=1))
 
 

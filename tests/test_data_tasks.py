@@ -30,6 +30,9 @@ FIELDS = {
     },
     "mlm": {"inputs": np.int32, "targets": np.int32, "loss_mask": np.float32, "valid": np.bool_},
 }
+# Language-model text is packed by Grain (data.pipeline="grain", the default): its rows say
+# which document each token belongs to and where in it it stands.
+PACKED = {"segment_ids": np.int32, "positions": np.int32}
 
 
 @functools.cache
@@ -63,8 +66,9 @@ def _differs(a, b):
 def test_every_kind_builds_and_batches(kind):
     task = make_task(_cfg(kind))
     batch = task.train_batch(seed=0, step=0, batch_size=BATCH)
-    assert batch.keys() == FIELDS[task.kind].keys()
-    for key, dtype in FIELDS[task.kind].items():
+    fields = FIELDS[task.kind] | (PACKED if kind in ("text", "prepared") else {})
+    assert batch.keys() == fields.keys()
+    for key, dtype in fields.items():
         assert batch[key].dtype == dtype, key
         assert batch[key].shape == (BATCH, SEQ_LEN), key
     for key in ("inputs", "targets", "src", "tgt_in", "tgt_out"):

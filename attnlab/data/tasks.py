@@ -1,9 +1,11 @@
-"""Tasks: what a model is trained on, as NumPy batches that are pure functions of (seed, step).
+"""Tasks: what a model is trained on, as NumPy batches.
 
-``attnlab.data.make_task(data_cfg)`` reads ``data.kind`` and builds a ``Task``. Every batch
-comes from ``np.random.default_rng([seed, step, stream])`` (no global RNG state), and its id
-fields pass ``validate_ids`` against ``task.vocab_size`` before they are returned. Evaluation
-batches are
+``attnlab.data.make_task(data_cfg)`` reads ``data.kind`` and builds a ``Task``. Synthetic
+batches are pure functions of (seed, step): each comes from
+``np.random.default_rng([seed, step, stream])`` (no global RNG state). Text batches come from
+Grain (``grain_pipeline``): packed documents whose iterator state the run checkpoints, or
+windows read by index, again a pure function of (seed, step). Every batch's id fields pass
+``validate_ids`` against ``task.vocab_size`` before they are returned. Evaluation batches are
 fixed: text tasks read evenly spaced windows of the validation split (the last
 ``val_fraction`` of the stream); synthetic tasks draw from a fixed evaluation stream that no
 training (seed, step) can reach.
@@ -13,8 +15,10 @@ Batch formats (ids int32, masks float32, validity bool; B batch, T ``seq_len``, 
 ``kind == "lm"`` (``text``, ``copy``, ``reverse``, ``sort``, ``induction``, ``mqar``,
 ``passkey``)
     ``inputs [B, T]``, ``targets [B, T]`` (inputs shifted by one: both are cut from one
-    window of T + 1 tokens), ``loss_mask [B, T]`` (1 where the target counts; all ones for
-    text, the answer tokens for synthetic tasks).
+    window of T + 1 tokens), ``loss_mask [B, T]`` (1 where the target counts; for text,
+    where it continues its input's document, the answer tokens for synthetic tasks). Packed
+    text adds ``segment_ids [B, T]`` (1, 2, ... per document in the row, 0 for padding) and
+    ``positions [B, T]`` (restarting at 0 in each document).
 ``kind == "seq2seq"`` (``seq2seq_reverse``, ``addition``)
     ``src [B, S]``, ``src_valid [B, S]``, ``tgt_in [B, T]`` (BOS, answer, PAD...),
     ``tgt_out [B, T]`` (answer, EOS, PAD...), ``loss_mask [B, T]`` (answer and EOS); S = T.
@@ -75,7 +79,8 @@ _DEFAULTS = {
     "vocab_size": 0,
     "source": "",
     "text_field": "text",
-    "pipeline": "index",
+    "pipeline": "grain",
+    "workers": 0,
 }
 
 
@@ -95,8 +100,8 @@ class Task:
         name: str,
         kind: str,
         vocab_size: int,
-        sample: Callable[[np.random.Generator, int], dict],
         decode: Callable[[np.ndarray], str],
+        sample: Callable[[np.random.Generator, int], dict] | None = None,
         eval_batches: Callable[[int, int], list[dict]] | None = None,
         full_eval_batches: Callable[[int], Iterator[dict]] | None = None,
         encode: Callable[[str], np.ndarray] | None = None,
@@ -116,7 +121,7 @@ class Task:
         self.pad_id, self.bos_id, self.eos_id, self.mask_id = pad_id, bos_id, eos_id, mask_id
         self.train_ids, self.val_ids = train_ids, val_ids
         self._sample, self._eval_batches = sample, eval_batches
-        self._train_batches = train_batches  # (seed, step, batch_size) -> batch, if given
+        self._train_batches = train_batches  # (seed, step, batch_size) -> batch, or sample
         self._full_eval_batches = full_eval_batches
         self._decode, self._encode = decode, encode
 

@@ -1,7 +1,9 @@
 """Text tasks: language-model and masked-language-model batches cut from token arrays.
 
-Windows are read by index from the token arrays (in memory or memory-mapped), so a batch is
-a pure function of (seed, step) like every task's (see ``tasks`` for the batch formats).
+The token arrays (in memory or memory-mapped) feed Grain (``grain_pipeline``): packed
+documents with ``data.pipeline="grain"`` (the default; the iterator's state is saved with
+each checkpoint), windows read by index with ``"index"`` and for masked language models (a
+pure function of (seed, step)). See ``tasks`` for the batch formats.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import pathlib
 import numpy as np
 
 from attnlab.data import fetch, synthetic
+from attnlab.data import grain_pipeline as gp
 from attnlab.data.corpus import load_text, split_train_val, stdlib_corpus
 from attnlab.data.tasks import EVAL_SEED, EVAL_STREAM, TOKENIZER_FILE, Task, batch_rng, config_field
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
@@ -67,42 +70,6 @@ def _text_tokenizer(name, text, workdir, vocab_size=0):
     return tokenizer
 
 
-def host_rows(batch_size: int, host=(0, 1)) -> slice:
-    """The rows of a global batch that process ``host[0]`` of ``host[1]`` reads."""
-    index, count = host
-    if batch_size % count:
-        raise ValueError(f"train.batch_size={batch_size} must divide over {count} processes")
-    per = batch_size // count
-    return slice(index * per, (index + 1) * per)
-
-
-def _windows(ids, starts, length):
-    return ids[np.asarray(starts)[:, None] + np.arange(length)[None, :]].astype(np.int32)
-
-
-def _consecutive_windows(ids, seq_len, batch_size):
-    """LM batches over all of ``ids``: window ``i`` predicts ``ids[i*T+1 : (i+1)*T+1]`` from
-    the tokens before each, so every token after the first is a target exactly once."""
-    n_targets = len(ids) - 1
-    starts = np.arange(0, n_targets, seq_len)
-    for first in range(0, len(starts), batch_size):
-        rows = starts[first : first + batch_size]
-        inputs = np.zeros((batch_size, seq_len), np.int32)
-        targets = np.zeros((batch_size, seq_len), np.int32)
-        loss_mask = np.zeros((batch_size, seq_len), np.float32)
-        for r, s in enumerate(rows):
-            n = min(seq_len, n_targets - s)
-            inputs[r, :n] = ids[s : s + n]
-            targets[r, :n] = ids[s + 1 : s + n + 1]
-            loss_mask[r, :n] = 1.0
-        yield {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
-
-
-def _spread_starts(ids, length, count):
-    """``count`` window starts spread evenly over ``ids``."""
-    return np.rint(np.linspace(0, len(ids) - length, count)).astype(np.int64)
-
-
 def text_task(cfg, workdir, mlm, host=(0, 1)):
     name = config_field(cfg, "kind")
     text = _load_corpus(config_field(cfg, "path"), config_field(cfg, "max_chars"))
@@ -118,38 +85,52 @@ def text_task(cfg, workdir, mlm, host=(0, 1)):
     return token_task(cfg, name, tokenizer, train, val, mlm=mlm, host=host)
 
 
-def _grain_batches(cfg, train, documents, host):
-    """``data.pipeline``: None for the windows read by index, else Grain's packed batches."""
-    pipeline = config_field(cfg, "pipeline")
+def _pipeline(cfg, mlm):
+    """``data.pipeline`` and ``data.workers``, checked."""
+    pipeline, workers = config_field(cfg, "pipeline"), config_field(cfg, "workers")
     if pipeline not in PIPELINES:
         raise DataError(f"data.pipeline must be one of {PIPELINES}; got {pipeline!r}")
-    if pipeline == "index":
-        return None
-    from attnlab.data.grain_pipeline import GrainSampler, packed_batches
-
-    ends = np.array([len(train)]) if documents is None else documents
-    seq_len = config_field(cfg, "seq_len")
-
-    def make(seed, batch_size):
-        return packed_batches(
-            train,
-            ends,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            host=host,
-            limit=len(train),
+    if not isinstance(workers, int) or workers < 0:
+        raise DataError(f"data.workers must be an integer >= 0; got {workers!r}")
+    if workers and (mlm or pipeline != "grain"):
+        raise DataError(
+            "data.workers runs the packed pipeline in worker processes: set data.workers=0 or "
+            "use data.kind='text'/'prepared' with data.pipeline='grain'"
         )
+    return pipeline, workers
 
-    return GrainSampler(make)
+
+def _train_batches(cfg, train, documents, host, map_fn, mlm):  # mlm: map_fn(rng, rows)
+    """Grain's packed batches (``data.pipeline="grain"``, language models) or its windows
+    read by index (``"index"``, and masked language models)."""
+    pipeline, workers = _pipeline(cfg, mlm)
+    seq_len = config_field(cfg, "seq_len")
+    if pipeline == "grain" and not mlm:
+        ends = np.array([len(train)]) if documents is None else documents
+
+        def packed(seed, batch_size):
+            return gp.packed_batches(
+                train, ends, seq_len=seq_len, batch_size=batch_size, seed=seed, host=host,
+                limit=len(train), workers=workers,
+            )  # fmt: skip
+
+        return gp.GrainSampler(packed)
+    window = seq_len if mlm else seq_len + 1
+
+    def windows(seed, batch_size):
+        return gp.window_batches(
+            train, window=window, batch_size=batch_size, seed=seed, host=host,
+            **{"random_fn" if mlm else "map_fn": map_fn},
+        )  # fmt: skip
+
+    return gp.StepSampler(windows)
 
 
 def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1), documents=None) -> Task:
-    """A text task over token arrays (in memory or memory-mapped); windows are read by index,
-    or packed from ``documents`` (their end offsets) by Grain with ``data.pipeline="grain"``."""
+    """A text task over token arrays (in memory or memory-mapped), its batches Grain's: packed
+    from ``documents`` (their end offsets) with ``data.pipeline="grain"``, else windows read
+    by index (``attnlab.data.grain_pipeline``)."""
     seq_len = config_field(cfg, "seq_len")
-    if mlm and config_field(cfg, "pipeline") != "index":
-        raise DataError("data.pipeline='grain' packs language-model batches: use data.kind='text'")
     window = seq_len if mlm else seq_len + 1
     for split, part in (("train", train), ("validation", val)):
         if len(part) < window:
@@ -168,24 +149,18 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1), docu
             ones = np.ones((len(window_ids), seq_len), np.float32)
             return {"inputs": window_ids[:, :-1], "targets": window_ids[:, 1:], "loss_mask": ones}
 
-        def sample(rng, batch_size):
-            starts = rng.integers(0, len(train) - seq_len, batch_size)[host_rows(batch_size, host)]
-            return lm(_windows(train, starts, window))
-
         def evaluate(batch_size, num_batches):
-            starts = _spread_starts(val, window, batch_size * num_batches)
-            return [lm(_windows(val, s, window)) for s in np.split(starts, num_batches)]
-
-        def evaluate_all(batch_size):
-            yield from _consecutive_windows(val, seq_len, batch_size)
+            return gp.spread_batches(
+                val, window=window, batch_size=batch_size, num_batches=num_batches,
+                map_fn=lambda i, rows: lm(rows),
+            )  # fmt: skip
 
         return Task(
             kind="lm",
-            train_batches=_grain_batches(cfg, train, documents, host),
+            train_batches=_train_batches(cfg, train, documents, host, lm, mlm=False),
             vocab_size=tokenizer.vocab_size,
-            sample=sample,
             eval_batches=evaluate,
-            full_eval_batches=evaluate_all,
+            full_eval_batches=lambda B: gp.consecutive_batches(val, seq_len=seq_len, batch_size=B),
             decode=tokenizer.decode,
             **common,
         )
@@ -199,17 +174,11 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1), docu
             rng, window_ids, valid, mask_rate=mask_rate, mask_id=mask_id, low=0, high=mask_id
         )
 
-    def sample(rng, batch_size):
-        return corrupt(
-            rng, _windows(train, rng.integers(0, len(train) - seq_len + 1, batch_size), window)
-        )
-
     def evaluate(batch_size, num_batches):
-        starts = _spread_starts(val, window, batch_size * num_batches)
-        return [
-            corrupt(batch_rng(EVAL_SEED, i, EVAL_STREAM), _windows(val, s, window))
-            for i, s in enumerate(np.split(starts, num_batches))
-        ]
+        return gp.spread_batches(
+            val, window=window, batch_size=batch_size, num_batches=num_batches,
+            map_fn=lambda i, rows: corrupt(batch_rng(EVAL_SEED, i, EVAL_STREAM), rows),
+        )  # fmt: skip
 
     def decode(ids):
         pieces = np.split(ids, np.flatnonzero(ids == mask_id))
@@ -218,8 +187,8 @@ def token_task(cfg, name, tokenizer, train, val, *, mlm=False, host=(0, 1), docu
 
     return Task(
         kind="mlm",
+        train_batches=_train_batches(cfg, train, documents, host, corrupt, mlm=True),
         vocab_size=mask_id + 1,
-        sample=sample,
         eval_batches=evaluate,
         decode=decode,
         mask_id=mask_id,

@@ -30,6 +30,7 @@ from attnlab import experiment
 from attnlab.checkpoint import Checkpointer, CorruptCheckpointError, stop_signal
 from attnlab.config import ModelConfig
 from attnlab.data import make_task
+from attnlab.data.grain_pipeline import load_process_state, save_process_state
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import CheckpointError, WorkdirError, one_line
 from attnlab.train import set_optim_values
@@ -242,8 +243,12 @@ class Run:
         )
         metadata = self.ckpt.restore_metadata(self.start)
         self.elapsed = float(metadata.get("elapsed_sec", 0.0))
-        if jax.process_count() == 1:
-            self.task.restore_data_state(metadata.get("data_state"))
+        host = _host()
+        self.task.restore_data_state(  # the input pipeline's position, where it has one
+            metadata.get("data_state")
+            if host[1] == 1
+            else load_process_state(self.workdir, self.start, host)
+        )
         if self.changes:
             set_optim_values(state["opt_state"], self.cfg.optim)
         truncate_jsonl(self.workdir / METRICS_FILE, self.start)
@@ -264,8 +269,12 @@ class Run:
         if step in self.ckpt.all_steps():
             self.ckpt.delete(step)
         meta = {"elapsed_sec": self.elapsed, "step": step, "interrupted": stop_signal()}
-        if jax.process_count() == 1:  # one process: its input pipeline's position too
+        host = _host()
+        if host[1] == 1:  # one process: its input pipeline's position too
             meta["data_state"] = self.task.data_state()
+        else:  # several: each keeps its own beside the checkpoints
+            keep = self.ckpt.all_steps()
+            save_process_state(self.workdir, step, host, self.task.data_state(), keep)
         self.ckpt.save(step, state, metadata=meta, force=True)
 
     def log(self, record: dict, file: str = METRICS_FILE):
