@@ -33,6 +33,30 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# The files that take longest, started first: the README's command runs the tests on one
+# worker per core (pytest-xdist, ``--dist loadfile``), which hands out whole files in
+# collection order, and a long file collected last would run alone at the end.
+LONGEST_FIRST = (
+    "test_train.py",
+    "test_runs.py",
+    "test_notebooks.py",
+    "test_models.py",
+    "test_ops_chunked.py",
+    "test_mixer_recurrent.py",
+    "test_sweep.py",
+    "test_recompute.py",
+    "test_layer_stack.py",
+    "test_sharding.py",
+    "test_context_parallel.py",
+    "test_moe_mesh.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 @pytest.fixture
 def shared_dir():
     """``../shared`` beside the checkout; tests that need it skip when it is absent."""

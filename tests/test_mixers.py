@@ -108,6 +108,10 @@ def test_its_cache_holds_its_state_and_decoding_equals_the_forward_pass():
     mixer_checks.grads_finite_with_masked_rows(cfg)
 
 
+@pytest.mark.slow(
+    reason="trains, resumes and reloads a run of its own; the recurrent layers' cached state "
+    "and the runs tests cover the same paths"
+)
 def test_it_trains_resumes_exactly_and_loads_back(tmp_path):
     overrides = [
         "--config.model.mixer=running_mean",

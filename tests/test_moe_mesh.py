@@ -7,8 +7,6 @@ started by ``test_expert_mesh_tests_pass_on_eight_cpu_devices``; in the parent t
 
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -29,19 +27,7 @@ on_mesh = pytest.mark.skipif(
 def test_expert_mesh_tests_pass_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")
-    env = dict(os.environ, ATTNLAB_MESH_CHILD="1")
-    env["XLA_FLAGS"] = xla_flags.devices(8)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    assert " passed" in out.stdout and "failed" not in out.stdout.splitlines()[-1]
+    xla_flags.run_on_devices(__file__)
 
 
 def tiny_moe():

@@ -242,7 +242,10 @@ GREEDY_SLOW = "one more family's cached decoding, compiled, against transformers
 
 @pytest.mark.parametrize(
     "name",
-    cases(DECODERS + SEQ2SEQ, slow={n: GREEDY_SLOW for n in ("mistral", "qwen3", "t5_v1_1", "t5")}),
+    cases(
+        DECODERS + SEQ2SEQ,
+        slow={n: GREEDY_SLOW for n in ("mistral", "qwen3", "t5_v1_1", "t5", "bart")},
+    ),
 )
 def test_greedy_matches_transformers_generate(checkpoints, name):
     model, folder = checkpoints(name)

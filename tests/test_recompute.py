@@ -24,7 +24,15 @@ def prefix_loop(model, prompt, n):
 
 
 @pytest.mark.parametrize(
-    "causal", cases([True, False], slow={True: "compiles the prefix loop and cached decoding too"})
+    "causal",
+    cases(
+        [True, False],
+        slow={
+            True: "compiles the prefix loop and cached decoding too",
+            False: "compiles the prefix loop of an encoder-decoder; the other recompute tests "
+            "cover the path",
+        },
+    ),
 )
 def test_greedy_recompute_equals_the_prefix_loop(causal):
     model = build_model(ModelConfig(**CFG, causal=causal), seed=1)

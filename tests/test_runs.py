@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import cases
 
 from attnlab import experiment, runs
 from attnlab.errors import DataError
@@ -88,7 +89,9 @@ def _final_params(workdir, cfg):
     return run.step, jax.tree.leaves(run.params)
 
 
-@pytest.mark.parametrize("stop", [3, 5])
+@pytest.mark.parametrize(
+    "stop", cases([3, 5], slow={5: "a second stopping point; 3 stops mid-window"})
+)
 def test_resume_is_exact(tmp_path, stop):
     overrides = [
         "--config.train.steps=8",
@@ -162,6 +165,9 @@ def test_workdir_with_another_model_is_refused(tmp_path):
         runs.train(other, tmp_path, progress=False)
 
 
+@pytest.mark.slow(
+    reason="trains a run to reload its config; test_config checks the JSON round trip"
+)
 def test_saved_config_reloads_to_the_same_config(tmp_path):
     cfg = tiny("char_lm.py", "--config.model.n_kv_heads=1", "--config.eval.sample_tokens=0")
     runs.train(cfg, tmp_path, progress=False)
@@ -209,6 +215,7 @@ def test_full_eval_scores_every_validation_token_once(tmp_path, capsys):
     assert result["eval_loss"] != pytest.approx(runs.evaluate(tmp_path)["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.slow(reason="trains a run only to be refused; the full evaluation itself is fast-tier")
 def test_full_eval_refuses_a_task_without_a_validation_split(tmp_path):
     cfg = tiny("reverse_seq2seq.py", "--config.eval.sample_tokens=0", "--config.train.steps=1")
     runs.train(cfg, tmp_path, progress=False)

@@ -259,6 +259,7 @@ def test_vmapped_trials_match_each_trial_run_alone(vmapped, experiment_file, tmp
                     assert s[key] == pytest.approx(a[key], rel=1e-5, abs=0), (trial.name, a)
 
 
+@pytest.mark.slow(reason="runs a sweep twice, interrupted then resumed")
 def test_interrupted_sweep_resumes_to_the_same_results(vmapped, experiment_file, tmp_path):
     root, _ = vmapped
     plan = sweep.load_sweep(experiment_file, BASE)

@@ -29,6 +29,7 @@ def _comparable(path):
     return results
 
 
+@pytest.mark.slow(reason="starts a JAX process per trial")
 def test_local_launcher_runs_each_trial_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the jobs import this checkout's attnlab
     spec = [{"train.seed": 0}, {"train.seed": 1}]

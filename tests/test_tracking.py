@@ -47,6 +47,7 @@ def test_events_hold_the_metrics_wandb_offline_and_a_profile_trace(tmp_path, mon
     assert "xplane.pb" in names and "perfetto_trace.json.gz" in names
 
 
+@pytest.mark.slow(reason="a fresh interpreter imports the writer")
 def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
     """tensorboardX imports torch where it is installed (1.9 s of a run's start-up); the
     tracker writes its events without it, and torch still imports afterwards."""

@@ -6,6 +6,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from tiers import cases
 
 from attnlab import experiment, train
 from attnlab.data import make_task
@@ -18,7 +19,18 @@ def tiny(name, *overrides):
     return experiment.load_config(f"{REPO / 'experiments' / name}:tiny", list(overrides))
 
 
-@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    cases(
+        EXPERIMENTS,
+        slow={
+            p: "each experiment compiles a model of its own; char_lm, the main one, stands for them"
+            for p in EXPERIMENTS
+            if p.stem != "char_lm"
+        },
+    ),
+    ids=lambda p: p.stem,
+)
 def test_every_experiment_builds_and_takes_a_step(path, tmp_path):
     cfg = experiment.load_config(f"{path}:tiny")
     if cfg.data.path:  # text experiments read a file; use a small one made here
@@ -172,6 +184,7 @@ def test_an_experiment_file_runs_once_so_its_variants_register_once(tmp_path):
     assert experiment.load_config(str(saved)).to_dict() == again.to_dict()
 
 
+@pytest.mark.slow(reason="compiles optax's muon beside ours for every layer shape (about 15 s)")
 def test_muon_orthogonalises_each_layer_matrix_as_plain_optax_muon_does():
     """Stacked ``q_DNH [L, D, N, H]`` and ``o_NHD``: layer ``l``'s update equals
     ``optax.contrib.muon`` on the 2-D matrix ``[D, N*H]`` (``[N*H, D]``) alone; the
@@ -253,6 +266,7 @@ def test_the_initialisation_program_compiled_without_backend_optimisation_keeps_
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-7, atol=1e-9)
 
 
+@pytest.mark.slow(reason="compiles the stacked steps twice; test_sweep's vmapped trials cover them")
 def test_stacked_steps_mapped_or_vmapped_equal_each_trial_alone():
     cfgs = [
         tiny("char_lm.py", f"--config.train.seed={s}", f"--config.optim.learning_rate={lr}")

@@ -38,6 +38,7 @@ def test_registration_checks_the_contract():
     attnlab.register_attention("full_signature", ops.dot_product_attention)  # the reference
 
 
+@pytest.mark.slow(reason="compiles cached decoding twice, before and after re-registering")
 def test_reregistering_changes_what_cached_decoding_runs():
     """A variant re-registered under the same name: models built afterwards run the new
     function in the forward pass and in cached decoding alike, and so agree."""

@@ -11,6 +11,7 @@ library or the CLI.
 """
 
 import os
+import pathlib
 
 COMPILE = "--xla_cpu_use_fusion_emitters=false"
 
@@ -25,3 +26,27 @@ def session() -> str:
 def devices(n: int) -> str:
     """``XLA_FLAGS`` for a child process on ``n`` fake CPU devices."""
     return f"--xla_force_host_platform_device_count={n} {COMPILE}"
+
+
+def run_on_devices(test_file: str, n: int = 8, timeout: int = 900):
+    """Runs ``test_file`` in a child pytest process on ``n`` fake CPU devices, with
+    ``ATTNLAB_MESH_CHILD=1`` so that its mesh tests run there (they skip in the parent), and
+    fails with the end of the child's output unless every selected test passed."""
+    import subprocess
+    import sys
+
+    tests = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ, ATTNLAB_MESH_CHILD="1", XLA_FLAGS=devices(n))
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests)])
+    # One process: the parent session's workers already fill the cores.
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
+    out = subprocess.run(
+        [*argv, test_file],
+        cwd=tests.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout.splitlines()[-1]
