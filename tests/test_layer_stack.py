@@ -128,7 +128,18 @@ def cached_logits(model, cfg, ids):
     return jnp.concatenate(outs, axis=1), out.cache
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("encoder-")])
+DECODING_FAST = ("rope-mqa-window-remat_dots", "encoder_decoder-relative-qknorm-remat_dots")
+
+
+@pytest.mark.parametrize(
+    "case",
+    cases(
+        [c for c in CASES if not c.startswith("encoder-")],
+        slow={
+            c: STACK_SLOW for c in CASES if not c.startswith("encoder-") and c not in DECODING_FAST
+        },
+    ),
+)
 def test_scanned_equals_unrolled_cached_decoding_and_the_full_forward(case):
     cfg, scanned, unrolled = pair(case)
     ids, _ = batch(cfg)
@@ -215,7 +226,13 @@ def test_build_model_initialises_under_one_compile():
     )
 
 
-@pytest.mark.parametrize("case", ["rope-mqa-window-remat_dots", "encoder_decoder-sinusoidal-gqa"])
+@pytest.mark.parametrize(
+    "case",
+    cases(
+        ["rope-mqa-window-remat_dots", "encoder_decoder-sinusoidal-gqa"],
+        slow={"encoder_decoder-sinusoidal-gqa": STACK_SLOW},
+    ),
+)
 def test_unstacked_and_scanned_decoding_agree(case):
     """``decode_layers``: the generation loops give the same tokens and logits either way."""
     cfg = ModelConfig(**BASE, **CASES[case])

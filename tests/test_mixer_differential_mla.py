@@ -174,22 +174,42 @@ def test_mla_cache_bytes_are_deepseek_v3s_from_the_config_alone():
 SEQ2SEQ = dict(n_layers=1, n_decoder_layers=2, arch="encoder_decoder")
 
 
+SEQ2SEQ_SLOW = pytest.mark.slow(
+    reason="an encoder-decoder compiles two stacks; the decoders cover the mixers"
+)
+
+
 @pytest.mark.parametrize(
     "base",
-    [DIFF, MLA, dict(DIFF, mixer_settings={"lambda_init": 0.5}, **SEQ2SEQ), dict(MLA, **SEQ2SEQ)],
-    ids=["differential", "mla", "differential-encoder_decoder", "mla-encoder_decoder"],
+    [
+        pytest.param(DIFF, id="differential"),
+        pytest.param(MLA, id="mla"),
+        pytest.param(
+            dict(DIFF, mixer_settings={"lambda_init": 0.5}, **SEQ2SEQ),
+            id="differential-encoder_decoder",
+            marks=SEQ2SEQ_SLOW,
+        ),
+        pytest.param(dict(MLA, **SEQ2SEQ), id="mla-encoder_decoder", marks=SEQ2SEQ_SLOW),
+    ],
 )
 def test_cached_decoding_equals_the_forward_pass(base):
     """Ragged prompts prefilled, then decoded token by token (MLA: the absorbed form)."""
     mixer_checks.prefill_then_steps(ModelConfig(**base))
 
 
-@pytest.mark.parametrize("base", [DIFF, MLA], ids=["differential", "mla"])
+ONE_SLOW = pytest.mark.slow(reason="MLA's case covers the same check in the fast tier")
+
+
+@pytest.mark.parametrize(
+    "base", [pytest.param(DIFF, id="differential", marks=ONE_SLOW), pytest.param(MLA, id="mla")]
+)
 def test_generation_with_the_cache_equals_recomputation(base):
     mixer_checks.generate_matches_recompute(ModelConfig(**base))
 
 
-@pytest.mark.parametrize("base", [DIFF, MLA], ids=["differential", "mla"])
+@pytest.mark.parametrize(
+    "base", [pytest.param(DIFF, id="differential", marks=ONE_SLOW), pytest.param(MLA, id="mla")]
+)
 def test_gradients_are_finite_with_fully_masked_rows(base):
     mixer_checks.grads_finite_with_masked_rows(ModelConfig(**base))
 

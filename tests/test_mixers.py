@@ -89,6 +89,10 @@ def test_a_variant_defined_outside_the_library_runs_its_own_maths():
     )
 
 
+@pytest.mark.slow(
+    reason="compiles a model of its own; the recurrent layers' tests check fixed-size state "
+    "entries through cached decoding in the fast tier"
+)
 def test_its_cache_holds_its_state_and_decoding_equals_the_forward_pass():
     cfg = ModelConfig(**TINY)
     cache = attnlab.init_cache(cfg, 2, 8)
