@@ -26,6 +26,7 @@ from attnlab.config_checks import (  # noqa: F401  (the choices, read from here 
     validate_raw,
 )
 from attnlab.ffns import make_ffn_settings
+from attnlab.layer_kinds import BlockPattern
 from attnlab.mixers import make_settings
 
 # Beyond this many decoder layers, "auto" decoding scans: the unrolled loop body's compile
@@ -148,6 +149,10 @@ class ModelConfig:
     # Per-layer window and RoPE base, repeated over the layers (Gemma's 5 local : 1 global):
     # a list of {"window": W | None, "rope_theta": R | None}; replaces sliding_window(_layers).
     layer_pattern: tuple | None = None
+    # The stack as an optional prefix of layer kinds and a repeating block of them (hybrid
+    # stacks; attnlab.layer_kinds): {"prefix": [...], "block": [...]}, a BlockPattern once
+    # built. None: the mixer and FFN above in every layer.
+    block_pattern: dict | None = None
     context_parallel: str = "ring"  # self-attention over mesh.context > 1: or "all_gather"
     context_load_balance: bool = True  # zigzag layout for causal stacks under the ring
 
@@ -173,6 +178,8 @@ class ModelConfig:
                 _fail("layer_pattern", self.layer_pattern, "a non-empty list of layer specs")
             pattern = tuple(LayerSpec.of(v) for v in self.layer_pattern)
             object.__setattr__(self, "layer_pattern", pattern)
+        if self.block_pattern is not None:
+            object.__setattr__(self, "block_pattern", BlockPattern.of(self.block_pattern))
         if not isinstance(self.mixer, str):
             _fail("mixer", self.mixer, "name a registered mixer (attnlab.registered_mixers())")
         object.__setattr__(self, "mixer_settings", make_settings(self.mixer, self.mixer_settings))
@@ -244,6 +251,8 @@ class ModelConfig:
         out["ffn_settings"] = self.ffn_settings.to_dict()
         if self.layer_pattern is not None:
             out["layer_pattern"] = [dataclasses.asdict(p) for p in self.layer_pattern]
+        if self.block_pattern is not None:
+            out["block_pattern"] = self.block_pattern.to_dict()
         return out
 
     @classmethod

@@ -55,7 +55,8 @@ from attnlab.kv_ring import (  # noqa: F401 - the ring's names, where callers lo
     ring_slots,
     ring_window,
 )
-from attnlab.mixers import CacheEntry, get_mixer
+from attnlab.layer_kinds import stack_plan
+from attnlab.mixers import CacheEntry
 
 
 @struct.dataclass
@@ -162,9 +163,17 @@ def join_layers(cache: KVCache) -> KVCache:
     return cache.replace(layers=_map_layers(cache, lambda n, a, x: jnp.concatenate(x)))
 
 
+def cache_layout(cfg: ModelConfig) -> dict[str, tuple[CacheEntry, int]]:
+    """Each entry of the decoder's cache by name: what one layer keeps
+    (``Mixer.cache_entries``) and how many layers stack it. A homogeneous stack names its
+    entries by role, every layer stacked (``[L, ...]``); a hybrid one
+    ``"<mixer>.<role>"``, over the layers that run that mixer (``attnlab.layer_kinds``)."""
+    return stack_plan(cfg, cfg.stack_layers).cache_layout(cfg)
+
+
 def cache_entries(cfg: ModelConfig) -> dict[str, CacheEntry]:
-    """What the configured variant keeps per layer (``Mixer.cache_entries``)."""
-    return get_mixer(cfg.mixer).cache_entries(cfg, cfg.mixer_settings)
+    """What the configured variants keep per layer, by the cache's entry names."""
+    return {name: entry for name, (entry, _) in cache_layout(cfg).items()}
 
 
 def init_cache(
@@ -190,18 +199,17 @@ def init_cache(
         )
     window = ring_size(cfg, max_len, ring)
     slots = max_len if window is None else window
-    L = cfg.stack_layers
     default = jnp.dtype(cfg.dtype if dtype is None else dtype)
-    entries = cache_entries(cfg)
+    layout = cache_layout(cfg)
     # One buffer per entry (not a shared zeros): a jitted step may then donate the cache.
     layers = {
-        name: jnp.zeros((L, batch_size, *e.sized(slots)), e.dtype or default)
-        for name, e in entries.items()
+        name: jnp.zeros((n, batch_size, *e.sized(slots)), e.dtype or default)
+        for name, (e, n) in layout.items()
     }
     return KVCache(
         layers=layers,
         lengths=jnp.zeros((batch_size,), jnp.int32),
-        slot_axes=tuple((name, e.slot_axis) for name, e in entries.items()),
+        slot_axes=tuple((name, e.slot_axis) for name, (e, _) in layout.items()),
         window=window,
         max_len=max_len,
     )
@@ -321,8 +329,9 @@ def kv_cache_bytes(
     cfg: ModelConfig, batch_size: int, max_len: int, dtype="bfloat16", *, ring: bool | None = None
 ) -> int:
     """Bytes of the self-attention cache ``init_cache`` builds with the same arguments, from
-    the config alone: the variant's entries, ``L * B * prod(shape) * itemsize`` each (entries
-    without their own dtype in ``dtype``), with S the window for a ring buffer."""
+    the config alone: the variants' entries, ``n * B * prod(shape) * itemsize`` each for the
+    ``n`` layers that keep it (entries without their own dtype in ``dtype``), with S the
+    window for a ring buffer."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(
             f"kv_cache_bytes takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
@@ -331,11 +340,8 @@ def kv_cache_bytes(
     window = ring_size(cfg, max_len, ring)
     slots = window or max_len
     return sum(
-        cfg.stack_layers
-        * batch_size
-        * math.prod(e.sized(slots))
-        * jnp.dtype(e.dtype or dtype).itemsize
-        for e in cache_entries(cfg).values()
+        n * batch_size * math.prod(e.sized(slots)) * jnp.dtype(e.dtype or dtype).itemsize
+        for e, n in cache_layout(cfg).values()
     )
 
 
