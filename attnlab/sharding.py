@@ -9,12 +9,13 @@ puts every device on ``data``.
 
 Every parameter names its logical axes through the shape suffix of its name, with the
 letters of ``attnlab.dims`` (``q_DNH`` is ``embed, heads, head_dim``); the parameters of a
-stack of layers add a leading ``layers`` axis. One table of rules (``RULES``, data that an
-experiment overrides through ``mesh.rules``) maps each logical axis to mesh axes. A mesh
-axis serves at most one axis of an array (the first that asks); a dimension that an axis
-does not divide stays whole, except the ones in ``STRICT`` (heads, mlp, batch), which are
-an error naming both numbers. Optimiser state follows its parameters (its leaves end in
-the same names); scalars and other state are replicated.
+stack of layers (under ``layers`` or a stack's ``prefix``) add a leading ``layers`` axis.
+One table of rules (``RULES``, data that an experiment overrides through ``mesh.rules``)
+maps each logical axis to mesh axes. A mesh axis serves at most one axis of an array (the
+first that asks); a dimension that an axis does not divide stays whole, except the ones in
+``STRICT`` (heads, mlp, batch), which are an error naming both numbers. Optimiser state
+follows its parameters (its leaves end in the same names); scalars and other state are
+replicated.
 
 ``activate(mesh, rules)`` makes the mesh current (``jax.set_mesh``) and ``constrain(x,
 *names)`` places a sharding constraint on an activation; without a current mesh it does
@@ -192,7 +193,9 @@ def logical_names(path, shape) -> tuple[str, ...] | None:
     if unknown:
         raise MeshError(f"parameter {leaf}: unknown axis letter(s) {unknown}")
     names_ = tuple(LETTERS[c] for c in letters)
-    if "layers" in names and len(shape) == len(names_) + 1:
+    # A stack's segments (``layers``, its ``prefix``) hold parameters stacked on a leading
+    # layers axis.
+    if {"layers", "prefix"} & set(names) and len(shape) == len(names_) + 1:
         names_ = ("layers",) + names_
     if len(names_) != len(shape):
         # Optimiser leaves that are not parameter-shaped (e.g. factored moments).
