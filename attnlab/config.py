@@ -84,6 +84,10 @@ class ModelConfig:
     weights: on CPU, a copy); ``"auto"`` is ``"unstacked"`` up to
     ``UNSTACKED_DECODE_MAX_LAYERS`` decoder layers and ``"scan"`` beyond.
 
+    ``block_pattern`` makes a hybrid stack: an optional prefix of layer kinds and a block
+    of kinds repeated to fill ``n_layers``, each kind its own mixer(s) and FFN
+    (``attnlab.layer_kinds``); None is the one-kind stack of ``mixer`` and ``ffn_variant``.
+
     ``context_parallel`` is how self-attention runs when the mesh splits the sequence
     (``mesh.context > 1``; see ``attnlab.ops.context_parallel``): ``"ring"`` passes
     key/value chunks round the devices, ``"all_gather"`` gathers them all on each device.

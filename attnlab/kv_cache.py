@@ -4,11 +4,14 @@ One contract for every variant (``attnlab.mixers``). A variant declares its entr
 (``CacheEntry``): per-token entries (keys, values, a compressed latent) with a token axis,
 and fixed-size state (a recurrent or convolution state) without one. The cache holds each
 role as one stacked array ``[L, B, *shape]`` with a leading layer axis (the stack's layers
-scan over it), in ``KVCache.layers``. The built-in attention keeps ``"keys"`` and
-``"values"`` as ``[L, B, K, S, H]``: only the K key/value heads (GQA/MQA's saving is real),
-head-major (S inside K), so each head's keys are contiguous and the attention dots read the
-cache where it lies. Per-token values arrive in token-major order (``[B, T, ...]``, the
-shape without the token axis after ``T``) and are scattered into their slots in place.
+scan over it), in ``KVCache.layers``. A hybrid stack (``ModelConfig.block_pattern``) holds
+one array per mixer and role, ``"<mixer>.<role>"`` ``[n, B, *shape]`` over the ``n`` layers
+that run that mixer (``cache_layout``, ``attnlab.layer_kinds``). The built-in attention
+keeps ``"keys"`` and ``"values"`` as ``[L, B, K, S, H]``: only the K key/value heads
+(GQA/MQA's saving is real), head-major (S inside K), so each head's keys are contiguous and
+the attention dots read the cache where it lies. Per-token values arrive in token-major
+order (``[B, T, ...]``, the shape without the token axis after ``T``) and are scattered into
+their slots in place.
 
 ``lengths[b]`` counts the tokens row ``b`` has seen; its next token sits at position
 ``lengths[b]``: rows of a ragged batch keep their own lengths and positions. A call of T
@@ -128,7 +131,8 @@ class KVCache:
 
     @property
     def n_layers(self) -> int:
-        """L, the number of layers the cache holds."""
+        """The layers that stack the first entry: L in a homogeneous cache (in a hybrid one,
+        each entry's leading axis counts the layers of its mixer, ``cache_layout``)."""
         x = next(iter(self.layers.values()))
         return len(x) if isinstance(x, tuple) else x.shape[0]
 
