@@ -39,6 +39,9 @@ def _model_defaults() -> ConfigDict:
         value = field.default
         if field.name in ("mixer_settings", "ffn_settings"):  # a variant's own fields
             value = ConfigDict()
+        elif field.name == "block_pattern":  # kinds as tuples: --config.model.block_pattern.block
+            kinds = lambda: config_dict.placeholder(tuple)
+            value = ConfigDict({"prefix": kinds(), "block": kinds()})
         elif value is None:  # Optional field: lock its type, keep it unset
             args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
             value = config_dict.placeholder(typing.get_origin(args[0]) or args[0])

@@ -150,17 +150,22 @@ class BlockPattern:
     prefix: tuple[LayerKind, ...] = ()
 
     @classmethod
-    def of(cls, value) -> BlockPattern:
-        if isinstance(value, BlockPattern):
+    def of(cls, value) -> BlockPattern | None:
+        """``value`` as a pattern; None for none, or a dict whose block and prefix are
+        unset (an experiment's default)."""
+        if isinstance(value, BlockPattern) or value is None:
             return value
         if not isinstance(value, Mapping) or set(value) - {"prefix", "block"}:
             raise ConfigError(
                 f"ModelConfig.{FIELD}={value!r} is invalid: a dict {{'block': [kinds], "
                 "'prefix': [kinds]}} (prefix optional)"
             )
+        if value.get("block") is None and not value.get("prefix"):
+            return None
         parts = {}
         for part in ("prefix", "block"):
-            kinds = value.get(part, [] if part == "prefix" else None)
+            kinds = value.get(part)
+            kinds = () if part == "prefix" and kinds is None else kinds
             if not isinstance(kinds, (list, tuple)) or (part == "block" and not kinds):
                 _fail(part, kinds, "a list of layer kinds" + (" (non-empty)" * (part == "block")))
             parts[part] = tuple(LayerKind.of(k, f"{part}[{i}]") for i, k in enumerate(kinds))

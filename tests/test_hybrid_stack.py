@@ -392,12 +392,20 @@ def test_the_pattern_round_trips_through_dicts_json_and_replace():
     assert cfg.replace(n_layers=7).n_layers == 7
     from attnlab import experiment
 
-    base = experiment.load_config(str(REPO / "experiments" / "char_lm.py") + ":tiny")
-    with base.unlocked():
-        base.model.block_pattern = {"block": ["mha", "sinks"]}
-    base.model.n_layers = 4
+    tiny = str(REPO / "experiments" / "char_lm.py") + ":tiny"
+    assert experiment.model_config(experiment.load_config(tiny)).block_pattern is None
+    overrides = [
+        """--config.model.block_pattern.block=("mha", {"mixer": "sinks", "mixer_settings": """
+        """{"init": 1.0}})""",
+        "--config.model.n_layers=4",
+    ]
+    base = experiment.load_config(tiny, overrides)
     got = experiment.model_config(base)
     assert [k.mixers[0].mixer for k in got.block_pattern.block] == ["mha", "sinks"]
+    assert got.block_pattern.block[1].mixers[0].mixer_settings.init == 1.0
+    # A work directory's config.json reads back to the same model.
+    saved = json.dumps({**base.to_dict(), "model": got.to_dict()})
+    assert experiment.model_config(experiment.from_json(saved)) == got
 
 
 @pytest.mark.parametrize(
