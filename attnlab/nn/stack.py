@@ -99,18 +99,14 @@ class Stack(nnx.Module):
         """The stack's segments and cache groups (``attnlab.layer_kinds``)."""
         return stack_plan(self.cfg, self.n_layers)
 
-    @property
-    def n_prefix(self) -> int:
-        """Layers before the repeating block (the prefix segment's)."""
-        return self.plan.segments[-1].first
-
     def unstack(self):
         """Holds the layers as separate units (sliced from the stacked parameters).
 
         For loops that run the model many times over the same weights, such as decoding:
         a scan over stacked parameters slices (on CPU: copies) every layer's weights at
         every call, while separate blocks are read where they lie. The stack then runs its
-        layers unrolled, so the traced program grows with depth again.
+        layers unrolled, so the traced program grows with depth again (a hybrid's units
+        are its block's repeats, each ``Period`` holding the block's layers).
         """
         for segment in self.plan.segments:
             layers = getattr(self, segment.attr)
