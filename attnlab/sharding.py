@@ -82,6 +82,15 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_vocab": "tensor",
 }
 STRICT = ("heads", "mlp", "batch")
+# The path keys under which a stack holds parameters stacked on a leading layers axis (its
+# ``layers`` and its ``prefix``, ``attnlab.nn.stack``).
+STACKED = ("layers", "prefix")
+
+
+def stacked_path(path) -> bool:
+    """Whether a parameter's path lies in a stack's stacked layers (``STACKED``)."""
+    return any(getattr(k, "key", getattr(k, "name", None)) in STACKED for k in path)
+
 
 _RULES = contextvars.ContextVar("attnlab_sharding_rules", default=None)
 
@@ -193,9 +202,7 @@ def logical_names(path, shape) -> tuple[str, ...] | None:
     if unknown:
         raise MeshError(f"parameter {leaf}: unknown axis letter(s) {unknown}")
     names_ = tuple(LETTERS[c] for c in letters)
-    # A stack's segments (``layers``, its ``prefix``) hold parameters stacked on a leading
-    # layers axis.
-    if {"layers", "prefix"} & set(names) and len(shape) == len(names_) + 1:
+    if stacked_path(path) and len(shape) == len(names_) + 1:
         names_ = ("layers",) + names_
     if len(names_) != len(shape):
         # Optimiser leaves that are not parameter-shaped (e.g. factored moments).

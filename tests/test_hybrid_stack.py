@@ -367,6 +367,10 @@ def test_hybrid_parameters_carry_logical_axes_with_a_leading_layer_axis():
     assert sharding.logical_names(path, leaf.shape) == ("layers", "heads", "head_dim")
     path, leaf = flat["decoder.prefix.attn.kv_down_DR.value"]
     assert sharding.logical_names(path, leaf.shape) == ("layers", "embed", "latent")
+    # Muon reads the same rule: each layer's [D, R] matrix, not the stacked array.
+    tree = {"decoder": {"prefix": {"attn": {"kv_down_DR": leaf}}}}
+    got = attnlab.optimizers.muon_dimensions(tree)["decoder"]["prefix"]["attn"]["kv_down_DR"]
+    assert (got.reduction_axis, got.output_axis) == ((1,), (2,))
 
 
 # Compile time flat in depth -----------------------------------------------------------------
