@@ -27,6 +27,7 @@ from attnlab.config_checks import (  # noqa: F401  (the choices, read from here 
     validate_raw,
 )
 from attnlab.ffns import make_ffn_settings
+from attnlab.layer_kinds import BlockPattern
 from attnlab.mixers import make_settings
 
 # Beyond this many decoder layers, "auto" decoding scans: the unrolled loop body's compile
@@ -83,6 +84,10 @@ class ModelConfig:
     weights at every token (program flat in depth, but each step slices every layer's
     weights: on CPU, a copy); ``"auto"`` is ``"unstacked"`` up to
     ``UNSTACKED_DECODE_MAX_LAYERS`` decoder layers and ``"scan"`` beyond.
+
+    ``block_pattern`` makes a hybrid stack: an optional prefix of layer kinds and a block
+    of kinds repeated to fill ``n_layers``, each kind its own mixer(s) and FFN
+    (``attnlab.layer_kinds``); None is the one-kind stack of ``mixer`` and ``ffn_variant``.
 
     ``context_parallel`` is how self-attention runs when the mesh splits the sequence
     (``mesh.context > 1``; see ``attnlab.ops.context_parallel``): ``"ring"`` passes
@@ -152,6 +157,10 @@ class ModelConfig:
     # Per-layer window and RoPE base, repeated over the layers (Gemma's 5 local : 1 global):
     # a list of {"window": W | None, "rope_theta": R | None}; replaces sliding_window(_layers).
     layer_pattern: tuple | None = None
+    # The stack as an optional prefix of layer kinds and a repeating block of them (hybrid
+    # stacks; attnlab.layer_kinds): {"prefix": [...], "block": [...]}, a BlockPattern once
+    # built. None: the mixer and FFN above in every layer.
+    block_pattern: dict | None = None
     context_parallel: str = "ring"  # self-attention over mesh.context > 1: or "all_gather"
     context_load_balance: bool = True  # zigzag layout for causal stacks under the ring
 
@@ -177,6 +186,8 @@ class ModelConfig:
                 _fail("layer_pattern", self.layer_pattern, "a non-empty list of layer specs")
             pattern = tuple(LayerSpec.of(v) for v in self.layer_pattern)
             object.__setattr__(self, "layer_pattern", pattern)
+        if self.block_pattern is not None:
+            object.__setattr__(self, "block_pattern", BlockPattern.of(self.block_pattern))
         if not isinstance(self.mixer, str):
             _fail("mixer", self.mixer, "name a registered mixer (attnlab.registered_mixers())")
         object.__setattr__(self, "mixer_settings", make_settings(self.mixer, self.mixer_settings))
@@ -262,6 +273,8 @@ class ModelConfig:
             scaling = dataclasses.asdict(self.rope_scaling)
             out["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
                                    for k, v in scaling.items()}  # fmt: skip
+        if self.block_pattern is not None:
+            out["block_pattern"] = self.block_pattern.to_dict()
         return out
 
     @classmethod

@@ -221,6 +221,8 @@ def _check_variants(cfg) -> None:
     if not isinstance(cfg.ffn_settings, get_ffn(cfg.ffn_variant).Settings):
         _fail("ffn_settings", cfg.ffn_settings, f"settings of ffn_variant={cfg.ffn_variant!r}")
     cfg.ffn_settings.validate(cfg)
+    if cfg.block_pattern is not None:
+        cfg.block_pattern.validate(cfg)
     if cfg.attention_fn not in attention_variants():
         _fail(
             "attention_fn",

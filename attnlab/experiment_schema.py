@@ -57,6 +57,9 @@ def _model_defaults() -> ConfigDict:
             value = ConfigDict()
         elif field.name == "rope_scaling":  # RopeScaling's fields; kind unset: no scaling
             value = _rope_scaling_defaults()
+        elif field.name == "block_pattern":  # kinds as tuples: --config.model.block_pattern.block
+            kinds = lambda: config_dict.placeholder(tuple)
+            value = ConfigDict({"prefix": kinds(), "block": kinds()})
         elif value is None:  # Optional field: lock its type, keep it unset
             args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
             value = config_dict.placeholder(typing.get_origin(args[0]) or args[0])

@@ -4,11 +4,14 @@ One contract for every variant (``attnlab.mixers``). A variant declares its entr
 (``CacheEntry``): per-token entries (keys, values, a compressed latent) with a token axis,
 and fixed-size state (a recurrent or convolution state) without one. The cache holds each
 role as one stacked array ``[L, B, *shape]`` with a leading layer axis (the stack's layers
-scan over it), in ``KVCache.layers``. The built-in attention keeps ``"keys"`` and
-``"values"`` as ``[L, B, K, S, H]``: only the K key/value heads (GQA/MQA's saving is real),
-head-major (S inside K), so each head's keys are contiguous and the attention dots read the
-cache where it lies. Per-token values arrive in token-major order (``[B, T, ...]``, the
-shape without the token axis after ``T``) and are scattered into their slots in place.
+scan over it), in ``KVCache.layers``. A hybrid stack (``ModelConfig.block_pattern``) holds
+one array per mixer and role, ``"<mixer>.<role>"`` ``[n, B, *shape]`` over the ``n`` layers
+that run that mixer (``cache_layout``, ``attnlab.layer_kinds``). The built-in attention
+keeps ``"keys"`` and ``"values"`` as ``[L, B, K, S, H]``: only the K key/value heads
+(GQA/MQA's saving is real), head-major (S inside K), so each head's keys are contiguous and
+the attention dots read the cache where it lies. Per-token values arrive in token-major
+order (``[B, T, ...]``, the shape without the token axis after ``T``) and are scattered into
+their slots in place.
 
 ``lengths[b]`` counts the tokens row ``b`` has seen; its next token sits at position
 ``lengths[b]``: rows of a ragged batch keep their own lengths and positions. A call of T
@@ -55,7 +58,8 @@ from attnlab.kv_ring import (  # noqa: F401 - the ring's names, where callers lo
     ring_slots,
     ring_window,
 )
-from attnlab.mixers import CacheEntry, get_mixer
+from attnlab.layer_kinds import stack_plan
+from attnlab.mixers import CacheEntry
 
 
 @struct.dataclass
@@ -127,7 +131,8 @@ class KVCache:
 
     @property
     def n_layers(self) -> int:
-        """L, the number of layers the cache holds."""
+        """The layers that stack the first entry: L in a homogeneous cache (in a hybrid one,
+        each entry's leading axis counts the layers of its mixer, ``cache_layout``)."""
         x = next(iter(self.layers.values()))
         return len(x) if isinstance(x, tuple) else x.shape[0]
 
@@ -162,9 +167,17 @@ def join_layers(cache: KVCache) -> KVCache:
     return cache.replace(layers=_map_layers(cache, lambda n, a, x: jnp.concatenate(x)))
 
 
+def cache_layout(cfg: ModelConfig) -> dict[str, tuple[CacheEntry, int]]:
+    """Each entry of the decoder's cache by name: what one layer keeps
+    (``Mixer.cache_entries``) and how many layers stack it. A homogeneous stack names its
+    entries by role, every layer stacked (``[L, ...]``); a hybrid one
+    ``"<mixer>.<role>"``, over the layers that run that mixer (``attnlab.layer_kinds``)."""
+    return stack_plan(cfg, cfg.stack_layers).cache_layout(cfg)
+
+
 def cache_entries(cfg: ModelConfig) -> dict[str, CacheEntry]:
-    """What the configured variant keeps per layer (``Mixer.cache_entries``)."""
-    return get_mixer(cfg.mixer).cache_entries(cfg, cfg.mixer_settings)
+    """What the configured variants keep per layer, by the cache's entry names."""
+    return {name: entry for name, (entry, _) in cache_layout(cfg).items()}
 
 
 def init_cache(
@@ -190,18 +203,17 @@ def init_cache(
         )
     window = ring_size(cfg, max_len, ring)
     slots = max_len if window is None else window
-    L = cfg.stack_layers
     default = jnp.dtype(cfg.dtype if dtype is None else dtype)
-    entries = cache_entries(cfg)
+    layout = cache_layout(cfg)
     # One buffer per entry (not a shared zeros): a jitted step may then donate the cache.
     layers = {
-        name: jnp.zeros((L, batch_size, *e.sized(slots)), e.dtype or default)
-        for name, e in entries.items()
+        name: jnp.zeros((n, batch_size, *e.sized(slots)), e.dtype or default)
+        for name, (e, n) in layout.items()
     }
     return KVCache(
         layers=layers,
         lengths=jnp.zeros((batch_size,), jnp.int32),
-        slot_axes=tuple((name, e.slot_axis) for name, e in entries.items()),
+        slot_axes=tuple((name, e.slot_axis) for name, (e, _) in layout.items()),
         window=window,
         max_len=max_len,
     )
@@ -321,8 +333,9 @@ def kv_cache_bytes(
     cfg: ModelConfig, batch_size: int, max_len: int, dtype="bfloat16", *, ring: bool | None = None
 ) -> int:
     """Bytes of the self-attention cache ``init_cache`` builds with the same arguments, from
-    the config alone: the variant's entries, ``L * B * prod(shape) * itemsize`` each (entries
-    without their own dtype in ``dtype``), with S the window for a ring buffer."""
+    the config alone: the variants' entries, ``n * B * prod(shape) * itemsize`` each for the
+    ``n`` layers that keep it (entries without their own dtype in ``dtype``), with S the
+    window for a ring buffer."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(
             f"kv_cache_bytes takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
@@ -331,11 +344,8 @@ def kv_cache_bytes(
     window = ring_size(cfg, max_len, ring)
     slots = window or max_len
     return sum(
-        cfg.stack_layers
-        * batch_size
-        * math.prod(e.sized(slots))
-        * jnp.dtype(e.dtype or dtype).itemsize
-        for e in cache_entries(cfg).values()
+        n * batch_size * math.prod(e.sized(slots)) * jnp.dtype(e.dtype or dtype).itemsize
+        for e, n in cache_layout(cfg).values()
     )
 
 

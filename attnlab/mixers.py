@@ -35,10 +35,12 @@ The cache contract. ``cache_entries`` maps each entry's role (``"keys"``, ``"val
 ``"latent"``, ``"state"``, ``"conv"``...) to a ``CacheEntry``: its per-row shape, with
 ``SLOTS`` on the token axis of a per-token entry (keys, values, a compressed latent) or no
 token axis at all for fixed-size state (a recurrent or convolution state); its dtype (None:
-the cache's) and the logical axes that shard it. The cache stores each entry as
-``[L, B, *shape]``; per-token entries are written at each row's slots (linear or ring
-buffer), state entries replaced whole. ``kv_cache_bytes`` sums the entries, so a variant's
-cache size follows from its config alone.
+the cache's) and the logical axes that shard it. The cache stores each entry as ``[L, B,
+*shape]`` (in a hybrid stack, over the layers that run the variant, under
+``"<variant>.<role>"``; the variant still reads and writes it by role); per-token entries
+are written at each row's slots (linear or ring buffer), state entries replaced whole.
+``kv_cache_bytes`` sums the entries, so a variant's cache size follows from its config
+alone.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from attnlab.sharding import stacked_path
+
 # Parameters that are no matrices in the optimiser's sense: no weight decay, Adam in Muon.
 NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")
 
@@ -94,7 +96,7 @@ def muon_dimensions(params):
 
     def decide(path, x):
         name = jax.tree_util.keystr(path)
-        stacked = any(getattr(k, "key", None) == "layers" for k in path)
+        stacked = stacked_path(path)
         if x.ndim - stacked < 2 or any(n in name for n in NO_DECAY_NAMES):
             return None
         keys = [getattr(k, "key", getattr(k, "name", "")) for k in path]

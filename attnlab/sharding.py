@@ -9,12 +9,13 @@ puts every device on ``data``.
 
 Every parameter names its logical axes through the shape suffix of its name, with the
 letters of ``attnlab.dims`` (``q_DNH`` is ``embed, heads, head_dim``); the parameters of a
-stack of layers add a leading ``layers`` axis. One table of rules (``RULES``, data that an
-experiment overrides through ``mesh.rules``) maps each logical axis to mesh axes. A mesh
-axis serves at most one axis of an array (the first that asks); a dimension that an axis
-does not divide stays whole, except the ones in ``STRICT`` (heads, mlp, batch), which are
-an error naming both numbers. Optimiser state follows its parameters (its leaves end in
-the same names); scalars and other state are replicated.
+stack of layers (under ``layers`` or a stack's ``prefix``) add a leading ``layers`` axis.
+One table of rules (``RULES``, data that an experiment overrides through ``mesh.rules``)
+maps each logical axis to mesh axes. A mesh axis serves at most one axis of an array (the
+first that asks); a dimension that an axis does not divide stays whole, except the ones in
+``STRICT`` (heads, mlp, batch), which are an error naming both numbers. Optimiser state
+follows its parameters (its leaves end in the same names); scalars and other state are
+replicated.
 
 ``activate(mesh, rules)`` makes the mesh current (``jax.set_mesh``) and ``constrain(x,
 *names)`` places a sharding constraint on an activation; without a current mesh it does
@@ -87,6 +88,15 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_vocab": "tensor",
 }
 STRICT = ("heads", "mlp", "batch")
+# The path keys under which a stack holds parameters stacked on a leading layers axis (its
+# ``layers`` and its ``prefix``, ``attnlab.nn.stack``).
+STACKED = ("layers", "prefix")
+
+
+def stacked_path(path) -> bool:
+    """Whether a parameter's path lies in a stack's stacked layers (``STACKED``)."""
+    return any(getattr(k, "key", getattr(k, "name", None)) in STACKED for k in path)
+
 
 _RULES = contextvars.ContextVar("attnlab_sharding_rules", default=None)
 
@@ -198,7 +208,7 @@ def logical_names(path, shape) -> tuple[str, ...] | None:
     if unknown:
         raise MeshError(f"parameter {leaf}: unknown axis letter(s) {unknown}")
     names_ = tuple(LETTERS[c] for c in letters)
-    if "layers" in names and len(shape) == len(names_) + 1:
+    if stacked_path(path) and len(shape) == len(names_) + 1:
         names_ = ("layers",) + names_
     if len(names_) != len(shape):
         # Optimiser leaves that are not parameter-shaped (e.g. factored moments).

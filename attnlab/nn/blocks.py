@@ -1,11 +1,12 @@
 """Transformer blocks: a self-attention variant, optional cross-attention and an FFN.
 
-A ``Block`` is a self-attention variant (the registered mixer ``ModelConfig.mixer``,
-``attnlab.mixers``), optional cross-attention and a feed-forward network (the registered
-``ModelConfig.ffn_variant``, ``attnlab.ffns``), each a residual sub-layer in pre-norm
-(``x + f(norm(x))``), post-norm (``norm(x + f(x))``), sandwich (``x + norm2(f(norm1(x)))``,
-Gemma 2/3) or output (``x + norm(f(x))``, OLMo 2) placement. ``attnlab.nn.stack`` stacks
-them.
+A ``Block`` is one layer of a kind (``attnlab.layer_kinds.LayerKind``; by default the
+config's): its sequence mixer (a registered ``attnlab.mixers`` variant, or several side by
+side on the same input, their outputs summed: ``attn`` is then a list), optional
+cross-attention and a feed-forward network (a registered ``attnlab.ffns`` variant), each
+a residual sub-layer in pre-norm (``x + f(norm(x))``), post-norm (``norm(x + f(x))``),
+sandwich (``x + norm2(f(norm1(x)))``, Gemma 2/3) or output (``x + norm(f(x))``, OLMo 2)
+placement. ``attnlab.nn.stack`` stacks them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from flax import nnx
 
 from attnlab.config import ModelConfig
 from attnlab.ffns import get_ffn
+from attnlab.layer_kinds import LayerKind
 from attnlab.mixers import MixerCall, get_mixer
 from attnlab.nn.attention import Attention
-from attnlab.nn.layers import FeedForward, Norm
+from attnlab.nn.layers import Norm
 from attnlab.ops.linear import dropout, fold
 
 
@@ -31,8 +33,10 @@ def stacked(make, n: int, rngs: nnx.Rngs):
 
 class Block(nnx.Module):
     def __init__(
-        self, cfg: ModelConfig, *, cross: bool = False, dense_ffn: bool = False, rngs: nnx.Rngs
-    ):
+        self, cfg: ModelConfig, *, kind: LayerKind | None = None, cross: bool = False,
+        rngs: nnx.Rngs,
+    ):  # fmt: skip
+        kind = (kind or LayerKind()).resolved(cfg)
         D = cfg.d_model
         self.placement = cfg.norm_placement
         self.rate = cfg.dropout
@@ -40,13 +44,12 @@ class Block(nnx.Module):
         sandwich = cfg.norm_placement == "sandwich"
         self.attn_post_norm = Norm(cfg, D, rngs=rngs) if sandwich else None
         self.ffn_post_norm = Norm(cfg, D, rngs=rngs) if sandwich else None
-        self.attn = get_mixer(cfg.mixer)(cfg, cfg.mixer_settings, rngs=rngs)
+        mixers = [get_mixer(m.mixer)(cfg, m.mixer_settings, rngs=rngs) for m in kind.mixers]
+        self.attn = mixers[0] if len(mixers) == 1 else nnx.List(mixers)
         self.cross_norm = Norm(cfg, D, rngs=rngs) if cross else None
         self.cross_attn = Attention(cfg, cross=True, rngs=rngs) if cross else None
         self.ffn_norm = Norm(cfg, D, rngs=rngs)
-        # The FFN variant (ModelConfig.ffn_variant), or the plain FFN in a stack's prefix.
-        ffn = FeedForward if dense_ffn else get_ffn(cfg.ffn_variant)
-        self.ffn = ffn(cfg, None if dense_ffn else cfg.ffn_settings, rngs=rngs)
+        self.ffn = get_ffn(kind.ffn_variant)(cfg, kind.ffn_settings, rngs=rngs)
 
     def _residual(self, x, norm, fn, key, post_norm=None):
         """One residual sub-layer in the configured placement (``ModelConfig.norm_placement``:
@@ -62,22 +65,45 @@ class Block(nnx.Module):
             y = post_norm(y)
         return x + dropout(y, self.rate, key), rest
 
-    def __call__(self, x_BTD, call: MixerCall, *, enc_BSD=None, cross_mask=None, cross_kv=None):
+    @property
+    def mixers(self) -> tuple:
+        """The sequence mixers, summed when several."""
+        return tuple(self.attn) if isinstance(self.attn, nnx.List) else (self.attn,)
+
+    def mix(self, h_BTD, call: MixerCall, caches=None):
+        """The mixers' outputs summed: ``(out_BTD, caches, weights)``, a cache and weights
+        per mixer (``caches``: one ``LayerCache`` per mixer, or None)."""
+        mixers = self.mixers
+        caches = (call.cache,) * len(mixers) if caches is None else caches
+        out, new, weights = None, [], []
+        for m, (mixer, cache) in enumerate(zip(mixers, caches, strict=True)):
+            key = fold(call.key, 0) if m == 0 else fold(call.key, 10 + m)
+            y_BTD, cache, w = mixer(h_BTD, call.replace(key=key, cache=cache))
+            out = y_BTD if out is None else out + y_BTD
+            new.append(cache)
+            weights.append(w)
+        return out, tuple(new), weights[0] if len(mixers) == 1 else tuple(weights)
+
+    def __call__(
+        self, x_BTD, call: MixerCall, *, caches=None, enc_BSD=None, cross_mask=None, cross_kv=None
+    ):
         """Returns ``(x_BTD, cache, weights, aux)``; ``weights`` is a dict or None, ``aux``
         what the FFN reports (``attnlab.ffns``; empty for the plain FFN).
 
-        ``call`` is the self-attention's (``MixerCall``); cross-attention attends over
-        ``enc_BSD``, or its keys and values ``cross_kv`` computed once, under ``cross_mask``.
+        ``call`` is the self-attention's (``MixerCall``); ``caches`` one ``LayerCache`` per
+        mixer (then ``cache`` is a tuple of them too; else ``call.cache`` and the mixer's
+        cache). Cross-attention attends over ``enc_BSD``, or its keys and values
+        ``cross_kv`` computed once, under ``cross_mask``.
         """
         key = call.key
-        self_call = call.replace(key=fold(key, 0))
         x_BTD, (cache, w_self) = self._residual(
             x_BTD,
             self.attn_norm,
-            lambda h: self.attn(h, self_call),
+            lambda h: self.mix(h, call, caches),
             fold(key, 1),
             self.attn_post_norm,
         )
+        cache = cache if caches is not None else cache[0]
         weights = {"self": w_self} if call.return_weights else None
         if self.cross_attn is not None:
             cross_call = MixerCall(

@@ -116,7 +116,7 @@ def plan(stack, T: int, *, cached: bool, return_weights: bool) -> ContextParalle
         return None
     if mesh.shape.get(AXIS, 1) == 1 or stack.cfg.attention_fn != "softmax":
         return None
-    if not get_mixer(stack.cfg.mixer).context_parallel:
+    if not all(get_mixer(m.mixer).context_parallel for m in stack.plan.mixer_specs):
         return None
     cfg = stack.cfg
     zigzag = cfg.context_parallel == "ring" and cfg.context_load_balance and stack.causal
