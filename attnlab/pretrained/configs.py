@@ -23,6 +23,7 @@ from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
 from attnlab.pretrained.hf_llama import llama_like
 from attnlab.pretrained.hf_moe import deepseek_v3, mixtral, qwen3_moe
+from attnlab.pretrained.hf_ssm import mamba2
 
 __all__ = ["FAMILIES", "UnsupportedCheckpointError", "family_of", "model_config_from_hf"]
 
@@ -40,6 +41,7 @@ FAMILIES = {
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
     "deepseek_v3": deepseek_v3,
+    "mamba2": mamba2,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -61,6 +63,7 @@ _ARCHITECTURE_PREFIXES = {
     "Gemma3": "gemma3_text",
     "Mixtral": "mixtral",
     "DeepseekV3": "deepseek_v3",
+    "Mamba2": "mamba2",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",
