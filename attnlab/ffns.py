@@ -62,7 +62,7 @@ _FFNS = Registry(
     field="ffn_variant",
     settings_field="ffn_settings",
     register="register_ffn",
-    builtins={"dense": "attnlab.nn.layers", "moe": "attnlab.nn.moe"},
+    builtins={"dense": "attnlab.nn.layers", "moe": "attnlab.nn.moe", "none": "attnlab.nn.no_ffn"},
 )
 
 

@@ -22,6 +22,10 @@ from attnlab.sharding import stacked_path
 
 # Parameters that are no matrices in the optimiser's sense: no weight decay, Adam in Muon.
 NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")
+# Shape letters of axes that make a weight no matrix for Muon (Adam updates it): a short
+# causal convolution's taps W (a recurrent layer's ``conv_WZ`` is one depthwise filter per
+# channel, not a linear map between two spaces). Weight decay still applies to it.
+NOT_MATRIX_AXES = ("W",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +96,9 @@ def muon(o, params, mask):
 
 def muon_dimensions(params):
     """Muon's reading of each weight: ``MuonDimensionNumbers`` for the matrices of the
-    attention and feed-forward layers, None (Adam) for everything else."""
+    attention, recurrent and feed-forward layers, None (Adam) for everything else: vectors,
+    embeddings and biases (``NO_DECAY_NAMES``), and weights with an axis of
+    ``NOT_MATRIX_AXES`` (convolution kernels)."""
 
     def decide(path, x):
         name = jax.tree_util.keystr(path)
@@ -102,6 +108,8 @@ def muon_dimensions(params):
         keys = [getattr(k, "key", getattr(k, "name", "")) for k in path]
         suffix = next(str(k) for k in reversed(keys) if str(k) not in ("value", "raw_value"))
         suffix = suffix.rsplit("_", 1)[-1]
+        if any(letter in NOT_MATRIX_AXES for letter in suffix):
+            return None
         axes = tuple(range(int(stacked), x.ndim))
         if suffix.startswith("D"):  # from the model width to the rest (q_DNH, w_in_DF)
             return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:1], output_axis=axes[1:])

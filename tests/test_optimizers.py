@@ -52,3 +52,57 @@ def test_names_not_registered_are_refused_naming_the_field(field, value, listed)
     cfg.optim[field] = value
     with pytest.raises(experiment.ConfigError, match=rf"optim\.{field}.*{listed}"):
         experiment.validate(cfg)
+
+
+def layer(tree):
+    return tree["decoder"]["layers"]["attn"]
+
+
+def value(tree):
+    return {k: v.get_value() for k, v in layer(tree).items()}
+
+
+def test_muon_leaves_recurrent_conv_kernels_and_vectors_to_adam():
+    """Gated DeltaNet's and Mamba-2's short-convolution kernels ``conv_WZ`` (one depthwise
+    filter per channel) and their per-head vectors are no matrices: Muon's reading is None
+    and their update is Adam's (Nesterov Adam's first step moves every entry by
+    ``lr * (1 + b1 / (1 + b1))``), while the projections are orthogonalised; weight decay
+    skips the vectors and keeps the matrices and kernels."""
+    import jax
+    from flax import nnx
+
+    from attnlab import ModelConfig, build_model
+    from attnlab.optimizers import muon_dimensions
+    from attnlab.train.optim import decay_mask
+
+    settings = {
+        "gated_deltanet": {"num_k_heads": 2, "head_v_dim": 4, "chunk_size": 4},
+        "mamba2": {"state_size": 4, "head_dim": 8, "chunk_size": 4},
+    }
+    c = experiment.base_config()
+    c.optim.update(name="muon", clip_norm=0.0, warmup_steps=0, weight_decay=0.0)
+    b1, lr = c.optim.b1, c.optim.adam_learning_rate
+    for mixer, s in settings.items():
+        cfg = ModelConfig(
+            n_layers=2, d_model=16, n_heads=2, vocab_size=11, d_ff=24, position="none",
+            mixer=mixer, mixer_settings=s,
+        )  # fmt: skip
+        params = nnx.state(build_model(cfg), nnx.Param)
+        dims, decay = value(muon_dimensions(params)), value(decay_mask(params))
+        vectors = ("A_log_N", "dt_bias_N")
+        assert dims["conv_WZ"] is None and all(dims[v] is None for v in vectors)
+        proj = "in_proj_qkvz_DKH" if mixer == "gated_deltanet" else "in_proj_DZ"
+        assert dims[proj] is not None and dims[proj].reduction_axis == (1,)
+        assert decay["conv_WZ"] and decay[proj] and not any(decay[v] for v in vectors)
+
+        grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
+        tx = make_optimizer(c.optim, 10, params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        conv = np.abs(np.asarray(layer(updates)["conv_WZ"][...]))
+        np.testing.assert_allclose(conv, lr * (1 + b1 / (1 + b1)), rtol=1e-3)
+        # The projection's layer-0 update is plain optax Muon's on the [D, Z] matrix.
+        g = np.asarray(layer(grads)[proj][...][0]).reshape(16, -1)
+        plain = optax.contrib.muon(learning_rate=c.optim.learning_rate, beta=c.optim.muon_beta)
+        want, _ = plain.update(jnp.asarray(g), plain.init(jnp.asarray(g)), jnp.asarray(g))
+        got = np.asarray(layer(updates)[proj][...][0]).reshape(g.shape)
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-6)

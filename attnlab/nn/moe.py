@@ -5,8 +5,9 @@ experts (``attnlab.ops.moe.route``: softmax or sigmoid scores, optional renormal
 DeepSeek's grouped routing and selection bias, a routed scaling factor); each expert is an
 FFN of the config's activation (``ModelConfig.ffn``) and width ``d_expert``, run dropless
 over the tokens sorted by expert (``jax.lax.ragged_dot``). ``n_shared`` shared experts
-(one FFN of width ``n_shared * d_expert``) see every token. The first ``dense_layers``
-layers of a stack keep the plain FFN of width ``ModelConfig.d_ff``.
+(one FFN of width ``d_shared``, by default ``n_shared * d_expert``) see every token, their
+output scaled by ``sigmoid(x w)`` with ``shared_gate`` (Qwen2-MoE, Qwen3-Next). The first
+``dense_layers`` layers of a stack keep the plain FFN of width ``ModelConfig.d_ff``.
 
 The families: Mixtral and Qwen3-MoE are softmax + renormalised top-k (Qwen3's
 ``norm_topk_prob``); gpt-oss is the same with ``router_bias``, ``expert_bias`` and
@@ -17,9 +18,9 @@ The families: Mixtral and Qwen3-MoE are softmax + renormalised top-k (Qwen3's
 Parameters (``E`` experts): ``router_DE`` (``b_router_E``, ``selection_bias_E``),
 ``w_in_EDF``, ``w_gate_EDF`` (gated activations), ``w_out_EFD`` (``b_in_EF``,
 ``b_gate_EF``, ``b_out_ED``), and ``shared_in_DF``, ``shared_gate_DF``,
-``shared_out_FD``. The expert axis is the logical axis ``expert``: on a mesh with an
-``expert`` axis the experts are split over it, each device runs its experts on the tokens
-routed there and the outputs are summed over the axis.
+``shared_out_FD`` (``shared_expert_gate_D``). The expert axis is the logical axis
+``expert``: on a mesh with an ``expert`` axis the experts are split over it, each device
+runs its experts on the tokens routed there and the outputs are summed over the axis.
 
 ``aux``: ``loss`` (``load_balance_weight`` x the Switch Transformer load-balancing loss +
 ``z_loss_weight`` x the router z-loss, added to the training objective), the two losses
@@ -58,6 +59,8 @@ class MoE(FFN):
         selection_bias: bool = False  # a per-expert bias on the scores that choose, not weigh
         routed_scaling: float = 1.0  # multiplies the routed experts' weights
         n_shared: int = 0  # shared experts (one FFN of width n_shared * d_expert)
+        d_shared: int | None = None  # the shared FFN's width; None: n_shared * d_expert
+        shared_gate: bool = False  # the shared output times sigmoid(x w) (Qwen3-Next)
         dense_layers: int = 0  # a stack's first layers keep the plain FFN (width d_ff)
         router_bias: bool = False  # gpt-oss
         expert_bias: bool = False  # biases inside each expert (gpt-oss)
@@ -79,6 +82,12 @@ class MoE(FFN):
                 not isinstance(self.d_expert, int) or self.d_expert < 1
             ):
                 self.fail("d_expert", "must be a positive integer, or None for ModelConfig.d_ff")
+            if self.d_shared is not None and (
+                not isinstance(self.d_shared, int) or self.d_shared < 1
+            ):
+                self.fail("d_shared", "a positive integer, or None for n_shared * d_expert")
+            if (self.d_shared is not None or self.shared_gate) and not self.n_shared:
+                self.fail("n_shared", "at least 1 with d_shared or shared_gate set")
             if self.top_k > self.n_experts:
                 self.fail("top_k", f"at most n_experts={self.n_experts}")
             if self.score not in moe.SCORES:
@@ -124,10 +133,11 @@ class MoE(FFN):
         self.b_in_EF = zeros(E, F) if s.expert_bias else None
         self.b_gate_EF = zeros(E, F) if s.expert_bias and gated else None
         self.b_out_ED = zeros(E, D) if s.expert_bias else None
-        Fs = s.n_shared * F
+        Fs = (s.d_shared or s.n_shared * F) if s.n_shared else 0
         self.shared_in_DF = normal(rngs, (D, Fs), std, dtype) if Fs else None
         self.shared_gate_DF = normal(rngs, (D, Fs), std, dtype) if Fs and gated else None
         self.shared_out_FD = normal(rngs, (Fs, D), out_std, dtype) if Fs else None
+        self.shared_expert_gate_D = normal(rngs, (D,), std, dtype) if s.shared_gate else None
 
     def route(self, x_TD):
         """``(expert_TA, weight_TA, scores_TE, logits_TE)`` of the flattened tokens."""
@@ -203,13 +213,18 @@ class MoE(FFN):
         y_TD = self._experts(x_TD, expert_TA, weight_TA)
         if self.shared_in_DF is not None:
             get = lambda p: None if p is None else p[...]
-            y_TD = y_TD + ops.feed_forward(
+            shared_TD = ops.feed_forward(
                 x_TD,
                 self.shared_in_DF[...],
                 self.shared_out_FD[...],
                 kind=self.kind,
                 w_gate_DF=get(self.shared_gate_DF),
             )
+            if self.shared_expert_gate_D is not None:
+                w_D1 = self.shared_expert_gate_D[...][:, None]
+                score_T1 = jax.nn.sigmoid(dense(x_TD, w_D1, out_dtype=jnp.float32))
+                shared_TD = shared_TD * score_T1.astype(shared_TD.dtype)
+            y_TD = y_TD + shared_TD
         s = self.settings
         balance = moe.load_balancing_loss(scores_TE, expert_TA)
         z = moe.router_z_loss(logits_TE)

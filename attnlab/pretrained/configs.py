@@ -23,6 +23,7 @@ from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
 from attnlab.pretrained.hf_llama import llama_like
 from attnlab.pretrained.hf_moe import deepseek_v3, gpt_oss, mixtral, qwen3_moe
+from attnlab.pretrained.hf_ssm import mamba2
 
 __all__ = ["FAMILIES", "UnsupportedCheckpointError", "family_of", "model_config_from_hf"]
 
@@ -41,6 +42,7 @@ FAMILIES = {
     "qwen3_moe": qwen3_moe,
     "gpt_oss": gpt_oss,
     "deepseek_v3": deepseek_v3,
+    "mamba2": mamba2,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -63,6 +65,7 @@ _ARCHITECTURE_PREFIXES = {
     "Mixtral": "mixtral",
     "DeepseekV3": "deepseek_v3",
     "GptOss": "gpt_oss",
+    "Mamba2": "mamba2",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",

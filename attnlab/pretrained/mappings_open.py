@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.pretrained import mappings
+from attnlab.pretrained.hf_ssm import MAMBA2
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
 
 _L = "model.layers.{i}"
@@ -228,4 +229,5 @@ MAPPINGS = {
     "qwen3_moe": QWEN3_MOE,
     "deepseek_v3": DEEPSEEK_V3,
     "gpt_oss": GPT_OSS,
+    "mamba2": MAMBA2,
 }

@@ -124,6 +124,19 @@ TRANSFORMS = {
         ),
         lambda xs, t: np.concatenate([x.transpose(1, 2, 0) for x in xs], 1).reshape(-1, t[0][0]),
     ),
+    # A depthwise nn.Conv1d weight [Z, 1, W] -> taps by channel [W, Z] (Mamba-2's conv1d).
+    "depthwise_conv": Transform(
+        lambda t: (t[0][1], 1, t[0][0]),
+        lambda x, t: (x[:, 0].T,),
+        lambda xs, t: xs[0].T[:, None, :],
+    ),
+    # A block's one norm -> its mixer's input norm, and ones for the FFN norm that a layer
+    # without FFN (ffn_variant="none") never reads; export writes the first.
+    "norm_and_unused": Transform(
+        lambda t: t[0],
+        lambda x, t: (x, np.ones(t[1], x.dtype)),
+        lambda xs, t: xs[0],
+    ),
     # A Gemma RMSNorm weight w, whose scale is 1 + w.
     "plus_one": Transform(
         lambda t: t[0], lambda x, t: (x.astype(np.float32) + 1,), lambda xs, t: xs[0] - 1
