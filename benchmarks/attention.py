@@ -31,8 +31,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import machine  # benchmarks/machine.py: the machine and its limits, measured in this run
 import numpy as np
-from decode import machine  # benchmarks/decode.py: the machine description all scripts print
 
 from attnlab import ops
 from attnlab.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
@@ -198,7 +198,7 @@ def main():
     p.add_argument("--variants", default="", help="attention variants to measure instead")
     args = p.parse_args()
     budget = memory_budget(args.memory_fraction)
-    host = machine()  # load_average: how busy the machine was when the runs began
+    host = machine.describe()  # load_average: how busy the machine was when the runs began
     if args.variants:
         return main_variants(args, budget, host)
     rows = [

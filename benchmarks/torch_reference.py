@@ -107,26 +107,32 @@ def train_throughput(s, steps, vocab=65, device="cpu", compiled=False):
                 step_ms=round(dt * 1e3, 2))  # fmt: skip
 
 
-def decode_throughput(batch, new_tokens=64, prompt_len=16, repeats=3):
+def decode_throughput(
+    batch, new_tokens=64, prompt_len=16, repeats=3, device="cpu", dtype="float32"
+):
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
-    ids = torch.randint(1, 50257, (batch, prompt_len))
+    model = model.to(device=device, dtype=getattr(torch, dtype))  # weights and cache
+    ids = torch.randint(1, 50257, (batch, prompt_len), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               use_cache=True, pad_token_id=0, attention_mask=torch.ones_like(ids))  # fmt: skip
     best = math.inf
     with torch.inference_mode():
         model.generate(ids, **kw)
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             model.generate(ids, **kw)
+            sync()
             best = min(best, time.perf_counter() - t0)
     tokens_per_s = round(batch * new_tokens / best, 1)
     return dict(
         batch=batch, new_tokens=new_tokens, prompt_len=prompt_len, tokens_per_s=tokens_per_s,
-        seconds=round(best, 3),
+        seconds=round(best, 3), device=device, dtype=dtype,
     )  # fmt: skip
 
 
