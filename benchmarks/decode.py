@@ -223,7 +223,8 @@ def per_token(name, model, args):
         if not args.skip_recompute:
             wall, cpu = best_time(lambda ids=ids: forward(ids), args.repeats)
             row.update(recompute_ms=1e3 * wall, recompute_cpu_ms=1e3 * cpu)
-        rows.append(row)
+        row["tokens_per_s"] = 1e3 / max(row["cached_ms"], 1e-6)  # the loop alone, batch 1
+        rows.append(roofline(row, cfg, args.limits, context=c))
         print(json.dumps(row), flush=True)
     return rows
 
@@ -237,16 +238,17 @@ def machine():
     )
 
 
-def roofline(row, cfg, limits):
-    """Adds to a cached ``row`` the tokens/s the machine allows and the fraction reached."""
+def roofline(row, cfg, limits, context=None):
+    """Adds to a cached ``row`` the tokens/s the machine allows and the fraction reached
+    (``context``: the valid cache length; default the mean over the row's generation)."""
     dtype = row.get("dtype", "float32")
-    itemsize = jnp.dtype(dtype).itemsize
-    context = row["prompt_len"] + row["new_tokens"] // 2  # the mean valid cache length
+    if context is None:
+        context = row["prompt_len"] + row["new_tokens"] // 2
     params = count_params(cfg)
     gpu_peak = (limits["table_bf16_tflops"] or 0) * 1e12
     bound, binding = limits_of.decode_bound(
         batch=row["batch"],
-        weight_bytes=params * itemsize,
+        weight_bytes=params * jnp.dtype(dtype).itemsize,
         cache_bytes_per_row=kv_cache_bytes(cfg, 1, context, dtype, ring=False),
         flops_per_token=2 * params + 4 * cfg.n_layers * context * cfg.d_model,
         bytes_per_s=max(limits["copy_gbps"].values()) * 1e9,

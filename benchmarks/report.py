@@ -75,6 +75,19 @@ def decode_rows(d):
             else "-",
             ratio=_n(r.get("vs_peer"), 2),
         )
+    yield from per_token_rows(d)
+
+
+def per_token_rows(d):
+    for r in d.get("per_token", []):
+        yield dict(
+            work=f"decode loop per token, {r['model']}, batch 1, context {r['context']:,}",
+            attnlab=f"{_n(r['cached_ms'], 3)} ms",
+            roofline=f"{_pct(r.get('of_roofline'))} of {_n(r.get('roofline_tokens_per_s'))} "
+            f"tokens/s ({r.get('bound_by')})",
+            peer="-",
+            ratio="-",
+        )
 
 
 def attention_rows(d):
