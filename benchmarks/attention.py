@@ -15,6 +15,16 @@ float32 on CPU; bfloat16 on GPU (``--dtype`` changes it).
     python benchmarks/attention.py [--lengths 512,1024,2048,4096] [--impls reference,chunked]
                                    [--block-q 256] [--block-k 256] [--repeats 5]
 
+Rooflines (``benchmarks/machine.py``, measured in the same run): ``of_peak`` is the
+useful FLOPs of causal attention forward + backward (6 B N T^2 H: the unmasked half of
+q.k and weights.v, backward twice the forward) per second over the square matmul rate in
+the same dtype (on a GPU, the table's dense bf16 peak).
+
+``--long-context`` is the memory table at T = 8k / 32k / 128k: masks are described, never
+built on the host, and ``--compile-only`` reports each program's temporaries without
+running it. ``--device gpu --dry-run`` compiles the GPU settings (bfloat16, the fused XLA
+path standing in for cuDNN, which cannot be compiled without a GPU) on a CPU.
+
 ``--variants mha,sinks,gated,differential,mla`` measures the registered attention variants
 instead (``attnlab.mixers``), each in a one-layer decoder (d_model 256, 4 heads, chunked
 path): the train step (value and gradient of the loss over the parameters, causal, B=1) at
@@ -31,8 +41,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import machine  # benchmarks/machine.py: the machine and its limits, measured in this run
 import numpy as np
-from decode import machine  # benchmarks/decode.py: the machine description all scripts print
 
 from attnlab import ops
 from attnlab.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
@@ -52,12 +62,17 @@ def program(impl, T, args):
     shape_q = (args.batch, T, args.heads, args.head_dim)
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, w = (jax.random.normal(key, shape_q, jnp.float32).astype(dtype) for key in keys)
+    if args.compile_only:  # shapes only: nothing is allocated
+        q = k = v = w = jax.ShapeDtypeStruct(shape_q, dtype)
+    else:
+        q, k, v, w = (jax.random.normal(s, shape_q, jnp.float32).astype(dtype) for s in keys)
     blocks = dict(block_q=args.block_q, block_k=args.block_k)
     if impl == "chunked":
         mask, kw = MaskSpec.for_sequence(T, causal=True), dict(implementation="chunked", **blocks)
     elif impl == "chunked_full":
         mask, kw = None, dict(implementation="chunked", **blocks)
+    elif args.long_context:  # the dense mask built inside the program, not on the host
+        mask, kw = MaskSpec.for_sequence(T, causal=True), dict(implementation=impl)
     else:
         mask, kw = ops.causal(T), dict(implementation=impl)
 
@@ -80,6 +95,8 @@ def timed(fn, inputs, row, args, budget, key="ms"):
     if temp is not None and temp > budget:
         row["skipped"] = f"needs {temp / 2**30:.1f} GiB of temporaries, over the budget"
         return row
+    if args.compile_only:
+        return row | {"compile_only": True}
     jax.block_until_ready(compiled(*inputs))  # warm-up
     wall, cpu = [], []
     for _ in range(args.repeats):
@@ -94,7 +111,11 @@ def timed(fn, inputs, row, args, budget, key="ms"):
 
 def measure(impl, T, args, budget):
     fn, inputs = program(impl, T, args)
-    return timed(fn, inputs, dict(impl=impl, T=T), args, budget)
+    row = timed(fn, inputs, dict(impl=impl, T=T), args, budget)
+    if "ms" in row:  # the useful FLOPs per second over the machine's matmul peak
+        flops = 6 * args.batch * args.heads * T * T * args.head_dim
+        row["of_peak"] = round(flops / (row["ms"] / 1e3) / args.peak_flops, 4)
+    return row
 
 
 VARIANT_SETTINGS = {  # variants whose defaults do not fit the benchmark's model
@@ -161,13 +182,18 @@ def one_row(measure_fn, what: dict, *args):
 
 
 def report(benchmark, host, settings, rows):
+    limits = host.pop("limits", None)
     out = dict(
         benchmark=benchmark,
-        machine=host | {"load_average_end": list(os.getloadavg())},
+        machine=host | {"load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        limits=limits,
         settings=settings,
         results=rows,
     )
     print(json.dumps(out, indent=2))
+    if settings.get("out"):
+        with open(settings["out"], "w") as f:
+            f.write(json.dumps(out, indent=2) + "\n")
 
 
 def main_variants(args, budget, host):
@@ -185,7 +211,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", default="512,1024,2048,4096,8192,16384")
     p.add_argument(
-        "--impls", default="reference,xla,chunked,chunked_full" + (",cudnn" if gpu else "")
+        "--impls",
+        default=None,
+        help="default reference,xla,chunked,chunked_full (+cudnn on a GPU or --device gpu)",
     )
     p.add_argument("--block-q", type=int, default=DEFAULT_BLOCK_Q)
     p.add_argument("--block-k", type=int, default=DEFAULT_BLOCK_K)
@@ -193,12 +221,32 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16" if gpu else "float32")
+    p.add_argument("--dtype", default=None, help="default float32 (gpu: bfloat16)")
     p.add_argument("--memory-fraction", type=float, default=0.5)
     p.add_argument("--variants", default="", help="attention variants to measure instead")
+    p.add_argument("--long-context", action="store_true", help="T = 8k / 32k / 128k")
+    p.add_argument("--compile-only", action="store_true", help="temporaries, not times")
+    p.add_argument("--quick", action="store_true", help="seconds: T = 256 / 512")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    machine.add_device_flag(p)
     args = p.parse_args()
+    dry = machine.check_device(args)
+    gpu = gpu or args.device == "gpu"
+    args.impls = args.impls or "reference,xla,chunked,chunked_full" + (",cudnn" if gpu else "")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    if dry:  # cuDNN cannot be compiled without a GPU: the fused XLA path stands in
+        args.dtype, args.compile_only = "bfloat16", True
+        args.impls = ",".join("xla" if i == "cudnn" else i for i in args.impls.split(","))
+    if args.long_context:
+        args.lengths = "8192,32768,131072"
+    if args.quick:
+        args.lengths, args.repeats = "256,512", 2
     budget = memory_budget(args.memory_fraction)
-    host = machine()  # load_average: how busy the machine was when the runs began
+    host = machine.describe()  # load_average: how busy the machine was when the runs began
+    limits = machine.limits((), args.dtype, square=1024 if args.quick else 2048)
+    peak = (limits["table_bf16_tflops"] or 0) * 1e12
+    args.peak_flops = peak or limits["square_matmul_gflops"] * 1e9
+    host |= {"limits": limits}
     if args.variants:
         return main_variants(args, budget, host)
     rows = [

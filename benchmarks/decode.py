@@ -30,6 +30,15 @@ prompts C tokens at a time. ``models`` reports the bytes per row of both caches.
     python benchmarks/decode.py [--quick] [--models small,gpt2] [--batches 1,8]
                                 [--contexts 64,256,1024] [--skip-recompute]
                                 [--sliding-window 128] [--linear-cache] [--prefill-chunk 256]
+    python benchmarks/decode.py --device gpu [--peer]   # gpt2, bf16, batch 1/8/64
+
+Rooflines (``benchmarks/machine.py``, measured in the same run): each cached row's
+``roofline_tokens_per_s`` is what the machine allows: a step streams the weights once for
+the batch and each row's cache (its mean valid length over the generation), at the copy
+rate, and does 2 x params + the attention FLOPs per token at the square matmul rate (the
+GPU table's bf16 peak with ``--device gpu``): batch 1 is bound by bandwidth, large batches
+by compute. ``of_roofline`` is the measured fraction. ``--peer`` runs ``transformers``'
+``generate`` back to back in this process (skipped without torch/transformers).
 """
 
 from __future__ import annotations
@@ -37,13 +46,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import time
 
 import flax
 import jax
 import jax.numpy as jnp
+import machine as limits_of  # benchmarks/machine.py: the machine's limits, measured in this run
 import numpy as np
 from flax import nnx
 
@@ -146,9 +155,15 @@ def throughput(name, model, args):
             dict(model=name, batch=B, mode="cached", prompt_len=args.prompt_len, new_tokens=n,
                  cache_len=cache_slots(args.prompt_len + n, cfg.max_len), seconds=wall,
                  tokens_per_s=B * n / wall,
-                 cpu_seconds=cpu, tokens_per_cpu_s=B * n / cpu,
+                 cpu_seconds=cpu, tokens_per_cpu_s=B * n / cpu, dtype=args.dtype or "float32",
                  minor_page_faults=minor_faults(call))
         )  # fmt: skip
+        roofline(rows[-1], cfg, args.limits)
+        if args.peer and name == "gpt2":  # transformers' GPT-2 small
+            rows[-1]["peer_transformers"] = p = peer(B, args)
+            if "tokens_per_s" in p:
+                rows[-1]["vs_peer"] = round(rows[-1]["tokens_per_s"] / p["tokens_per_s"], 3)
+                p["of_roofline"] = round(p["tokens_per_s"] / rows[-1]["roofline_tokens_per_s"], 4)
         print(json.dumps(rows[-1]), flush=True)
         if args.skip_recompute:
             continue
@@ -208,26 +223,53 @@ def per_token(name, model, args):
         if not args.skip_recompute:
             wall, cpu = best_time(lambda ids=ids: forward(ids), args.repeats)
             row.update(recompute_ms=1e3 * wall, recompute_cpu_ms=1e3 * cpu)
-        rows.append(row)
+        row["tokens_per_s"] = 1e3 / max(row["cached_ms"], 1e-6)  # the loop alone, batch 1
+        rows.append(roofline(row, cfg, args.limits, context=c))
         print(json.dumps(row), flush=True)
     return rows
 
 
 def machine():
-    return dict(
-        platform=platform.platform(),
-        processor=platform.processor() or platform.machine(),
-        python=platform.python_version(),
-        jax=jax.__version__,
+    return limits_of.describe() | dict(
         flax=flax.__version__,
-        backend=jax.default_backend(),
-        devices=[str(d) for d in jax.devices()],
-        cpu_count=os.cpu_count(),
-        load_average=list(os.getloadavg()),
         # Huge pages for malloc'd buffers change the cost of a call's fresh memory (README).
         glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
         transparent_hugepage=_thp_mode(),
     )
+
+
+def roofline(row, cfg, limits, context=None):
+    """Adds to a cached ``row`` the tokens/s the machine allows and the fraction reached
+    (``context``: the valid cache length; default the mean over the row's generation)."""
+    dtype = row.get("dtype", "float32")
+    if context is None:
+        context = row["prompt_len"] + row["new_tokens"] // 2
+    params = count_params(cfg)
+    gpu_peak = (limits["table_bf16_tflops"] or 0) * 1e12
+    bound, binding = limits_of.decode_bound(
+        batch=row["batch"],
+        weight_bytes=params * jnp.dtype(dtype).itemsize,
+        cache_bytes_per_row=kv_cache_bytes(cfg, 1, context, dtype, ring=False),
+        flops_per_token=2 * params + 4 * cfg.n_layers * context * cfg.d_model,
+        bytes_per_s=max(limits["copy_gbps"].values()) * 1e9,
+        flops_per_s=gpu_peak or limits["square_matmul_gflops"] * 1e9,
+    )
+    row.update(roofline_tokens_per_s=round(bound, 1), bound_by=binding,
+               of_roofline=round(row["tokens_per_s"] / bound, 4))  # fmt: skip
+    return row
+
+
+def peer(batch, args):
+    """``transformers``' greedy generate at ``batch``, or why it was skipped."""
+    try:
+        import torch_reference
+
+        return torch_reference.decode_throughput(
+            batch, args.new_tokens, args.prompt_len, args.repeats,
+            device="cuda" if args.device == "gpu" else "cpu", dtype=args.dtype or "float32",
+        )  # fmt: skip
+    except ImportError as e:
+        return dict(skipped=f"no PyTorch/transformers: {e}")
 
 
 def _thp_mode() -> str:
@@ -276,8 +318,8 @@ def main(argv=None):
     ints = lambda s: [int(x) for x in s.split(",") if x]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, short contexts")
-    parser.add_argument("--models", default="small,gpt2")
-    parser.add_argument("--batches", type=ints, default=[1, 8])
+    parser.add_argument("--models", default=None, help="default small,gpt2 (gpu: gpt2)")
+    parser.add_argument("--batches", type=ints, default=None, help="default 1,8 (gpu: 1,8,64)")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--recompute-tokens", type=int, default=16)
@@ -304,12 +346,28 @@ def main(argv=None):
     )
     parser.add_argument("--linear-cache", action="store_true", help="no ring buffer")
     parser.add_argument("--prefill-chunk", type=int, default=None)
+    parser.add_argument("--peer", action="store_true", help="transformers' generate (gpt2)")
+    parser.add_argument("--out", default=None, help="also write the JSON to this file")
+    limits_of.add_device_flag(parser)
     args = parser.parse_args(argv)
     args.ring = False if args.linear_cache else None
+    dry, gpu = limits_of.check_device(args), args.device == "gpu"
+    args.models = args.models or ("gpt2" if gpu else "small,gpt2")
+    args.batches = args.batches or ([1, 8, 64] if gpu else [1, 8])
+    args.dtype = args.dtype or (limits_of.GPU_DTYPE if gpu else None)  # bf16 weights + caches
     if args.quick:
-        args.models, args.contexts, args.repeats = "small", [64, 256], 2
-    settings = vars(args) | {"dtype": args.dtype or "float32"}
-    out = dict(machine=machine(), settings=settings, models={})
+        args.models, args.contexts, args.repeats = "small", [64], 2
+        args.skip_compile = True
+    if dry:  # the GPU settings run on the small model, for shape and argument errors only
+        args.models, args.new_tokens, args.repeats, args.peer = "small", 4, 1, False
+        args.skip_contexts = args.skip_compile = args.skip_recompute = True
+    host = machine()  # the load before the runs
+    args.limits = limits_of.limits(
+        (), args.dtype or "float32", square=1024 if args.quick or dry else 2048
+    )
+    settings = {k: v for k, v in vars(args).items() if k != "limits"}
+    settings |= {"dtype": args.dtype or "float32", "dry_run": dry}
+    out = dict(machine=host, limits=args.limits, settings=settings, models={})
     out["throughput"], out["per_token"] = [], []
     for name in args.models.split(","):
         cfg = ModelConfig(
@@ -339,8 +397,11 @@ def main(argv=None):
             out["per_token"] += per_token(name, model, args)
     if not args.skip_compile:
         out["compile"] = compile_time(args)
-    out["machine"]["load_average_end"] = list(os.getloadavg())
+    out["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

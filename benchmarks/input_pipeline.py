@@ -16,7 +16,12 @@ thread; "grain+workers=N": ``data.workers=N`` worker processes):
 tiny char_lm experiment (median of ``--startup-runs``), per pipeline. ``load`` is the
 machine's load average when each figure was taken (the machine may be shared).
 
-    python benchmarks/input_pipeline.py [--tokens 4000000] [--batch 16] [--seq-len 256]
+    python benchmarks/input_pipeline.py [--tokens 4000000] [--batch 16] [--seq-len 256] [--quick]
+
+Roofline (``benchmarks/machine.py``, measured in the same run): the pipeline is host
+Python, bound by neither matmuls nor bandwidth, so ``of_copy_bandwidth`` (the batches'
+int32 bytes per second over the host's numpy copy rate) only says how far from the
+memory system it is; the figure that matters is ``wait_fraction``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +36,7 @@ import tempfile
 import time
 
 import jax
+import machine  # benchmarks/machine.py: the machine and its limits, measured in this run
 import numpy as np
 
 from attnlab import experiment, train
@@ -127,13 +132,18 @@ def main():
     p.add_argument("--steps", type=int, default=40, help="train steps timed")
     p.add_argument("--startup-runs", type=int, default=5)
     p.add_argument("--variants", default="index,grain,grain+thread,grain+workers=1,grain+workers=2")
+    p.add_argument("--quick", action="store_true", help="seconds: 200k tokens, 2 pipelines")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
     args = p.parse_args()
+    if args.quick:
+        args.tokens, args.batches, args.steps, args.startup_runs = 200_000, 20, 5, 0
+        args.variants = "index,grain"
+    machine_row = machine.describe()
+    copy = machine.copy_bytes_per_s()["numpy"]
     report = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "jax_devices": [str(d) for d in jax.devices()],
-        },
+        "benchmark": "input_pipeline",
+        "machine": machine_row | {"jax_devices": [str(d) for d in jax.devices()]},
+        "limits": {"copy_gbps_numpy": round(copy / 1e9, 2)},
         "config": vars(args),
         "pipelines": {},
         "startup_s": {},
@@ -156,6 +166,7 @@ def main():
             row = {
                 "batches_per_sec": round(rate, 1),
                 "tokens_per_sec": round(rate * args.batch * args.seq_len),
+                "of_copy_bandwidth": round(rate * args.batch * args.seq_len * 4 / copy, 6),
                 "wait_fraction": round(waiting, 4),
                 "step_ms": round(step_ms, 2),
                 "load": load(),
@@ -166,6 +177,9 @@ def main():
             report["pipelines"][variant] = row
             print(json.dumps({variant: row}), flush=True)
     print(json.dumps(report, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,19 +18,23 @@ token and the ratio to ``dense``; under ``decode``, tokens/s per model.
 
     python benchmarks/moe.py [--d-model 256] [--experts 8] [--top-k 2] [--d-expert 256]
                              [--decode-batch 4] [--decode-tokens 64]
-                             [--batch 8] [--seq 256] [--repeats 10]
+                             [--batch 8] [--seq 256] [--repeats 10] [--quick] [--device gpu]
+
+Roofline (``benchmarks/machine.py``, measured in the same run): ``of_peak`` is each step's
+useful FLOPs (3 matmuls of the active width, forward + backward: 18 x tokens x d_model x
+top_k x d_expert) per second over the matmul rate at the step's own shape
+``[tokens, d_model] @ [d_model, top_k * d_expert]``; ``--device gpu`` computes in bfloat16.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
+import machine  # benchmarks/machine.py: the machine and its limits, measured in this run
 from flax import nnx
 
 from attnlab import ModelConfig, build_model, generate
@@ -75,7 +79,7 @@ def step_ms(module, call, x_BTD, repeats: int) -> float:
     return 1e3 * best
 
 
-def decode_tokens_per_sec(a) -> dict:
+def decode_tokens_per_sec(a, dtype=None) -> dict:
     """Greedy cached decoding of a tiny Mixtral-shaped model and its dense twin."""
     shape = dict(
         vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, max_len=256,
@@ -91,9 +95,9 @@ def decode_tokens_per_sec(a) -> dict:
     out = {}
     for name, cfg in models.items():
         model = build_model(cfg, seed=0)
-        generate(model, prompt, a.decode_tokens)  # compiles; the ids come back to the host
+        generate(model, prompt, a.decode_tokens, dtype=dtype)  # compiles; ids come back
         t0 = time.perf_counter()
-        generate(model, prompt, a.decode_tokens)
+        generate(model, prompt, a.decode_tokens, dtype=dtype)
         seconds = time.perf_counter() - t0
         out[name] = dict(
             tokens_per_sec=round(a.decode_batch * a.decode_tokens / seconds, 1),
@@ -113,15 +117,26 @@ def main():
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--decode-batch", type=int, default=4)
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="seconds: 2 x 64 tokens, 8 new")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    machine.add_device_flag(p)
     a = p.parse_args()
+    dry = machine.check_device(a)  # a dry run computes the GPU's dtype on this CPU
+    if a.quick or dry:
+        a.batch, a.seq, a.repeats, a.decode_tokens = 2, 64, 2, 8
+    dtype = machine.GPU_DTYPE if a.device == "gpu" else "float32"
+    host = machine.describe()
+    tokens, width = a.batch * a.seq, a.top_k * a.d_expert
+    limits = machine.limits([(tokens, a.d_model, width)], dtype, square=1024 if a.quick else 2048)
+    peak = limits["matmul_gflops"][f"{tokens}x{a.d_model}x{width}"] * 1e9
     settings = dict(n_experts=a.experts, top_k=a.top_k, d_expert=a.d_expert)
-    base = dict(d_model=a.d_model, n_heads=4, n_layers=1, ffn="swiglu")
+    base = dict(d_model=a.d_model, n_heads=4, n_layers=1, ffn="swiglu", dtype=dtype)
     dense_cfg = ModelConfig(**base, d_ff=a.top_k * a.d_expert)
     moe_cfg = ModelConfig(**base, ffn_variant="moe", ffn_settings=settings)
     dense = FeedForward(dense_cfg, rngs=nnx.Rngs(0))
     moe = MoE(moe_cfg, moe_cfg.ffn_settings, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (a.batch, a.seq, a.d_model), jnp.float32)
-    tokens = a.batch * a.seq
+    x = x.astype(dtype)
     runs = {
         "dense": step_ms(dense, lambda m, x: m(x), x, a.repeats),
         "moe": step_ms(moe, lambda m, x: m(x), x, a.repeats),
@@ -130,7 +145,7 @@ def main():
     count = lambda m: int(sum(v.size for v in jax.tree.leaves(nnx.state(m, nnx.Param))))
     report = dict(
         benchmark="moe_ffn_step",
-        config=dict(vars(a), tokens_per_step=tokens, activation="swiglu"),
+        config=dict(vars(a), tokens_per_step=tokens, activation="swiglu", dtype=dtype),
         params=dict(
             dense=count(dense),
             moe_total=count(moe),
@@ -141,21 +156,21 @@ def main():
                 ms_per_step=round(ms, 3),
                 us_per_token=round(1e3 * ms / tokens, 4),
                 vs_dense=round(ms / runs["dense"], 3),
+                of_peak=round(18 * tokens * a.d_model * width / (ms / 1e3) / peak, 4),
             )
             for name, ms in runs.items()
         },
-        decode=dict(batch=a.decode_batch, new_tokens=a.decode_tokens, **decode_tokens_per_sec(a)),
-        machine=dict(
-            platform=platform.platform(),
-            processor=platform.processor() or platform.machine(),
-            jax=jax.__version__,
-            backend=jax.default_backend(),
-            devices=[str(d) for d in jax.devices()],
-            cpu_count=os.cpu_count(),
-            load_average=list(os.getloadavg()),
+        decode=dict(
+            batch=a.decode_batch, new_tokens=a.decode_tokens, **decode_tokens_per_sec(a, dtype)
         ),
+        device=a.device + (" (dry run)" if dry else ""),
+        machine=host,
+        limits=limits,
     )
     print(json.dumps(report, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -67,57 +67,72 @@ class GPT(nn.Module):
             nn.init.normal_(p, std=0.02) if p.dim() > 1 else None
 
     def forward(self, ids, targets):
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
         logits = self.ln(x) @ self.tokens.weight.T
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def train_throughput(s, steps, vocab=65):
+def train_throughput(s, steps, vocab=65, device="cpu", compiled=False):
+    """Tokens/s of the training step at shape ``s``; on ``device="cuda"`` in bfloat16
+    autocast, and ``compiled`` with ``torch.compile`` (nanoGPT's GPU setting)."""
     torch.manual_seed(0)
-    model = GPT(vocab, s["d_model"], s["n_layers"], s["n_heads"], s["seq_len"])
+    model = GPT(vocab, s["d_model"], s["n_layers"], s["n_heads"], s["seq_len"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
-    ids = torch.randint(0, vocab, (s["batch"], s["seq_len"]))
-    targets = torch.randint(0, vocab, (s["batch"], s["seq_len"]))
+    ids = torch.randint(0, vocab, (s["batch"], s["seq_len"]), device=device)
+    targets = torch.randint(0, vocab, (s["batch"], s["seq_len"]), device=device)
+    forward = torch.compile(model) if compiled else model
+    autocast = torch.autocast(device, torch.bfloat16, enabled=device == "cuda")
 
     def step():
-        loss = model(ids, targets)
+        with autocast:
+            loss = forward(ids, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     for _ in range(3):
         step()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+    sync()
     dt = (time.perf_counter() - t0) / steps
-    return dict(shape=s, tokens_per_sec=round(s["batch"] * s["seq_len"] / dt, 1),
+    return dict(shape=s, device=device, compiled=compiled,
+                tokens_per_sec=round(s["batch"] * s["seq_len"] / dt, 1),
                 step_ms=round(dt * 1e3, 2))  # fmt: skip
 
 
-def decode_throughput(batch, new_tokens=64, prompt_len=16, repeats=3):
+def decode_throughput(
+    batch, new_tokens=64, prompt_len=16, repeats=3, device="cpu", dtype="float32"
+):
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
-    ids = torch.randint(1, 50257, (batch, prompt_len))
+    model = model.to(device=device, dtype=getattr(torch, dtype))  # weights and cache
+    ids = torch.randint(1, 50257, (batch, prompt_len), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               use_cache=True, pad_token_id=0, attention_mask=torch.ones_like(ids))  # fmt: skip
     best = math.inf
     with torch.inference_mode():
         model.generate(ids, **kw)
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             model.generate(ids, **kw)
+            sync()
             best = min(best, time.perf_counter() - t0)
     tokens_per_s = round(batch * new_tokens / best, 1)
     return dict(
         batch=batch, new_tokens=new_tokens, prompt_len=prompt_len, tokens_per_s=tokens_per_s,
-        seconds=round(best, 3),
+        seconds=round(best, 3), device=device, dtype=dtype,
     )  # fmt: skip
 
 

@@ -10,6 +10,15 @@ the small shape, with the layers scanned and unrolled (``compile``).
     python benchmarks/train_throughput.py [--steps 30] [--shapes small,medium]
                                           [--compile-layers 4,16,32] [--skip-compile]
     python benchmarks/train_throughput.py --host    # host time per step: nested state vs leaves
+    python benchmarks/train_throughput.py --quick --peer            # seconds: a smoke run
+    python benchmarks/train_throughput.py --device gpu [--peer]     # bf16, cudnn + chunked
+
+Rooflines (``benchmarks/machine.py``, measured in the same run): ``mfu`` is tokens/s x FLOPs
+per token over the float32 matmul rate at the step's own matmul shapes (per device, each
+shape weighted by its share of the FLOPs), ``mfu_square`` the same over a large square
+matmul; with ``--device gpu`` both are bfloat16 and ``mfu`` is over the GPU's dense bf16
+peak from the table. ``--peer`` trains nanoGPT's block in PyTorch back to back in this
+process (``benchmarks/torch_reference.py``; skipped without torch).
 """
 
 from __future__ import annotations
@@ -18,13 +27,11 @@ import argparse
 import json
 import math
 import os
-import platform
 import time
 
 import jax
-import jax.numpy as jnp
+import machine  # benchmarks/machine.py: the machine's limits, measured in this run
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from attnlab import devices, experiment, sharding, train
 
@@ -32,26 +39,40 @@ SHAPES = {
     # The shakespeare_char baseline shape and a 6-layer / 384-wide / 256-context one.
     "small": dict(n_layers=4, n_heads=4, d_model=128, seq_len=64, batch=12),
     "medium": dict(n_layers=6, n_heads=6, d_model=384, seq_len=256, batch=64),
+    # GPT-2 small at context 1024 (the GPU shape).
+    "gpt2": dict(n_layers=12, n_heads=12, d_model=768, seq_len=1024, batch=8, vocab=50257),
 }
+GPU_ATTENTION = ("cudnn", "chunked")  # attention_impl values measured with --device gpu
 
 
-def matmul_peak_flops(n=2048, repeats=10):
-    """A large float32 matmul on every device at once: the machine's peak, whether its
-    cores serve one device or one device each."""
-    d = jax.device_count()
-    a = jax.random.normal(jax.random.key(0), (d, n, n), jnp.float32)
-    a = jax.device_put(a, jax.sharding.NamedSharding(sharding.make_mesh(), P("data")))
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        out = f(a)
-    out.block_until_ready()
-    return 2 * d * n**3 * repeats / (time.perf_counter() - t0)
+def matmul_work(s, devices=1):
+    """Forward FLOPs per step of each weight matmul shape ``(M, K, N)`` (M: a device's
+    tokens); the backward pass repeats them transposed, twice."""
+    D, L, V = s["d_model"], s["n_layers"], s.get("vocab", 65)
+    M = max(1, s["batch"] * s["seq_len"] // devices)
+    work = {(M, D, 3 * D): L, (M, D, D): L, (M, D, 4 * D): L, (M, 4 * D, D): L, (M, D, V): 1}
+    return {shape: n * 2 * shape[0] * shape[1] * shape[2] for shape, n in work.items()}
 
 
-def flops_per_token(s, vocab):
+def roofline(s, tps, fpt, limits, devices):
+    """The step's tokens/s as fractions of the machine's limits (see the docstring)."""
+    work = matmul_work(s, devices)
+    rates = {k: v * 1e9 for k, v in limits["matmul_gflops"].items()}
+    own = machine.weighted_peak(rates, {"x".join(map(str, k)): w for k, w in work.items()})
+    out = dict(
+        peak_own_shapes_gflops=round(own / 1e9, 1),
+        mfu=round(tps * fpt / own, 4),
+        mfu_square=round(tps * fpt / (limits["square_matmul_gflops"] * 1e9), 4),
+    )
+    if limits["table_bf16_tflops"]:
+        out["mfu"] = round(tps * fpt / (limits["table_bf16_tflops"] * 1e12), 4)
+        out["mfu_of"] = "table dense bf16 peak"
+    return out
+
+
+def flops_per_token(s, vocab=None):
     D, L, T = s["d_model"], s["n_layers"], s["seq_len"]
+    vocab = s.get("vocab", 65) if vocab is None else vocab
     matmul_params = L * (4 * D * D + 2 * D * 4 * D) + D * vocab  # attn, MLP, output head
     attention = L * 2 * T * D  # q.k and weights.v per token (causal half not discounted)
     return 6 * matmul_params + 6 * attention
@@ -78,7 +99,8 @@ def config_for(s, vocab, overrides):
     return cfg
 
 
-def measure(s, steps, overrides, vocab=65, mesh=None):
+def measure(s, steps, overrides, vocab=None, mesh=None):
+    vocab = s.get("vocab", 65) if vocab is None else vocab
     cfg = config_for(s, vocab, overrides)
     trainer = train.Trainer(cfg, kind="lm", mesh=mesh)
     state = trainer.init_state()
@@ -197,10 +219,10 @@ def compile_times(layers, overrides):
     return rows
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--shapes", default="small,medium")
+    p.add_argument("--shapes", default=None, help="default small,medium (gpu: medium,gpt2)")
     p.add_argument(
         "--override",
         action="append",
@@ -226,14 +248,101 @@ def main():
         help="as ATTNLAB_CPU_DEVICES for `attnlab train`: auto (one single-threaded device per "
         "core, the default of CPU runs), 1 (one multithreaded device) or N",
     )
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="seconds: the small shape, 3 steps")
+    p.add_argument("--peer", action="store_true", help="PyTorch's step back to back (torch)")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    machine.add_device_flag(p)
+    args = p.parse_args(argv)
+    gpu = args.device == "gpu"
+    args.shapes = args.shapes or ("medium,gpt2" if gpu else "small,medium")
+    if args.quick:
+        args.shapes, args.steps, args.skip_compile = "small", 3, True
+    return args
+
+
+def variants(args, dry):
+    """(label, overrides) per measured setting: on a GPU bf16 with each attention path."""
+    if args.device == "cpu":
+        return [("float32", list(args.override))]
+    bf16 = ["--config.model.dtype=bfloat16"]
+    # cuDNN cannot be traced without a GPU: a dry run stands the fused XLA path in for it.
+    impls = [("xla" if dry and i == "cudnn" else i) for i in GPU_ATTENTION]
+    return [
+        (
+            f"bfloat16+{label}" + (f" ({i} in its place)" if i != label else ""),
+            bf16 + [f"--config.model.attention_impl={i}"] + args.override,
+        )
+        for label, i in zip(GPU_ATTENTION, impls, strict=True)
+    ]
+
+
+def lowered(s, overrides):
+    """Traces and lowers the train step at shape ``s`` without running it (a dry run)."""
+    cfg = config_for(s, s.get("vocab", 65), overrides)
+    trainer = train.Trainer(cfg, kind="lm")
+    batch = {
+        k: jax.ShapeDtypeStruct((s["batch"], s["seq_len"]), dt)
+        for k, dt in (("inputs", np.int32), ("targets", np.int32), ("loss_mask", np.float32))
+    }
+    t0 = time.perf_counter()
+    trainer.train_step.lower(trainer.abstract_state(), batch)
+    return dict(dry_run="lowered, not run", lower_sec=round(time.perf_counter() - t0, 2))
+
+
+def peer_row(name, s, args):
+    """PyTorch's training step at shape ``s``, or why it was skipped."""
+    try:
+        import torch_reference
+    except ImportError as e:
+        return dict(skipped=f"no PyTorch: {e}")
+    gpu = args.device == "gpu"
+    return torch_reference.train_throughput(
+        s, args.steps, vocab=s.get("vocab", 65), device="cuda" if gpu else "cpu", compiled=gpu
+    )
+
+
+def shape_rows(args, mesh, limits, dry):
+    results = []
+    for name in args.shapes.split(","):
+        s = SHAPES[name]
+        fpt = flops_per_token(s)
+        for label, overrides in variants(args, dry):
+            row = {"shape": name, **s, "setting": label, "flops_per_token": fpt}
+            if dry:
+                row.update(lowered(s, overrides))
+            else:
+                tps, dt, first = measure(s, args.steps, overrides, mesh=mesh)
+                row.update(
+                    tokens_per_sec=round(tps, 1),
+                    step_ms=round(dt * 1e3, 2),
+                    first_step_sec=round(first, 3),
+                    **roofline(s, tps, fpt, limits, jax.device_count()),
+                )
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        if args.peer and not dry:
+            peer = peer_row(name, s, args)
+            results[-1]["peer_torch"] = peer
+            if "tokens_per_sec" in peer:  # the peer's MFU against the same roofline
+                scale = peer["tokens_per_sec"] / results[-1]["tokens_per_sec"]
+                peer["mfu"] = round(results[-1]["mfu"] * scale, 4)
+                results[-1]["vs_peer"] = round(
+                    results[-1]["tokens_per_sec"] / peer["tokens_per_sec"], 3
+                )
+            print(json.dumps({"peer_torch": peer}), flush=True)
+    return results
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.host:
-        machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__}
-        row = {"benchmark": "train_host_overhead", "machine": machine, "load": os.getloadavg()}
+        row = {"benchmark": "train_host_overhead", "machine": machine.describe()}
         print(json.dumps({**row, **host_overhead(max(args.steps, 200), args.override)}))
         return
+    dry = machine.check_device(args)
+    host = machine.describe()  # the load before the runs
     mesh, explicit_mesh = None, bool(args.mesh)
-    if not args.mesh:
+    if not args.mesh and args.device == "cpu":
         names = args.shapes.split(",")
         n = min(devices.choose(config_for(SHAPES[k], 65, args.override), args.cpu_devices)
                 for k in names)  # fmt: skip
@@ -242,50 +351,34 @@ def main():
     if args.mesh:
         sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
         mesh = sharding.make_mesh(sizes)
-    peak = matmul_peak_flops()
-    results = []
-    for name in args.shapes.split(","):
-        s = SHAPES[name]
-        tps, dt, first = measure(s, args.steps, args.override, mesh=mesh)
-        fpt = flops_per_token(s, 65)
-        results.append(
-            {
-                "shape": name,
-                **s,
-                "tokens_per_sec": round(tps, 1),
-                "step_ms": round(dt * 1e3, 2),
-                "first_step_sec": round(first, 3),
-                "flops_per_token": fpt,
-                "mfu": round(tps * fpt / peak, 4),
-            }
-        )
-    print(
-        json.dumps(
-            {
-                "benchmark": "train_throughput",
-                "overrides": args.override,
-                "machine": {
-                    "platform": platform.platform(),
-                    "cpus": os.cpu_count(),
-                    "jax": jax.__version__,
-                    "backend": jax.default_backend(),
-                },
-                "matmul_peak_gflops": round(peak / 1e9, 1),
-                "results": results,
-                "mesh": args.mesh or None,
-                "cpu_devices_per_core": devices.APPLIED,
-                "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "devices": jax.device_count(),
-                "memory": (
-                    mesh_memory(args.override, jax.device_count()) if explicit_mesh else None
-                ),
-                "compile": None
-                if args.skip_compile
-                else compile_times([int(x) for x in args.compile_layers.split(",")], args.override),
-            },
-            indent=2,
-        )
+    dtype = "bfloat16" if args.device == "gpu" else "float32"
+    shapes = sorted(
+        {k for n in args.shapes.split(",") for k in matmul_work(SHAPES[n], jax.device_count())}
     )
+    limits = None if dry else machine.limits(shapes, dtype, square=1024 if args.quick else 2048,
+                            repeats=2 if args.quick else 5)  # fmt: skip
+    out = {
+        "benchmark": "train_throughput",
+        "device": args.device + (" (dry run)" if dry else ""),
+        "overrides": args.override,
+        "machine": host | {"load_average_end": list(os.getloadavg())},
+        "limits": limits,
+        "results": shape_rows(args, mesh, limits, dry),
+        "mesh": args.mesh or None,
+        "cpu_devices_per_core": devices.APPLIED,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "devices": jax.device_count(),
+        "memory": mesh_memory(args.override, jax.device_count()) if explicit_mesh else None,
+        "compile": None
+        if args.skip_compile
+        else compile_times([int(x) for x in args.compile_layers.split(",")], args.override),
+    }
+    out["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
