@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("grain")
 
 from attnlab.data.grain_pipeline import (  # noqa: E402
+    DocumentChunks,
     GrainSampler,
-    document_chunks,
     packed_batches,
     restore_state,
     save_state,
@@ -27,10 +27,19 @@ def _batches(n, **kw):
 
 
 def test_document_chunks_cut_documents_at_the_window_and_the_split():
-    starts, ends = document_chunks([5, 12, 13, 30], 4, limit=25)
+    chunks = DocumentChunks([5, 12, 13, 30], 4, limit=25)
     # [0,5) -> [0,4) [4,5)x; [5,12) -> [5,9) [9,12); [12,13)x; [13,25) -> 3 windows
-    assert starts.tolist() == [0, 5, 9, 13, 17, 21]
-    assert ends.tolist() == [4, 9, 12, 17, 21, 25]
+    assert [chunks[i] for i in range(len(chunks))] == [
+        (0, 4),
+        (5, 9),
+        (9, 12),
+        (13, 17),
+        (17, 21),
+        (21, 25),
+    ]
+    # A document of 2 tokens keeps its one chunk; empty documents have none.
+    chunks = DocumentChunks([2, 2, 7], 4)
+    assert [chunks[i] for i in range(len(chunks))] == [(0, 2), (2, 6)]
 
 
 def test_packed_rows_hold_whole_chunks_of_one_document_per_segment():

@@ -118,22 +118,33 @@ def consecutive_batches(ids, *, seq_len: int, batch_size: int):
     return (ds[i] for i in range(len(ds)))  # by index, as needed: no reading threads
 
 
-def document_chunks(ends, length: int, limit: int | None = None):
-    """(starts, ends) of the documents ending at ``ends`` cut into chunks of at most
-    ``length`` tokens, documents cut at ``limit`` (the end of the training split); chunks
-    of one token (no target) are dropped."""
-    ends = np.asarray(ends, np.int64)
-    starts = np.concatenate([[0], ends[:-1]])
-    if limit is not None:
-        keep = starts < limit
-        starts, ends = starts[keep], np.minimum(ends[keep], limit)
-    counts = -(-(ends - starts) // length)
-    doc = np.repeat(np.arange(len(ends)), counts)
-    offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    c_start = starts[doc] + offset * length
-    c_end = np.minimum(c_start + length, ends[doc])
-    keep = c_end - c_start > 1
-    return c_start[keep], c_end[keep]
+class DocumentChunks:
+    """The documents ending at ``ends`` cut into chunks of at most ``length`` tokens,
+    documents cut at ``limit`` (the end of the training split); chunks of one token (no
+    target) are dropped. ``chunks[i]`` is the ``(start, end)`` of chunk ``i``, found from
+    per-document arrays: memory grows with the documents, never with the chunks (a 6 GiB
+    corpus of one document is 50 million chunks).
+    """
+
+    def __init__(self, ends, length: int, limit: int | None = None):
+        ends = np.asarray(ends, np.int64)
+        starts = np.concatenate([[0], ends[:-1]])
+        if limit is not None:
+            keep = starts < limit
+            starts, ends = starts[keep], np.minimum(ends[keep], limit)
+        # Chunks of two tokens or more: the whole windows, and the last one when it holds two.
+        counts = np.maximum(-(-(ends - starts - 1) // length), 0)
+        self.starts, self.ends, self.length = starts, ends, length
+        self.first = np.cumsum(counts) - counts  # each document's first chunk
+        self.total = int(counts.sum())
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        doc = int(np.searchsorted(self.first, i, side="right")) - 1
+        start = int(self.starts[doc] + (i - self.first[doc]) * self.length)
+        return start, min(start + self.length, int(self.ends[doc]))
 
 
 def lm_fields(row: dict) -> dict:
@@ -169,14 +180,15 @@ def packed_batches(
     index, count = host
     per = rows_per_process(batch_size, count)
     window = seq_len + 1
-    c_start, c_end = document_chunks(ends, window, limit)
-    if len(c_start) < count:
-        raise ValueError(f"the corpus has {len(c_start)} chunks, fewer than {count} processes")
+    chunks = DocumentChunks(ends, window, limit)
+    if len(chunks) < count:
+        raise ValueError(f"the corpus has {len(chunks)} chunks, fewer than {count} processes")
 
     def read(i):
-        return {"ids": np.asarray(tokens[c_start[i] : c_end[i]], np.int32)}
+        start, end = chunks[i]
+        return {"ids": np.asarray(tokens[start:end], np.int32)}
 
-    ds = grain.MapDataset.range(len(c_start)).shuffle(seed=seed)[index::count]
+    ds = grain.MapDataset.range(len(chunks)).shuffle(seed=seed)[index::count]
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * read_threads)
     ds = ds.repeat().map(read).to_iter_dataset(options)
     ds = grain.experimental.FirstFitPackIterDataset(
