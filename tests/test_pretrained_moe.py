@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch", reason="transformers needs torch to build t
 from test_export_hf import perturbed, transformers_logits  # noqa: E402
 from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_open import left_padded  # noqa: E402
+from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
 from tiers import cases  # noqa: E402
 
 from attnlab.config import ModelConfig  # noqa: E402
@@ -189,25 +189,7 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
 )
 def test_greedy_with_cache_matches_transformers(checkpoints, name):
     model, folder = checkpoints(name)
-    handle = load_pretrained(folder)
-    n, length = 16, 9
-    prompt = np.random.default_rng(2).integers(3, V, (1, length)).astype(np.int32)
-    with torch.no_grad():
-        out = model.generate(
-            hf(prompt),
-            attention_mask=torch.ones_like(hf(prompt)),
-            do_sample=False,
-            num_beams=1,
-            max_new_tokens=n,
-            use_cache=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    expected = out.sequences.numpy()[:, length:]
-    assert len(set(expected[0].tolist())) >= 2  # not one token repeated
-    result = handle.generate(prompt, n, eos_id=None, return_logits=True)
-    np.testing.assert_array_equal(np.asarray(result.tokens), expected)
-    assert max_diff(result.logits, torch.stack(out.logits, 1).numpy()) <= TOL
+    greedy_matches_transformers(model, folder)
 
 
 _MOE_MODEL = dict(

@@ -148,14 +148,12 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
 GREEDY_SLOW = "one more open family's cached decoding, compiled, against transformers' generate"
 
 
-@pytest.mark.parametrize(
-    "name", cases(NAMES, slow={n: GREEDY_SLOW for n in NAMES if n != "gemma3_text"})
-)
-def test_greedy_with_cache_matches_transformers(checkpoints, name):
-    model, folder = checkpoints(name)
+def greedy_matches_transformers(model, folder, *, length=9, n=16, vocab=V):
+    """``n`` greedy tokens of ``load_pretrained(folder)`` through its cache equal
+    transformers' ``generate`` of ``model`` (without a cache) on a random prompt, and their
+    logits agree to ``TOL``."""
     handle = load_pretrained(folder)
-    n, length = 16, 9
-    prompt = np.random.default_rng(2).integers(3, V, (1, length)).astype(np.int32)
+    prompt = np.random.default_rng(2).integers(3, vocab, (1, length)).astype(np.int32)
     with torch.no_grad():
         out = model.generate(
             hf(prompt),
@@ -172,3 +170,11 @@ def test_greedy_with_cache_matches_transformers(checkpoints, name):
     result = handle.generate(prompt, n, eos_id=None, return_logits=True)
     np.testing.assert_array_equal(np.asarray(result.tokens), expected)
     assert max_diff(result.logits, torch.stack(out.logits, 1).numpy()) <= TOL
+
+
+@pytest.mark.parametrize(
+    "name", cases(NAMES, slow={n: GREEDY_SLOW for n in NAMES if n != "gemma3_text"})
+)
+def test_greedy_with_cache_matches_transformers(checkpoints, name):
+    model, folder = checkpoints(name)
+    greedy_matches_transformers(model, folder)

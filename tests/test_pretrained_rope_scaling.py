@@ -26,7 +26,7 @@ from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_moe import SPECS as MOE_SPECS  # noqa: E402
 from test_pretrained_moe import perturb_buffers  # noqa: E402
-from test_pretrained_open import _BASE, left_padded  # noqa: E402
+from test_pretrained_open import _BASE, greedy_matches_transformers, left_padded  # noqa: E402
 from test_pretrained_open import SPECS as OPEN_SPECS  # noqa: E402
 
 from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
@@ -152,25 +152,7 @@ def test_logits_match_transformers_with_left_padding(checkpoints, name):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_greedy_with_cache_matches_transformers(checkpoints, name):
     model, folder = checkpoints(name)
-    handle = load_pretrained(folder)
-    n, length = 16, 18 if name == "longrope" else 9
-    prompt = np.random.default_rng(2).integers(3, V, (1, length)).astype(np.int32)
-    with torch.no_grad():
-        out = model.generate(
-            hf(prompt),
-            attention_mask=torch.ones_like(hf(prompt)),
-            do_sample=False,
-            num_beams=1,
-            max_new_tokens=n,
-            use_cache=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    expected = out.sequences.numpy()[:, length:]
-    assert len(set(expected[0].tolist())) >= 2  # not one token repeated
-    result = handle.generate(prompt, n, eos_id=None, return_logits=True)
-    np.testing.assert_array_equal(np.asarray(result.tokens), expected)
-    assert max_diff(result.logits, torch.stack(out.logits, 1).numpy()) <= TOL
+    greedy_matches_transformers(model, folder, length=18 if name == "longrope" else 9, vocab=V)
 
 
 EXPORTS = {

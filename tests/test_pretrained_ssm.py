@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="transformers needs torch to build t
 
 from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_open import left_padded  # noqa: E402
+from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
 
 from attnlab.errors import ConfigError  # noqa: E402
 from attnlab.pretrained import load_pretrained  # noqa: E402
@@ -73,25 +73,7 @@ def test_mamba2_logits_match_transformers_with_left_padding(checkpoint):
 @pytest.mark.slow(reason="cached decoding of a Mamba-2 checkpoint, compiled, against generate")
 def test_mamba2_greedy_with_cache_matches_transformers(checkpoint):
     model, folder = checkpoint
-    handle = load_pretrained(folder)
-    n, length = 16, 9
-    prompt = np.random.default_rng(2).integers(3, V, (1, length)).astype(np.int32)
-    with torch.no_grad():
-        out = model.generate(
-            hf(prompt),
-            attention_mask=torch.ones_like(hf(prompt)),
-            do_sample=False,
-            num_beams=1,
-            max_new_tokens=n,
-            use_cache=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    expected = out.sequences.numpy()[:, length:]
-    assert len(set(expected[0].tolist())) >= 2  # not one token repeated
-    result = handle.generate(prompt, n, eos_id=None, return_logits=True)
-    np.testing.assert_array_equal(np.asarray(result.tokens), expected)
-    assert max_diff(result.logits, torch.stack(out.logits, 1).numpy()) <= TOL
+    greedy_matches_transformers(model, folder)
 
 
 def test_mamba2_config_refuses_what_attnlab_cannot_compute_and_no_ffn_needs_pre_norm():
