@@ -140,9 +140,9 @@ def _per_layer_values(model) -> dict[str, np.ndarray]:
         if name not in groups:
             out[name] = value
             continue
-        stack, rest, first, n = groups[name]
-        for i in range(n):
-            out[f"{stack}.layers.{first + i}.{rest}"] = value[i]
+        stack, rest, layers = groups[name]
+        for r, i in enumerate(layers):
+            out[f"{stack}.layers.{i}.{rest}"] = value[r]
     return out
 
 

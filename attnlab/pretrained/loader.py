@@ -192,22 +192,37 @@ def _with_prefix(tensors: dict, mapping: Mapping) -> dict:
 
 
 _GROUP = re.compile(r"^(.*)\.(prefix|layers)\.(.*)$")
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.*)$")
 
 
 def layer_groups(flat: dict) -> dict:
-    """``path -> (stack, rest, first, n)`` of every stacked parameter ``[n, ...]``, whose
-    layers are the stack's ``first .. first + n - 1``: a stack's prefix layers
-    (``stack.prefix``, the dense first layers of a mixture of experts) come first."""
-    prefix_n, out = {}, {}
-    for path, leaf in flat.items():
-        m = _GROUP.match(path)
-        if m and m[2] == "prefix":
-            prefix_n[m[1]] = leaf.get_value().shape[0]
+    """``path -> (stack, rest, layers)`` of every stacked parameter ``[n, ...]``: its entry
+    ``r`` is layer ``layers[r]`` of the stack, named ``stack.layers.{layers[r]}.rest``. A
+    stack's prefix layers (``stack.prefix``, the dense first layers of a mixture of experts)
+    come first; position ``p`` of a hybrid block of ``P`` (``stack.layers.blocks.{p}.rest``)
+    holds layers ``first + r * P + p``."""
+    segments = {}  # (stack, prefix|layers) -> (repeats, block positions)
     for path, leaf in flat.items():
         m = _GROUP.match(path)
         if m:
-            first = prefix_n.get(m[1], 0) if m[2] == "layers" else 0
-            out[path] = (m[1], m[3], first, leaf.get_value().shape[0])
+            b = _BLOCK.match(m[3])
+            n, positions = segments.get((m[1], m[2]), (0, set()))
+            positions.add(int(b[1]) if b else 0)
+            segments[(m[1], m[2])] = (leaf.get_value().shape[0], positions)
+    out = {}
+    for path, leaf in flat.items():
+        m = _GROUP.match(path)
+        if not m:
+            continue
+        first = 0
+        if m[2] == "layers" and (m[1], "prefix") in segments:
+            n, positions = segments[(m[1], "prefix")]
+            first = n * len(positions)
+        b = _BLOCK.match(m[3])
+        p, rest = (int(b[1]), b[2]) if b else (0, m[3])
+        P = len(segments[(m[1], m[2])][1])
+        n = leaf.get_value().shape[0]
+        out[path] = (m[1], rest, tuple(first + r * P + p for r in range(n)))
     return out
 
 
@@ -221,10 +236,10 @@ def _per_layer(flat: dict) -> tuple[dict, dict]:
         if path not in groups:
             shapes[path] = shape
             continue
-        stack, rest, first, n = groups[path]
-        counts[stack] = max(counts.get(stack, 0), first + n)
-        for i in range(n):
-            shapes[f"{stack}.layers.{first + i}.{rest}"] = shape[1:]
+        stack, rest, layers = groups[path]
+        counts[stack] = max(counts.get(stack, 0), max(layers) + 1)
+        for i in layers:
+            shapes[f"{stack}.layers.{i}.{rest}"] = shape[1:]
     return shapes, counts
 
 
@@ -236,8 +251,8 @@ def _stack_layers(values: dict, flat: dict) -> dict:
         if path not in groups:
             out[path] = values[path]
             continue
-        stack, rest, first, n = groups[path]
-        out[path] = np.stack([values[f"{stack}.layers.{first + i}.{rest}"] for i in range(n)])
+        stack, rest, layers = groups[path]
+        out[path] = np.stack([values[f"{stack}.layers.{i}.{rest}"] for i in layers])
     return out
 
 
