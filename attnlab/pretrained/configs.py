@@ -23,6 +23,7 @@ from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
 from attnlab.pretrained.hf_llama import llama_like
 from attnlab.pretrained.hf_moe import deepseek_v3, gpt_oss, mixtral, qwen3_moe
+from attnlab.pretrained.hf_qwen3_next import qwen3_next
 from attnlab.pretrained.hf_ssm import mamba2
 
 __all__ = ["FAMILIES", "UnsupportedCheckpointError", "family_of", "model_config_from_hf"]
@@ -43,6 +44,7 @@ FAMILIES = {
     "gpt_oss": gpt_oss,
     "deepseek_v3": deepseek_v3,
     "mamba2": mamba2,
+    "qwen3_next": qwen3_next,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -56,6 +58,7 @@ _ARCHITECTURE_PREFIXES = {
     "Mistral": "mistral",
     "Qwen2": "qwen2",
     "Qwen3Moe": "qwen3_moe",  # before its prefix Qwen3
+    "Qwen3Next": "qwen3_next",  # before its prefix Qwen3
     "Qwen3": "qwen3",
     "Olmo2": "olmo2",
     "Phi3": "phi3",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.pretrained import mappings
+from attnlab.pretrained.hf_qwen3_next import QWEN3_NEXT
 from attnlab.pretrained.hf_ssm import MAMBA2
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
 
@@ -230,4 +231,5 @@ MAPPINGS = {
     "deepseek_v3": DEEPSEEK_V3,
     "gpt_oss": GPT_OSS,
     "mamba2": MAMBA2,
+    "qwen3_next": QWEN3_NEXT,
 }

@@ -130,6 +130,15 @@ TRANSFORMS = {
         lambda x, t: (x[:, 0].T,),
         lambda xs, t: xs[0].T[:, None, :],
     ),
+    # nn.Linear [N*2*H, D] holding each head's query rows, then its gate rows -> 2 x [D, N, H]
+    # (Qwen3-Next's q_proj).
+    "query_and_gate": Transform(
+        lambda t: (2 * _heads(t[0]), t[0][0]),
+        lambda x, t: tuple(
+            x.reshape(t[0][1], 2, t[0][2], -1)[:, j].transpose(2, 0, 1) for j in (0, 1)
+        ),
+        lambda xs, t: np.stack([x.transpose(1, 2, 0) for x in xs], 1).reshape(-1, t[0][0]),
+    ),
     # A block's one norm -> its mixer's input norm, and ones for the FFN norm that a layer
     # without FFN (ffn_variant="none") never reads; export writes the first.
     "norm_and_unused": Transform(

@@ -1,0 +1,162 @@
+"""Qwen3-Next checkpoints that transformers writes (``Qwen3NextForCausalLM``): the config.json
+translator and the tensor-name table.
+
+A hybrid decoder (``ModelConfig.block_pattern``): ``layer_types`` repeats a block of
+``linear_attention`` layers (attnlab's ``gated_deltanet`` mixer, parameters in transformers'
+layout) and ``full_attention`` layers (the ``gated`` mixer with ``kind="elementwise"``: the
+rows of ``q_proj`` hold each head's query and then its output gate; QK-norm; RoPE on
+``partial_rotary_factor`` of each head). Every layer's FFN is a mixture of experts with one
+shared SwiGLU expert scaled by ``sigmoid(shared_expert_gate(x))``. The RMSNorms of the
+layers, of q and k and the final one store ``w`` and scale by ``1 + w``; the gated RMSNorm
+inside the linear-attention layer stores its scale. The multi-token-prediction head
+(``mtp.*``) is not loaded.
+
+Parameters of block position ``p`` live at ``decoder.layers.blocks.{p}.*`` stacked over the
+block's repeats; the loader reads them as the checkpoint's layers ``p, p + P, ...``.
+"""
+
+from __future__ import annotations
+
+from attnlab.pretrained.hf_base import (
+    UnsupportedCheckpointError,
+    common_fields,
+    ffn_kind,
+    reject,
+    require,
+    rope_scaling_of,
+    rope_theta_of,
+    rotary_fraction,
+)
+from attnlab.pretrained.mappings import Mapping, _table
+
+_KINDS = ("linear_attention", "full_attention")
+
+
+def _period(types: list) -> int:
+    """The shortest block whose repeats make ``types``."""
+    n = len(types)
+    return next(p for p in range(1, n + 1) if n % p == 0 and types == types[:p] * (n // p))
+
+
+def _layer_kinds(c: dict, n: int) -> list[str]:
+    types = c.get("layer_types")
+    if types is None:  # transformers' default: every fourth layer full attention
+        interval = c.get("full_attention_interval", 4)
+        types = [_KINDS[(i + 1) % interval == 0] for i in range(n)]
+    unknown = sorted(set(types) - set(_KINDS))
+    if unknown or len(types) != n:
+        raise UnsupportedCheckpointError(
+            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
+            f"entries, each one of {list(_KINDS)}"
+        )
+    return list(types)
+
+
+def _block_pattern(c: dict, n: int) -> dict:
+    types = _layer_kinds(c, n)
+    linear = {
+        "mixer": "gated_deltanet",
+        "mixer_settings": {
+            "num_v_heads": require(c, "linear_num_value_heads"),
+            "num_k_heads": require(c, "linear_num_key_heads"),
+            "head_k_dim": require(c, "linear_key_head_dim"),
+            "head_v_dim": require(c, "linear_value_head_dim"),
+            "conv_kernel": c.get("linear_conv_kernel_dim", 4),
+        },
+    }
+    full = {"mixer": "gated", "mixer_settings": {"kind": "elementwise"}}
+    kind = {"linear_attention": linear, "full_attention": full}
+    return {"block": [kind[t] for t in types[: _period(types)]]}
+
+
+def qwen3_next(c: dict) -> dict:
+    """``Qwen3NextConfig`` -> a hybrid decoder of Gated DeltaNet and gated attention layers,
+    each with a mixture of experts and a gated shared expert."""
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedCheckpointError(
+            f"config.json mlp_only_layers={c.get('mlp_only_layers')!r} / decoder_sparse_step="
+            f"{c.get('decoder_sparse_step')!r} is not supported: attnlab loads Qwen3-Next with "
+            "experts in every layer (mlp_only_layers [] and decoder_sparse_step 1)"
+        )
+    reject(c, "attention_bias", (True,), "Qwen3-Next's gated attention has no biases here")
+    D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
+    H = c.get("head_dim") or D // N
+    n = require(c, "num_hidden_layers")
+    fraction = rotary_fraction(c)
+    return common_fields(
+        c,
+        arch="decoder",
+        vocab_size=require(c, "vocab_size"),
+        d_model=D,
+        n_layers=n,
+        n_heads=N,
+        n_kv_heads=c.get("num_key_value_heads") or N,
+        head_dim=H,
+        d_ff=require(c, "intermediate_size"),
+        max_len=c.get("max_position_embeddings") or 2048,
+        position="rope",
+        rope_theta=rope_theta_of(c, partial=True, scaled=True),
+        rope_scaling=rope_scaling_of(c),
+        rotary_dim=None if fraction == 1.0 else int(H * fraction),
+        norm="rmsnorm",
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        norm_placement="pre",
+        qk_norm=True,
+        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        block_pattern=_block_pattern(c, n),
+        ffn_variant="moe",
+        ffn_settings={
+            "n_experts": require(c, "num_experts"),
+            "top_k": require(c, "num_experts_per_tok"),
+            "d_expert": require(c, "moe_intermediate_size"),
+            "renormalize": bool(c.get("norm_topk_prob", True)),
+            "n_shared": 1,
+            "d_shared": require(c, "shared_expert_intermediate_size"),
+            "shared_gate": True,
+            "load_balance_weight": float(c.get("router_aux_loss_coef", 0.001)),
+            "z_loss_weight": 0.0,
+        },
+    )
+
+
+_L = "model.layers.{i}"
+_A = "decoder.layers.{i}"
+_LA, _GA = f"{_L}.linear_attn", f"{_A}.attn"
+_SA, _X = f"{_L}.self_attn", f"{_L}.mlp"
+QWEN3_NEXT = Mapping(
+    prefix="model.",
+    rules=_table(
+        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
+        ("model.norm.weight", "decoder.final_norm.scale_D", "plus_one"),
+        ("lm_head.weight", "head.head_DV", "linear"),
+        (f"{_L}.input_layernorm.weight", f"{_A}.attn_norm.scale_D", "plus_one"),
+        (f"{_L}.post_attention_layernorm.weight", f"{_A}.ffn_norm.scale_D", "plus_one"),
+        # Gated DeltaNet (linear_attention layers).
+        (f"{_LA}.in_proj_qkvz.weight", f"{_GA}.in_proj_qkvz_DKH", "linear_to_heads"),
+        (f"{_LA}.in_proj_ba.weight", f"{_GA}.in_proj_ba_DKH", "linear_to_heads"),
+        (f"{_LA}.conv1d.weight", f"{_GA}.conv_WZ", "depthwise_conv"),
+        (f"{_LA}.A_log", f"{_GA}.A_log_N"),
+        (f"{_LA}.dt_bias", f"{_GA}.dt_bias_N"),
+        (f"{_LA}.norm.weight", f"{_GA}.norm_scale_J"),  # a plain scale, not 1 + w
+        (f"{_LA}.out_proj.weight", f"{_GA}.out_proj_NJD", "linear_from_heads"),
+        # Gated attention (full_attention layers).
+        (f"{_SA}.q_proj.weight", (f"{_GA}.q_DNH", f"{_GA}.gate_DNH"), "query_and_gate"),
+        (f"{_SA}.k_proj.weight", f"{_GA}.k_DKH", "linear_to_heads"),
+        (f"{_SA}.v_proj.weight", f"{_GA}.v_DKH", "linear_to_heads"),
+        (f"{_SA}.o_proj.weight", f"{_GA}.o_NHD", "linear_from_heads"),
+        (f"{_SA}.q_norm.weight", f"{_GA}.q_norm.scale_D", "plus_one"),
+        (f"{_SA}.k_norm.weight", f"{_GA}.k_norm.scale_D", "plus_one"),
+        # Experts (stored one per expert, stacked on load) and the gated shared expert.
+        (f"{_X}.gate.weight", f"{_A}.ffn.router_DE", "linear"),
+        (f"{_X}.experts.gate_proj.weight", f"{_A}.ffn.w_gate_EDF", "experts_linear"),
+        (f"{_X}.experts.up_proj.weight", f"{_A}.ffn.w_in_EDF", "experts_linear"),
+        (f"{_X}.experts.down_proj.weight", f"{_A}.ffn.w_out_EFD", "experts_linear"),
+        (f"{_X}.shared_expert.gate_proj.weight", f"{_A}.ffn.shared_gate_DF", "linear"),
+        (f"{_X}.shared_expert.up_proj.weight", f"{_A}.ffn.shared_in_DF", "linear"),
+        (f"{_X}.shared_expert.down_proj.weight", f"{_A}.ffn.shared_out_FD", "linear"),
+        (f"{_X}.shared_expert_gate.weight", f"{_A}.ffn.shared_expert_gate_D", "row"),
+    ),
+    # The tied head's copy; the multi-token-prediction head, which attnlab does not run.
+    ignore=("lm_head.weight", "mtp.*"),
+)
