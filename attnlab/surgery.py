@@ -61,7 +61,7 @@ def kind_name(kind: LayerKind) -> str:
     return "+".join(m.mixer for m in kind.mixers)
 
 
-def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+def layer_kind_names(cfg: ModelConfig) -> tuple[str, ...]:
     """Each layer's kind name (``kind_name``), in layer order."""
     return tuple(kind_name(k) for k in _plan(cfg).kinds)
 
@@ -74,9 +74,9 @@ def select_layers(
     where: Callable[[int, str], bool] | None = None,
 ) -> tuple[int, ...]:
     """The layers (sorted indices) that match every criterion given: ``index`` (ints,
-    negative from the end), ``kind`` (kind names, ``layer_kinds``), ``where(index, kind)``.
+    negative from the end), ``kind`` (kind names, ``layer_kind_names``), ``where(index, kind)``.
     No criterion selects every layer."""
-    kinds = layer_kinds(cfg)
+    kinds = layer_kind_names(cfg)
     n = len(kinds)
     chosen = set(range(n))
     if index is not None:

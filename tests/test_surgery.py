@@ -58,7 +58,7 @@ def three_of_four():
 def test_three_of_every_four_layers_become_gated_deltanet_the_rest_bitwise_kept():
     cfg, params, chosen, new_cfg, new = three_of_four()
     assert chosen == (0, 1, 2, 4, 5, 6)
-    assert surgery.layer_kinds(new_cfg) == ("gated_deltanet",) * 3 + ("mha",) + (
+    assert surgery.layer_kind_names(new_cfg) == ("gated_deltanet",) * 3 + ("mha",) + (
         "gated_deltanet",
     ) * 3 + ("mha",)
     assert len(new_cfg.block_pattern.block) == 4 and not new_cfg.block_pattern.prefix
