@@ -158,3 +158,42 @@ def test_bad_selections_are_one_line_errors_naming_the_argument(call, field):
     with pytest.raises(ConfigError) as e:
         call(cfg, params)
     assert field in str(e.value) and "\n" not in str(e.value)
+
+
+def _layer_leaves(stack, path, row):
+    return [np.asarray(a[row]) for a in jax.tree.leaves(_get(stack, path))]
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def test_a_hybrid_with_a_prefix_and_parallel_mixers_keeps_its_other_layers():
+    # mla, then [gated_deltanet, mha + mamba2] x 2: the parallel layers become plain mha.
+    cfg = ModelConfig(**dict(TINY, n_layers=5), block_pattern={
+        "prefix": ["mla"], "block": ["gated_deltanet", {"mixers": ["mha", "mamba2"]}]})  # fmt: skip
+    params = nnx.state(build_model(cfg, seed=1))
+    chosen = surgery.select_layers(cfg, kind="mha+mamba2")
+    assert chosen == (2, 4)
+    new_cfg, new = surgery.replace_mixer(cfg, params, chosen, "mha", seed=3)
+    assert surgery.layer_kind_names(new_cfg) == ("mla", "gated_deltanet", "mha") * 1 + (
+        "gated_deltanet",
+        "mha",
+    )
+    old, got = _pure(params)["decoder"], _pure(new)["decoder"]
+    # Untouched: layer 0 (the prefix) and layers 1, 3 (block position 0, rows 0 and 1); the
+    # replaced layers' FFN and norms (block position 1).
+    pairs = [(("prefix",), 0, ("prefix",), 0)]
+    for r in (0, 1):
+        pairs.append((("layers", "blocks", 0), r, ("layers", "blocks", 0), r))
+        for part in ("ffn", "attn_norm", "ffn_norm"):
+            pairs.append((("layers", "blocks", 1, part), r, ("layers", "blocks", 1, part), r))
+    for src, r, dst, q in pairs:
+        a, b = _layer_leaves(old, src, r), _layer_leaves(got, dst, q)
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(y, x, strict=True)
+    assert set(got["layers"]["blocks"][1]["attn"]) == {"q_DNH", "k_DKH", "v_DKH", "o_NHD"}
+    assert np.isfinite(_logits(new_cfg, new, IDS)).all()
