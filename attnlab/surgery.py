@@ -205,8 +205,9 @@ def replace_mixer(
     for key in old:  # embeddings, head: everything outside the stack
         if key != name:
             new[key] = old[key]
+    layer_attrs = {s.attr for plan in (old_plan, new_plan) for s in plan.segments}
     for key in old[name]:
-        if key not in {s.attr for s in new_plan.segments}:  # norms, positions
+        if key not in layer_attrs:  # norms, positions
             new[name][key] = old[name][key]
     for i in range(cfg.n_layers):
         (src, r), (dst, q) = _where(old_plan, i), _where(new_plan, i)

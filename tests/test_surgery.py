@@ -197,3 +197,25 @@ def test_a_hybrid_with_a_prefix_and_parallel_mixers_keeps_its_other_layers():
             np.testing.assert_array_equal(y, x, strict=True)
     assert set(got["layers"]["blocks"][1]["attn"]) == {"q_DNH", "k_DKH", "v_DKH", "o_NHD"}
     assert np.isfinite(_logits(new_cfg, new, IDS)).all()
+
+
+def test_a_dense_prefix_of_a_mixture_of_experts_moves_into_the_pattern():
+    # DeepSeek's layout: layer 0 a dense FFN (ffn_settings.dense_layers), then MoE layers.
+    moe = {"n_experts": 4, "top_k": 2, "d_expert": 8, "dense_layers": 1}
+    cfg = ModelConfig(**dict(TINY, n_layers=3), ffn_variant="moe", ffn_settings=moe)
+    params = nnx.state(build_model(cfg, seed=1))
+    new_cfg, new = surgery.replace_mixer(cfg, params, [2], "mla", seed=3)
+    assert new_cfg.ffn_settings.dense_layers == 0
+    assert surgery.layer_kind_names(new_cfg) == ("mha", "mha", "mla")
+    old, got = _pure(params)["decoder"], _pure(new)["decoder"]
+    # old: prefix [1] (dense) + layers [2] (MoE); new: one block of 3 layers, repeated once.
+    blocks = got["layers"]["blocks"]
+    for src, r, p in ((("prefix",), 0, 0), (("layers",), 0, 1)):
+        a, b = _layer_leaves(old, src, r), _layer_leaves(blocks, (p,), 0)
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(y, x, strict=True)
+    a, b = _layer_leaves(old, ("layers", "ffn"), 1), _layer_leaves(blocks, (2, "ffn"), 0)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(y, x, strict=True)
+    assert np.isfinite(_logits(new_cfg, new, IDS)).all()
