@@ -243,7 +243,9 @@ def layer_mask(cfg: ModelConfig, params, layers, *, part: str = "layer"):
 
 
 def freeze(tx: optax.GradientTransformation, mask) -> optax.GradientTransformation:
-    """``tx``, then its updates set to zero where ``mask`` (``layer_mask``) is True."""
+    """``tx``, then its updates set to zero where ``mask`` (``layer_mask``) is True (the
+    optimiser's state still tracks them; ``optax.apply_updates`` adds 0, which keeps every
+    value but turns a -0.0 into 0.0)."""
 
     def zero(updates, params=None):
         return jax.tree.map(lambda u, m: jnp.where(m, jnp.zeros_like(u), u), updates, mask)
