@@ -22,6 +22,13 @@ from attnlab.mixers import (
 )
 from attnlab.nn import build_model, count_params
 from attnlab.optimizers import register_optimizer, register_schedule
+from attnlab.surgery import (
+    freeze,
+    layer_kind_names,
+    layer_mask,
+    replace_mixer,
+    select_layers,
+)
 from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
@@ -42,9 +49,12 @@ __all__ = [
     "build_model",
     "compilation_cache",
     "count_params",
+    "freeze",
     "generate",
     "init_cache",
     "kv_cache_bytes",
+    "layer_kind_names",
+    "layer_mask",
     "load_pretrained",
     "load_run",
     "ops",
@@ -55,6 +65,8 @@ __all__ = [
     "register_schedule",
     "registered_ffns",
     "registered_mixers",
+    "replace_mixer",
+    "select_layers",
 ]
 __version__ = "0.1.0"
 

@@ -1,0 +1,253 @@
+"""Model surgery: select layers of a model, replace their mixer, freeze parts of it.
+
+Pure functions of a ``ModelConfig`` and its parameter state (``nnx.state(model)``, or a
+train state's ``"params"``); nothing is modified in place.
+
+- ``select_layers(cfg, index=..., kind=..., where=...)``: layer indices, by index, by kind
+  (the layer's mixer names, ``"+"``-joined for mixers side by side: ``"mha"``,
+  ``"mha+mamba2"``) or by a predicate on ``(index, kind)``.
+- ``replace_mixer(cfg, params, layers, mixer)``: a new config whose ``block_pattern`` puts
+  ``mixer`` in the selected layers (the shortest prefix + repeating block that spells the
+  new per-layer kinds), and new parameters. Every parameter of an untouched layer, the
+  embeddings, the final norm and, in replaced layers, the norms and the FFN are copied
+  exactly. A replaced layer's mixer is initialised fresh (``build_model`` of the new config
+  at ``seed``); with ``init="matching"`` its parameters that the old mixer held under the
+  same name and shape are copied (``mha`` -> ``sinks``, say); a different mixer's
+  projections (Gated DeltaNet's fused ``in_proj_qkvz`` from attention's ``q/k/v``) are not
+  mapped and stay fresh.
+- ``layer_mask(cfg, params, layers, part=...)``: a boolean tree like ``params`` (each leaf
+  an array of its shape; stacked leaves hold several layers, so the mask is per element),
+  True on the selected layers' parameters (``part="mixer"``: their mixers only).
+- ``freeze(tx, mask)``: ``tx`` followed by zeroing the updates where ``mask`` is True, so
+  those parameters stay bitwise unchanged (the complement, ``jax.tree.map(np.logical_not,
+  mask)``, trains the selection only). The ``Trainer`` builds its optimiser from the config
+  and takes no transformation from outside, so this serves hand-written training loops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from attnlab.config import ModelConfig
+from attnlab.errors import ConfigError
+from attnlab.layer_kinds import BlockPattern, LayerKind, MixerSpec, stack_plan
+from attnlab.mixers import make_settings, registered_mixers
+from attnlab.nn.models import build_model
+
+STACKS = ("decoder", "encoder")  # the attribute of a one-stack model that holds its layers
+MIXER = "attn"  # a block's mixer (or list of mixers side by side)
+INITS = ("fresh", "matching")
+
+
+def _fail(field: str, value, fix: str):
+    raise ConfigError(f"surgery: {field}={value!r} is invalid: {fix}")
+
+
+def _plan(cfg: ModelConfig):
+    if cfg.arch == "encoder_decoder":
+        _fail("cfg.arch", cfg.arch, "surgery works on one-stack models (decoder or encoder)")
+    return stack_plan(cfg, cfg.n_layers)
+
+
+def kind_name(kind: LayerKind) -> str:
+    """A layer kind's name: its mixers' names, ``"+"``-joined when side by side."""
+    return "+".join(m.mixer for m in kind.mixers)
+
+
+def layer_kind_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """Each layer's kind name (``kind_name``), in layer order."""
+    return tuple(kind_name(k) for k in _plan(cfg).kinds)
+
+
+def select_layers(
+    cfg: ModelConfig,
+    *,
+    index: int | Iterable[int] | None = None,
+    kind: str | Iterable[str] | None = None,
+    where: Callable[[int, str], bool] | None = None,
+) -> tuple[int, ...]:
+    """The layers (sorted indices) that match every criterion given: ``index`` (ints,
+    negative from the end), ``kind`` (kind names, ``layer_kind_names``), ``where(index, kind)``.
+    No criterion selects every layer."""
+    kinds = layer_kind_names(cfg)
+    n = len(kinds)
+    chosen = set(range(n))
+    if index is not None:
+        wanted = [index] if isinstance(index, (int, np.integer)) else list(index)
+        for i in wanted:
+            if not isinstance(i, (int, np.integer)) or not -n <= i < n:
+                _fail("index", i, f"a layer index in [-{n}, {n}) (the model has {n} layers)")
+        chosen &= {int(i) % n for i in wanted}
+    if kind is not None:
+        wanted = {kind} if isinstance(kind, str) else set(kind)
+        unknown = wanted - set(kinds)
+        if unknown:
+            _fail("kind", sorted(unknown)[0], f"one of the model's kinds {sorted(set(kinds))}")
+        chosen &= {i for i, k in enumerate(kinds) if k in wanted}
+    if where is not None:
+        chosen &= {i for i, k in enumerate(kinds) if where(i, k)}
+    return tuple(sorted(chosen))
+
+
+def _layers(cfg, layers) -> tuple[int, ...]:
+    n = cfg.n_layers
+    out = []
+    for i in layers:
+        if not isinstance(i, (int, np.integer)) or not 0 <= i < n:
+            _fail("layers", i, f"layer indices in [0, {n}) (use select_layers)")
+        out.append(int(i))
+    return tuple(sorted(set(out)))
+
+
+def pattern_of(kinds: tuple[LayerKind, ...]) -> BlockPattern:
+    """The shortest ``prefix`` + repeated ``block`` that spells ``kinds`` (ties: the
+    shorter prefix)."""
+    n = len(kinds)
+    options = []
+    for p in range(n):
+        rest = kinds[p:]
+        for k in range(1, len(rest) + 1):
+            if len(rest) % k == 0 and rest == rest[:k] * (len(rest) // k):
+                options.append((p + k, p, k))
+                break
+    _, p, k = min(options)
+    return BlockPattern(block=kinds[p : p + k], prefix=kinds[:p])
+
+
+def replaced_config(cfg: ModelConfig, layers, mixer: str, mixer_settings=None) -> ModelConfig:
+    """``cfg`` with ``mixer`` in ``layers`` (its other layers unchanged); ``cfg`` itself
+    when that changes nothing."""
+    plan = _plan(cfg)
+    layers = _layers(cfg, layers)
+    if not isinstance(mixer, str) or mixer not in registered_mixers():
+        _fail("mixer", mixer, f"a registered mixer; known: {sorted(registered_mixers())}")
+    spec = MixerSpec(mixer, make_settings(mixer, mixer_settings))
+    kinds = tuple(
+        LayerKind((spec,), k.ffn_variant, k.ffn_settings) if i in layers else k
+        for i, k in enumerate(plan.kinds)
+    )
+    if kinds == plan.kinds:
+        return cfg
+    changes = {"block_pattern": pattern_of(kinds)}
+    if getattr(cfg.ffn_settings, "dense_layers", 0):  # now spelled out by the pattern
+        changes["ffn_settings"] = dataclasses.replace(cfg.ffn_settings, dense_layers=0)
+    new = cfg.replace(**changes)
+    new.block_pattern.validate(new)
+    return new
+
+
+def _where(plan, i: int):
+    """Layer ``i``'s place in the stack's tree: ``(path, row)``."""
+    for s in plan.segments:
+        if s.first <= i < s.first + s.n_layers:
+            r, p = divmod(i - s.first, len(s.kinds))
+            return ((s.attr,) if len(s.kinds) == 1 else (s.attr, "blocks", p)), r
+    raise AssertionError(i)
+
+
+def _leaves(tree, path=()):
+    """``{path: leaf}`` of a nested dict."""
+    if not isinstance(tree, dict):
+        return {path: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, path + (k,)))
+    return out
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def _stack(pure: dict) -> str:
+    for name in STACKS:
+        if name in pure:
+            return name
+    raise AssertionError(sorted(pure))
+
+
+def replace_mixer(
+    cfg: ModelConfig,
+    params,
+    layers,
+    mixer: str,
+    mixer_settings=None,
+    *,
+    init: str = "fresh",
+    seed: int = 0,
+):
+    """``(new_cfg, new_params)``: ``mixer`` (with ``mixer_settings``) in ``layers``
+    (module docstring: what is copied, what is fresh)."""
+    if init not in INITS:
+        _fail("init", init, f"one of {INITS}")
+    new_cfg = replaced_config(cfg, layers, mixer, mixer_settings)
+    layers = _layers(cfg, layers)
+    old_plan, new_plan = _plan(cfg), _plan(new_cfg)
+    old = nnx.to_pure_dict(params)
+    state = nnx.state(build_model(new_cfg, seed=seed))
+    new = nnx.to_pure_dict(state)
+    name = _stack(old)
+    for key in old:  # embeddings, head: everything outside the stack
+        if key != name:
+            new[key] = old[key]
+    layer_attrs = {s.attr for plan in (old_plan, new_plan) for s in plan.segments}
+    for key in old[name]:
+        if key not in layer_attrs:  # norms, positions
+            new[name][key] = old[name][key]
+    for i in range(cfg.n_layers):
+        (src, r), (dst, q) = _where(old_plan, i), _where(new_plan, i)
+        src_leaves = _leaves(_get(old[name], src))
+        dst_tree = _get(new[name], dst)
+        for path, a in _leaves(dst_tree).items():
+            b = src_leaves.get(path)
+            fresh = i in layers and path[0] == MIXER
+            if fresh and (init == "fresh" or b is None or b.shape[1:] != a.shape[1:]):
+                continue
+            _set(dst_tree, path, jnp.asarray(a).at[q].set(b[r]))
+    nnx.replace_by_pure_dict(state, new)
+    return new_cfg, state
+
+
+def layer_mask(cfg: ModelConfig, params, layers, *, part: str = "layer"):
+    """True on the parameters of ``layers`` (``part="mixer"``: their mixers only), False
+    elsewhere: a tree like ``params`` with a boolean array of each leaf's shape."""
+    if part not in ("layer", "mixer"):
+        _fail("part", part, "'layer' (the whole layer) or 'mixer'")
+    plan, layers = _plan(cfg), _layers(cfg, layers)
+    pure = nnx.to_pure_dict(params)
+    mask = jax.tree.map(lambda a: np.zeros(np.shape(a), bool), pure)
+    name = _stack(pure)
+    for i in layers:
+        at, r = _where(plan, i)
+        for path, m in _leaves(_get(mask[name], at)).items():
+            if part == "layer" or path[0] == MIXER:
+                m[r] = True
+    state = jax.tree.map(lambda a: a, params)  # a copy of the structure
+    nnx.replace_by_pure_dict(state, mask)
+    return state
+
+
+def freeze(tx: optax.GradientTransformation, mask) -> optax.GradientTransformation:
+    """``tx``, then its updates set to zero where ``mask`` (``layer_mask``) is True (the
+    optimiser's state still tracks them; ``optax.apply_updates`` adds 0, which keeps every
+    value but turns a -0.0 into 0.0)."""
+
+    def zero(updates, params=None):
+        return jax.tree.map(lambda u, m: jnp.where(m, jnp.zeros_like(u), u), updates, mask)
+
+    return optax.chain(tx, optax.stateless(zero))
