@@ -34,7 +34,18 @@ def _logits(cfg, params, ids_BT):
 IDS = jax.random.randint(jax.random.key(7), (2, 9), 1, 40)
 
 
-@pytest.mark.parametrize("pattern", [None, {"block": ["gated_deltanet", "mha"]}])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        None,
+        pytest.param(
+            {"block": ["gated_deltanet", "mha"]},
+            marks=pytest.mark.slow(
+                reason="the identity again, on a hybrid; the 3-of-4 test keeps one"
+            ),
+        ),
+    ],
+)
 def test_replacing_nothing_is_the_identity_bitwise(pattern):
     cfg = ModelConfig(**TINY, block_pattern=pattern)
     params = nnx.state(build_model(cfg, seed=1))
@@ -128,6 +139,7 @@ def test_a_mixer_only_mask_leaves_the_layers_norms_and_ffn_out():
     assert not any(m.any() for m in jax.tree.leaves(mask["embed"]))
 
 
+@pytest.mark.slow(reason="builds two more models; the fresh initialisation is the fast tier's")
 def test_matching_init_copies_the_mixer_parameters_of_the_same_shape():
     cfg = ModelConfig(**TINY)
     params = nnx.state(build_model(cfg, seed=1))
@@ -170,6 +182,9 @@ def _get(tree, path):
     return tree
 
 
+@pytest.mark.slow(
+    reason="another layout of the same copying rule, with a prefix and parallel mixers"
+)
 def test_a_hybrid_with_a_prefix_and_parallel_mixers_keeps_its_other_layers():
     # mla, then [gated_deltanet, mha + mamba2] x 2: the parallel layers become plain mha.
     cfg = ModelConfig(**dict(TINY, n_layers=5), block_pattern={
@@ -199,6 +214,7 @@ def test_a_hybrid_with_a_prefix_and_parallel_mixers_keeps_its_other_layers():
     assert np.isfinite(_logits(new_cfg, new, IDS)).all()
 
 
+@pytest.mark.slow(reason="builds a mixture-of-experts model with a dense prefix")
 def test_a_dense_prefix_of_a_mixture_of_experts_moves_into_the_pattern():
     # DeepSeek's layout: layer 0 a dense FFN (ffn_settings.dense_layers), then MoE layers.
     moe = {"n_experts": 4, "top_k": 2, "d_expert": 8, "dense_layers": 1}
