@@ -195,7 +195,14 @@ def cached_logits(cfg, params, *, unstack=False):
 
 
 @pytest.mark.parametrize(
-    "mode", cases(["unstacked", "unrolled"], slow={"unrolled": "the same check, unrolled again"})
+    "mode",
+    cases(
+        ["unstacked", "unrolled"],
+        slow={
+            "unstacked": "the fast tier's prefill-and-decode and scanned training checks cover it",
+            "unrolled": "the same check, unrolled again",
+        },
+    ),
 )
 def test_scanned_hybrid_decoding_equals_unrolled(mode):
     """Scanned prefill and steps against the unstacked loop (separate blocks over a split

@@ -62,6 +62,7 @@ def value(tree):
     return {k: v.get_value() for k, v in layer(tree).items()}
 
 
+@pytest.mark.slow(reason="builds both recurrent mixers and runs optax's Muon beside ours")
 def test_muon_leaves_recurrent_conv_kernels_and_vectors_to_adam():
     """Gated DeltaNet's and Mamba-2's short-convolution kernels ``conv_WZ`` (one depthwise
     filter per channel) and their per-head vectors are no matrices: Muon's reading is None
