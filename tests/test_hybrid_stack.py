@@ -13,8 +13,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import time
 
 import jax
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 import mixer_checks
 import numpy as np
 import pytest
+import xla_flags
 from flax import nnx
 from tiers import cases
 
@@ -468,16 +467,7 @@ def test_bad_patterns_get_one_line_errors_naming_the_field(change, words):
 def test_hybrid_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")
-    env = dict(os.environ, ATTNLAB_MESH_CHILD="1")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "",
-         "-k", "mesh_like_one_device", __file__],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    assert " passed" in out.stdout and "failed" not in out.stdout.splitlines()[-1]
+    xla_flags.run_on_devices(__file__, "-m", "", "-k", "mesh_like_one_device")
 
 
 @pytest.mark.skipif(not CHILD, reason="runs in the child process with 8 CPU devices")

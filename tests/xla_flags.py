@@ -28,9 +28,10 @@ def devices(n: int) -> str:
     return f"--xla_force_host_platform_device_count={n} {COMPILE}"
 
 
-def run_on_devices(test_file: str, n: int = 8, timeout: int = 900):
+def run_on_devices(test_file: str, *pytest_args: str, n: int = 8, timeout: int = 900):
     """Runs ``test_file`` in a child pytest process on ``n`` fake CPU devices, with
-    ``ATTNLAB_MESH_CHILD=1`` so that its mesh tests run there (they skip in the parent), and
+    ``ATTNLAB_MESH_CHILD=1`` so that its mesh tests run there (they skip in the parent),
+    ``pytest_args`` added to the child's command line, and
     fails with the end of the child's output unless every selected test passed."""
     import subprocess
     import sys
@@ -41,7 +42,7 @@ def run_on_devices(test_file: str, n: int = 8, timeout: int = 900):
     # One process: the parent session's workers already fill the cores.
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
     out = subprocess.run(
-        [*argv, test_file],
+        [*argv, *pytest_args, test_file],
         cwd=tests.parent,
         env=env,
         capture_output=True,
