@@ -38,6 +38,7 @@ import time
 import flax
 import jax
 import jax.numpy as jnp
+import machine as bench_machine  # benchmarks/machine.py (this file has a machine() of its own)
 import numpy as np
 
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
@@ -69,20 +70,9 @@ def best(fn, repeats):
     return min(w for w, _ in runs), min(c for _, c in runs)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine():
     return dict(
-        cpu=cpu_model(),
+        cpu=bench_machine.cpu_model(),
         cores=os.cpu_count(),
         load_average=list(os.getloadavg()),
         platform=platform.platform(),

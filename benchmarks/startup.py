@@ -20,17 +20,9 @@ import sys
 import tempfile
 import time
 
+import machine  # benchmarks/machine.py
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def one_run(config: str, workdir: pathlib.Path, cache: pathlib.Path) -> dict:
@@ -72,7 +64,7 @@ def main():
                 "benchmark": "startup",
                 "config": args.config,
                 "machine": {
-                    "cpu": cpu_name(),
+                    "cpu": machine.cpu_model(),
                     "cores": os.cpu_count(),
                     "load_average": [round(x, 2) for x in os.getloadavg()],
                     "python": platform.python_version(),
