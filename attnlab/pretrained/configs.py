@@ -21,6 +21,7 @@ from attnlab.config import ModelConfig
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
+from attnlab.pretrained.hf_hybrid import bamba
 from attnlab.pretrained.hf_llama import llama_like
 from attnlab.pretrained.hf_moe import deepseek_v3, gpt_oss, mixtral, qwen3_moe
 from attnlab.pretrained.hf_qwen3_next import qwen3_next
@@ -45,6 +46,7 @@ FAMILIES = {
     "deepseek_v3": deepseek_v3,
     "mamba2": mamba2,
     "qwen3_next": qwen3_next,
+    "bamba": bamba,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -69,6 +71,7 @@ _ARCHITECTURE_PREFIXES = {
     "DeepseekV3": "deepseek_v3",
     "GptOss": "gpt_oss",
     "Mamba2": "mamba2",
+    "Bamba": "bamba",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",

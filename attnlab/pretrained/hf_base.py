@@ -156,3 +156,20 @@ def rotary_fraction(c: dict) -> float:
 def common_fields(c: dict, **fields) -> dict:
     fields.setdefault("pad_id", pad_id_of(c, fields["vocab_size"]))
     return fields
+
+
+def prefix_and_block(kinds: list) -> dict:
+    """``ModelConfig.block_pattern`` of per-layer ``kinds``: a ``block`` repeated to the end
+    after a ``prefix``, the shortest together (a prefix as short as can be among those), so a
+    regular stack scans one block and any other still loads, its irregular start unrolled."""
+    n = len(kinds)
+    best = None
+    for p in range(n):
+        rest = kinds[p:]
+        k = next(
+            k for k in range(1, n - p + 1) if (n - p) % k == 0 and rest == rest[:k] * ((n - p) // k)
+        )
+        if best is None or p + k < sum(best):
+            best = (p, k)
+    p, k = best
+    return {"prefix": kinds[:p], "block": kinds[p : p + k]}

@@ -34,28 +34,51 @@ def _dt_limit(c: dict) -> tuple[float, float | None]:
     return low, None if math.isinf(high) else high
 
 
-def mamba2(c: dict) -> dict:
-    """``Mamba2Config`` -> a decoder of ``mamba2`` layers without FFN."""
-    reject(c, "hidden_act", lambda v: v not in (None, "silu"), "Mamba-2 gates with silu only")
-    reject(c, "rms_norm", lambda v: v is False, "the gated RMSNorm is always applied")
-    D = require(c, "hidden_size")
+# Mamba2Config's key of each ``mamba2`` setting; the hybrids name them otherwise.
+MAMBA2_KEYS = {
+    "expand": "expand",
+    "head_dim": "head_dim",
+    "num_heads": "num_heads",
+    "state_size": "state_size",
+    "n_groups": "n_groups",
+    "conv_kernel": "conv_kernel",
+    "chunk_size": "chunk_size",
+    "use_conv_bias": "use_conv_bias",
+    "use_bias": "use_bias",
+}
+_DEFAULTS = {"expand": 2, "head_dim": 64, "state_size": 128, "n_groups": 1, "conv_kernel": 4,
+             "use_conv_bias": True, "use_bias": False}  # fmt: skip
+
+
+def mamba2_settings(c: dict, keys: dict = MAMBA2_KEYS) -> dict:
+    """The ``mamba2`` mixer settings of config.json ``c`` whose keys are ``keys`` (ours ->
+    theirs); ``time_step_limit`` as the dt limits."""
+    get = lambda ours: c.get(keys[ours], _DEFAULTS.get(ours))
     low, high = _dt_limit(c)
-    settings = {
-        "expand": c.get("expand", 2),
-        "head_dim": c.get("head_dim", 64),
-        "num_heads": require(c, "num_heads"),
-        "state_size": c.get("state_size", 128),
-        "n_groups": c.get("n_groups", 1),
-        "conv_kernel": c.get("conv_kernel", 4),
-        "chunk_size": _chunk_size(c),
-        "use_conv_bias": bool(c.get("use_conv_bias", True)),
-        "use_bias": bool(c.get("use_bias", False)),
+    return {
+        "expand": get("expand"),
+        "head_dim": get("head_dim"),
+        "num_heads": require(c, keys["num_heads"]),
+        "state_size": get("state_size"),
+        "n_groups": get("n_groups"),
+        "conv_kernel": get("conv_kernel"),
+        "chunk_size": _chunk_size({"chunk_size": get("chunk_size")}),
+        "use_conv_bias": bool(get("use_conv_bias")),
+        "use_bias": bool(get("use_bias")),
         "dt_limit_min": low,
         "dt_limit_max": high,
         "time_step_min": float(c.get("time_step_min", 0.001)),
         "time_step_max": float(c.get("time_step_max", 0.1)),
         "time_step_floor": float(c.get("time_step_floor", 1e-4)),
     }
+
+
+def mamba2(c: dict) -> dict:
+    """``Mamba2Config`` -> a decoder of ``mamba2`` layers without FFN."""
+    reject(c, "hidden_act", lambda v: v not in (None, "silu"), "Mamba-2 gates with silu only")
+    reject(c, "rms_norm", lambda v: v is False, "the gated RMSNorm is always applied")
+    D = require(c, "hidden_size")
+    settings = mamba2_settings(c)
     return common_fields(
         c,
         arch="decoder",
@@ -76,6 +99,22 @@ def mamba2(c: dict) -> dict:
     )
 
 
+def mamba2_rows(hf: str, ours: str) -> list:
+    """Table rows of one Mamba-2 mixer: transformers' ``hf`` -> attnlab's ``ours``."""
+    return [
+        (f"{hf}.in_proj.weight", f"{ours}.in_proj_DZ", "linear"),
+        (f"{hf}.in_proj.bias", f"{ours}.in_proj_bias_Z"),
+        (f"{hf}.conv1d.weight", f"{ours}.conv_WZ", "depthwise_conv"),
+        (f"{hf}.conv1d.bias", f"{ours}.conv_bias_Z"),
+        (f"{hf}.dt_bias", f"{ours}.dt_bias_N"),
+        (f"{hf}.A_log", f"{ours}.A_log_N"),
+        (f"{hf}.D", f"{ours}.D_N"),
+        (f"{hf}.norm.weight", f"{ours}.norm_scale_Z"),
+        (f"{hf}.out_proj.weight", f"{ours}.out_proj_ZD", "linear"),
+        (f"{hf}.out_proj.bias", f"{ours}.out_proj_bias_D"),
+    ]
+
+
 _L = "backbone.layers.{i}"
 _M = "decoder.layers.{i}.attn"
 MAMBA2 = Mapping(
@@ -89,16 +128,7 @@ MAMBA2 = Mapping(
             ("decoder.layers.{i}.attn_norm.scale_D", "decoder.layers.{i}.ffn_norm.scale_D"),
             "norm_and_unused",
         ),
-        (f"{_L}.mixer.in_proj.weight", f"{_M}.in_proj_DZ", "linear"),
-        (f"{_L}.mixer.in_proj.bias", f"{_M}.in_proj_bias_Z"),
-        (f"{_L}.mixer.conv1d.weight", f"{_M}.conv_WZ", "depthwise_conv"),
-        (f"{_L}.mixer.conv1d.bias", f"{_M}.conv_bias_Z"),
-        (f"{_L}.mixer.dt_bias", f"{_M}.dt_bias_N"),
-        (f"{_L}.mixer.A_log", f"{_M}.A_log_N"),
-        (f"{_L}.mixer.D", f"{_M}.D_N"),
-        (f"{_L}.mixer.norm.weight", f"{_M}.norm_scale_Z"),
-        (f"{_L}.mixer.out_proj.weight", f"{_M}.out_proj_ZD", "linear"),
-        (f"{_L}.mixer.out_proj.bias", f"{_M}.out_proj_bias_D"),
+        mamba2_rows(f"{_L}.mixer", _M),
     ),
     ignore=("lm_head.weight",),
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.pretrained import mappings
+from attnlab.pretrained.hf_hybrid import BAMBA
 from attnlab.pretrained.hf_qwen3_next import QWEN3_NEXT
 from attnlab.pretrained.hf_ssm import MAMBA2
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
@@ -232,4 +233,5 @@ MAPPINGS = {
     "gpt_oss": GPT_OSS,
     "mamba2": MAMBA2,
     "qwen3_next": QWEN3_NEXT,
+    "bamba": BAMBA,
 }

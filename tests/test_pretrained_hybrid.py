@@ -1,0 +1,132 @@
+"""Mamba-2 hybrid checkpoints that transformers writes: Bamba (``BambaForCausalLM``).
+
+A tiny random model is saved with ``save_pretrained`` (its norms, projections, decays, skips
+and conv taps moved off their init) and loaded by attnlab as a hybrid stack of ``mamba2``
+and ``mha`` layers, each with a SwiGLU FFN: logits ≤ 1e-4 at the real positions of a
+left-padded batch against transformers' float32 forward, and 16 greedy tokens through
+attnlab's cache equal to ``model.generate``. Two layouts: attention at layers 1 and 3 of 4
+(a block ``[mamba2, mha]`` scanned twice) and attention at layer 2 of 5 (irregular: a prefix
+``[mamba2, mamba2, mha]`` unrolled, then ``[mamba2]`` twice). Mamba-2 has two groups of B and
+C, so its gated RMSNorm is per group; RoPE rotates half of each head, Bamba's fixed setting.
+Skipped without transformers and torch (the ``hf`` extra)."""
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
+)
+torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
+
+from test_pretrained import max_diff  # noqa: E402
+from test_pretrained_hf import hf, perturb  # noqa: E402
+from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
+from test_pretrained_ssm import perturb_ssm  # noqa: E402
+
+from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
+from attnlab.pretrained.configs import model_config_from_hf  # noqa: E402
+from attnlab.pretrained.hf_base import UnsupportedCheckpointError, prefix_and_block  # noqa: E402
+
+TOL = 1e-4
+V = 96
+# GQA 4:2 with head 8; Mamba-2 of 8 heads of 8 in two groups, state 8, chunks of 8 so a
+# prompt spans several.
+BAMBA = dict(
+    vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+    mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+    initializer_range=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False,
+)  # fmt: skip
+LAYOUTS = {
+    "regular": {},
+    "irregular": {"num_hidden_layers": 5, "attn_layer_indices": [2]},
+}
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):
+    built = {}
+
+    def get(layout):
+        if layout not in built:
+            config = transformers.BambaConfig(**{**BAMBA, **LAYOUTS[layout]})
+            torch.manual_seed(61)
+            model = transformers.BambaForCausalLM._from_config(
+                config, attn_implementation="eager", dtype=torch.float32
+            )
+            perturb(model, torch.Generator().manual_seed(161))
+            perturb_ssm(model, torch.Generator().manual_seed(261))
+            model.eval()
+            model.generation_config.eos_token_id = None
+            folder = tmp_path_factory.mktemp(f"bamba_{layout}")
+            model.save_pretrained(folder)
+            built[layout] = model, folder
+        return built[layout]
+
+    return get
+
+
+def bamba_logits_match(model, folder):
+    """The loaded checkpoint's logits against transformers' at the real positions of a
+    left-padded batch; returns the handle, the ids, the real positions and the expected
+    logits there."""
+    ids, mask = left_padded(np.random.default_rng(0))
+    real = mask.astype(bool)
+    with torch.no_grad():
+        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+    handle = load_pretrained(folder)
+    assert handle.family == "bamba"
+    diff = max_diff(np.asarray(handle.logits(ids, mask))[real], expected)
+    assert diff <= TOL, diff
+    return handle, ids, real, expected
+
+
+def test_bamba_logits_match_transformers_with_left_padding(bamba):
+    handle, *_ = bamba_logits_match(*bamba("regular"))
+    pattern, cfg = handle.config.block_pattern, handle.config
+    assert [k.mixers[0].mixer for k in pattern.block] == ["mamba2", "mha"] and not pattern.prefix
+    assert cfg.rotary_dim == 4 and cfg.block_pattern.block[0].mixers[0].mixer_settings.n_groups == 2
+
+
+@pytest.mark.slow(reason="a second Bamba checkpoint built and compiled, and two variants")
+def test_bamba_with_an_irregular_layout_loads_it_as_a_prefix_and_its_features_matter(bamba):
+    model, folder = bamba("irregular")
+    handle, ids, real, expected = bamba_logits_match(model, folder)
+    pattern = handle.config.block_pattern
+    assert [k.mixers[0].mixer for k in pattern.prefix] == ["mamba2", "mamba2", "mha"]
+    assert [k.mixers[0].mixer for k in pattern.block] == ["mamba2"]
+    # Half the head rotates: rotating all of it moves the logits.
+    tensors = read_tensors(folder)
+    other = convert(handle.hf_config, tensors, handle.config.replace(rotary_dim=None))
+    assert max_diff(other(ids, valid_BT=real).logits[real], expected) > 1e-3
+
+
+@pytest.mark.slow(reason="cached decoding of a Bamba checkpoint, compiled, against generate")
+def test_bamba_greedy_with_cache_matches_transformers(bamba):
+    greedy_matches_transformers(*bamba("regular"))
+
+
+def test_layer_kinds_become_the_shortest_prefix_and_repeating_block():
+    M, A = "m", "a"
+    assert prefix_and_block([M, A, M, A]) == {"prefix": [], "block": [M, A]}
+    assert prefix_and_block([M, M, A, M, M]) == {"prefix": [M, M, A], "block": [M]}
+    assert prefix_and_block([M] * 4) == {"prefix": [], "block": [M]}
+    # Bamba 9B: attention at 9, 18 and 27 of 32, so layers 5.. repeat every 9.
+    kinds = [A if i in (9, 18, 27) else M for i in range(32)]
+    assert prefix_and_block(kinds) == {"prefix": kinds[:5], "block": kinds[5:14]}
+    assert prefix_and_block([A, M, M, A, M, M]) == {"prefix": [], "block": [A, M, M]}
+
+
+def test_bamba_config_defaults_half_rotary_and_refuses_what_attnlab_cannot_load():
+    config = transformers.BambaConfig(**BAMBA).to_dict()
+    config["rope_parameters"].pop("partial_rotary_factor")  # older files: transformers' 0.5
+    assert model_config_from_hf(config).rotary_dim == 4
+    for change, match in (
+        ({"attn_layer_indices": [4]}, r"attn_layer_indices=\[4\].*num_hidden_layers=4"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+    ):
+        with pytest.raises(UnsupportedCheckpointError, match=match):
+            model_config_from_hf({**config, **change})
