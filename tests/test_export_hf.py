@@ -28,7 +28,7 @@ from attnlab.cli import main  # noqa: E402
 from attnlab.config import ModelConfig  # noqa: E402
 from attnlab.nn.models import build_model  # noqa: E402
 from attnlab.pretrained import load_pretrained  # noqa: E402
-from attnlab.pretrained.export import ExportError, export_model  # noqa: E402
+from attnlab.pretrained.export import ExportError, export_model, hf_config_of  # noqa: E402
 
 TOL = 1e-4
 _LLAMA = dict(
@@ -168,3 +168,56 @@ def test_export_hf_command_round_trips_a_trained_run(tmp_path, capsys, family):
     assert max_diff(ours[real], transformers_logits(out, ids, mask)[real]) <= TOL
     # A second export into the now non-empty folder is refused.
     assert main(["export-hf", "--workdir", str(run), "--out", str(out)]) != 0
+
+
+# The MoE run made Qwen3-Next-shaped: three Gated DeltaNet layers and an elementwise-gated
+# attention layer (QK-norm, RoPE on a quarter of each head), experts with a gated shared one.
+QWEN3_NEXT_RUN = [
+    "--config.data.pipeline=index",  # unpacked rows: recurrent state never crosses documents
+    "--config.model.n_layers=4",
+    """--config.model.block_pattern.block=("gated_deltanet", "gated_deltanet", """
+    """"gated_deltanet", {"mixer": "gated", "mixer_settings": {"kind": "elementwise"}})""",
+    "--config.model.qk_norm=True",
+    "--config.model.rotary_dim=4",
+    "--config.model.ffn_settings.n_shared=1",
+    "--config.model.ffn_settings.shared_gate=True",
+]
+
+
+@pytest.mark.slow(reason="trains a tiny hybrid MoE run, then reads the export with transformers")
+def test_a_qwen3_next_shaped_run_exports_with_equal_logits(tmp_path):
+    from test_cli import exp
+
+    from attnlab.runs.loading import load_run
+
+    run = tmp_path / "lm"
+    argv = ["train", "--no-progress", "--config", exp("moe_lm"), "--workdir", str(run)]
+    assert main(argv + ["--config.eval.sample_tokens=0", *QWEN3_NEXT_RUN]) == 0
+    assert main(["export-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_next"
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    model = load_run(run).model
+    ids, mask = left_padded(np.random.default_rng(6))
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, valid_BT=real).logits)
+    assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL
+
+
+def test_a_hybrid_no_family_describes_is_refused_naming_the_layer_that_does_not_map():
+    # hf_config_of decides before export_model builds or writes anything.
+    gated = {"mixer": "gated", "mixer_settings": {"kind": "elementwise"}}
+    moe = {"n_experts": 4, "top_k": 2, "n_shared": 1, "shared_gate": True}
+    shape = dict(_LLAMA, d_model=32, n_layers=2, qk_norm=True, ffn_variant="moe", ffn_settings=moe)
+    for block, where in (
+        (["gated_deltanet", "mha"], r"layer 1's mixers \['mha'\]: Qwen3-Next layers hold"),
+        (["gated_deltanet", "gated"], r"layer 1 gated.kind='headwise' \(read back 'elementwise'\)"),
+        (
+            [{"mixers": ["gated_deltanet", gated]}],
+            r"layer 0's mixers \['gated_deltanet', 'gated'\]",
+        ),
+    ):
+        cfg = ModelConfig(**shape, block_pattern={"block": block})
+        with pytest.raises(ExportError, match=f"qwen3_next: {where}") as error:
+            hf_config_of(cfg)
+        assert "\n" not in str(error.value)

@@ -3,8 +3,9 @@
 ``hf_config_of(cfg)`` finds the supported family whose config.json describes the model: each
 family's writer turns the ``ModelConfig`` into a config.json dict, which is read back with
 ``model_config_from_hf`` and kept only when the architecture read back is the model's own
-(every field that changes the computation; per-layer windows and RoPE bases compared layer
-by layer). The tensors are the family's loading table (``attnlab.pretrained.mappings``) run
+(every field that changes the computation; per-layer windows, RoPE bases, mixers and FFNs
+compared layer by layer, so a hybrid stack matches whatever block its config.json reads
+back as). The tensors are the family's loading table (``attnlab.pretrained.mappings``) run
 backwards, each rule's ``store``; a parameter no rule writes stops the export. So whatever
 ``export_model`` writes, ``load_pretrained`` and transformers read as the same model.
 """
@@ -23,6 +24,9 @@ from flax import nnx
 
 from attnlab.config import ModelConfig
 from attnlab.errors import PretrainedError
+from attnlab.layer_kinds import stack_plan
+from attnlab.mixers import get_mixer
+from attnlab.nn.mixers.recurrent import RecurrentMixer, RecurrentSettings
 from attnlab.pretrained.configs import model_config_from_hf
 from attnlab.pretrained.export_configs import WRITERS
 from attnlab.pretrained.loader import layer_groups
@@ -53,7 +57,20 @@ _NOT_COMPARED = {
     "sliding_window",
     "sliding_window_layers",
     "rope_theta",
+    # Compared layer by layer, resolved (``_layer_kinds``).
+    "mixer",
+    "mixer_settings",
+    "ffn_variant",
+    "ffn_settings",
+    "block_pattern",
 }
+# Fields only attention layers read (a stack without them keeps no positions but learned
+# ones), and those only an FFN with a hidden layer reads.
+_ATTENTION_FIELDS = {
+    "n_heads", "n_kv_heads", "head_dim", "rotary_dim", "rope_scaling", "attn_bias", "out_bias",
+    "qk_norm", "qk_norm_scope", "attn_scale", "attention_fn", "causal",
+}  # fmt: skip
+_FFN_FIELDS = {"ffn", "d_ff", "ffn_bias"}
 
 
 def _irrelevant(cfg: ModelConfig) -> set[str]:
@@ -74,18 +91,70 @@ def _irrelevant(cfg: ModelConfig) -> set[str]:
     settings = getattr(cfg, "ffn_settings", None)
     if getattr(settings, "dense_layers", None) == 0 and not settings.n_shared:
         out.add("d_ff")  # every FFN is experts of width d_expert (compared in ffn_settings)
+    kinds = stack_plan(cfg, cfg.n_layers).kinds
+    if all(issubclass(get_mixer(m.mixer), RecurrentMixer) for k in kinds for m in k.mixers):
+        out |= _ATTENTION_FIELDS  # no layer attends (Mamba-2)
+        if cfg.position == "none":
+            out.add("max_len")
+    if all(k.ffn_variant == "none" for k in kinds):
+        out |= _FFN_FIELDS
     return out
 
 
-def _computed(cfg: ModelConfig, name: str):
-    """Field ``name`` as far as it changes the computation: an FFN variant's settings without
-    its training-only loss weights, its expert width resolved."""
-    value = getattr(cfg, name)
-    if name == "ffn_settings" and hasattr(value, "load_balance_weight"):
-        value = dataclasses.replace(
-            value, load_balance_weight=0.0, z_loss_weight=0.0, d_expert=value.d_expert or cfg.d_ff
-        )
-    return value
+def _ffn_computed(settings, cfg: ModelConfig):
+    """FFN settings as far as they change the computation: without training-only loss
+    weights, the expert and shared widths resolved."""
+    if not hasattr(settings, "load_balance_weight"):
+        return settings
+    d_expert = settings.d_expert or cfg.d_ff
+    d_shared = settings.d_shared or (settings.n_shared * d_expert if settings.n_shared else None)
+    return dataclasses.replace(
+        settings, load_balance_weight=0.0, z_loss_weight=0.0, d_expert=d_expert, d_shared=d_shared
+    )
+
+
+def _layer_kinds(cfg: ModelConfig) -> list:
+    """Each layer's mixers (settings resolved against ``cfg``) and FFN (``_ffn_computed``)."""
+    out = []
+    for kind in stack_plan(cfg, cfg.n_layers).kinds:
+        mixers = tuple((m.mixer, _mixer_computed(m.mixer_settings, cfg)) for m in kind.mixers)
+        out.append((mixers, kind.ffn_variant, _ffn_computed(kind.ffn_settings, cfg)))
+    return out
+
+
+def _settings_differences(where: str, a, b) -> list[str]:
+    """``where.field=a (read back b)`` for each field two settings differ in."""
+    if type(a) is not type(b) or not dataclasses.is_dataclass(a):
+        return [f"{where}={a!r} (read back {b!r})"]
+    return [
+        f"{where}.{f.name}={getattr(a, f.name)!r} (read back {getattr(b, f.name)!r})"
+        for f in dataclasses.fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
+
+
+def _kind_differences(i: int, ours, read) -> list[str]:
+    """What layer ``i``'s mixers and FFN (``_layer_kinds``) differ in, field by field."""
+    (mixers, ffn, ffn_settings), (read_mixers, read_ffn, read_settings) = ours, read
+    names, read_names = [m for m, _ in mixers], [m for m, _ in read_mixers]
+    if names != read_names:
+        return [f"layer {i} mixers {names} (read back {read_names})"]
+    out = []
+    for (name, a), (_, b) in zip(mixers, read_mixers, strict=True):
+        out += _settings_differences(f"layer {i} {name}", a, b)
+    if ffn != read_ffn:
+        return [*out, f"layer {i} ffn_variant={ffn!r} (read back {read_ffn!r})"]
+    return out + _settings_differences(f"layer {i} ffn_settings", ffn_settings, read_settings)
+
+
+def _mixer_computed(settings, cfg: ModelConfig):
+    """Mixer settings resolved against ``cfg``; a recurrent layer's chunk size and training
+    form left out (they change rounding, not the function)."""
+    if hasattr(settings, "resolved"):
+        settings = settings.resolved(cfg)
+    if isinstance(settings, RecurrentSettings):
+        settings = dataclasses.replace(settings, chunk_size=64, form="chunked")
+    return settings
 
 
 def differences(ours: ModelConfig, read: ModelConfig) -> list[str]:
@@ -95,11 +164,14 @@ def differences(ours: ModelConfig, read: ModelConfig) -> list[str]:
     for f in dataclasses.fields(ModelConfig):
         if not f.init or f.name in skip:
             continue
-        a, b = _computed(ours, f.name), _computed(read, f.name)
+        a, b = getattr(ours, f.name), getattr(read, f.name)
         same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and b else a == b
         if not same:
             out.append(f"{f.name}={a!r} (read back {b!r})")
     L = ours.n_layers
+    if read.n_layers == L:
+        pairs = zip(_layer_kinds(ours), _layer_kinds(read), strict=True)
+        out += next((_kind_differences(i, a, b) for i, (a, b) in enumerate(pairs) if a != b), [])
     if ours.layer_windows(L) != read.layer_windows(L):
         out.append(f"windows {ours.layer_windows(L)} (read back {read.layer_windows(L)})")
     thetas, read_thetas = ours.layer_rope_thetas(L), read.layer_rope_thetas(L)

@@ -6,6 +6,7 @@ config read back computes the same model."""
 from __future__ import annotations
 
 from attnlab.config import ModelConfig
+from attnlab.layer_kinds import stack_plan
 
 # attnlab gated FFN kinds -> Hugging Face activation names.
 _ACT = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
@@ -216,6 +217,59 @@ def deepseek_v3(cfg):
     return out
 
 
+# attnlab mixers -> Qwen3-Next's layer types (the gate must be elementwise: read back).
+_QWEN3_NEXT_TYPES = {"gated_deltanet": "linear_attention", "gated": "full_attention"}
+
+
+def _single_mixers(cfg, family: str, names: dict) -> list:
+    """Each layer's one mixer (a ``MixerSpec``); a ValueError naming the first layer whose
+    mixers ``family`` has no layer type for."""
+    out = []
+    for i, kind in enumerate(stack_plan(cfg, cfg.n_layers).kinds):
+        mixers = [m.mixer for m in kind.mixers]
+        if len(mixers) != 1 or mixers[0] not in names:
+            raise ValueError(
+                f"layer {i}'s mixers {mixers}: {family} layers hold one of {sorted(names)}"
+            )
+        out.append(kind.mixers[0])
+    return out
+
+
+def qwen3_next(cfg):
+    """Gated DeltaNet and gated attention layers (``layer_types`` per layer, the DeltaNet
+    settings of the first such layer), every FFN experts with one gated shared expert."""
+    mixers = _single_mixers(cfg, "Qwen3-Next", _QWEN3_NEXT_TYPES)
+    s = cfg.ffn_settings
+    if getattr(cfg, "ffn_variant", None) != "moe" or s.n_shared != 1 or not s.shared_gate:
+        raise ValueError("ffn_settings: Qwen3-Next's FFN is experts with one gated shared expert")
+    out = _base(cfg, "qwen3_next", "Qwen3NextForCausalLM")
+    if cfg.rotary_dim is not None:
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    out["layer_types"] = [_QWEN3_NEXT_TYPES[m.mixer] for m in mixers]
+    linear = [m.mixer_settings.resolved(cfg) for m in mixers if m.mixer == "gated_deltanet"]
+    if linear:
+        g = linear[0]
+        out.update(
+            linear_num_value_heads=g.num_v_heads,
+            linear_num_key_heads=g.num_k_heads,
+            linear_key_head_dim=g.head_k_dim,
+            linear_value_head_dim=g.head_v_dim,
+            linear_conv_kernel_dim=g.conv_kernel,
+        )
+    d_expert = s.d_expert or cfg.d_ff
+    out.update(
+        num_experts=s.n_experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=d_expert,
+        shared_expert_intermediate_size=s.d_shared or d_expert,
+        norm_topk_prob=s.renormalize,
+        router_aux_loss_coef=s.load_balance_weight,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return out
+
+
 WRITERS = {
     "llama": llama,
     "qwen3": qwen3,
@@ -229,4 +283,5 @@ WRITERS = {
     "qwen3_moe": qwen3_moe,
     "gpt_oss": gpt_oss,
     "deepseek_v3": deepseek_v3,
+    "qwen3_next": qwen3_next,
 }
