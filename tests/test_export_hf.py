@@ -4,7 +4,10 @@ Each round trip builds a tiny attnlab model of one family's shape (every paramet
 its init, so a dropped or transposed tensor shows), writes it with ``export_model`` and
 loads the folder in transformers: its logits must equal attnlab's to 1e-4 at the real
 positions of a left-padded batch. The command itself is checked on tiny trained runs
-(Llama- and Gemma 2-shaped).
+(Llama-, Gemma 2- and Qwen3-Next-shaped). ``export_round_trips`` is the check the
+checkpoint families' tests run on their loaded tiny checkpoints (Qwen3-Next, Mamba-2,
+Bamba): transformers reads the export with the original's logits, attnlab with the same
+parameters bit for bit.
 """
 
 import json
@@ -128,6 +131,29 @@ def test_exported_model_loads_in_transformers_with_equal_logits(tmp_path, name):
     assert max_diff(np.asarray(back.logits(ids, mask))[real], ours[real]) <= TOL
 
 
+def same_params_bitwise(a, b) -> bool:
+    """Every parameter of attnlab models ``a`` and ``b`` equal bit for bit."""
+    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
+    pairs = zip(leaves(a), leaves(b), strict=True)
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+
+
+def export_round_trips(model, folder, out):
+    """``export_model`` of ``load_pretrained(folder)`` into ``out``: transformers reads the
+    export with the original's logits (≤ 1e-4 at the real positions of a left-padded
+    batch), and ``load_pretrained`` reads it back with every parameter bit for bit."""
+    handle = load_pretrained(folder)
+    assert export_model(handle.model, out) == handle.family
+    exported = type(model).from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    ids, mask = left_padded(np.random.default_rng(3))
+    real = mask.astype(bool)
+    with torch.no_grad():
+        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+        got = exported.eval()(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+    assert max_diff(got, expected) <= TOL
+    assert same_params_bitwise(load_pretrained(out).model, handle.model)
+
+
 def test_a_model_no_family_describes_is_refused_naming_the_supported_ones(tmp_path):
     cfg = ModelConfig(**dict(_LLAMA, position="learned", norm="layernorm"))
     with pytest.raises(ExportError, match=r"supported: \[.*'gemma2'.*'llama'"):
@@ -221,3 +247,21 @@ def test_a_hybrid_no_family_describes_is_refused_naming_the_layer_that_does_not_
         with pytest.raises(ExportError, match=f"qwen3_next: {where}") as error:
             hf_config_of(cfg)
         assert "\n" not in str(error.value)
+
+
+def test_mamba2_and_bamba_shaped_configs_find_their_families():
+    mamba = {"mixer": "mamba2", "mixer_settings": {"head_dim": 16, "state_size": 8}}
+    shape = dict(_LLAMA, n_layers=2, position="none", ffn_variant="none", **mamba)
+    family, config = hf_config_of(ModelConfig(**shape))
+    assert family == "mamba2" and (config["num_heads"], config["head_dim"]) == (8, 16)
+    assert config["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+    # Bamba: attention (half rotary) at layer 1 of 3 after a Mamba-2 layer, SwiGLU FFNs.
+    blocks = {"prefix": [mamba], "block": ["mha", mamba]}
+    shape = dict(_LLAMA, n_layers=3, rotary_dim=8, block_pattern=blocks)
+    family, config = hf_config_of(ModelConfig(**shape))
+    assert family == "bamba" and config["attn_layer_indices"] == [1]
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
+    # Learned positions in a stack without attention: no family keeps them.
+    learned = dict(_LLAMA, n_layers=2, position="learned", ffn_variant="none", **mamba)
+    with pytest.raises(ExportError, match="mamba2: position='learned' \\(read back 'none'\\)"):
+        hf_config_of(ModelConfig(**learned))

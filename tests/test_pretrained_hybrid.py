@@ -18,6 +18,7 @@ transformers = pytest.importorskip(
 )
 torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
 
+from test_export_hf import export_round_trips  # noqa: E402
 from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
@@ -130,3 +131,7 @@ def test_bamba_config_defaults_half_rotary_and_refuses_what_attnlab_cannot_load(
     ):
         with pytest.raises(UnsupportedCheckpointError, match=match):
             model_config_from_hf({**config, **change})
+
+
+def test_bamba_exports_and_round_trips(bamba, tmp_path):
+    export_round_trips(*bamba("regular"), tmp_path / "hf")

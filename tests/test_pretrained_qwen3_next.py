@@ -14,21 +14,20 @@ checkpoint exported again (``export_model``) reads in transformers with the orig
 logits and back in attnlab with the same parameters bit for bit. Skipped without
 transformers and torch (the ``hf`` extra)."""
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
 )
 torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
 
+from test_export_hf import export_round_trips  # noqa: E402
 from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
 
-from attnlab.pretrained import convert, export_model, load_pretrained, read_tensors  # noqa: E402
+from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
 from attnlab.pretrained.configs import model_config_from_hf  # noqa: E402
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError  # noqa: E402
 
@@ -126,29 +125,6 @@ def test_qwen3_next_config_reads_the_repeating_block_and_refuses_what_attnlab_ca
     ):
         with pytest.raises(UnsupportedCheckpointError, match=match):
             model_config_from_hf({**config, **change})
-
-
-def same_params_bitwise(a, b) -> bool:
-    """Every parameter of attnlab models ``a`` and ``b`` equal bit for bit."""
-    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
-    pairs = zip(leaves(a), leaves(b), strict=True)
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
-
-
-def export_round_trips(model, folder, out):
-    """``export_model`` of ``load_pretrained(folder)`` into ``out``: transformers reads the
-    export with the original's logits (≤ 1e-4 at the real positions of a left-padded
-    batch), and ``load_pretrained`` reads it back with every parameter bit for bit."""
-    handle = load_pretrained(folder)
-    assert export_model(handle.model, out) == handle.family
-    exported = type(model).from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
-    ids, mask = left_padded(np.random.default_rng(3))
-    real = mask.astype(bool)
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
-        got = exported.eval()(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
-    assert max_diff(got, expected) <= TOL
-    assert same_params_bitwise(load_pretrained(out).model, handle.model)
 
 
 def test_qwen3_next_exports_and_round_trips(checkpoint, tmp_path):

@@ -12,6 +12,7 @@ transformers = pytest.importorskip(
 )
 torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
 
+from test_export_hf import export_round_trips  # noqa: E402
 from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
@@ -84,3 +85,7 @@ def test_mamba2_config_refuses_what_attnlab_cannot_compute_and_no_ffn_needs_pre_
     assert cfg.mixer_settings.dt_limit_max is None and cfg.mixer_settings.chunk_size == 8
     with pytest.raises(ConfigError, match="norm_placement='post'.*ffn_variant='none'"):
         cfg.replace(norm_placement="post")
+
+
+def test_mamba2_exports_and_round_trips(checkpoint, tmp_path):
+    export_round_trips(*checkpoint, tmp_path / "hf")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from attnlab.config import ModelConfig
 from attnlab.layer_kinds import stack_plan
+from attnlab.pretrained.hf_hybrid import BAMBA_MAMBA_KEYS
+from attnlab.pretrained.hf_ssm import MAMBA2_KEYS
 
 # attnlab gated FFN kinds -> Hugging Face activation names.
 _ACT = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
@@ -270,6 +272,61 @@ def qwen3_next(cfg):
     return out
 
 
+_INFINITY = {"__float__": "Infinity"}  # as transformers 5 writes it
+
+
+def _mamba2_keys(s, keys: dict) -> dict:
+    """Resolved ``mamba2`` settings ``s`` under config.json ``keys`` (``hf_ssm.MAMBA2_KEYS``
+    and the hybrids'), the dt limits as ``time_step_limit``."""
+    out = {theirs: getattr(s, ours) for ours, theirs in keys.items()}
+    top = _INFINITY if s.dt_limit_max is None else s.dt_limit_max
+    return {**out, "time_step_limit": [s.dt_limit_min, top]}
+
+
+def mamba2(cfg):
+    """Every layer one ``mamba2`` mixer with no FFN (``ffn_variant="none"``)."""
+    mixers = _single_mixers(cfg, "Mamba-2", {"mamba2": None})
+    if any(k.ffn_variant != "none" for k in stack_plan(cfg, cfg.n_layers).kinds):
+        raise ValueError("ffn_variant: Mamba-2's layers have no FFN ('none')")
+    if cfg.arch != "decoder":
+        raise ValueError(f"arch={cfg.arch!r}: export-hf writes decoder-only models")
+    s = mixers[0].mixer_settings.resolved(cfg)
+    return {
+        "model_type": "mamba2",
+        "architectures": ["Mamba2ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        **_mamba2_keys(s, MAMBA2_KEYS),
+        "time_step_min": s.time_step_min,
+        "time_step_max": s.time_step_max,
+        "time_step_floor": s.time_step_floor,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "hidden_act": "silu",
+        "rms_norm": True,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "pad_token_id": cfg.pad_id,
+        "dtype": "float32",
+    }
+
+
+def bamba(cfg):
+    """Mamba-2 and attention layers (``attn_layer_indices``), each with a SwiGLU FFN; the
+    Mamba-2 settings of the first such layer."""
+    mixers = _single_mixers(cfg, "Bamba", {"mamba2": None, "mha": None})
+    out = _base(cfg, "bamba", "BambaForCausalLM")
+    del out["head_dim"]  # BambaConfig has none: d_model / n_heads
+    out["mlp_bias"] = False
+    out["rope_parameters"]["partial_rotary_factor"] = (
+        cfg.rotary_dim or cfg.head_dim
+    ) / cfg.head_dim
+    out["attn_layer_indices"] = [i for i, m in enumerate(mixers) if m.mixer == "mha"]
+    mamba = [m.mixer_settings.resolved(cfg) for m in mixers if m.mixer == "mamba2"]
+    if mamba:
+        out.update(_mamba2_keys(mamba[0], BAMBA_MAMBA_KEYS))
+    return out
+
+
 WRITERS = {
     "llama": llama,
     "qwen3": qwen3,
@@ -284,4 +341,6 @@ WRITERS = {
     "gpt_oss": gpt_oss,
     "deepseek_v3": deepseek_v3,
     "qwen3_next": qwen3_next,
+    "mamba2": mamba2,
+    "bamba": bamba,
 }
