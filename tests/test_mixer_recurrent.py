@@ -406,6 +406,8 @@ def test_cache_entries_are_fixed_size_state_named_by_role(mixer, dtype):
         ("mamba2", {"n_groups": 3}, ["mixer_settings.n_groups", "divisor"]),
         ("mamba2", {"num_heads": 5}, ["mixer_settings.num_heads", "expand * d_model"]),
         ("mamba2", {"form": "fast"}, ["mixer_settings.form", "recurrent"]),
+        ("mamba2", {"norm": "after"}, ["mixer_settings.norm='after'", "norm_then_gate"]),
+        ("mamba2", {"d_inner": 36}, ["mixer_settings.num_heads", "inner width 36 (d_inner"]),
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(mixer, changes, words):

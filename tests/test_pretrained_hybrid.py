@@ -1,14 +1,22 @@
-"""Mamba-2 hybrid checkpoints that transformers writes: Bamba (``BambaForCausalLM``).
+"""Mamba-2 hybrid checkpoints that transformers writes: Bamba (``BambaForCausalLM``) and
+Falcon-H1 (``FalconH1ForCausalLM``).
 
 A tiny random model is saved with ``save_pretrained`` (its norms, projections, decays, skips
-and conv taps moved off their init) and loaded by attnlab as a hybrid stack of ``mamba2``
-and ``mha`` layers, each with a SwiGLU FFN: logits ≤ 1e-4 at the real positions of a
-left-padded batch against transformers' float32 forward, and 16 greedy tokens through
-attnlab's cache equal to ``model.generate``. Two layouts: attention at layers 1 and 3 of 4
-(a block ``[mamba2, mha]`` scanned twice) and attention at layer 2 of 5 (irregular: a prefix
-``[mamba2, mamba2, mha]`` unrolled, then ``[mamba2]`` twice). Mamba-2 has two groups of B and
-C, so its gated RMSNorm is per group; RoPE rotates half of each head, Bamba's fixed setting.
-Skipped without transformers and torch (the ``hf`` extra)."""
+and conv taps moved off their init) and loaded by attnlab: logits ≤ 1e-4 at the real
+positions of a left-padded batch against transformers' float32 forward, and 16 greedy tokens
+through attnlab's cache equal to ``model.generate``.
+
+Bamba is a hybrid stack of ``mamba2`` and ``mha`` layers, each with a SwiGLU FFN, in two
+layouts: attention at layers 1 and 3 of 4 (a block ``[mamba2, mha]`` scanned twice) and at
+layer 2 of 5 (irregular: a prefix ``[mamba2, mamba2, mha]`` unrolled, then ``[mamba2]``
+twice). Mamba-2 has two groups of B and C, so its gated RMSNorm is per group; RoPE rotates
+half of each head, Bamba's fixed setting.
+
+Falcon-H1 runs attention and Mamba-2 side by side in every layer (parallel mixers, summed),
+with every muP multiplier away from 1 (folded into the weights on load) and a Mamba-2 inner
+width other than ``expand * hidden_size``; its three gate placements (no norm, the norm
+before the gate, after it), a tied head among them. Skipped without transformers and torch
+(the ``hf`` extra)."""
 
 import numpy as np
 import pytest
@@ -40,36 +48,55 @@ BAMBA = dict(
     initializer_range=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     tie_word_embeddings=False,
 )  # fmt: skip
-LAYOUTS = {
-    "regular": {},
-    "irregular": {"num_hidden_layers": 5, "attn_layer_indices": [2]},
-}
+# Every multiplier of Falcon-H1's muP away from 1 (folded into the weights on load); a
+# Mamba-2 inner width (mamba_d_ssm 48) other than expand * hidden_size (64), 6 heads of 8.
+FALCON_H1 = dict(
+    BAMBA, num_hidden_layers=2, attn_layer_indices=None, mamba_d_ssm=48, mamba_n_heads=6,
+    lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[1.5, 0.7],
+    key_multiplier=0.8, attention_in_multiplier=1.3, attention_out_multiplier=0.6,
+    ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.4], ssm_in_multiplier=1.25, ssm_out_multiplier=0.75,
+)  # fmt: skip
+# name -> (family, config changes)
+CHECKPOINTS = {
+    "regular": ("Bamba", {}),
+    "irregular": ("Bamba", {"num_hidden_layers": 5, "attn_layer_indices": [2]}),
+    # Mamba-2 without its gated RMSNorm (transformers' default): y * silu(z).
+    "falcon_h1": ("FalconH1", {}),
+    # The gated RMSNorm before the gate (mamba_norm_before_gate's default); a tied head.
+    "falcon_h1_norm_then_gate": ("FalconH1", {"mamba_rms_norm": True, "tie_word_embeddings": True}),
+    "falcon_h1_gate_then_norm": (
+        "FalconH1", {"mamba_rms_norm": True, "mamba_norm_before_gate": False},
+    ),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def bamba(tmp_path_factory):
+def checkpoints(tmp_path_factory):
+    """``name -> (transformers model, folder)`` of ``CHECKPOINTS[name]``, built once."""
     built = {}
 
-    def get(layout):
-        if layout not in built:
-            config = transformers.BambaConfig(**{**BAMBA, **LAYOUTS[layout]})
+    def get(name):
+        if name not in built:
+            family, changes = CHECKPOINTS[name]
+            base = FALCON_H1 if family == "FalconH1" else BAMBA
+            config = getattr(transformers, f"{family}Config")(**{**base, **changes})
             torch.manual_seed(61)
-            model = transformers.BambaForCausalLM._from_config(
+            model = getattr(transformers, f"{family}ForCausalLM")._from_config(
                 config, attn_implementation="eager", dtype=torch.float32
             )
             perturb(model, torch.Generator().manual_seed(161))
             perturb_ssm(model, torch.Generator().manual_seed(261))
             model.eval()
             model.generation_config.eos_token_id = None
-            folder = tmp_path_factory.mktemp(f"bamba_{layout}")
+            folder = tmp_path_factory.mktemp(name)
             model.save_pretrained(folder)
-            built[layout] = model, folder
-        return built[layout]
+            built[name] = model, folder
+        return built[name]
 
     return get
 
 
-def bamba_logits_match(model, folder):
+def logits_match(model, folder):
     """The loaded checkpoint's logits against transformers' at the real positions of a
     left-padded batch; returns the handle, the ids, the real positions and the expected
     logits there."""
@@ -78,23 +105,23 @@ def bamba_logits_match(model, folder):
     with torch.no_grad():
         expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
     handle = load_pretrained(folder)
-    assert handle.family == "bamba"
+    assert handle.family == model.config.model_type
     diff = max_diff(np.asarray(handle.logits(ids, mask))[real], expected)
     assert diff <= TOL, diff
     return handle, ids, real, expected
 
 
-def test_bamba_logits_match_transformers_with_left_padding(bamba):
-    handle, *_ = bamba_logits_match(*bamba("regular"))
+def test_bamba_logits_match_transformers_with_left_padding(checkpoints):
+    handle, *_ = logits_match(*checkpoints("regular"))
     pattern, cfg = handle.config.block_pattern, handle.config
     assert [k.mixers[0].mixer for k in pattern.block] == ["mamba2", "mha"] and not pattern.prefix
     assert cfg.rotary_dim == 4 and cfg.block_pattern.block[0].mixers[0].mixer_settings.n_groups == 2
 
 
 @pytest.mark.slow(reason="a second Bamba checkpoint built and compiled, and two variants")
-def test_bamba_with_an_irregular_layout_loads_it_as_a_prefix_and_its_features_matter(bamba):
-    model, folder = bamba("irregular")
-    handle, ids, real, expected = bamba_logits_match(model, folder)
+def test_bamba_with_an_irregular_layout_loads_it_as_a_prefix_and_its_features_matter(checkpoints):
+    model, folder = checkpoints("irregular")
+    handle, ids, real, expected = logits_match(model, folder)
     pattern = handle.config.block_pattern
     assert [k.mixers[0].mixer for k in pattern.prefix] == ["mamba2", "mamba2", "mha"]
     assert [k.mixers[0].mixer for k in pattern.block] == ["mamba2"]
@@ -105,8 +132,8 @@ def test_bamba_with_an_irregular_layout_loads_it_as_a_prefix_and_its_features_ma
 
 
 @pytest.mark.slow(reason="cached decoding of a Bamba checkpoint, compiled, against generate")
-def test_bamba_greedy_with_cache_matches_transformers(bamba):
-    greedy_matches_transformers(*bamba("regular"))
+def test_bamba_greedy_with_cache_matches_transformers(checkpoints):
+    greedy_matches_transformers(*checkpoints("regular"))
 
 
 def test_layer_kinds_become_the_shortest_prefix_and_repeating_block():
@@ -133,5 +160,31 @@ def test_bamba_config_defaults_half_rotary_and_refuses_what_attnlab_cannot_load(
             model_config_from_hf({**config, **change})
 
 
-def test_bamba_exports_and_round_trips(bamba, tmp_path):
-    export_round_trips(*bamba("regular"), tmp_path / "hf")
+def test_bamba_exports_and_round_trips(checkpoints, tmp_path):
+    export_round_trips(*checkpoints("regular"), tmp_path / "hf")
+
+
+def test_falcon_h1_logits_match_transformers_with_left_padding(checkpoints):
+    handle, *_ = logits_match(*checkpoints("falcon_h1"))
+    (kind,) = handle.config.block_pattern.block
+    assert [m.mixer for m in kind.mixers] == ["mha", "mamba2"]
+    s = kind.mixers[1].mixer_settings
+    assert (s.d_inner, s.num_heads, s.norm) == (48, 6, "none")
+
+
+@pytest.mark.slow(reason="two more Falcon-H1 checkpoints built and compiled, one more variant")
+@pytest.mark.parametrize("name", ["falcon_h1_norm_then_gate", "falcon_h1_gate_then_norm"])
+def test_falcon_h1_gated_norms_match_and_the_multipliers_matter(checkpoints, name):
+    model, folder = checkpoints(name)
+    handle, ids, real, expected = logits_match(model, folder)
+    norm = handle.config.block_pattern.block[0].mixers[1].mixer_settings.norm
+    assert norm == name.removeprefix("falcon_h1_")
+    if name == "falcon_h1_norm_then_gate":  # muP folded: read without it, the logits move
+        plain = {k: v for k, v in handle.hf_config.items() if "multiplier" not in k}
+        other = convert(plain, read_tensors(folder), handle.config.replace(logits_scale=1.0))
+        assert max_diff(other(ids, valid_BT=real).logits[real], expected) > 1e-3
+
+
+@pytest.mark.slow(reason="cached decoding of a Falcon-H1 checkpoint, compiled, against generate")
+def test_falcon_h1_greedy_with_cache_matches_transformers(checkpoints):
+    greedy_matches_transformers(*checkpoints("falcon_h1"))

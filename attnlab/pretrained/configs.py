@@ -21,7 +21,7 @@ from attnlab.config import ModelConfig
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
-from attnlab.pretrained.hf_hybrid import bamba
+from attnlab.pretrained.hf_hybrid import bamba, falcon_h1
 from attnlab.pretrained.hf_llama import llama_like
 from attnlab.pretrained.hf_moe import deepseek_v3, gpt_oss, mixtral, qwen3_moe
 from attnlab.pretrained.hf_qwen3_next import qwen3_next
@@ -47,6 +47,7 @@ FAMILIES = {
     "mamba2": mamba2,
     "qwen3_next": qwen3_next,
     "bamba": bamba,
+    "falcon_h1": falcon_h1,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -72,6 +73,7 @@ _ARCHITECTURE_PREFIXES = {
     "GptOss": "gpt_oss",
     "Mamba2": "mamba2",
     "Bamba": "bamba",
+    "FalconH1": "falcon_h1",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",

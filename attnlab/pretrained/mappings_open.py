@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.pretrained import mappings
-from attnlab.pretrained.hf_hybrid import BAMBA
+from attnlab.pretrained.hf_hybrid import BAMBA, FALCON_H1, falcon_h1_multipliers
 from attnlab.pretrained.hf_qwen3_next import QWEN3_NEXT
 from attnlab.pretrained.hf_ssm import MAMBA2
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
@@ -218,7 +218,7 @@ def deepseek_rope_layout(tensors: dict, c: dict) -> dict:
 
 # Per-family rewrites of the stored tensors before the table applies (stored name layouts
 # that no per-tensor transform can see, such as a config-dependent row order).
-PREPARE = {"deepseek_v3": deepseek_rope_layout}
+PREPARE = {"deepseek_v3": deepseek_rope_layout, "falcon_h1": falcon_h1_multipliers}
 
 MAPPINGS = {
     **mappings.MAPPINGS,
@@ -234,4 +234,5 @@ MAPPINGS = {
     "mamba2": MAMBA2,
     "qwen3_next": QWEN3_NEXT,
     "bamba": BAMBA,
+    "falcon_h1": FALCON_H1,
 }

@@ -7,13 +7,16 @@ transformers' ``Mamba2Mixer`` (and the Mamba-2 layers of Nemotron-H, Bamba, Falc
     h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,   y_t = h_t C_t + D x_t
     out = out_proj(RMSNorm_grouped(y * silu(z)))    the gated RMSNorm, per group
 
-``I = expand * d_model = num_heads * head_dim`` (the inner width), ``J`` the state size, ``G``
-the groups whose B and C the heads share. Parameters, laid out as transformers' so a
-checkpoint maps by name and shape: ``in_proj_DZ`` (``in_proj.weight.T``, ``[D, 2I + 2GJ +
-N]``) and ``in_proj_bias_Z`` (with ``use_bias``), ``conv_WZ`` (``conv1d.weight[:, 0].T``,
-``[W, I + 2GJ]``) and ``conv_bias_Z`` (with ``use_conv_bias``), ``dt_bias_N``, ``A_log_N``,
-``D_N``, ``norm_scale_Z`` (``norm.weight``), ``out_proj_ZD`` (and ``out_proj_bias_D``). The
-norm's eps is ``ModelConfig.norm_eps``.
+``I = expand * d_model = num_heads * head_dim`` (the inner width; ``d_inner`` sets it apart
+from ``expand``, Falcon-H1's ``mamba_d_ssm``), ``J`` the state size, ``G`` the groups whose
+B and C the heads share. ``norm`` places the gate: ``"gate_then_norm"`` as above (Mamba-2),
+``"norm_then_gate"`` (``RMSNorm_grouped(y) * silu(z)``) or ``"none"`` (``y * silu(z)``, no
+norm and no ``norm_scale_Z``; Falcon-H1's ``mamba_rms_norm`` false). Parameters, laid out
+as transformers' so a checkpoint maps by name and shape: ``in_proj_DZ``
+(``in_proj.weight.T``, ``[D, 2I + 2GJ + N]``) and ``in_proj_bias_Z`` (with ``use_bias``),
+``conv_WZ`` (``conv1d.weight[:, 0].T``, ``[W, I + 2GJ]``) and ``conv_bias_Z`` (with
+``use_conv_bias``), ``dt_bias_N``, ``A_log_N``, ``D_N``, ``norm_scale_Z`` (``norm.weight``),
+``out_proj_ZD`` (and ``out_proj_bias_D``). The norm's eps is ``ModelConfig.norm_eps``.
 
 Cache (``attnlab.nn.mixers.recurrent``): ``"state"`` ``[N, head_dim, J]`` and ``"conv"``
 ``[W - 1, I + 2GJ]``, in ``state_dtype``. The three forms are ``attnlab.ops.ssd``'s.
@@ -40,6 +43,8 @@ from attnlab.ops import ssd
 from attnlab.ops.linear import add_bias, dense
 from attnlab.ops.recurrent import gated_rms_norm
 
+NORMS = ("gate_then_norm", "norm_then_gate", "none")
+
 
 @register_mixer("mamba2")
 class Mamba2(RecurrentMixer):
@@ -50,6 +55,8 @@ class Mamba2(RecurrentMixer):
         expand: int = 2  # the inner width I = expand * d_model
         head_dim: int | None = None  # None: ModelConfig.head_dim
         num_heads: int | None = None  # None: I // head_dim
+        d_inner: int | None = None  # the inner width I; None: expand * d_model
+        norm: str = "gate_then_norm"  # or "norm_then_gate", "none" (module docstring)
         state_size: int = 128  # J
         n_groups: int = 1  # G: heads sharing one B and C
         use_conv_bias: bool = True
@@ -63,19 +70,22 @@ class Mamba2(RecurrentMixer):
         def resolved(self, cfg) -> Mamba2.Settings:
             """The settings with the fields left None derived from ``cfg``."""
             head_dim = self.head_dim or cfg.head_dim
-            heads = self.num_heads or self.expand * cfg.d_model // head_dim
-            return dataclasses.replace(self, head_dim=head_dim, num_heads=heads)
+            inner = self.d_inner or self.expand * cfg.d_model
+            heads = self.num_heads or inner // head_dim
+            return dataclasses.replace(self, head_dim=head_dim, num_heads=heads, d_inner=inner)
 
         def validate(self, cfg) -> None:
             super().validate(cfg)
-            for field in ("head_dim", "num_heads"):
+            for field in ("head_dim", "num_heads", "d_inner"):
                 check_positive(self, field)
+            if self.norm not in NORMS:
+                self.fail("norm", f"one of {NORMS}")
             for field in ("expand", "state_size", "n_groups"):
                 check_positive(self, field, allow_none=False)
             s = self.resolved(cfg)
-            inner = self.expand * cfg.d_model
-            if s.num_heads * s.head_dim != inner:
-                self.fail("num_heads", f"num_heads * head_dim = expand * d_model = {inner}")
+            if s.num_heads * s.head_dim != s.d_inner:
+                inner = f"the inner width {s.d_inner} (d_inner, else expand * d_model)"
+                self.fail("num_heads", f"num_heads * head_dim = {inner}")
             if s.num_heads % self.n_groups:
                 self.fail("n_groups", f"a divisor of num_heads={s.num_heads}")
             if not 0 < self.time_step_min <= self.time_step_max:
@@ -87,7 +97,7 @@ class Mamba2(RecurrentMixer):
     def __init__(self, cfg, settings=None, *, rngs: nnx.Rngs):
         s = (settings or self.Settings()).resolved(cfg)
         self.settings, self.eps = s, cfg.norm_eps
-        D, N, inner, W = cfg.d_model, s.num_heads, s.expand * cfg.d_model, s.conv_kernel
+        D, N, inner, W = cfg.d_model, s.num_heads, s.d_inner, s.conv_kernel
         Z = self.conv_channels(cfg, s)
         pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
         zeros = lambda *shape: nnx.Param(jnp.zeros(shape, pd))
@@ -102,9 +112,19 @@ class Mamba2(RecurrentMixer):
         self.dt_bias_N = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(pd))  # softplus^-1
         self.A_log_N = nnx.Param(jnp.log(jnp.arange(1, N + 1, dtype=jnp.float32)).astype(pd))
         self.D_N = nnx.Param(jnp.ones((N,), pd))
-        self.norm_scale_Z = nnx.Param(jnp.ones((inner,), pd))
+        self.norm_scale_Z = nnx.Param(jnp.ones((inner,), pd)) if s.norm != "none" else None
         self.out_proj_ZD = normal(rngs, (inner, D), std / (2 * cfg.n_layers) ** 0.5, pd)
         self.out_proj_bias_D = zeros(D) if s.use_bias else None
+
+    def gate(self, y_BTZ, z_BTZ):
+        """``y`` gated by ``silu(z)``, normed as ``settings.norm`` says."""
+        s = self.settings
+        if s.norm == "none":
+            return y_BTZ * jax.nn.silu(z_BTZ.astype(jnp.float32))
+        return gated_rms_norm(
+            y_BTZ, z_BTZ, self.norm_scale_Z[...], eps=self.eps,
+            group_size=s.d_inner // s.n_groups, norm_before_gate=s.norm == "norm_then_gate",
+        )  # fmt: skip
 
     @classmethod
     def state_shape(cls, cfg, settings):
@@ -114,7 +134,7 @@ class Mamba2(RecurrentMixer):
     @classmethod
     def conv_channels(cls, cfg, settings):
         s = settings.resolved(cfg)
-        return s.expand * cfg.d_model + 2 * s.n_groups * s.state_size
+        return s.d_inner + 2 * s.n_groups * s.state_size
 
     def steps(self, dt_BTN, valid_BT):
         """``dt`` after softplus and the limits, in float32; 0 where a token is not real."""
@@ -156,10 +176,7 @@ class Mamba2(RecurrentMixer):
         if cache is not None:
             cache = cache.put("state", state)
         y_BTNH = y_BTNH + self.D_N[...].astype(jnp.float32)[None, None, :, None] * x_BTNH
-        y_BTZ = gated_rms_norm(
-            y_BTNH.reshape(B, T, inner), z_BTZ, self.norm_scale_Z[...],
-            eps=self.eps, group_size=inner // G, norm_before_gate=False,
-        )  # fmt: skip
+        y_BTZ = self.gate(y_BTNH.reshape(B, T, inner), z_BTZ)
         out_BTD = dense(y_BTZ.astype(x_BTD.dtype), self.out_proj_ZD[...])
         if self.out_proj_bias_D is not None:
             out_BTD = add_bias(out_BTD, self.out_proj_bias_D[...])
