@@ -483,3 +483,15 @@ def causal_depthwise_conv(x_BTZ, w_WZ, bias_Z=None, state_BWZ=None):
         for i in range(W):
             y[:, t] += w[i] * xp[:, t + i]
     return y
+
+
+# --------------------------------------------------------------------------------------------
+# Squared ReLU (Primer, So et al. 2021; Nemotron-H's MLP)
+
+
+def relu2(x):
+    """max(x, 0)^2."""
+    return np.maximum(_f64(x), 0.0) ** 2
+
+
+ACTIVATIONS["relu2"] = relu2

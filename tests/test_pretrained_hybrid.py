@@ -1,5 +1,5 @@
-"""Mamba-2 hybrid checkpoints that transformers writes: Bamba (``BambaForCausalLM``) and
-Falcon-H1 (``FalconH1ForCausalLM``).
+"""Mamba-2 hybrid checkpoints that transformers writes: Bamba (``BambaForCausalLM``),
+Falcon-H1 (``FalconH1ForCausalLM``) and Nemotron-H (``NemotronHForCausalLM``).
 
 A tiny random model is saved with ``save_pretrained`` (its norms, projections, decays, skips
 and conv taps moved off their init) and loaded by attnlab: logits ≤ 1e-4 at the real
@@ -15,8 +15,11 @@ half of each head, Bamba's fixed setting.
 Falcon-H1 runs attention and Mamba-2 side by side in every layer (parallel mixers, summed),
 with every muP multiplier away from 1 (folded into the weights on load) and a Mamba-2 inner
 width other than ``expand * hidden_size``; its three gate placements (no norm, the norm
-before the gate, after it), a tied head among them. Skipped without transformers and torch
-(the ``hf`` extra)."""
+before the gate, after it), a tied head among them.
+
+Nemotron-H's one-sub-layer layers ``M - M * -`` twice pair into attnlab blocks ``[mamba2 +
+FFN, mamba2, mha + FFN]`` scanned twice: attention without positions, squared-ReLU MLPs.
+Skipped without transformers and torch (the ``hf`` extra)."""
 
 import numpy as np
 import pytest
@@ -56,10 +59,23 @@ FALCON_H1 = dict(
     key_multiplier=0.8, attention_in_multiplier=1.3, attention_out_multiplier=0.6,
     ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.4], ssm_in_multiplier=1.25, ssm_out_multiplier=0.75,
 )  # fmt: skip
+M, A, MLP = "linear_attention", "full_attention", "mlp"
+# Nemotron-H's one-sub-layer layers: Mamba-2 with an MLP after it, Mamba-2 alone, attention
+# (no positions) with an MLP, twice: attnlab's blocks [mamba2 + FFN, mamba2, mha + FFN] x 2.
+# Its Mamba-2 inner width is heads x head (6 x 8), apart from expand; the MLP squared ReLU.
+NEMOTRON_H = dict(
+    vocab_size=V, hidden_size=32, intermediate_size=48, layers_block_type=[M, MLP, M, A, MLP] * 2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    mamba_num_heads=6, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4,
+    chunk_size=8, expand=2, initializer_range=0.25, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2, tie_word_embeddings=False,
+)  # fmt: skip
+BASES = {"Bamba": BAMBA, "FalconH1": FALCON_H1, "NemotronH": NEMOTRON_H}
 # name -> (family, config changes)
 CHECKPOINTS = {
     "regular": ("Bamba", {}),
     "irregular": ("Bamba", {"num_hidden_layers": 5, "attn_layer_indices": [2]}),
+    "nemotron_h": ("NemotronH", {}),
     # Mamba-2 without its gated RMSNorm (transformers' default): y * silu(z).
     "falcon_h1": ("FalconH1", {}),
     # The gated RMSNorm before the gate (mamba_norm_before_gate's default); a tied head.
@@ -78,8 +94,7 @@ def checkpoints(tmp_path_factory):
     def get(name):
         if name not in built:
             family, changes = CHECKPOINTS[name]
-            base = FALCON_H1 if family == "FalconH1" else BAMBA
-            config = getattr(transformers, f"{family}Config")(**{**base, **changes})
+            config = getattr(transformers, f"{family}Config")(**{**BASES[family], **changes})
             torch.manual_seed(61)
             model = getattr(transformers, f"{family}ForCausalLM")._from_config(
                 config, attn_implementation="eager", dtype=torch.float32
@@ -188,3 +203,36 @@ def test_falcon_h1_gated_norms_match_and_the_multipliers_matter(checkpoints, nam
 @pytest.mark.slow(reason="cached decoding of a Falcon-H1 checkpoint, compiled, against generate")
 def test_falcon_h1_greedy_with_cache_matches_transformers(checkpoints):
     greedy_matches_transformers(*checkpoints("falcon_h1"))
+
+
+def test_nemotron_h_logits_match_transformers_with_left_padding(checkpoints):
+    handle, *_ = logits_match(*checkpoints("nemotron_h"))
+    cfg = handle.config
+    kinds = [(k.mixers[0].mixer, k.ffn_variant) for k in cfg.block_pattern.block]
+    assert kinds == [("mamba2", None), ("mamba2", "none"), ("mha", None)]
+    assert cfg.n_layers == 6 and cfg.position == "none" and cfg.ffn == "relu2"
+
+
+@pytest.mark.slow(reason="cached decoding of a Nemotron-H checkpoint, compiled, and a variant")
+def test_nemotron_h_greedy_with_cache_matches_and_its_squared_relu_matters(checkpoints):
+    model, folder = checkpoints("nemotron_h")
+    greedy_matches_transformers(model, folder)
+    ids, mask = left_padded(np.random.default_rng(0))
+    real = mask.astype(bool)
+    with torch.no_grad():
+        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+    handle = load_pretrained(folder)
+    other = convert(handle.hf_config, read_tensors(folder), handle.config.replace(ffn="relu"))
+    assert max_diff(other(ids, valid_BT=real).logits[real], expected) > 1e-3
+
+
+def test_nemotron_h_config_reads_the_pattern_letters_and_refuses_what_does_not_pair():
+    config = transformers.NemotronHConfig(**NEMOTRON_H).to_dict()
+    letters = {**config, "layers_block_type": None, "hybrid_override_pattern": "M-M*-M-M*-"}
+    assert model_config_from_hf(letters).block_pattern == model_config_from_hf(config).block_pattern
+    for types, where in (
+        ([MLP, M], "layers_block_type\\[0\\]='mlp'"),
+        ([M, "moe"], "\\[1\\]='moe'"),
+    ):
+        with pytest.raises(UnsupportedCheckpointError, match=where):
+            model_config_from_hf({**config, "layers_block_type": types})

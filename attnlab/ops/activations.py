@@ -19,6 +19,11 @@ def relu(x):
     return jax.nn.relu(x)
 
 
+def relu2(x):
+    """Squared ReLU ``max(x, 0)^2`` (Primer; Nemotron-H's MLP)."""
+    return jnp.square(jax.nn.relu(x))
+
+
 def _with_saved_derivative(value_and_derivative):
     """An activation whose backward pass reuses the derivative computed going forward.
 
@@ -97,7 +102,7 @@ def geglu_tanh(gate, up):
     return gelu_tanh(gate) * up
 
 
-ACTIVATIONS = {"relu": relu, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu}
+ACTIVATIONS = {"relu": relu, "relu2": relu2, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu}
 GATED = {"swiglu": silu, "geglu": gelu, "geglu_tanh": gelu_tanh}
 FFN_KINDS = tuple(ACTIVATIONS) + tuple(GATED)
 

@@ -2,7 +2,7 @@
 
 ``load_pretrained(path)`` returns a ``Pretrained`` handle. Families: gpt2, llama, mistral,
 qwen2, qwen3, olmo2, phi3, gemma, gemma2, gemma3_text, mixtral, qwen3_moe, gpt_oss,
-deepseek_v3, mamba2, qwen3_next, bamba, falcon_h1, bert, bart, marian and t5
+deepseek_v3, mamba2, qwen3_next, bamba, falcon_h1, nemotron_h, bert, bart, marian and t5
 (docs/pretrained.md).
 ``configs`` translates config.json into a ``ModelConfig`` (one ``hf_*`` module per family
 group), ``mappings`` and ``mappings_open`` hold one tensor-name table per family,

@@ -21,7 +21,7 @@ from attnlab.config import ModelConfig
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
-from attnlab.pretrained.hf_hybrid import bamba, falcon_h1
+from attnlab.pretrained.hf_hybrid import bamba, falcon_h1, nemotron_h
 from attnlab.pretrained.hf_llama import llama_like
 from attnlab.pretrained.hf_moe import deepseek_v3, gpt_oss, mixtral, qwen3_moe
 from attnlab.pretrained.hf_qwen3_next import qwen3_next
@@ -48,6 +48,7 @@ FAMILIES = {
     "qwen3_next": qwen3_next,
     "bamba": bamba,
     "falcon_h1": falcon_h1,
+    "nemotron_h": nemotron_h,
     "bert": bert,
     "bart": lambda c: bart_like(c, "bart"),
     "marian": lambda c: bart_like(c, "marian"),
@@ -74,6 +75,7 @@ _ARCHITECTURE_PREFIXES = {
     "Mamba2": "mamba2",
     "Bamba": "bamba",
     "FalconH1": "falcon_h1",
+    "NemotronH": "nemotron_h",
     "Bert": "bert",
     "Bart": "bart",
     "Marian": "marian",

@@ -13,6 +13,7 @@ class UnsupportedCheckpointError(PretrainedError, ValueError):
 # Hugging Face activation names -> (plain FFN kind, gated FFN kind).
 _ACTIVATIONS = {
     "relu": ("relu", None),
+    "relu2": ("relu2", None),
     "gelu": ("gelu", "geglu"),
     "gelu_new": ("gelu_tanh", "geglu_tanh"),
     "gelu_pytorch_tanh": ("gelu_tanh", "geglu_tanh"),

@@ -8,7 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.pretrained import mappings
-from attnlab.pretrained.hf_hybrid import BAMBA, FALCON_H1, falcon_h1_multipliers
+from attnlab.pretrained.hf_hybrid import (
+    BAMBA,
+    FALCON_H1,
+    NEMOTRON_H,
+    falcon_h1_multipliers,
+    nemotron_h_units,
+)
 from attnlab.pretrained.hf_qwen3_next import QWEN3_NEXT
 from attnlab.pretrained.hf_ssm import MAMBA2
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
@@ -218,7 +224,11 @@ def deepseek_rope_layout(tensors: dict, c: dict) -> dict:
 
 # Per-family rewrites of the stored tensors before the table applies (stored name layouts
 # that no per-tensor transform can see, such as a config-dependent row order).
-PREPARE = {"deepseek_v3": deepseek_rope_layout, "falcon_h1": falcon_h1_multipliers}
+PREPARE = {
+    "deepseek_v3": deepseek_rope_layout,
+    "falcon_h1": falcon_h1_multipliers,
+    "nemotron_h": nemotron_h_units,
+}
 
 MAPPINGS = {
     **mappings.MAPPINGS,
@@ -235,4 +245,5 @@ MAPPINGS = {
     "qwen3_next": QWEN3_NEXT,
     "bamba": BAMBA,
     "falcon_h1": FALCON_H1,
+    "nemotron_h": NEMOTRON_H,
 }
