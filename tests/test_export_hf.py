@@ -218,7 +218,7 @@ def test_a_qwen3_next_shaped_run_exports_with_equal_logits(tmp_path):
 
     run = tmp_path / "lm"
     argv = ["train", "--no-progress", "--config", exp("moe_lm"), "--workdir", str(run)]
-    assert main(argv + ["--config.eval.sample_tokens=0", *QWEN3_NEXT_RUN]) == 0
+    assert main(argv + ["--config.eval.batches=0", *QWEN3_NEXT_RUN]) == 0
     assert main(["export-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == "qwen3_next"

@@ -175,6 +175,7 @@ def test_bamba_config_defaults_half_rotary_and_refuses_what_attnlab_cannot_load(
             model_config_from_hf({**config, **change})
 
 
+@pytest.mark.slow(reason="a third export round trip; Qwen3-Next's and Mamba-2's run fast")
 def test_bamba_exports_and_round_trips(checkpoints, tmp_path):
     export_round_trips(*checkpoints("regular"), tmp_path / "hf")
 
