@@ -237,3 +237,27 @@ def test_nemotron_h_config_reads_the_pattern_letters_and_refuses_what_does_not_p
     ):
         with pytest.raises(UnsupportedCheckpointError, match=where):
             model_config_from_hf({**config, "layers_block_type": types})
+
+
+@pytest.mark.parametrize(
+    "minimal",
+    [
+        {"model_type": "bamba", "attn_layer_indices": [1]},
+        {"model_type": "falcon_h1"},
+        # NemotronHConfig's older keys: the pattern's letters, mamba_n_groups.
+        {"model_type": "nemotron_h", "hybrid_override_pattern": "M-*-", "mamba_n_groups": 2},
+    ],
+)
+def test_a_config_json_that_leaves_keys_out_reads_as_transformers_fills_them(minimal):
+    minimal = dict(
+        minimal, vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        intermediate_size=48,
+    )  # fmt: skip
+    classes = {
+        "bamba": "BambaConfig",
+        "falcon_h1": "FalconH1Config",
+        "nemotron_h": "NemotronHConfig",
+    }
+    kwargs = {k: v for k, v in minimal.items() if k != "model_type"}
+    full = getattr(transformers, classes[minimal["model_type"]])(**kwargs).to_dict()
+    assert model_config_from_hf(minimal) == model_config_from_hf(full)

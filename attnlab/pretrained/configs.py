@@ -21,9 +21,10 @@ from attnlab.config import ModelConfig
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 from attnlab.pretrained.hf_classic import bart_like, bert, gpt2, t5
 from attnlab.pretrained.hf_gemma import gemma
-from attnlab.pretrained.hf_hybrid import bamba, falcon_h1, nemotron_h
+from attnlab.pretrained.hf_hybrid import bamba, falcon_h1
 from attnlab.pretrained.hf_llama import llama_like
 from attnlab.pretrained.hf_moe import deepseek_v3, gpt_oss, mixtral, qwen3_moe
+from attnlab.pretrained.hf_nemotron_h import nemotron_h
 from attnlab.pretrained.hf_qwen3_next import qwen3_next
 from attnlab.pretrained.hf_ssm import mamba2
 

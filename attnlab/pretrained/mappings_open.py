@@ -8,13 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.pretrained import mappings
-from attnlab.pretrained.hf_hybrid import (
-    BAMBA,
-    FALCON_H1,
-    NEMOTRON_H,
-    falcon_h1_multipliers,
-    nemotron_h_units,
-)
+from attnlab.pretrained.hf_hybrid import BAMBA, FALCON_H1, falcon_h1_multipliers
+from attnlab.pretrained.hf_nemotron_h import NEMOTRON_H, nemotron_h_units
 from attnlab.pretrained.hf_qwen3_next import QWEN3_NEXT
 from attnlab.pretrained.hf_ssm import MAMBA2
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
