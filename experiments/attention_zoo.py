@@ -407,34 +407,16 @@ def _plots(table, root):
 
 
 def recall_by_pairs(table):
-    """Zoology's figure 2 in shape: one panel per training length, accuracy at that length
-    against the pairs per row, a line (mean ± std band over seeds) per row of the zoo."""
-    import numpy as np
-    from matplotlib.figure import Figure
-
+    """Zoology's figure 2 in shape: a panel per training length, accuracy at that length
+    against the pairs per row, a line (mean ± std over seeds) per row of the zoo."""
     from attnlab import viz
 
-    lengths = sorted({e["seq_len"] for e in table})
-    names = list(dict.fromkeys(e["variant"] for e in table))
-    fig = Figure(figsize=(4 * len(lengths), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(lengths), squeeze=False)[0]
-    for ax, T in zip(axes, lengths, strict=True):
-        for color, name in zip(viz.distinct_colors(len(names)), names, strict=True):
-            at = sorted((e["pairs"], e["mean"][0], e["std"][0]) for e in table
-                        if e["variant"] == name and e["seq_len"] == T)  # fmt: skip
-            if not at:
-                continue
-            x, m, s = (np.asarray(v, float) for v in zip(*at, strict=True))
-            ax.plot(x, m, marker="o", ms=4, color=color, label=name)
-            ax.fill_between(x, m - s, m + s, color=color, alpha=0.2)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"T = {T}")
-        ax.set_xlabel("key-value pairs")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("MQAR accuracy")
-    axes[0].legend(fontsize="small", loc="lower left")
-    return fig
+    panels: dict[str, dict] = {}
+    for e in sorted(table, key=lambda e: (e["seq_len"], e["pairs"])):
+        curve = panels.setdefault(f"T = {e['seq_len']}", {}).setdefault(e["variant"], ([], [], []))
+        for values, value in zip(curve, (e["pairs"], e["mean"][0], e["std"][0]), strict=True):
+            values.append(value)
+    return viz.plot_accuracy_by_pairs(panels, ylabel="MQAR accuracy")
 
 
 def markdown(table) -> str:
