@@ -277,13 +277,21 @@ def eval_pairs(lo: int, hi: int) -> list[int]:
     return sorted({lo, hi} | {2**k for k in range(hi.bit_length()) if lo <= 2**k <= hi})
 
 
-def mqar_accuracy(
-    run, seq_len: int, *, pairs=None, rows: int = 256, batch_size: int = 64, seed: int = 0
-):
-    """Teacher-forced accuracy of the loaded ``run`` on ``rows`` fresh MQAR rows of ``seq_len``
-    tokens with ``pairs`` pairs each (None: the run's own range) and the run's symbols."""
+def predictor(run):
+    """The jitted ``(params, inputs) -> argmax token`` of the loaded ``run`` (one program per
+    length, shared by every pair count)."""
     import jax
     import jax.numpy as jnp
+
+    return jax.jit(lambda p, x: jnp.argmax(run.trainer.model(p)(x).logits, -1))
+
+
+def mqar_accuracy(
+    run, seq_len: int, *, pairs=None, rows: int = 256, batch_size: int = 64, seed: int = 0,
+    predict=None,
+):  # fmt: skip
+    """Teacher-forced accuracy of the loaded ``run`` on ``rows`` fresh MQAR rows of ``seq_len``
+    tokens with ``pairs`` pairs each (None: the run's own range) and the run's symbols."""
     import numpy as np
 
     from attnlab.data import batch_rng, synthetic
@@ -291,7 +299,7 @@ def mqar_accuracy(
     d, trainer = run.config.data, run.trainer
     if seq_len > trainer.mcfg.max_len:
         raise ExperimentError(f"seq_len {seq_len} exceeds the run's model.max_len")
-    predict = jax.jit(lambda p, x: jnp.argmax(trainer.model(p)(x).logits, -1))
+    predict = predict or predictor(run)
     lo, hi = (d.min_len, d.max_len) if pairs is None else (pairs, pairs)
     options = dict(num_symbols=d.num_symbols, min_len=lo, max_len=hi)
     correct = total = 0.0
@@ -326,7 +334,7 @@ def extrapolation(workdir, *, factors=FACTORS, rows: int = 256) -> dict:
     T = int(d.seq_len)
     extends = _extends(run.trainer.mcfg)
     lengths = [T * f for f in factors if (extends or f == 1) and T * f <= run.trainer.mcfg.max_len]
-    pairs = eval_pairs(int(d.min_len), int(d.max_len))
+    pairs, predict = eval_pairs(int(d.min_len), int(d.max_len)), predictor(run)
     result = {
         "step": run.step,
         "seq_len": T,
@@ -334,7 +342,10 @@ def extrapolation(workdir, *, factors=FACTORS, rows: int = 256) -> dict:
         "rows": rows,
         "pairs": pairs,
         "lengths": lengths,
-        "accuracy": [[mqar_accuracy(run, t, pairs=p, rows=rows) for t in lengths] for p in pairs],
+        "accuracy": [
+            [mqar_accuracy(run, t, pairs=p, rows=rows, predict=predict) for t in lengths]
+            for p in pairs
+        ],
     }
     path.write_text(json.dumps(result) + "\n")
     return result
