@@ -373,5 +373,5 @@ def plot_accuracy_by_pairs(panels, *, ylabel="accuracy") -> Figure:
         ax.set_xlabel("key-value pairs")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(ylabel)
-    axes[0].legend(fontsize="small", loc="lower left")
+    axes[0].legend(fontsize="small", loc="best")
     return fig
