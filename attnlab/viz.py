@@ -1,6 +1,6 @@
 """Plots: attention weights and masks as heat maps, position tables, per-head scores, loss
-curves of training runs, accuracy against distance and against length; and the small
-readers and scores behind them.
+curves of training runs, accuracy against distance, against length and against key-value
+pairs; and the small readers and scores behind them.
 
 Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot state), so they work
 under any backend, including Agg in tests; a notebook displays the returned figure.
@@ -349,4 +349,29 @@ def plot_accuracy_by_length(curves, *, trained_at=None, title="accuracy against 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="lower left")
+    return fig
+
+
+def plot_accuracy_by_pairs(panels, *, ylabel="accuracy") -> Figure:
+    """Accuracy against key-value pairs per row (log2 axis), one panel per entry of ``panels``:
+    ``{panel title: {label: (pairs, mean, std)}}`` (``std`` drawn as a band), the same colour
+    for a label in every panel (Zoology's figure 2 in shape)."""
+    if not panels:
+        raise ValueError("plot_accuracy_by_pairs needs at least one panel")
+    labels = list(dict.fromkeys(label for curves in panels.values() for label in curves))
+    colors = dict(zip(labels, distinct_colors(len(labels)), strict=True))
+    fig = Figure(figsize=(4 * len(panels), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (title, curves) in zip(axes, panels.items(), strict=True):
+        for label, (pairs, mean, std) in curves.items():
+            x, m, s = (np.asarray(v, float) for v in (pairs, mean, std))
+            ax.plot(x, m, marker="o", ms=4, color=colors[label], label=label)
+            ax.fill_between(x, m - s, m + s, color=colors[label], alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(title)
+        ax.set_xlabel("key-value pairs")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(fontsize="small", loc="best")
     return fig

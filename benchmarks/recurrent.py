@@ -1,11 +1,13 @@
 """Recurrent-state layers against attention on this machine: decode speed and cache bytes per
 sequence against context length, and prefill time of the chunked forms.
 
-Three decoders of one width and depth at matched parameter count (the FFN width of each is
+Four decoders of one width and depth at matched parameter count (the FFN width of each is
 set so that every model has the largest one's parameters, within one FFN column): ``mha``
 (RoPE, a KV cache that grows with the context), ``gated_deltanet`` and ``mamba2`` (their
-default chunked form; a fixed-size recurrent and conv state per layer). A 3:1 hybrid joins
-``MODELS`` once the stack holds a repeating block of layer kinds.
+default chunked form; a fixed-size recurrent and conv state per layer), and the 3:1 hybrid
+(``ModelConfig.block_pattern``: three Gated DeltaNet layers, then one attention layer,
+repeated; ``--n-layers`` a multiple of 4), whose cache grows with the context at a quarter
+of attention's rate.
 
 Prints one JSON object: the settings, the machine (CPU model, cores, load average at the
 start and the end), each model's parameters, and
@@ -45,12 +47,13 @@ from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache
 from attnlab.decode import Decoder, SamplingConfig
 
 BASE = dict(vocab_size=256, norm="rmsnorm", ffn="swiglu", position="rope", tie_embeddings=True)
-# name -> (mixer, settings). The recurrent layers keep their defaults (Mamba-2: expand 2,
+# name -> its ModelConfig fields. The recurrent layers keep their defaults (Mamba-2: expand 2,
 # state size 128; Gated DeltaNet: as many key as value heads of the model's head width).
 MODELS = {
-    "attention": ("mha", None),
-    "gated_deltanet": ("gated_deltanet", None),
-    "mamba2": ("mamba2", None),
+    "attention": {"mixer": "mha"},
+    "gated_deltanet": {"mixer": "gated_deltanet"},
+    "mamba2": {"mixer": "mamba2"},
+    "hybrid_3to1": {"block_pattern": {"block": ["gated_deltanet"] * 3 + ["mha"]}},
 }
 
 
@@ -87,8 +90,7 @@ def configs(args) -> dict[str, ModelConfig]:
     max_len = max(args.lengths + args.prefill_lengths) + args.long + 8
     common = dict(BASE, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads)
     cfgs = {
-        name: ModelConfig(**common, max_len=max_len, mixer=mixer, mixer_settings=settings)
-        for name, (mixer, settings) in MODELS.items()
+        name: ModelConfig(**common, max_len=max_len, **fields) for name, fields in MODELS.items()
     }
     target = max(count_params(c) for c in cfgs.values())
     per_column = 3 * args.d_model * args.n_layers  # a SwiGLU column: gate, in, out
@@ -163,9 +165,11 @@ def main(argv=None):
     for name in args.models.split(","):
         cfg = cfgs[name]
         model = build_model(cfg, seed=0)
+        pattern = cfg.block_pattern
         out["models"][name] = dict(
             mixer=cfg.mixer,
             mixer_settings=cfg.mixer_settings.to_dict(),
+            block_pattern=None if pattern is None else pattern.to_dict(),
             d_ff=cfg.d_ff,
             params=count_params(cfg),
         )

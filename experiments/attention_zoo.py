@@ -1,29 +1,43 @@
-"""Every built-in attention variant on multi-query associative recall and length extrapolation.
+"""Every built-in attention variant, the recurrent layers and their hybrids on multi-query
+associative recall and length extrapolation.
 
 MQAR (``data.kind="mqar"``, Zoology, Arora et al. 2023): each row lists key/value pairs, then
 asks for every key again, in a random order and at random places; only the recalled values
 count. A decoder with RoPE (which extends past its training length) learns it at T tokens.
-``sweep()`` trains each variant that ships with attnlab (``model.mixer``: every registered
-mixer defined in the package) over pairs x sequence length x seeds. Variants are compared at
-a matched parameter count: each gets the ``d_model`` (a multiple of twice its heads) whose
-``attnlab.count_params`` is closest to that of ``mha`` at the config's size
-(``matched_sizes``; ``--sizes`` prints them, with the ratio to ``mha``). ::
+``sweep()`` trains each row of the zoo (``zoo_rows()``: every registered mixer defined in the
+package, ``mha`` first, then the ``HYBRIDS``) over training sets x seeds (``SWEEPS``).
+
+The rows. ``gated_deltanet`` and ``mamba2`` are the recurrent layers (a fixed-size state, no
+positions: they run at any length); Gated DeltaNet trains in its per-token form (``SCAN``:
+the same function as its chunks, a seventh of the CPU time at these lengths). Zoology uses
+2 layers, which cannot hold a 3:1 hybrid, so there are two: ``hybrid_3to1`` has 4 layers
+(three Gated DeltaNet, then attention) at the parameters of the 2-layer ``mha``, hence a
+narrower ``d_model``; ``hybrid_1to1`` keeps 2 layers (Gated DeltaNet, then attention).
+Rows are compared at a matched parameter count: each gets the ``d_model`` (a multiple of
+twice its heads) whose ``attnlab.count_params`` is closest to that of ``mha`` at the
+config's size, then the FFN width that brings it within one FFN column of it
+(``matched_sizes``; ``--sizes`` prints them, with the ratio to ``mha``)::
 
     attnlab sweep --config experiments/attention_zoo.py --workdir runs/zoo
     attnlab sweep --config experiments/attention_zoo.py:small --workdir runs/zoo_small
+    attnlab sweep --config experiments/attention_zoo.py:zoology --workdir runs/zoology
     python experiments/attention_zoo.py --report runs/zoo     # extrapolation, table, plots
-    python experiments/attention_zoo.py --sizes               # the matched sizes
+    python experiments/attention_zoo.py --sizes [--variant zoology]
 
-``--report`` scores every finished trial on 256 fresh rows (a stream no training step draws)
-at T, 2T, 4T and 8T with the same number of pairs, so the queries lie further from their
-keys (teacher-forced: a value counts when it is the argmax); each trial keeps its scores in
-``TRIAL/extrapolation.json``. It writes ``DIR/zoo.md`` and ``DIR/zoo.json`` (mean ± sample
-std over seeds, per variant, pairs and length) and ``DIR/extrapolation_<variant>.png``.
-Positions that cannot extend (``learned``, ``sinusoidal`` past ``max_len``) get no
-extrapolation columns.
+A training set is ``(T, min pairs, max pairs)``: each row draws its count of pairs uniformly
+(``:zoology`` trains on 4 to 16 pairs at T = 64). ``--report`` scores every finished trial
+on 256 fresh rows (a stream no training step draws) at each pair count of its range
+(``eval_pairs``: both ends and the powers of two between) and at T, 2T, 4T and 8T with
+those pairs, so the queries lie further from their keys (teacher-forced: a value counts when
+it is the argmax); each trial keeps its scores in ``TRIAL/extrapolation.json``. It writes
+``DIR/zoo.md`` and ``DIR/zoo.json`` (mean ± sample std over seeds, per row, pairs and length),
+``DIR/extrapolation_<row>.png`` and ``DIR/recall_by_pairs.png`` (Zoology's figure 2 in shape:
+accuracy at T against pairs, a line per row). Positions that cannot extend (``learned``,
+``sinusoidal`` past ``max_len``) get no extrapolation columns.
 
 Measured with ``:small`` (4 pairs, T = 64, 600 steps, 3 seeds, 2 shared CPU cores; MQAR
-recall, mean ± std over seeds)::
+recall, mean ± std over seeds; before the FFN widths were matched, so ``mla`` has 13% more
+parameters)::
 
     variant        params    at T            at 2T           at 4T           at 8T
     differential   103,072   0.541 ± 0.002   0.549 ± 0.002   0.422 ± 0.047   0.217 ± 0.046
@@ -32,7 +46,34 @@ recall, mean ± std over seeds)::
     mla            116,416   0.304 ± 0.057   0.308 ± 0.068   0.296 ± 0.036   0.235 ± 0.027
     sinks          102,984   0.310 ± 0.043   0.291 ± 0.029   0.253 ± 0.036   0.214 ± 0.014
 
-600 steps is short of solving MQAR for any of them; the full grid trains 2,000.
+600 steps is short of solving MQAR for any of them.
+
+Measured with ``:zoology`` (T = 64, 4 to 16 pairs per row, 500 steps of 16 rows, 3 seeds,
+niced on the 2 shared CPU cores at load average 6-12; recall, mean ± std over seeds, on 256
+fresh rows with the pairs given)::
+
+    row            params   pairs  at T            at 2T           at 4T           at 8T
+    mha            102,976      4  0.248 ± 0.006   0.212 ± 0.005   0.183 ± 0.016   0.157 ± 0.028
+    mha            102,976      8  0.152 ± 0.004   0.136 ± 0.001   0.119 ± 0.001   0.103 ± 0.007
+    mha            102,976     16  0.096 ± 0.002   0.093 ± 0.003   0.077 ± 0.007   0.068 ± 0.009
+    gated_deltanet 103,024      4  0.036 ± 0.004   0.036 ± 0.004   0.036 ± 0.004   0.036 ± 0.004
+    gated_deltanet 103,024      8  0.033 ± 0.002   0.033 ± 0.002   0.033 ± 0.002   0.033 ± 0.002
+    gated_deltanet 103,024     16  0.034 ± 0.001   0.034 ± 0.001   0.034 ± 0.001   0.034 ± 0.001
+    mamba2         102,880      4  0.036 ± 0.004   0.036 ± 0.004   0.036 ± 0.004   0.036 ± 0.004
+    mamba2         102,880      8  0.033 ± 0.002   0.033 ± 0.002   0.033 ± 0.002   0.033 ± 0.002
+    mamba2         102,880     16  0.034 ± 0.001   0.034 ± 0.001   0.034 ± 0.001   0.034 ± 0.001
+    hybrid_3to1    103,134      4  0.036 ± 0.004   0.036 ± 0.004   0.036 ± 0.004   0.036 ± 0.004
+    hybrid_3to1    103,134      8  0.033 ± 0.002   0.033 ± 0.002   0.033 ± 0.002   0.033 ± 0.002
+    hybrid_3to1    103,134     16  0.034 ± 0.001   0.034 ± 0.001   0.034 ± 0.001   0.034 ± 0.001
+    hybrid_1to1    103,000      4  0.070 ± 0.023   0.070 ± 0.023   0.067 ± 0.027   0.062 ± 0.021
+    hybrid_1to1    103,000      8  0.060 ± 0.014   0.059 ± 0.015   0.054 ± 0.017   0.053 ± 0.016
+    hybrid_1to1    103,000     16  0.046 ± 0.011   0.051 ± 0.012   0.049 ± 0.013   0.048 ± 0.011
+
+Zoology's shape is not reproduced at this budget: no row solves MQAR. ``mha`` sits at the
+plateau of copying one of the row's values without matching its key (recall near 1/pairs);
+Gated DeltaNet, Mamba-2 and the 3:1 hybrid are at chance (1/32: each seed's model gives one
+value token to every query, the same token for the three, which saw the same batches), and
+the 1:1 hybrid has just left it. docs/experiments.md has the recipes tried for ``mha``.
 """
 
 from __future__ import annotations
@@ -43,37 +84,78 @@ import json
 import math
 import pathlib
 import statistics
+import typing
 
 from attnlab.experiment import ExperimentError, base_config
 
-VARIANTS = ("small", "tiny")
+VARIANTS = ("small", "tiny", "zoology")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
 EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training length
 EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
-SWEEPS = {  # pairs, sequence lengths, seeds
-    None: ([4, 8], [64, 128], [0, 1, 2]),
-    "small": ([4], [64], [0, 1, 2]),  # one point of the full grid, 600 steps: minutes on CPU
-    "tiny": ([2], [16], [0, 1]),
+# Gated DeltaNet trains in its per-token form: the same function as its default 64-token
+# chunks (tests/test_mixer_recurrent.py) at a seventh of the CPU time at these lengths (a
+# train step at B = 32, T = 64 on this machine: 0.18 s against 1.36 s). Mamba-2 keeps its
+# chunks (0.44 s; its per-token form takes 0.97 s). A layer kind with its own settings is a
+# block of ``ModelConfig.block_pattern``; a block of one kind is a plain stack.
+SCAN = {"gated_deltanet": {"form": "recurrent"}}
+RECURRENT_MIXERS = ("gated_deltanet", "mamba2")  # no positions: they extend to any length
+
+
+def _kind(mixer: str):
+    return {"mixer": mixer, "mixer_settings": SCAN[mixer]} if mixer in SCAN else mixer
+
+
+# Hybrid stacks. Zoology's 2 layers cannot hold 3:1, so the 3:1 hybrid has 4 layers (three
+# Gated DeltaNet, then attention) at the 2-layer mha's parameters; the 1:1 hybrid keeps
+# Zoology's 2 layers (Gated DeltaNet, then attention).
+HYBRIDS = {
+    "hybrid_3to1": {
+        "n_layers": 4,
+        "block_pattern": {"block": (_kind("gated_deltanet"),) * 3 + ("mha",)},
+    },
+    "hybrid_1to1": {"n_layers": 2, "block_pattern": {"block": (_kind("gated_deltanet"), "mha")}},
+}
+
+
+class Grid(typing.NamedTuple):
+    """A sweep's training sets, as ``(seq_len, min pairs, max pairs)`` (each row draws its
+    count of pairs uniformly), its seeds, and its rows (None: every row)."""
+
+    points: tuple[tuple[int, int, int], ...]
+    seeds: tuple[int, ...]
+    rows: tuple[str, ...] | None = None
+
+
+RECURRENT = ("mha", "gated_deltanet", "mamba2", "hybrid_3to1", "hybrid_1to1")
+SWEEPS = {
+    None: Grid(((64, 4, 4), (64, 8, 8), (128, 4, 4), (128, 8, 8)), (0, 1, 2)),
+    "small": Grid(((64, 4, 4),), (0, 1, 2)),  # one point of the full grid, 600 steps
+    "tiny": Grid(((16, 2, 2),), (0, 1)),
+    # Zoology's figure 2 in shape: 2 layers at d_model 64, mha against the fixed-state rows,
+    # trained on 4 to T/4 pairs per row and scored at 4, 8 and 16. T = 128 and 256 (add
+    # (128, 4, 32), (256, 4, 64) with data.num_symbols=128) did not fit the CPU time.
+    "zoology": Grid(((64, 4, 16),), (0, 1, 2), RECURRENT),
 }
 
 
 def get_config(variant=None):
     c = base_config()
     c.name = "attention_zoo"
-    pairs, lengths, _ = SWEEPS[variant]
+    grid = SWEEPS[variant]
+    T, lo, hi = grid.points[0]
     c.model.update(
         arch="decoder",
         vocab_size=4 + 64,  # synthetic.symbols_vocab_size(64)
         d_model=64,
         n_layers=2,
         n_heads=4,
-        max_len=max(FACTORS) * max(lengths),
+        max_len=max(FACTORS) * max(p[0] for p in grid.points),
         position="rope",
         norm="rmsnorm",
         mixer="mha",
     )
-    c.data.update(kind="mqar", seq_len=lengths[0], num_symbols=64, min_len=pairs[0])
-    c.data.max_len = pairs[0]
+    c.data.update(kind="mqar", seq_len=T, num_symbols=64, min_len=lo)
+    c.data.max_len = hi
     c.optim.update(learning_rate=3e-3, warmup_steps=100, weight_decay=0.01)
     c.train.update(steps=2000, batch_size=64, log_every_steps=100)
     c.eval.update(every_steps=500, batches=4, batch_size=64, sample_tokens=0)
@@ -82,6 +164,11 @@ def get_config(variant=None):
         c.train.update(steps=600, batch_size=32)
         c.eval.update(every_steps=300, batch_size=32)
         c.checkpoint.update(every_steps=600)
+    if variant == "zoology":
+        c.optim.update(warmup_steps=50, schedule="wsd")
+        c.train.update(steps=500, batch_size=16)
+        c.eval.update(every_steps=250, batch_size=32)
+        c.checkpoint.update(every_steps=500)
     if variant == "tiny":
         c.model.update(vocab_size=4 + 8, d_model=16, n_layers=1, n_heads=2)
         c.data.update(num_symbols=8)
@@ -102,7 +189,31 @@ def builtin_mixers() -> list[str]:
     return sorted(names, key=lambda n: (n != "mha", n))
 
 
-@functools.lru_cache(maxsize=512)
+def zoo_rows() -> dict[str, dict]:
+    """The zoo's rows: ``{name: model fields}``, every built-in mixer (``mha`` first), then
+    ``HYBRIDS``."""
+    plain = {n: {"mixer": n} for n in builtin_mixers()}
+    for n in SCAN:
+        plain[n]["block_pattern"] = {"block": (_kind(n),)}
+    return {**plain, **HYBRIDS}
+
+
+def row_of(model: dict) -> str:
+    """The name of the row whose fields ``model`` (a saved config's ``model``) holds."""
+    patterned = bool((model.get("block_pattern") or {}).get("block"))
+    for name, fields in zoo_rows().items():
+        if ("block_pattern" in fields) == patterned and _holds(model, fields):
+            return name
+    return model["mixer"]
+
+
+def _holds(have, want) -> bool:
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(_holds(have.get(k), v) for k, v in want.items())
+    return json.dumps(have, sort_keys=True) == json.dumps(want, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=1024)
 def _count(fields_json: str):
     """``count_params`` of a model config (as JSON), or the one-line reason it is invalid."""
     from attnlab import ModelConfig, count_params
@@ -120,19 +231,22 @@ def _fields(model, **changes) -> str:
     return json.dumps(fields, sort_keys=True)
 
 
-def matched_sizes(model, mixers=None) -> dict:
-    """``{mixer: {"d_model", "params", "ratio"}}``: for each variant, the ``d_model`` (a
-    multiple of ``2 * n_heads``, so RoPE's head dim stays even) whose parameter count is
-    closest to ``mha``'s at ``model``'s size; ``{"error": ...}`` when none builds."""
-    mixers = builtin_mixers() if mixers is None else list(mixers)
+def matched_sizes(model, names=None) -> dict:
+    """``{row: {"d_model", "d_ff", "params", "ratio"}}``: for each row (``zoo_rows()``, or a
+    registered mixer's name), the ``d_model`` (a multiple of ``2 * n_heads``, so RoPE's head
+    dim stays even) whose parameter count is closest to ``mha``'s at ``model``'s size, then the
+    ``d_ff`` that brings it closest; ``{"error": ...}`` when none builds."""
+    table = zoo_rows()
+    names = list(table) if names is None else list(names)
     target = _count(_fields(model, mixer="mha"))
     if isinstance(target, str):
         raise ExperimentError(f"model: {target}")
     step, d = 2 * model["n_heads"], model["d_model"]
     candidates = list(range(step, 4 * d + 1, step))
     out = {}
-    for name in mixers:
-        count = lambda dm, name=name: _count(_fields(model, mixer=name, d_model=dm))
+    for name in names:
+        fields = table.get(name, {"mixer": name})
+        count = lambda dm, f=fields, **more: _count(_fields(model, **f, d_model=dm, **more))
         lo, hi = 0, len(candidates) - 1  # the first candidate whose count reaches the target
         while lo < hi:
             mid = (lo + hi) // 2
@@ -148,31 +262,63 @@ def matched_sizes(model, mixers=None) -> dict:
         if not sized:
             out[name] = {"error": count(d)}
             continue
-        _, dm, n = min(sized)
-        out[name] = {"d_model": dm, "params": n, "ratio": round(n / target, 4)}
+        dm = min(sized)[1]
+        d_ff = (model["d_ff"] or 4 * d) * dm // d  # the FFN's width scales with d_model
+        per_column = count(dm, d_ff=d_ff + 1) - count(dm, d_ff=d_ff)
+        d_ff = max(1, d_ff + round((target - count(dm, d_ff=d_ff)) / per_column))
+        n = count(dm, d_ff=d_ff)
+        out[name] = {"d_model": dm, "d_ff": d_ff, "params": n, "ratio": round(n / target, 4)}
     return out
 
 
 def sweep(variant=None):
-    """Each built-in variant at its matched size x pairs x sequence length x seeds."""
+    """Each row at its matched size x training set x seeds (``SWEEPS[variant]``)."""
     from attnlab.sweep import grid, product
 
-    pairs, lengths, seeds = SWEEPS[variant]
-    sizes = matched_sizes(get_config(variant).model)
+    spec = SWEEPS[variant]
+    sizes = matched_sizes(get_config(variant).model, spec.rows)
     broken = {n: s["error"] for n, s in sizes.items() if "error" in s}
     if broken:
-        raise ExperimentError(f"attention_zoo: these variants do not build: {broken}")
-    per_variant = [{"model.mixer": n, "model.d_model": s["d_model"]} for n, s in sizes.items()]
-    per_pairs = [{"data.min_len": n, "data.max_len": n} for n in pairs]
-    per_length = [{"data.seq_len": t} for t in lengths]  # model.max_len covers 8x the longest
-    return product(per_variant, per_pairs, per_length, grid({"train.seed": seeds}))
+        raise ExperimentError(f"attention_zoo: these rows do not build: {broken}")
+    per_row = [
+        {**_overrides(zoo_rows()[n]), "model.d_model": s["d_model"], "model.d_ff": s["d_ff"]}
+        for n, s in sizes.items()
+    ]
+    per_set = [  # model.max_len covers 8x the longest
+        {"data.seq_len": t, "data.min_len": lo, "data.max_len": hi} for t, lo, hi in spec.points
+    ]
+    return product(per_row, per_set, grid({"train.seed": list(spec.seeds)}))
 
 
-def mqar_accuracy(run, seq_len: int, *, rows: int = 256, batch_size: int = 64, seed: int = 0):
-    """Teacher-forced accuracy of the loaded ``run`` on ``rows`` fresh MQAR rows of ``seq_len``
-    tokens with the run's pairs and symbols."""
+def _overrides(fields, prefix="model"):
+    """Model fields as dotted overrides (``block_pattern.block``, not the whole dict)."""
+    out = {}
+    for k, v in fields.items():
+        out.update(_overrides(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
+    return out
+
+
+def eval_pairs(lo: int, hi: int) -> list[int]:
+    """The pair counts a trial trained on ``lo..hi`` pairs is scored at: both ends and every
+    power of two between."""
+    return sorted({lo, hi} | {2**k for k in range(hi.bit_length()) if lo <= 2**k <= hi})
+
+
+def predictor(run):
+    """The jitted ``(params, inputs) -> argmax token`` of the loaded ``run`` (one program per
+    length, shared by every pair count)."""
     import jax
     import jax.numpy as jnp
+
+    return jax.jit(lambda p, x: jnp.argmax(run.trainer.model(p)(x).logits, -1))
+
+
+def mqar_accuracy(
+    run, seq_len: int, *, pairs=None, rows: int = 256, batch_size: int = 64, seed: int = 0,
+    predict=None,
+):  # fmt: skip
+    """Teacher-forced accuracy of the loaded ``run`` on ``rows`` fresh MQAR rows of ``seq_len``
+    tokens with ``pairs`` pairs each (None: the run's own range) and the run's symbols."""
     import numpy as np
 
     from attnlab.data import batch_rng, synthetic
@@ -180,8 +326,9 @@ def mqar_accuracy(run, seq_len: int, *, rows: int = 256, batch_size: int = 64, s
     d, trainer = run.config.data, run.trainer
     if seq_len > trainer.mcfg.max_len:
         raise ExperimentError(f"seq_len {seq_len} exceeds the run's model.max_len")
-    predict = jax.jit(lambda p, x: jnp.argmax(trainer.model(p)(x).logits, -1))
-    options = dict(num_symbols=d.num_symbols, min_len=d.min_len, max_len=d.max_len)
+    predict = predict or predictor(run)
+    lo, hi = (d.min_len, d.max_len) if pairs is None else (pairs, pairs)
+    options = dict(num_symbols=d.num_symbols, min_len=lo, max_len=hi)
     correct = total = 0.0
     for i in range(math.ceil(rows / batch_size)):
         batch = synthetic.mqar_batch(
@@ -194,32 +341,52 @@ def mqar_accuracy(run, seq_len: int, *, rows: int = 256, batch_size: int = 64, s
 
 
 def extrapolation(workdir, *, factors=FACTORS, rows: int = 256) -> dict:
-    """``{"seq_len", "lengths", "accuracy"}`` of the run in ``workdir`` at each factor of its
-    training length (only 1 for positions that do not extend); cached in
-    ``workdir/extrapolation.json``."""
+    """``{"seq_len", "pairs", "lengths", "accuracy"}`` of the run in ``workdir``:
+    ``accuracy[i][j]`` at ``pairs[i]`` pairs (``eval_pairs`` of its training range) and each
+    factor ``lengths[j]`` of its training length (only 1 for positions that do not extend);
+    cached in ``workdir/extrapolation.json``."""
     from attnlab import runs
 
     path = pathlib.Path(workdir) / "extrapolation.json"
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached.get("factors") == list(factors) and cached.get("rows") == rows:
+        if (cached.get("factors"), cached.get("rows")) == (list(factors), rows) and cached.get(
+            "pairs"
+        ):  # an older cache without pair counts is scored again
             return cached
     run = runs.load_run(workdir)
-    if run.config.data.kind != "mqar":
-        raise ExperimentError(f"{workdir} holds a data.kind={run.config.data.kind!r} run")
-    T = int(run.config.data.seq_len)
-    extends = run.trainer.mcfg.position in EXTENDS
+    d = run.config.data
+    if d.kind != "mqar":
+        raise ExperimentError(f"{workdir} holds a data.kind={d.kind!r} run")
+    T = int(d.seq_len)
+    extends = _extends(run.trainer.mcfg)
     lengths = [T * f for f in factors if (extends or f == 1) and T * f <= run.trainer.mcfg.max_len]
+    pairs, predict = eval_pairs(int(d.min_len), int(d.max_len)), predictor(run)
     result = {
         "step": run.step,
         "seq_len": T,
         "factors": list(factors),
         "rows": rows,
+        "pairs": pairs,
         "lengths": lengths,
-        "accuracy": [mqar_accuracy(run, t, rows=rows) for t in lengths],
+        "accuracy": [
+            [mqar_accuracy(run, t, pairs=p, rows=rows, predict=predict) for t in lengths]
+            for p in pairs
+        ],
     }
     path.write_text(json.dumps(result) + "\n")
     return result
+
+
+def _extends(mcfg) -> bool:
+    """Whether the model reaches past its training length: its positions extend, or no layer
+    reads positions at all (a recurrent stack)."""
+    from attnlab.layer_kinds import stack_plan
+
+    if mcfg.position in EXTENDS:
+        return True
+    specs = stack_plan(mcfg, mcfg.n_layers).mixer_specs
+    return all(s.mixer in RECURRENT_MIXERS for s in specs)
 
 
 def _mean_std(xs):
@@ -229,10 +396,10 @@ def _mean_std(xs):
 
 
 def report(sweep_dir, *, rows: int = 256, plot: bool = True) -> dict:
-    """Scores every finished trial of the sweep in ``sweep_dir`` at each length, then writes
-    ``zoo.json``, ``zoo.md`` and one ``extrapolation_<variant>.png`` per variant."""
+    """Scores every finished trial of the sweep in ``sweep_dir`` at each pair count and length,
+    then writes ``zoo.json``, ``zoo.md``, one ``extrapolation_<row>.png`` per row and
+    ``recall_by_pairs.png`` (Zoology's figure 2 in shape)."""
     from attnlab import sweep as sweeps
-    from attnlab import viz
 
     root = pathlib.Path(sweep_dir)
     results = sweeps.collect(root)
@@ -240,50 +407,72 @@ def report(sweep_dir, *, rows: int = 256, plot: bool = True) -> dict:
     for row in results["trials"]:
         if row["status"] != "finished":
             continue
-        o = row["overrides"]
         config = json.loads((root / row["trial"] / "config.json").read_text())
-        key = (config["model"]["mixer"], config["data"]["max_len"], config["data"]["seq_len"])
+        d = config["data"]
+        key = (row_of(config["model"]), d["min_len"], d["max_len"], d["seq_len"])
         scores = extrapolation(root / row["trial"], rows=rows)
         params = _count(json.dumps(config["model"], sort_keys=True))
-        groups.setdefault(key, []).append((o.get("train.seed"), params, scores))
+        groups.setdefault(key, []).append((params, scores))
     table = []
-    for (mixer, pairs, T), members in sorted(groups.items()):
-        lengths = members[0][2]["lengths"]
-        entry = {"mixer": mixer, "pairs": pairs, "seq_len": T, "params": members[0][1]}
-        entry.update(seeds=len(members), lengths=lengths, mean=[], std=[])
-        for i in range(len(lengths)):
-            mean, std = _mean_std([m[2]["accuracy"][i] for m in members])
-            entry["mean"].append(mean)
-            entry["std"].append(std)
-        table.append(entry)
+    for (name, lo, hi, T), members in sorted(groups.items()):
+        first = members[0][1]
+        for i, p in enumerate(first["pairs"]):
+            entry = {"variant": name, "params": members[0][0], "trained_pairs": [lo, hi]}
+            entry.update(pairs=p, seq_len=T, seeds=len(members), lengths=first["lengths"])
+            stats = [_mean_std([m[1]["accuracy"][i][j] for m in members])
+                     for j in range(len(first["lengths"]))]  # fmt: skip
+            entry.update(mean=[m for m, _ in stats], std=[s for _, s in stats])
+            table.append(entry)
     (root / "zoo.json").write_text(json.dumps(table, indent=1) + "\n")
     (root / "zoo.md").write_text(markdown(table))
     if plot:
-        for mixer in dict.fromkeys(e["mixer"] for e in table):
-            curves = {
-                f"{e['pairs']} pairs, T={e['seq_len']}": (e["lengths"], e["mean"], e["std"])
-                for e in table
-                if e["mixer"] == mixer
-            }
-            fig = viz.plot_accuracy_by_length(curves, title=f"MQAR recall: {mixer}")
-            fig.savefig(root / f"extrapolation_{mixer}.png", dpi=120)
+        _plots(table, root)
     return {"table": table, "results": results}
+
+
+def _plots(table, root):
+    from attnlab import viz
+
+    for name in dict.fromkeys(e["variant"] for e in table):
+        curves = {
+            f"{e['pairs']} pairs, T={e['seq_len']}": (e["lengths"], e["mean"], e["std"])
+            for e in table
+            if e["variant"] == name
+        }
+        fig = viz.plot_accuracy_by_length(curves, title=f"MQAR recall: {name}")
+        fig.savefig(root / f"extrapolation_{name}.png", dpi=120)
+    recall_by_pairs(table).savefig(root / "recall_by_pairs.png", dpi=120)
+
+
+def recall_by_pairs(table):
+    """Zoology's figure 2 in shape: a panel per training length, accuracy at that length
+    against the pairs per row, a line (mean ± std over seeds) per row of the zoo."""
+    from attnlab import viz
+
+    panels: dict[str, dict] = {}
+    for e in sorted(table, key=lambda e: (e["seq_len"], e["pairs"])):
+        curve = panels.setdefault(f"T = {e['seq_len']}", {}).setdefault(e["variant"], ([], [], []))
+        for values, value in zip(curve, (e["pairs"], e["mean"][0], e["std"][0]), strict=True):
+            values.append(value)
+    return viz.plot_accuracy_by_pairs(panels, ylabel="MQAR accuracy")
 
 
 def markdown(table) -> str:
     """The results as a markdown table: accuracy mean ± std over seeds at T, 2T, 4T, 8T."""
-    head = "| variant | params | pairs | T | seeds | " + " | ".join(
+    head = "| variant | params | trained on | pairs | T | seeds | " + " | ".join(
         f"acc at {f}T" if f > 1 else "acc at T" for f in FACTORS
     )
-    lines = [head + " |", "|" + "---|" * (5 + len(FACTORS))]
+    lines = [head + " |", "|" + "---|" * (6 + len(FACTORS))]
     for e in table:
         by_length = dict(zip(e["lengths"], zip(e["mean"], e["std"], strict=True), strict=True))
         cells = []
         for f in FACTORS:
             mean, std = by_length.get(e["seq_len"] * f, (None, None))
             cells.append("n/a" if mean is None else f"{mean:.3f} ± {std:.3f}")
-        row = [e["mixer"], f"{e['params']:,}", e["pairs"], e["seq_len"], e["seeds"], *cells]
-        lines.append("| " + " | ".join(map(str, row)) + " |")
+        lo, hi = e["trained_pairs"]
+        trained = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        row = [e["variant"], f"{e['params']:,}", trained, e["pairs"], e["seq_len"], e["seeds"]]
+        lines.append("| " + " | ".join(map(str, row + cells)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -295,7 +484,8 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=256)
     args = p.parse_args(argv)
     if args.sizes:
-        print(json.dumps(matched_sizes(get_config(args.variant).model)))
+        rows = SWEEPS[args.variant].rows
+        print(json.dumps(matched_sizes(get_config(args.variant).model, rows)))
     elif args.report:
         print(markdown(report(args.report, rows=args.rows)["table"]), end="")
     else:

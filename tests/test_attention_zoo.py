@@ -38,39 +38,64 @@ class WideGate(Attention):
 def test_matched_sizes_bring_a_bigger_variant_within_ten_percent():
     model = zoo.get_config().model
     sizes = zoo.matched_sizes(model, ["mha", "wide_gate"])
-    assert sizes["mha"] == {"d_model": 64, "params": sizes["mha"]["params"], "ratio": 1.0}
+    assert sizes["mha"] == {"d_model": 64, "d_ff": 256, "params": 102_976, "ratio": 1.0}
     wide = sizes["wide_gate"]
     assert wide["d_model"] < 64 and wide["d_model"] % 8 == 0
     assert abs(wide["ratio"] - 1) < 0.1
 
 
-def test_the_sweep_covers_every_builtin_variant_and_the_table_reads():
+def test_the_recurrent_rows_and_hybrids_are_matched_within_one_ffn_column():
+    model = zoo.get_config("zoology").model
+    sizes = zoo.matched_sizes(model, zoo.SWEEPS["zoology"].rows)
+    target = sizes["mha"]["params"]
+    for name, size in sizes.items():
+        # one hidden unit of the FFN holds 2 * d_model + 1 parameters per layer (gelu)
+        layers = zoo.zoo_rows()[name].get("n_layers", 2)
+        assert abs(size["params"] - target) <= layers * (2 * size["d_model"] + 1), name
+    assert sizes["hybrid_3to1"]["d_model"] < 64 == sizes["hybrid_1to1"]["d_model"]
+
+
+def test_the_sweep_covers_every_row_and_the_table_reads():
     plan = sweep.load_sweep(f"{REPO / 'experiments' / 'attention_zoo.py'}:tiny", [])
-    mixers = {t.overrides["model.mixer"] for t in plan.trials}
-    assert mixers == set(zoo.builtin_mixers()) and "mha" in mixers
-    assert len(plan.trials) == len(mixers) * 2  # one pair count and length, two seeds
+    names = [zoo.row_of(t.cfg.model.to_dict()) for t in plan.trials]
+    assert set(names) == set(zoo.zoo_rows()) == set(zoo.builtin_mixers()) | set(zoo.HYBRIDS)
+    assert {"gated_deltanet", "mamba2", "hybrid_3to1", "hybrid_1to1"} <= set(names)
+    assert len(plan.trials) == len(set(names)) * 2  # one training set, two seeds
     assert all(t.cfg.data.kind == "mqar" for t in plan.trials)
+    hybrid = next(t.cfg.model for t in plan.trials if zoo.row_of(t.cfg.model.to_dict()) ==
+                  "hybrid_3to1")  # fmt: skip
+    assert hybrid.n_layers == 4 and list(hybrid.block_pattern.block)[-1] == "mha"
+    zoology = sweep.load_sweep(f"{REPO / 'experiments' / 'attention_zoo.py'}:zoology", [])
+    assert {(t.cfg.data.seq_len, t.cfg.data.max_len) for t in zoology.trials} == {(64, 16)}
+    assert zoo.eval_pairs(4, 16) == [4, 8, 16] and zoo.eval_pairs(3, 6) == [3, 4, 6]
     table = [
-        {"mixer": "mha", "params": 1234, "pairs": 2, "seq_len": 16, "seeds": 2,
-         "lengths": [16, 32], "mean": [0.5, 0.25], "std": [0.1, 0.0]},
+        {"variant": "mha", "params": 1234, "trained_pairs": [2, 4], "pairs": 2, "seq_len": 16,
+         "seeds": 2, "lengths": [16, 32], "mean": [0.5, 0.25], "std": [0.1, 0.0]},
     ]  # fmt: skip
     lines = zoo.markdown(table).splitlines()
-    assert lines[2] == "| mha | 1,234 | 2 | 16 | 2 | 0.500 ± 0.100 | 0.250 ± 0.000 | n/a | n/a |"
+    assert (
+        lines[2] == "| mha | 1,234 | 2-4 | 2 | 16 | 2 | 0.500 ± 0.100 | 0.250 ± 0.000 | n/a | n/a |"
+    )
+    assert zoo.recall_by_pairs(table).axes[0].get_xlabel() == "key-value pairs"
 
 
-# About a minute on 2 shared CPU cores: a sweep compiles the train step and the report four
-# evaluation programs (one per length).
-@pytest.mark.slow
+# About a minute and a half on 2 shared CPU cores: a sweep compiles the train step of each
+# row and the report four evaluation programs (one per length) of each.
+@pytest.mark.slow(reason="trains mha (2 seeds) and the 3:1 hybrid, then scores them at 4 lengths")
 def test_the_tiny_sweep_runs_and_reports(tmp_path):
     plan = sweep.load_sweep(f"{REPO / 'experiments' / 'attention_zoo.py'}:tiny", [])
-    plan = dataclasses.replace(
-        plan, trials=[t for t in plan.trials if t.overrides["model.mixer"] == "mha"]
-    )
+    keep = {("mha", 0), ("mha", 1), ("hybrid_3to1", 0)}
+    plan = dataclasses.replace(plan, trials=[
+        t for t in plan.trials if (zoo.row_of(t.cfg.model.to_dict()), t.cfg.train.seed) in keep
+    ])  # fmt: skip
     sweep.run_sweep(plan, tmp_path)
     out = zoo.report(tmp_path)
-    (entry,) = out["table"]
-    assert (entry["mixer"], entry["seeds"], entry["lengths"]) == ("mha", 2, [16, 32, 64, 128])
-    assert all(0 <= m <= 1 for m in entry["mean"])
+    mha, hybrid = sorted(out["table"], key=lambda e: e["variant"] != "mha")
+    assert (mha["variant"], mha["seeds"], mha["lengths"]) == ("mha", 2, [16, 32, 64, 128])
+    assert (hybrid["variant"], hybrid["seeds"], hybrid["pairs"]) == ("hybrid_3to1", 1, 2)
+    assert hybrid["lengths"] == [16, 32, 64, 128] and hybrid["std"] == [0.0] * 4
+    assert all(0 <= m <= 1 for e in (mha, hybrid) for m in e["mean"])
     assert json.loads((tmp_path / "zoo.json").read_text()) == out["table"]
-    assert (tmp_path / "extrapolation_mha.png").stat().st_size > 0
+    for png in ("extrapolation_mha", "extrapolation_hybrid_3to1", "recall_by_pairs"):
+        assert (tmp_path / f"{png}.png").stat().st_size > 0
     assert "acc at 8T" in (tmp_path / "zoo.md").read_text()

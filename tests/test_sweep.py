@@ -150,6 +150,18 @@ def test_invalid_sweeps_name_the_key(spec, needle):
         sweep.plan_sweep(CHAR_LM, [], spec)
 
 
+def test_a_block_pattern_is_a_sweep_value():
+    block = ("mha", {"mixer": "sinks"})
+    plan = sweep.plan_sweep(
+        CHAR_LM, [], [{"model.block_pattern.block": block, "model.n_layers": 2}]
+    )
+    (trial,) = plan.trials
+    assert trial.overrides["model.block_pattern.block"] == block
+    assert trial.cfg.model.block_pattern.block == block
+    with pytest.raises(ExperimentError, match="model.block_pattern.block"):
+        sweep.plan_sweep(CHAR_LM, [], [{"model.block_pattern.block": [1, 2]}])
+
+
 def test_invalid_builders_name_the_key():
     with pytest.raises(ExperimentError, match="grid"):
         sweep.grid({})

@@ -213,15 +213,21 @@ def _check_space(what, space):
 
 
 def _plain(key, value):
-    """A Python scalar (numpy scalars converted); None and containers are refused."""
+    """A Python scalar (numpy scalars converted) or a tuple of names and dicts; None and other
+    containers are refused."""
     if isinstance(value, np.generic):
         value = value.item()
     if value is None:
         raise ExperimentError(
             f"{key}=None cannot be written as a --config flag; give the explicit value"
         )
+    if isinstance(value, tuple | list) and all(isinstance(v, str | Mapping) for v in value):
+        return tuple(value)  # the items of a tuple key: a block pattern's layer kinds
     if not isinstance(value, SCALARS):
-        raise ExperimentError(f"{key}={value!r}: sweep values must be bool, int, float or str")
+        raise ExperimentError(
+            f"{key}={value!r}: sweep values must be bool, int, float, str or a tuple of "
+            "names and dicts (model.block_pattern.block)"
+        )
     if isinstance(value, float) and not math.isfinite(value):
         raise ExperimentError(f"{key}={value!r}: sweep values must be finite")
     return value
