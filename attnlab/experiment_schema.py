@@ -292,6 +292,10 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         d.seq_len,
         f"exceeds model.max_len={mcfg.max_len}; raise model.max_len or shorten data.seq_len",
     )
+    if "freeze" in cfg:  # its mode, part and selection, on the model (before any run starts)
+        from attnlab import surgery
+
+        surgery.check_freeze(mcfg, cfg.freeze)
     return mcfg
 
 

@@ -168,12 +168,6 @@ def _get(tree, path):
     return tree
 
 
-def _set(tree, path, value):
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value
-
-
 def _stack(pure: dict) -> str:
     for name in STACKS:
         if name in pure:
@@ -209,18 +203,23 @@ def replace_mixer(
     for key in old[name]:
         if key not in layer_attrs:  # norms, positions
             new[name][key] = old[name][key]
+    # Rows are copied in NumPy (on the host, exactly): no program per leaf shape.
+    host = {s.attr: jax.tree.map(np.array, new[name][s.attr]) for s in new_plan.segments}
+    new[name].update(host)
+    old_host = {s.attr: jax.tree.map(np.asarray, old[name][s.attr]) for s in old_plan.segments}
     for i in range(cfg.n_layers):
         (src, r), (dst, q) = _where(old_plan, i), _where(new_plan, i)
-        src_leaves = _leaves(_get(old[name], src))
+        src_leaves = _leaves(_get(old_host, src))
         dst_tree = _get(new[name], dst)
         for path, a in _leaves(dst_tree).items():
             b = src_leaves.get(path)
             fresh = i in layers and path[0] == MIXER
             if fresh and (init == "fresh" or b is None or b.shape[1:] != a.shape[1:]):
                 continue
-            _set(dst_tree, path, jnp.asarray(a).at[q].set(b[r]))
+            a[q] = b[r]
         if i in layers and init == "matching":
             _inherit(new_plan.kinds[i], new_cfg, src_leaves, dst_tree, r, q)
+    new[name].update(jax.tree.map(jnp.asarray, host))
     nnx.replace_by_pure_dict(state, new)
     return new_cfg, state
 
@@ -236,7 +235,7 @@ def _inherit(kind: LayerKind, cfg, src_leaves, dst_tree, r: int, q: int):
     new = {k: np.asarray(a[q]) for k, a in mixer.items() if not isinstance(a, dict)}
     got = get_mixer(spec.mixer).inherit(cfg, spec.mixer_settings, old, new)
     for k, value in got.items():
-        mixer[k] = jnp.asarray(mixer[k]).at[q].set(jnp.asarray(value, mixer[k].dtype))
+        mixer[k][q] = np.asarray(value, mixer[k].dtype)
 
 
 def layer_mask(cfg: ModelConfig, params, layers, *, part: str = "layer", broadcast=False):
@@ -311,6 +310,16 @@ def freeze_mask(cfg: ModelConfig, group, params):
     """The ``freeze`` config group's broadcast ``layer_mask`` over ``params`` (True: kept
     unchanged), or None when ``mode="none"``; ``"others"`` freezes every parameter outside
     the selection (embeddings and final norm included)."""
+    chosen = check_freeze(cfg, group)
+    if chosen is None:
+        return None
+    mask = layer_mask(cfg, params, chosen, part=group.part, broadcast=True)
+    return mask if group.mode == "selected" else jax.tree.map(np.logical_not, mask)
+
+
+def check_freeze(cfg: ModelConfig, group) -> tuple[int, ...] | None:
+    """The layers the ``freeze`` group selects (None for ``mode="none"``); one-line
+    errors name its field."""
     mode, part = group.get("mode", "none"), group.get("part", "layer")
     if mode not in FREEZE_MODES:
         _config_fail("freeze.mode", mode, f"one of {FREEZE_MODES}")
@@ -318,6 +327,6 @@ def freeze_mask(cfg: ModelConfig, group, params):
         _config_fail("freeze.part", part, "'layer' (the whole layer) or 'mixer'")
     if mode == "none":
         return None
-    chosen = select_from(cfg, group.layers, "freeze.layers")
-    mask = layer_mask(cfg, params, chosen, part=part, broadcast=True)
-    return mask if mode == "selected" else jax.tree.map(np.logical_not, mask)
+    if cfg.arch == "encoder_decoder":
+        _config_fail("freeze.mode", mode, "'none': freezing selects layers of one-stack models")
+    return select_from(cfg, group.layers, "freeze.layers")

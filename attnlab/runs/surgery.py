@@ -102,6 +102,8 @@ def resolve(cfg):
             "decides the model (its own, with the surgery applied); leave model as the "
             "source's, or unset"
         )
+    if cfg[FIELD].run:
+        _source_step(cfg[FIELD])  # checked before the run starts
     out = copy.deepcopy(cfg)
     with out.unlocked():
         out.model = _model_group(result)
@@ -117,23 +119,31 @@ def tokenizer_dir(cfg):
     return None
 
 
+def _source_step(group) -> int | None:
+    """The source run's checkpoint to start from (None: its newest), checked to exist."""
+    from attnlab.checkpoint import Checkpointer
+    from attnlab.runs.workdir import CHECKPOINTS
+
+    where, steps = pathlib.Path(group.run) / CHECKPOINTS, []
+    if where.is_dir():
+        with Checkpointer(where) as ckpt:
+            steps = sorted(ckpt.all_steps())
+    step = int(group.step)
+    if not steps or (step >= 0 and step not in steps):
+        held = f"{group.run} holds checkpoint steps {steps}; -1: the newest"
+        _fail("step", step, f"a checkpoint of the source run ({held})")
+    return None if step < 0 else step
+
+
 def _source_params(group):
     """The source's parameters (an ``nnx.State``)."""
     if group.pretrained:
         from attnlab.pretrained import load_pretrained
 
         return load_pretrained(group.pretrained).params
-    from attnlab.checkpoint import Checkpointer
     from attnlab.runs.loading import load_run
-    from attnlab.runs.workdir import CHECKPOINTS
 
-    with Checkpointer(pathlib.Path(group.run) / CHECKPOINTS) as ckpt:
-        steps = ckpt.all_steps() if (pathlib.Path(group.run) / CHECKPOINTS).is_dir() else []
-    step = int(group.step)
-    if not steps or (step >= 0 and step not in steps):
-        held = f"it holds steps {sorted(steps)}; -1: the newest"
-        _fail("step", step, f"a checkpoint of {group.run} ({held})")
-    return load_run(group.run, None if step < 0 else step).params
+    return load_run(group.run, _source_step(group)).params
 
 
 def initial_state(cfg, trainer):
