@@ -12,16 +12,20 @@ train state's ``"params"``); nothing is modified in place.
   embeddings, the final norm and, in replaced layers, the norms and the FFN are copied
   exactly. A replaced layer's mixer is initialised fresh (``build_model`` of the new config
   at ``seed``); with ``init="matching"`` its parameters that the old mixer held under the
-  same name and shape are copied (``mha`` -> ``sinks``, say); a different mixer's
-  projections (Gated DeltaNet's fused ``in_proj_qkvz`` from attention's ``q/k/v``) are not
-  mapped and stay fresh.
+  same name and shape are copied (``mha`` -> ``sinks``, say), then those the new mixer's
+  ``Mixer.inherit`` fills from the old ones (Gated DeltaNet's fused ``in_proj_qkvz`` takes
+  attention's ``q/k/v`` where the head counts and widths agree).
 - ``layer_mask(cfg, params, layers, part=...)``: a boolean tree like ``params`` (each leaf
-  an array of its shape; stacked leaves hold several layers, so the mask is per element),
-  True on the selected layers' parameters (``part="mixer"``: their mixers only).
-- ``freeze(tx, mask)``: ``tx`` followed by zeroing the updates where ``mask`` is True, so
-  those parameters stay bitwise unchanged (the complement, ``jax.tree.map(np.logical_not,
-  mask)``, trains the selection only). The ``Trainer`` builds its optimiser from the config
-  and takes no transformation from outside, so this serves hand-written training loops.
+  an array of its shape; stacked leaves hold several layers, so the mask is per element;
+  ``broadcast=True``: of the leaf's layer axis only), True on the selected layers'
+  parameters (``part="mixer"``: their mixers only).
+- ``freeze(tx, mask)``: ``tx`` with its updates set to zero where ``mask`` is True, so those
+  parameters stay bitwise unchanged (the complement, ``jax.tree.map(np.logical_not,
+  mask)``, trains the selection only); the state is ``tx``'s own.
+
+A run applies them from its config (``attnlab.runs.surgery``): ``select_from`` reads a
+layer selection group (``index``, ``kind``, ``every``/``positions``) and ``freeze_mask`` the
+``freeze`` group, which the ``Trainer`` wraps its optimiser with.
 """
 
 from __future__ import annotations
