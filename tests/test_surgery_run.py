@@ -7,7 +7,8 @@ others; ``init="matching"`` gives Gated DeltaNet attention's projections bitwise
 tier: a surgery run stopped by SIGTERM resumes to the losses and parameters of an
 uninterrupted one, reloads with ``load_run`` as an ordinary run (the new block pattern in its
 config, the frozen layer the source's bitwise) and decodes with its cache as its full
-forward pass does; a sweep varies the surgery.
+forward pass does; a sweep varies the surgery; a surgery run starts from a Hugging Face
+checkpoint (one that ``export_model`` writes).
 """
 
 import json
@@ -226,6 +227,33 @@ def test_a_sweep_varies_the_surgery(source, tmp_path):
         mixer = t.overrides["surgery.mixer"]
         assert surgery.layer_kind_names(run.trainer.mcfg) == (mixer, "mha") * 2
         assert np.isfinite(run.evaluate()["eval_loss"])
+
+
+@pytest.mark.slow(
+    reason="exports a Llama checkpoint and loads it back; the fast tier starts from a run"
+)
+def test_a_surgery_run_starts_from_a_hugging_face_checkpoint(tmp_path):
+    from attnlab import ModelConfig, load_pretrained
+    from attnlab.pretrained.export import export_model
+
+    llama = ModelConfig(vocab_size=16, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1,
+                        d_ff=32, max_len=16, position="rope", norm="rmsnorm", norm_eps=1e-6,
+                        ffn="swiglu", tie_embeddings=False)  # fmt: skip
+    assert export_model(build_model(llama, seed=1), tmp_path / "hf") == "llama"
+    cfg = tiny(**THREE_OF_FOUR, **{"surgery.pretrained": str(tmp_path / "hf")})
+    with cfg.unlocked():
+        cfg.model = experiment.base_config().model  # unset: the checkpoint decides
+    cfg = runs.surgery.resolve(apply_overrides(cfg, {"surgery.init": "matching"}))
+    trainer = train.Trainer(cfg)
+    assert surgery.layer_kind_names(trainer.mcfg) == ("gated_deltanet",) * 3 + ("mha",)
+    assert (trainer.mcfg.ffn, trainer.mcfg.tie_embeddings) == ("swiglu", False)
+    state = runs.surgery.initial_state(cfg, trainer)
+    old = _pure(load_pretrained(tmp_path / "hf").params)["layers"]
+    new = _pure(state["params"])["layers"]["blocks"]
+    for a, b in zip(jax.tree.leaves(old["ffn"]), jax.tree.leaves(new[3]["ffn"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(b[0]), np.asarray(a[3]), strict=True)
+    qkvz = np.asarray(new[1]["attn"]["in_proj_qkvz_DKH"][0])  # layer 1, with attention's q
+    np.testing.assert_array_equal(qkvz[:, :, :8], np.asarray(old["attn"]["q_DNH"][1]))
 
 
 def test_matching_init_gives_gated_deltanet_the_attention_projections_bitwise():

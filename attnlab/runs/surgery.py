@@ -59,7 +59,8 @@ def _source_config(group) -> ModelConfig:
     path = pathlib.Path(group.pretrained)
     if not (path / "config.json").is_file():
         _fail("pretrained", group.pretrained, "a Hugging Face checkpoint folder")
-    return model_config_from_hf(json.loads((path / "config.json").read_text()))
+    hf_config = json.loads((path / "config.json").read_text())
+    return model_config_from_hf(hf_config, dtype="float32", param_dtype="float32")  # as loaded
 
 
 def _plan(cfg):
