@@ -14,6 +14,7 @@ checkpoint (one that ``export_model`` writes).
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +158,19 @@ def test_a_missing_source_checkpoint_names_the_step(initial_source, tmp_path):
         runs.train(cfg, tmp_path, progress=False)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "config.json").exists()  # refused before the run began
+
+
+def test_a_begun_surgery_run_resumes_without_its_source(initial_source, tmp_path):
+    shutil.copytree(initial_source, tmp_path / "source")
+    cfg = tiny(**THREE_OF_FOUR, **{"surgery.run": str(tmp_path / "source")})
+    resolved = runs.surgery.resolve(cfg)
+    (tmp_path / "run").mkdir()  # a run that began: its config.json holds the surgery
+    (tmp_path / "run" / "config.json").write_text(experiment.to_json(resolved))
+    shutil.rmtree(tmp_path / "source")
+    again = runs.surgery.resolve(cfg, tmp_path / "run")
+    assert experiment.to_json(again) == experiment.to_json(resolved)
+    with pytest.raises(ConfigError, match=r"^surgery\.run="):  # a new run needs the source
+        runs.surgery.resolve(cfg, tmp_path / "elsewhere")
 
 
 def _metrics(workdir):

@@ -62,7 +62,7 @@ def open_runs(cfgs, workdirs, *, step=None, allow_changes=False):
     try:
         mesh = sharding.mesh_from_config(cfgs[0])
         for cfg, workdir, at in zip(cfgs, workdirs, steps, strict=True):
-            cfg = surgery.resolve(cfg)  # a surgery run's model: the result (the config saved)
+            cfg = surgery.resolve(cfg, workdir)  # a surgery run's model: the result
             mcfg = experiment.validate(cfg)
             runs.append(Run(cfg, workdir, mcfg, step=at, allow_changes=allow_changes))
             trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind, mesh=mesh))

@@ -87,11 +87,17 @@ def _model_group(mcfg: ModelConfig):
     return base.model
 
 
-def resolve(cfg):
+def resolve(cfg, workdir=None):
     """``cfg`` with the surgery's result as its ``model`` group (``cfg`` itself without a
-    source); the module docstring says which ``model`` groups are accepted."""
+    source); the module docstring says which ``model`` groups are accepted. A run that
+    began in ``workdir`` (its ``config.json`` holds this surgery) resumes without its source:
+    when the source can no longer be read, the saved model is the result."""
     if not active(cfg):
         return cfg
+    if workdir is not None and not _readable(cfg[FIELD]):
+        saved = _begun(cfg, pathlib.Path(workdir))
+        if saved is not None:
+            return saved
     source, _, result = _plan(cfg)
     given = experiment.model_config(cfg)
     if given not in (ModelConfig(), source, result):
@@ -108,6 +114,34 @@ def resolve(cfg):
     out = copy.deepcopy(cfg)
     with out.unlocked():
         out.model = _model_group(result)
+    return out
+
+
+def _readable(group) -> bool:
+    """Whether the source's config (and a run's checkpoints) are where the group says."""
+    if group.pretrained:
+        return (pathlib.Path(group.pretrained) / "config.json").is_file()
+    from attnlab.runs.workdir import CHECKPOINTS, CONFIG_FILE
+
+    path = pathlib.Path(group.run)
+    return (path / CONFIG_FILE).is_file() and (path / CHECKPOINTS).is_dir()
+
+
+def _begun(cfg, workdir: pathlib.Path):
+    """``cfg`` with the model saved in ``workdir/config.json`` when that run began with the
+    same surgery, else None."""
+    from attnlab.runs.workdir import CONFIG_FILE
+
+    path = workdir / CONFIG_FILE
+    if not path.is_file():
+        return None
+    saved = experiment.from_json(path.read_text())
+    same = lambda c: json.dumps(c[FIELD].to_dict(), sort_keys=True, default=list)
+    if FIELD not in saved or same(saved) != same(cfg):
+        return None
+    out = copy.deepcopy(cfg)
+    with out.unlocked():
+        out.model = saved.model
     return out
 
 
