@@ -11,8 +11,10 @@ with the new ``block_pattern``); the run's ``config.json`` holds it, so ``load_r
 decoding, evaluation and export read an ordinary run and never the source. The experiment's
 own ``model`` group must be the source's model, the result, or left unset (the defaults):
 anything else is refused, since the source decides the model. ``initial_state`` builds the
-state at step 0 from the source's parameters; a work directory with a checkpoint resumes
-from it and never reads the source's parameters again.
+state at step 0 from the source's parameters (the tokenizer of a source run is read and
+saved with the run); a work directory with a checkpoint resumes from it and never reads the
+source's parameters again, nor its config once the source has moved (``resolve`` with the
+work directory then takes the model its ``config.json`` saved).
 """
 
 from __future__ import annotations
