@@ -60,6 +60,10 @@ CONTEXTS = [24] if TINY else [128, 512, 1920]  # decoding speed at these context
 NEW_TOKENS = 4 if TINY else 64
 MAX_LEN = 64 if TINY else 2048  # positions and caches (RoPE: no table to outgrow)
 REPEATS = 1 if TINY else 3
+# Gated DeltaNet's forms compute the same. On a 2-core CPU the chunked form's training step
+# hung at batch 16: both of XLA's pool threads waited inside LAPACK's batched triangular
+# solve for work queued behind them. The recurrent form (a scan over tokens) solves nothing.
+FORM = "recurrent" if jax.default_backend() == "cpu" else "chunked"
 
 # %% [markdown]
 # ## 1. The original: a 4-layer attention decoder
@@ -99,8 +103,9 @@ print(f"original: eval loss {original['eval_loss']:.4f} after {original['step']}
 # `surgery.mixer`; every other parameter (the fourth layer, the embeddings, the final norm,
 # and in the replaced layers the norms and the FFN) is copied exactly. `init="matching"`
 # starts Gated DeltaNet's q, k and v and its output projection from the attention layer's
-# (its gate, convolution and decay are fresh). The model group stays the source's: the
-# surgery decides the new one (`runs.surgery.resolve`), which the run's `config.json` holds.
+# (its gate, convolution and decay are fresh); `surgery.mixer_settings` are its settings. The
+# model group stays the source's: the surgery decides the new one (`runs.surgery.resolve`),
+# which the run's `config.json` holds.
 
 # %%
 SURGERY = [
@@ -110,6 +115,7 @@ SURGERY = [
     "--config.surgery.layers.every=4",
     "--config.surgery.layers.positions=(0,1,2)",
     "--config.surgery.init=matching",
+    f"--config.surgery.mixer_settings.form={FORM}",
 ]
 FINE_TUNE = [
     *common,

@@ -173,6 +173,16 @@ def test_a_begun_surgery_run_resumes_without_its_source(initial_source, tmp_path
         runs.surgery.resolve(cfg, tmp_path / "elsewhere")
 
 
+def test_the_new_mixers_settings_take_dotted_overrides(initial_source, tmp_path):
+    saved = tmp_path / "surgery.json"
+    saved.write_text(experiment.to_json(tiny(**{"surgery.run": str(initial_source)})))
+    overrides = ["--config.surgery.mixer=gated_deltanet",
+                 "--config.surgery.mixer_settings.form=recurrent"]  # fmt: skip
+    cfg = runs.surgery.resolve(experiment.load_config(str(saved), overrides))
+    (kind,) = cfg.model.block_pattern.block  # no selection: every layer
+    assert (kind["mixer"], kind["mixer_settings"]["form"]) == ("gated_deltanet", "recurrent")
+
+
 def _metrics(workdir):
     keep = ("step", "train_loss", "grad_norm", "eval_loss")
     rows = (json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines())
