@@ -13,6 +13,10 @@ holds the first such step (1-based), read by the loop where it syncs anyway (log
 before every checkpoint). With ``train.on_nonfinite="skip"`` such a step leaves the
 parameters and optimiser state unchanged; with ``"stop"`` (the default) the loop stops.
 
+The config's ``freeze`` group (``attnlab.surgery.freeze_mask``) wraps the optimiser so the
+selected parameters get zero updates (bitwise unchanged); its state stays the optimiser's own.
+``state_around(params)`` is the state at step 0 around given parameters (a surgery run's).
+
 The stacked variants take every state leaf with a leading trial axis (``stack_by``: "vmap" of
 the same step, the default off CPU, or "map", the trials one after another inside one
 program, the default on CPU); evaluation batches are shared by the trials.
