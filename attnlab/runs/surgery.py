@@ -23,10 +23,13 @@ import copy
 import json
 import pathlib
 
+from ml_collections import ConfigDict
+
 from attnlab import experiment, surgery
 from attnlab.config import ModelConfig
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import ConfigError
+from attnlab.mixers import make_settings, registered_mixers
 
 FIELD = "surgery"
 
@@ -96,6 +99,7 @@ def resolve(cfg, workdir=None):
     when the source can no longer be read, the saved model is the result."""
     if not active(cfg):
         return cfg
+    cfg = _with_all_settings(cfg)
     if workdir is not None and not _readable(cfg[FIELD]):
         saved = _begun(cfg, pathlib.Path(workdir))
         if saved is not None:
@@ -113,9 +117,25 @@ def resolve(cfg, workdir=None):
         )
     if cfg[FIELD].run:
         _source_step(cfg[FIELD])  # checked before the run starts
+    with cfg.unlocked():
+        cfg.model = _model_group(result)
+    return cfg
+
+
+def _with_all_settings(cfg):
+    """A copy of ``cfg`` whose ``surgery.mixer_settings`` hold every field of the new
+    mixer's settings (as ``load_config`` gives them), so a config built in Python and one
+    loaded with overrides compare equal when a run resumes."""
     out = copy.deepcopy(cfg)
-    with out.unlocked():
-        out.model = _model_group(result)
+    group = out[FIELD]
+    if group.mixer and group.mixer in registered_mixers():
+        given = group.mixer_settings.to_dict() if group.mixer_settings else None
+        try:
+            settings = make_settings(group.mixer, given).to_dict()
+        except (ConfigError, TypeError):
+            return out  # _plan names the bad setting
+        with out.unlocked():
+            group.mixer_settings = ConfigDict(settings)
     return out
 
 
@@ -138,7 +158,7 @@ def _begun(cfg, workdir: pathlib.Path):
     if not path.is_file():
         return None
     saved = experiment.from_json(path.read_text())
-    same = lambda c: json.dumps(c[FIELD].to_dict(), sort_keys=True, default=list)
+    same = lambda c: json.dumps(_with_all_settings(c)[FIELD].to_dict(), sort_keys=True)
     if FIELD not in saved or same(saved) != same(cfg):
         return None
     out = copy.deepcopy(cfg)
