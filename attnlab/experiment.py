@@ -47,26 +47,30 @@ from attnlab.mixers import get_mixer
 ConfigDict = config_dict.ConfigDict
 
 
-def _settings_fields(base: ConfigDict, overrides, kind="mixer", default="mha", get=get_mixer):
+def _settings_fields(
+    base: ConfigDict, overrides, kind="mixer", default="mha", get=get_mixer, group="model"
+):
     """Gives ``model.mixer_settings`` every field of the chosen variant's settings (the
     variant an override names, else the experiment's), so ``--config.model.mixer_settings.X``
     overrides work; values the experiment set for that variant are kept. The same for
-    ``model.ffn_settings`` with ``kind="ffn_variant"``."""
-    if "model" not in base:
+    ``model.ffn_settings`` with ``kind="ffn_variant"``, and for ``surgery.mixer_settings``
+    with ``group="surgery"``."""
+    if group not in base:
         return
+    node = base[group]
     field = f"{kind.split('_')[0]}_settings"
-    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith(f"--config.model.{kind}=")]
-    name = chosen[-1] if chosen else base.model.get(kind, default)
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith(f"--config.{group}.{kind}=")]
+    name = chosen[-1] if chosen else node.get(kind, default)
     try:
         fields = dataclasses.asdict(get(name).Settings())
     except ConfigError:
-        return  # an unregistered name: ModelConfig's validation says so
-    given = base.model.get(field) or {}
+        return  # unregistered (or no variant): the config's validation says so
+    given = node.get(field) or {}
     given = given.to_dict() if isinstance(given, ConfigDict) else dict(given)
-    if name == base.model.get(kind, default):
+    if name == node.get(kind, default):
         fields.update(given)
     with base.unlocked():
-        base.model[field] = ConfigDict(fields)
+        node[field] = ConfigDict(fields)
 
 
 def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
@@ -103,6 +107,7 @@ def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
         base.experiment_file = str(path.resolve())
     _settings_fields(base, overrides)
     _settings_fields(base, overrides, "ffn_variant", "dense", get_ffn)
+    _settings_fields(base, overrides, "mixer", "", group="surgery")  # the surgery's new mixer
     argv = ["attnlab"]
     fv = flags.FlagValues()
     for o in overrides:

@@ -144,7 +144,30 @@ def base_config() -> ConfigDict:
     c.track = ConfigDict(
         dict(tensorboard=True, wandb_project="", wandb_entity="", wandb_mode="offline")
     )
+    # Model surgery (attnlab.runs.surgery): the run starts from another run's checkpoint
+    # (or a Hugging Face checkpoint folder) with ``mixer`` in the selected layers. Applied
+    # once, when the work directory has no checkpoint; the model group becomes the result.
+    c.surgery = ConfigDict(
+        dict(
+            run="",  # the source: a work directory that `attnlab train` wrote
+            pretrained="",  # or a Hugging Face checkpoint folder (attnlab.load_pretrained)
+            step=-1,  # the source run's checkpoint (-1: its newest)
+            layers=layer_selection(),  # the layers that get ``mixer``
+            mixer="",  # a registered mixer ("": none replaced, the source as it is)
+            mixer_settings=ConfigDict(),
+            init="fresh",  # or "matching": new mixers start from the old where shapes allow
+        )
+    )
+    # Parameters kept unchanged by the optimiser (attnlab.surgery.freeze): "none", the
+    # "selected" layers, or every parameter but the selected layers' ("others").
+    c.freeze = ConfigDict(dict(mode="none", layers=layer_selection(), part="layer"))
     return c
+
+
+def layer_selection() -> ConfigDict:
+    """Layers by every criterion given (none: every layer): ``index`` (negative from the
+    end), ``kind`` (``attnlab.surgery.layer_kind_names``), and ``i % every in positions``."""
+    return ConfigDict(dict(index=(), kind="", every=0, positions=()))
 
 
 def model_config(cfg: ConfigDict) -> ModelConfig:
@@ -269,6 +292,10 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         d.seq_len,
         f"exceeds model.max_len={mcfg.max_len}; raise model.max_len or shorten data.seq_len",
     )
+    if "freeze" in cfg:  # its mode, part and selection, on the model (before any run starts)
+        from attnlab import surgery
+
+        surgery.check_freeze(mcfg, cfg.freeze)
     return mcfg
 
 

@@ -118,6 +118,14 @@ class Mixer(nnx.Module):
         so the variant cannot decode)."""
         raise NotImplementedError(f"mixer {cls.name!r} keeps no cache: it cannot decode")
 
+    @classmethod
+    def inherit(cls, cfg, settings, old: dict, new: dict) -> dict:
+        """Model surgery's ``init="matching"``: the parameters of one layer of this variant
+        (``new``: name -> its fresh array) that another mixer's (``old``: name -> array, the
+        same layer) fill, with those values; parameters of the same name and shape are
+        copied before this is asked. The default fills nothing more."""
+        return {}
+
     def __call__(self, x_BTD, call: MixerCall):
         raise NotImplementedError
 

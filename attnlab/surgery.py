@@ -12,16 +12,20 @@ train state's ``"params"``); nothing is modified in place.
   embeddings, the final norm and, in replaced layers, the norms and the FFN are copied
   exactly. A replaced layer's mixer is initialised fresh (``build_model`` of the new config
   at ``seed``); with ``init="matching"`` its parameters that the old mixer held under the
-  same name and shape are copied (``mha`` -> ``sinks``, say); a different mixer's
-  projections (Gated DeltaNet's fused ``in_proj_qkvz`` from attention's ``q/k/v``) are not
-  mapped and stay fresh.
+  same name and shape are copied (``mha`` -> ``sinks``, say), then those the new mixer's
+  ``Mixer.inherit`` fills from the old ones (Gated DeltaNet's fused ``in_proj_qkvz`` takes
+  attention's ``q/k/v`` where the head counts and widths agree).
 - ``layer_mask(cfg, params, layers, part=...)``: a boolean tree like ``params`` (each leaf
-  an array of its shape; stacked leaves hold several layers, so the mask is per element),
-  True on the selected layers' parameters (``part="mixer"``: their mixers only).
-- ``freeze(tx, mask)``: ``tx`` followed by zeroing the updates where ``mask`` is True, so
-  those parameters stay bitwise unchanged (the complement, ``jax.tree.map(np.logical_not,
-  mask)``, trains the selection only). The ``Trainer`` builds its optimiser from the config
-  and takes no transformation from outside, so this serves hand-written training loops.
+  an array of its shape; stacked leaves hold several layers, so the mask is per element;
+  ``broadcast=True``: of the leaf's layer axis only), True on the selected layers'
+  parameters (``part="mixer"``: their mixers only).
+- ``freeze(tx, mask)``: ``tx`` with its updates set to zero where ``mask`` is True, so those
+  parameters stay bitwise unchanged (the complement, ``jax.tree.map(np.logical_not,
+  mask)``, trains the selection only); the state is ``tx``'s own.
+
+A run applies them from its config (``attnlab.runs.surgery``): ``select_from`` reads a
+layer selection group (``index``, ``kind``, ``every``/``positions``) and ``freeze_mask`` the
+``freeze`` group, which the ``Trainer`` wraps its optimiser with.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from flax import nnx
 from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError
 from attnlab.layer_kinds import BlockPattern, LayerKind, MixerSpec, stack_plan
-from attnlab.mixers import make_settings, registered_mixers
+from attnlab.mixers import get_mixer, make_settings, registered_mixers
 from attnlab.nn.models import build_model
 
 STACKS = ("decoder", "encoder")  # the attribute of a one-stack model that holds its layers
@@ -168,12 +172,6 @@ def _get(tree, path):
     return tree
 
 
-def _set(tree, path, value):
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value
-
-
 def _stack(pure: dict) -> str:
     for name in STACKS:
         if name in pure:
@@ -209,28 +207,52 @@ def replace_mixer(
     for key in old[name]:
         if key not in layer_attrs:  # norms, positions
             new[name][key] = old[name][key]
+    # Rows are copied in NumPy (on the host, exactly): no program per leaf shape.
+    host = {s.attr: jax.tree.map(np.array, new[name][s.attr]) for s in new_plan.segments}
+    new[name].update(host)
+    old_host = {s.attr: jax.tree.map(np.asarray, old[name][s.attr]) for s in old_plan.segments}
     for i in range(cfg.n_layers):
         (src, r), (dst, q) = _where(old_plan, i), _where(new_plan, i)
-        src_leaves = _leaves(_get(old[name], src))
+        src_leaves = _leaves(_get(old_host, src))
         dst_tree = _get(new[name], dst)
         for path, a in _leaves(dst_tree).items():
             b = src_leaves.get(path)
             fresh = i in layers and path[0] == MIXER
             if fresh and (init == "fresh" or b is None or b.shape[1:] != a.shape[1:]):
                 continue
-            _set(dst_tree, path, jnp.asarray(a).at[q].set(b[r]))
+            a[q] = b[r]
+        if i in layers and init == "matching":
+            _inherit(new_plan.kinds[i], new_cfg, src_leaves, dst_tree, r, q)
+    new[name].update(jax.tree.map(jnp.asarray, host))
     nnx.replace_by_pure_dict(state, new)
     return new_cfg, state
 
 
-def layer_mask(cfg: ModelConfig, params, layers, *, part: str = "layer"):
+def _inherit(kind: LayerKind, cfg, src_leaves, dst_tree, r: int, q: int):
+    """The new mixer's ``Mixer.inherit`` of the old layer's mixer parameters (row ``r``)
+    into row ``q`` of the new layer (one mixer in each)."""
+    if len(kind.mixers) != 1 or not isinstance(dst_tree.get(MIXER), dict):
+        return
+    spec = kind.mixers[0]
+    old = {p[1]: np.asarray(a[r]) for p, a in src_leaves.items() if len(p) == 2 and p[0] == MIXER}
+    mixer = dst_tree[MIXER]
+    new = {k: np.asarray(a[q]) for k, a in mixer.items() if not isinstance(a, dict)}
+    got = get_mixer(spec.mixer).inherit(cfg, spec.mixer_settings, old, new)
+    for k, value in got.items():
+        mixer[k][q] = np.asarray(value, mixer[k].dtype)
+
+
+def layer_mask(cfg: ModelConfig, params, layers, *, part: str = "layer", broadcast=False):
     """True on the parameters of ``layers`` (``part="mixer"``: their mixers only), False
-    elsewhere: a tree like ``params`` with a boolean array of each leaf's shape."""
+    elsewhere: a tree like ``params`` with a boolean array of each leaf's shape (with
+    ``broadcast``, of its leading axis only, the others 1: what broadcasts against the
+    leaf, a constant the size of the stack rather than of the model)."""
     if part not in ("layer", "mixer"):
         _fail("part", part, "'layer' (the whole layer) or 'mixer'")
     plan, layers = _plan(cfg), _layers(cfg, layers)
     pure = nnx.to_pure_dict(params)
-    mask = jax.tree.map(lambda a: np.zeros(np.shape(a), bool), pure)
+    shape = lambda a: np.shape(a)[:1] + (1,) * (len(np.shape(a)) - 1) if broadcast else np.shape(a)
+    mask = jax.tree.map(lambda a: np.zeros(shape(a), bool), pure)
     name = _stack(pure)
     for i in layers:
         at, r = _where(plan, i)
@@ -243,11 +265,72 @@ def layer_mask(cfg: ModelConfig, params, layers, *, part: str = "layer"):
 
 
 def freeze(tx: optax.GradientTransformation, mask) -> optax.GradientTransformation:
-    """``tx``, then its updates set to zero where ``mask`` (``layer_mask``) is True (the
-    optimiser's state still tracks them; ``optax.apply_updates`` adds 0, which keeps every
-    value but turns a -0.0 into 0.0)."""
+    """``tx``, then its updates set to zero where ``mask`` (``layer_mask``) is True. The
+    state is ``tx``'s own (it still tracks the frozen parameters), so a checkpoint restores
+    with or without freezing; ``optax.apply_updates`` adds 0, which keeps every value but
+    turns a -0.0 into 0.0."""
 
-    def zero(updates, params=None):
-        return jax.tree.map(lambda u, m: jnp.where(m, jnp.zeros_like(u), u), updates, mask)
+    def update(updates, state, params=None):
+        updates, state = tx.update(updates, state, params)
+        zero = lambda u, m: jnp.where(m, jnp.zeros_like(u), u)
+        return jax.tree.map(zero, updates, mask), state
 
-    return optax.chain(tx, optax.stateless(zero))
+    return optax.GradientTransformation(tx.init, update)
+
+
+# Config groups (``attnlab.experiment_schema.layer_selection``, ``freeze``) ----------------
+FREEZE_MODES = ("none", "selected", "others")
+
+
+def _config_fail(field: str, value, fix: str):
+    raise ConfigError(f"{field}={value!r} is invalid: {fix}; set --config.{field}=...")
+
+
+def select_from(cfg: ModelConfig, group, field: str) -> tuple[int, ...]:
+    """The layers a config's layer selection (``index``, ``kind``, ``every`` and
+    ``positions``) picks in ``cfg``; ``field`` (``"surgery.layers"``) names it in errors."""
+    kinds, n = layer_kind_names(cfg), cfg.n_layers
+    index, kind = tuple(group.get("index") or ()), str(group.get("kind") or "")
+    every, positions = int(group.get("every") or 0), tuple(group.get("positions") or ())
+    for i in index:
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            _config_fail(f"{field}.index", i, f"layer indices in [-{n}, {n}) ({n} layers)")
+    if kind and kind not in kinds:
+        _config_fail(f"{field}.kind", kind, f"one of the model's kinds {sorted(set(kinds))}")
+    if every < 0 or (positions and not every):
+        _config_fail(f"{field}.every", every, "a period > 0 for positions (0: no period)")
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < every:
+            _config_fail(f"{field}.positions", p, f"positions in [0, every={every})")
+    return select_layers(
+        cfg,
+        index=index or None,
+        kind=kind or None,
+        where=(lambda i, _k: i % every in positions) if every else None,
+    )
+
+
+def freeze_mask(cfg: ModelConfig, group, params):
+    """The ``freeze`` config group's broadcast ``layer_mask`` over ``params`` (True: kept
+    unchanged), or None when ``mode="none"``; ``"others"`` freezes every parameter outside
+    the selection (embeddings and final norm included)."""
+    chosen = check_freeze(cfg, group)
+    if chosen is None:
+        return None
+    mask = layer_mask(cfg, params, chosen, part=group.part, broadcast=True)
+    return mask if group.mode == "selected" else jax.tree.map(np.logical_not, mask)
+
+
+def check_freeze(cfg: ModelConfig, group) -> tuple[int, ...] | None:
+    """The layers the ``freeze`` group selects (None for ``mode="none"``); one-line
+    errors name its field."""
+    mode, part = group.get("mode", "none"), group.get("part", "layer")
+    if mode not in FREEZE_MODES:
+        _config_fail("freeze.mode", mode, f"one of {FREEZE_MODES}")
+    if part not in ("layer", "mixer"):
+        _config_fail("freeze.part", part, "'layer' (the whole layer) or 'mixer'")
+    if mode == "none":
+        return None
+    if cfg.arch == "encoder_decoder":
+        _config_fail("freeze.mode", mode, "'none': freezing selects layers of one-stack models")
+    return select_from(cfg, group.layers, "freeze.layers")

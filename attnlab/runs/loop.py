@@ -25,6 +25,7 @@ import numpy as np
 from attnlab import experiment, sharding
 from attnlab.checkpoint import PreemptionGuard
 from attnlab.errors import DivergenceError
+from attnlab.runs import surgery
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
 from attnlab.runs.tracking import Profiler, Tracker, describe, summary
@@ -61,6 +62,7 @@ def open_runs(cfgs, workdirs, *, step=None, allow_changes=False):
     try:
         mesh = sharding.mesh_from_config(cfgs[0])
         for cfg, workdir, at in zip(cfgs, workdirs, steps, strict=True):
+            cfg = surgery.resolve(cfg, workdir)  # a surgery run's model: the result
             mcfg = experiment.validate(cfg)
             runs.append(Run(cfg, workdir, mcfg, step=at, allow_changes=allow_changes))
             trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind, mesh=mesh))

@@ -33,6 +33,7 @@ from attnlab.data import make_task
 from attnlab.data.grain_pipeline import load_process_state, save_process_state
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import CheckpointError, WorkdirError, one_line
+from attnlab.runs import surgery
 from attnlab.train import set_optim_values
 
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
@@ -178,7 +179,9 @@ class Run:
         check_workdir(self.workdir)
         self.changes = check_config(self.workdir, cfg, allow_changes)
         tokenizer_saved = (self.workdir / TOKENIZER_FILE).is_file()
-        self.task = make_task(cfg.data, self.workdir if tokenizer_saved else None, host=_host())
+        # a new surgery run reads its source's tokenizer (``begin`` saves it here)
+        tokenizer_dir = self.workdir if tokenizer_saved else surgery.tokenizer_dir(cfg)
+        self.task = make_task(cfg.data, tokenizer_dir, host=_host())
         vocab = self.task.vocab_size
         if vocab > mcfg.vocab_size:
             raise experiment.ExperimentError(
@@ -237,6 +240,8 @@ class Run:
             steps = [int(self.requested)]
         if not steps:
             self.start = 0
+            if surgery.active(self.cfg):  # the source's parameters, with the surgery applied
+                return surgery.initial_state(self.cfg, trainer)
             return trainer.init_state()
         state, self.start = restore_newest(
             self.ckpt, abstract, steps, trainer.all_finite, move_aside=True

@@ -22,6 +22,7 @@ from typing import Any
 
 from attnlab import experiment, runs
 from attnlab.experiment import ConfigDict, ExperimentError
+from attnlab.runs import surgery
 from attnlab.sweep.spec import as_trials, format_value, trial_name
 
 PARALLEL = ("vmap", "sequential")
@@ -65,7 +66,7 @@ def plan_sweep(config: str, overrides: Sequence[str], spec, *, max_trials=None) 
     for values in trials:
         name = trial_name(values)
         try:
-            cfg = apply_overrides(base, values)
+            cfg = surgery.resolve(apply_overrides(base, values))  # a surgery's model
             experiment.validate(cfg)
         except ExperimentError as e:
             raise ExperimentError(f"sweep trial {name}: {e}") from None

@@ -43,6 +43,7 @@ from typing import Any
 
 from attnlab import experiment, runs
 from attnlab.experiment import ExperimentError
+from attnlab.runs import surgery
 from attnlab.sweep.plan import Trial, apply_overrides, group_trials, plan_sweep
 from attnlab.sweep.results import collect, write_results
 from attnlab.sweep.run import (
@@ -143,7 +144,7 @@ def plan_search(config: str, overrides, spec) -> SearchPlan:
     base = experiment.load_config(config, list(overrides))
     probe = {k: _example(v) for k, v in search.space.items()}
     try:
-        experiment.validate(apply_overrides(base, probe))
+        experiment.validate(surgery.resolve(apply_overrides(base, probe)))
     except ExperimentError as e:
         raise ExperimentError(f"sweep: the search space: {e}") from None
     return SearchPlan(config, tuple(overrides), search, base)

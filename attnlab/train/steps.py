@@ -13,6 +13,10 @@ holds the first such step (1-based), read by the loop where it syncs anyway (log
 before every checkpoint). With ``train.on_nonfinite="skip"`` such a step leaves the
 parameters and optimiser state unchanged; with ``"stop"`` (the default) the loop stops.
 
+The config's ``freeze`` group (``attnlab.surgery.freeze_mask``) wraps the optimiser so the
+selected parameters get zero updates (bitwise unchanged); its state stays the optimiser's own.
+``state_around(params)`` is the state at step 0 around given parameters (a surgery run's).
+
 The stacked variants take every state leaf with a leading trial axis (``stack_by``: "vmap" of
 the same step, the default off CPU, or "map", the trials one after another inside one
 program, the default on CPU); evaluation batches are shared by the trials.
@@ -29,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from attnlab import experiment, sharding
+from attnlab import experiment, sharding, surgery
 from attnlab.config import ModelConfig
 from attnlab.nn import build_model
 from attnlab.nn.models import init_params
@@ -58,16 +62,20 @@ def _init_program(mcfg, tx):
     optimiser alone, so the cache of shared programs keeps no trainer alive."""
 
     def init(seed):
-        params = init_params(mcfg, seed)
-        return {
-            "params": params,
-            "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "acc": zeros_acc(mcfg),
-            "key": jax.random.key_data(jax.random.key(seed)),
-        }
+        return _state_around(mcfg, tx, init_params(mcfg, seed), seed)
 
     return init
+
+
+def _state_around(mcfg, tx, params, seed):
+    """The train state at step 0 around ``params``."""
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "acc": zeros_acc(mcfg),
+        "key": jax.random.key_data(jax.random.key(seed)),
+    }
 
 
 def _structure(o) -> str:
@@ -161,6 +169,10 @@ class Trainer:
         self.graphdef = nnx.graphdef(abstract_model)
         abstract_params = jax.eval_shape(lambda: init_params(self.mcfg, jnp.uint32(0)))
         self.tx = make_optimizer(cfg.optim, self.total_steps, abstract_params)
+        # ``freeze``: updates zeroed on the selected parameters (the state stays the tx's)
+        self.frozen = surgery.freeze_mask(self.mcfg, cfg.get("freeze", {}), abstract_params)
+        if self.frozen is not None:
+            self.tx = surgery.freeze(self.tx, self.frozen)
         self.accum = int(cfg.optim.grad_accum_steps)
         self.muon = cfg.optim.get("name", "adamw") == "muon"
         self.skip_nonfinite = cfg.train.get("on_nonfinite", "stop") == "skip"
@@ -300,6 +312,16 @@ class Trainer:
         if self._init_optim is not self.cfg.optim:  # the program of a trainer like this one
             set_optim_values(state["opt_state"], self.cfg.optim)
         return state
+
+    def state_around(self, params):
+        """The initial train state with ``params`` (a surgery run's) for the model's own:
+        the optimiser's state initialised around them, sharded as ``init_state``'s."""
+        init = lambda p, seed: _state_around(self.mcfg, self.tx, p, seed)
+        if self.mesh is None:
+            return jax.jit(init)(params, np.uint32(self.seed))
+        with sharding.activate(self.mesh, self.rules):
+            out = jax.jit(init, out_shardings=self.state_shardings)
+            return out(params, np.uint32(self.seed))
 
     def abstract_state(self):
         """Shapes, dtypes and shardings of the state: a restore target."""

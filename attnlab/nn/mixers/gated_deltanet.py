@@ -26,6 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from attnlab.mixers import MixerCall, register_mixer
@@ -87,6 +88,34 @@ class GatedDeltaNet(RecurrentMixer):
         self.dt_bias_N = nnx.Param(jnp.ones((N,), jnp.dtype(pd)))
         self.norm_scale_J = nnx.Param(jnp.ones((J,), jnp.dtype(pd)))
         self.out_proj_NJD = normal(rngs, (N, J, D), std / (2 * cfg.n_layers) ** 0.5, pd)
+
+    @classmethod
+    def inherit(cls, cfg, settings, old, new):
+        """From softmax attention's projections (``q_DNH``, ``k_DKH``, ``v_DKH``, ``o_NHD``):
+        q and k (each key head from query head / its key-value head) when ``num_k_heads``
+        is the attention's query heads and ``head_k_dim`` its head width; v (each value
+        head from its query head's key-value head) and the output projection when
+        ``num_v_heads`` and ``head_v_dim`` are. The gate z, b, a, the convolution, the
+        decay and the norm stay fresh."""
+        if not {"q_DNH", "k_DKH", "v_DKH", "o_NHD"} <= set(old):
+            return {}
+        s = settings.resolved(cfg)
+        K, N, H, J = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+        q_DNH, k_DKH, v_DKH, o_NHD = (old[k] for k in ("q_DNH", "k_DKH", "v_DKH", "o_NHD"))
+        Nq, Hq, G = q_DNH.shape[1], q_DNH.shape[2], q_DNH.shape[1] // k_DKH.shape[1]
+        qkvz = np.array(new["in_proj_qkvz_DKH"])  # per key head: q, k, r values, r gates
+        out = {}
+        if (Nq, Hq) == (K, H):
+            qkvz[:, :, :H] = q_DNH
+            qkvz[:, :, H : 2 * H] = np.repeat(k_DKH, G, axis=1)
+            out["in_proj_qkvz_DKH"] = qkvz
+        if (Nq, Hq) == (N, J):
+            r = N // K
+            v_DNJ = np.repeat(v_DKH, G, axis=1)  # value head n: query head n's kv head
+            qkvz[:, :, 2 * H : 2 * H + r * J] = v_DNJ.reshape(v_DNJ.shape[0], K, r * J)
+            out["in_proj_qkvz_DKH"] = qkvz
+            out["out_proj_NJD"] = np.asarray(o_NHD)
+        return out
 
     @classmethod
     def state_shape(cls, cfg, settings):
