@@ -92,11 +92,12 @@ VARIANTS = ("small", "tiny", "zoology")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
 EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training length
 EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
-# Gated DeltaNet trains in its per-token form: the same function as its default 64-token
-# chunks (tests/test_mixer_recurrent.py) at a seventh of the CPU time at these lengths (a
-# train step at B = 32, T = 64 on this machine: 0.18 s against 1.36 s). Mamba-2 keeps its
-# chunks (0.44 s; its per-token form takes 0.97 s). A layer kind with its own settings is a
-# block of ``ModelConfig.block_pattern``; a block of one kind is a plain stack.
+# Gated DeltaNet trains in its per-token form, the form the tables below were measured in
+# (the same function as its default 64-token chunks, tests/test_mixer_recurrent.py; the
+# chunks then took 1.36 s a train step at B = 32, T = 64 against 0.18 s, before the chunked
+# form's triangular solve became matmuls). Mamba-2 keeps its chunks. A layer kind with its
+# own settings is a block of ``ModelConfig.block_pattern``; a block of one kind is a plain
+# stack.
 SCAN = {"gated_deltanet": {"form": "recurrent"}}
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2")  # no positions: they extend to any length
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from attnlab.ops.recurrent import HIGHEST, chunk_decays, chunk_size_for, from_chunks, to_chunks
 
@@ -60,6 +59,41 @@ def delta_rule_recurrent(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=Non
     return jnp.moveaxis(o_TBNJ, 0, 1), S
 
 
+@jax.custom_vjp
+def unit_lower_inverse(l_XCC):
+    """``(I + L)^-1`` for strictly lower-triangular ``L`` (the last two axes), by matmuls only.
+
+    With ``N = -L`` nilpotent, ``(I - N)^-1 = (I + N)(I + N^2)(I + N^4)...`` up to the power
+    that reaches the size: ``log2(C)`` squarings instead of a triangular solve (XLA:CPU runs
+    ``solve_triangular`` as one LAPACK call per matrix over its thread pool: seconds at
+    training shapes, and it could deadlock the pool). The gradient is the inverse's own,
+    ``-inv^T g inv^T`` on the strict lower triangle, not the squarings' chain.
+    """
+    C = l_XCC.shape[-1]
+    mm = lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b, precision=HIGHEST)
+    eye = jnp.broadcast_to(jnp.eye(C, dtype=l_XCC.dtype), l_XCC.shape)
+    power, inv = -l_XCC, eye - l_XCC
+    for _ in range(max(C - 1, 1).bit_length() - 1):
+        power = mm(power, power)
+        inv = mm(inv, eye + power)
+    return inv
+
+
+def _inverse_fwd(l_XCC):
+    inv = unit_lower_inverse(l_XCC)
+    return inv, inv
+
+
+def _inverse_bwd(inv_XCC, g_XCC):
+    t = lambda x: jnp.swapaxes(x, -1, -2)
+    mm = lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b, precision=HIGHEST)
+    strict = jnp.tril(jnp.ones(inv_XCC.shape[-2:], bool), -1)
+    return (jnp.where(strict, -mm(mm(t(inv_XCC), g_XCC), t(inv_XCC)), 0.0),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 def delta_rule_chunked(
     q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=None, *, chunk_size: int = 64
 ):
@@ -75,8 +109,8 @@ def delta_rule_chunked(
     kb = k * beta_IBNC[..., None]
     dots = lambda a, b: jnp.einsum("...iH,...jH->...ij", a, b, precision=HIGHEST)
     strict_CC = jnp.tril(jnp.ones((C, C), bool), -1)[None, None, None]
-    t_IBNCC = jnp.eye(C)[None, None, None] + jnp.where(strict_CC, dots(kb, k) * pair_IBNCC, 0.0)
-    solve = lambda b: solve_triangular(t_IBNCC, b, lower=True, unit_diagonal=True)
+    inv_IBNCC = unit_lower_inverse(jnp.where(strict_CC, dots(kb, k) * pair_IBNCC, 0.0))
+    solve = lambda b: jnp.einsum("...ij,...jX->...iX", inv_IBNCC, b, precision=HIGHEST)
     u_IBNCJ = solve(v * beta_IBNC[..., None])
     w_IBNCH = solve(kb * jnp.exp(gam_IBNC)[..., None])
     qk_IBNCC = dots(q, k) * pair_IBNCC
