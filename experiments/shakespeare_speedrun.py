@@ -90,7 +90,8 @@ Tried and left out, each against the row it would have changed: 2 or 3 layers (1
 1.9212 at 300 x 12 x 64), width 96 (1.9591), untied embeddings (1.9081), Muon's rate 0.04
 (1.9243) or, at 32 x 24, 0.03 (1.8882) and 0.01 (1.9104 at 250 steps), rows of 128 x 6
 (1.9438), 48 x 16 (1.8801) and 16 x 48 (1.9270: the evaluation's first characters of each
-window have almost no context), 5 warm-up steps (1.8808 against 1.8779 at 280 steps).
+window have almost no context), 5 warm-up steps (1.8808 against 1.8779 at 280 steps), 32
+rows a step for 200 steps (205k tokens: 1.9142) and 16 for 350 (179k: 1.9073).
 
 The whole cold process (``ATTNLAB_COMPILATION_CACHE=off``), then ``attnlab eval --full``,
 the new recipe and the one before it interleaved on the same machine and the same day. The
@@ -102,16 +103,18 @@ recipe                                                 seconds (load before-afte
 =====================================================  ============================  ===========
 the recipe above (300 x 12 x 64, Grain's rows)         120.3 (9.3-9.0); 93.0         1.9031
                                                        (7.8-7.7), 46.2 CPU s;
-                                                       74.7 (4.7-5.9), 45.2 CPU s
+                                                       74.7 (4.7-5.9), 45.2 CPU s;
+                                                       60.6 (4.6-4.7), 42.4 CPU s
 this recipe (265 x 24 x 32)                            102.6 (9.0-9.9); 102.8        1.8779
                                                        (8.5-9.5); 49.6 (7.2-5.8),    (each run)
                                                        39.7 CPU s; 57.0 (5.1-4.7),
-                                                       39.1 CPU s
+                                                       39.1 CPU s; 62.0 (2.6-4.4),
+                                                       38.5 CPU s
 =====================================================  ============================  ===========
 
-This recipe takes 0.86x the CPU seconds of the one before (204k tokens against 230k, and
+This recipe takes 0.86-0.91x the CPU seconds of the one before (204k tokens against 230k, and
 rows half as long); at the 24.9-30.5 s the one before took on an idle 2-core machine, that
-predicts 21-26 s, or 16-20 s at the 18.9-23.5 s of the faster day. The 12 s aim is not
+predicts 21-28 s, or 16-21 s at the 18.9-23.5 s of the faster day. The 12 s aim is not
 reached: under load 5 the first 50 steps (compiling the step among them) took 16 s and the
 rest ran at 4.5-6.8k tokens/s; the 204k tokens alone take 8.5-16 s at the 13-24k tokens/s
 the project's 2-core machines have shown idle.
