@@ -109,7 +109,8 @@ this recipe (265 x 24 x 32)                            102.6 (9.0-9.9); 102.8   
                                                        (8.5-9.5); 49.6 (7.2-5.8),    (each run)
                                                        39.7 CPU s; 57.0 (5.1-4.7),
                                                        39.1 CPU s; 62.0 (2.6-4.4),
-                                                       38.5 CPU s
+                                                       38.5 CPU s; 40.4 (4.9-4.5),
+                                                       39.4 CPU s
 =====================================================  ============================  ===========
 
 This recipe takes 0.86-0.91x the CPU seconds of the one before (204k tokens against 230k, and
@@ -118,6 +119,13 @@ predicts 21-28 s, or 16-21 s at the 18.9-23.5 s of the faster day. The 12 s aim 
 reached: under load 5 the first 50 steps (compiling the step among them) took 16 s and the
 rest ran at 4.5-6.8k tokens/s; the 204k tokens alone take 8.5-16 s at the 13-24k tokens/s
 the project's 2-core machines have shown idle.
+
+Under this load, whether one CPU device per core still pays at this shape is not settled:
+with ``--config.mesh.data=1`` (one multithreaded device) the same recipe took 63.1 and 44.5 s
+cold (load 4.3-4.9, eval_loss 1.87786, the sums in another order) around 40.4 s split over
+the two cores, with 7.4-7.7 s of system CPU time against 1.1-2.5; its steps alone, 80 timed
+in one process, read 80-103 ms against 114-122 ms. The split stays (the default); an idle
+machine decides.
 """
 
 import pathlib
