@@ -18,7 +18,10 @@ trace. Figures taken under load move; the shares move much less.
 
     python benchmarks/profile_step.py --train medium            # the 6 x 384 training step
     python benchmarks/profile_step.py --decode 1,8 [--new-tokens 64]   # GPT-2 small, per batch
-    python benchmarks/profile_step.py --train medium --decode 1,8 --out FILE
+
+Run training and decoding in separate processes: ``--train`` asks for one single-threaded
+CPU device per core (as ``attnlab train`` does), which would leave decoding one thread.
+``--out FILE`` writes the JSON that ``benchmarks/report.py`` turns into table rows.
 """
 
 from __future__ import annotations

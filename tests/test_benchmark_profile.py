@@ -1,5 +1,6 @@
 """benchmarks/profile.py: kernels matched to their HLO instructions and sorted by kind."""
 
+import json
 import pathlib
 import sys
 
@@ -35,3 +36,18 @@ def test_breakdown_finds_the_matmul_and_the_rest_of_a_program():
     assert out["share"].get("reduction", 0) > 0, "the sum of exp(c) runs outside the dot"
     assert sum(out["share"].values()) == pytest.approx(1.0, abs=1e-3)
     assert all(row["ms"] >= 0 for row in out["top_not_matmul"])
+
+
+def test_report_prints_the_profile_shares(tmp_path):
+    report = pytest.importorskip("report")
+    run = dict(
+        benchmark="profile",
+        machine=dict(cpu="AMD EPYC", cores_in_use=2, date="2026-11-25", load_average=[3.0]),
+        programs={"train medium": dict(wall_ms=5000.0, kernel_ms=9000.0,
+                                       share={"matmul": 0.75, "layout": 0.05, "elementwise": 0.2})},
+    )  # fmt: skip
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(run))
+    text = report.table([str(path)])
+    assert "profile: train medium" in text
+    assert "matmul 75.0%; layout 5.0%, elementwise 20.0%" in text
