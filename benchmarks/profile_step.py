@@ -208,11 +208,12 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     args = p.parse_args(argv)
+    load = [round(x, 2) for x in os.getloadavg()]  # before the runs
     programs = {}
     if args.train:  # first: it may ask for one CPU device per core before JAX starts
         programs[f"train {args.train}"] = breakdown(**train_step(args.train), calls=args.calls)
         print(json.dumps({f"train {args.train}": programs[f"train {args.train}"]}), flush=True)
-    host = machine.describe()
+    host = machine.describe() | dict(load_average=load)  # after --train chose the devices
     for B in args.decode:
         name = f"decode gpt2 batch {B}, {args.new_tokens} tokens"
         programs[name] = breakdown(**decode_loop(B, args.new_tokens), calls=args.calls)
