@@ -130,12 +130,26 @@ def pipeline_rows(d):
         )
 
 
+def profile_rows(d):
+    for name, r in d["programs"].items():
+        share = r["share"]
+        rest = ", ".join(f"{k} {_pct(v)}" for k, v in share.items() if k != "matmul")
+        yield dict(
+            work=f"profile: {name}, kernel time by kind",
+            attnlab=f"{_n(r['wall_ms'])} ms wall, {_n(r['kernel_ms'])} ms in kernels",
+            roofline=f"matmul {_pct(share.get('matmul', 0))}; {rest or 'nothing else'}",
+            peer="-",
+            ratio="-",
+        )
+
+
 ROWS = {  # the benchmark's name in its JSON -> its rows
     "train_throughput": train_rows,
     "decode": decode_rows,
     "attention": attention_rows,
     "moe_ffn_step": moe_rows,
     "input_pipeline": pipeline_rows,
+    "profile": profile_rows,
 }
 
 

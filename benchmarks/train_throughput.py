@@ -344,8 +344,7 @@ def main(argv=None):
         row = {"benchmark": "train_host_overhead", "machine": machine.describe()}
         print(json.dumps({**row, **host_overhead(max(args.steps, 200), args.override)}))
         return
-    dry = machine.check_device(args)
-    host = machine.describe()  # the load before the runs
+    load = [round(x, 2) for x in os.getloadavg()]  # before the runs
     mesh, explicit_mesh = None, bool(args.mesh)
     if not args.mesh and args.device == "cpu":
         names = args.shapes.split(",")
@@ -353,6 +352,10 @@ def main(argv=None):
                 for k in names)  # fmt: skip
         if devices.apply(n):
             args.mesh = f"data={n}"
+    # Only now may JAX start: describing the machine (or checking for a GPU) starts its
+    # backends, after which devices.apply could no longer split the CPU into devices.
+    dry = machine.check_device(args)
+    host = machine.describe() | dict(load_average=load)
     if args.mesh:
         sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
         mesh = sharding.make_mesh(sizes)
