@@ -265,3 +265,33 @@ def test_mamba2_and_bamba_shaped_configs_find_their_families():
     learned = dict(_LLAMA, n_layers=2, position="learned", ffn_variant="none", **mamba)
     with pytest.raises(ExportError, match="mamba2: position='learned' \\(read back 'none'\\)"):
         hf_config_of(ModelConfig(**learned))
+
+
+@pytest.mark.slow(reason="trains a tiny gated-attention MoE run, a surgery run from it, then reads")
+def test_a_surgery_run_into_qwen3_next_shape_exports_with_equal_logits(tmp_path):
+    # Gated attention in all four layers, then 3 of every 4 turned into Gated DeltaNet by a
+    # surgery run: the result is Qwen3-Next's layout and exports as any run does.
+    from test_cli import exp
+
+    from attnlab.runs.loading import load_run
+
+    shape = [a for a in QWEN3_NEXT_RUN if "block_pattern" not in a]
+    shape += ["--config.model.mixer=gated", "--config.model.mixer_settings.kind=elementwise"]
+    base = ["train", "--no-progress", "--config", exp("moe_lm"), "--config.eval.batches=0"]
+    source, run = tmp_path / "source", tmp_path / "surgery"
+    assert main(base + ["--workdir", str(source), *shape]) == 0
+    surgery = [
+        f"--config.surgery.run={source}",
+        "--config.surgery.mixer=gated_deltanet",
+        "--config.surgery.layers.every=4",
+        "--config.surgery.layers.positions=(0, 1, 2)",
+    ]
+    assert main(base + ["--workdir", str(run), *shape, *surgery]) == 0
+    assert main(["export-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    model = load_run(run).model
+    ids, mask = left_padded(np.random.default_rng(7))
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, valid_BT=real).logits)
+    assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL
