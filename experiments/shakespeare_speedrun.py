@@ -113,6 +113,11 @@ this recipe (265 x 24 x 32)                            102.6 (9.0-9.9); 102.8   
                                                        39.4 CPU s
 =====================================================  ============================  ===========
 
+On the idle machine (AMD EPYC, 2 cores, load 0.3-1.4, matmul 196 GFLOP/s), the same day:
+this recipe took 22.0 s and 21.4 s cold (33.2 + 1.6 and 34.0 + 1.3 CPU s; eval_loss 1.87787),
+of which 17.1 s the training loop at 11.9-14.4k tokens/s; with ``--config.mesh.data=1`` 25.7 s
+(33.5 + 7.9 CPU s), so the batch split over one device per core still pays.
+
 This recipe takes 0.86-0.91x the CPU seconds of the one before (204k tokens against 230k, and
 rows half as long); at the 24.9-30.5 s the one before took on an idle 2-core machine, that
 predicts 21-28 s, or 16-21 s at the 18.9-23.5 s of the faster day. The 12 s aim is not
