@@ -159,6 +159,36 @@ def common_fields(c: dict, **fields) -> dict:
     return fields
 
 
+def rope_decoder_fields(c: dict, *, rotary: dict | None = None, **fields) -> dict:
+    """A pre-norm RMSNorm decoder with RoPE (a share of each head rotated, from ``rotary``'s
+    ``partial_rotary_factor`` or ``c``'s) and a gated FFN, read from a Llama-style config.json;
+    ``fields`` add to or override what it reads."""
+    D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
+    H = c.get("head_dim") or D // N
+    fraction = rotary_fraction(c if rotary is None else rotary)
+    read = dict(
+        arch="decoder",
+        vocab_size=require(c, "vocab_size"),
+        d_model=D,
+        n_layers=require(c, "num_hidden_layers"),
+        n_heads=N,
+        n_kv_heads=c.get("num_key_value_heads") or N,
+        head_dim=H,
+        d_ff=require(c, "intermediate_size"),
+        max_len=c.get("max_position_embeddings") or 2048,
+        position="rope",
+        rope_theta=rope_theta_of(c, partial=True, scaled=True),
+        rope_scaling=rope_scaling_of(c),
+        rotary_dim=None if fraction == 1.0 else int(H * fraction),
+        norm="rmsnorm",
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        norm_placement="pre",
+        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+    )
+    return common_fields(c, **{**read, **fields})
+
+
 def prefix_and_block(kinds: list) -> dict:
     """``ModelConfig.block_pattern`` of per-layer ``kinds``: a ``block`` repeated to the end
     after a ``prefix``, the shortest together (a prefix as short as can be among those), so a

@@ -30,9 +30,9 @@ from attnlab.pretrained.hf_base import (
     prefix_and_block,
     reject,
     require,
+    rope_decoder_fields,
     rope_scaling_of,
     rope_theta_of,
-    rotary_fraction,
 )
 from attnlab.pretrained.hf_ssm import mamba2_rows, mamba2_settings
 from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
@@ -90,37 +90,18 @@ def bamba(c: dict) -> dict:
     c = _with_defaults(c, _BAMBA_DEFAULTS)
     reject(c, "hidden_act", lambda v: v not in (None, "silu"), "Bamba's Mamba-2 gates with silu")
     reject(c, "mlp_bias", (True,), "attnlab's gated FFN has no bias on its gate")
-    D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
-    H = c.get("head_dim") or D // N
     n = require(c, "num_hidden_layers")
     attention = _attention_layers(c, n)
     mamba = _bamba_mamba(c)
     kinds = [{"mixer": "mha"} if i in attention else mamba for i in range(n)]
     params = c.get("rope_parameters") or {}
-    fraction = rotary_fraction({**c, "rope_parameters": {"partial_rotary_factor": 0.5, **params}})
     bias = bool(c.get("attention_bias", False))
-    return common_fields(
+    return rope_decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=D,
-        n_layers=n,
-        n_heads=N,
-        n_kv_heads=c.get("num_key_value_heads") or N,
-        head_dim=H,
-        d_ff=require(c, "intermediate_size"),
-        max_len=c.get("max_position_embeddings") or 2048,
-        position="rope",
-        rope_theta=rope_theta_of(c, partial=True, scaled=True),
-        rope_scaling=rope_scaling_of(c),
-        rotary_dim=None if fraction == 1.0 else int(H * fraction),
-        norm="rmsnorm",
+        rotary={"rope_parameters": {"partial_rotary_factor": 0.5, **params}},
         norm_eps=c.get("rms_norm_eps", 1e-5),
-        norm_placement="pre",
-        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
         attn_bias=bias,
         out_bias=bias,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         block_pattern=prefix_and_block(kinds),
     )
 

@@ -19,13 +19,9 @@ from __future__ import annotations
 
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
-    common_fields,
-    ffn_kind,
     reject,
     require,
-    rope_scaling_of,
-    rope_theta_of,
-    rotary_fraction,
+    rope_decoder_fields,
 )
 from attnlab.pretrained.mappings import Mapping, _table
 
@@ -79,31 +75,10 @@ def qwen3_next(c: dict) -> dict:
             "experts in every layer (mlp_only_layers [] and decoder_sparse_step 1)"
         )
     reject(c, "attention_bias", (True,), "Qwen3-Next's gated attention has no biases here")
-    D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
-    H = c.get("head_dim") or D // N
     n = require(c, "num_hidden_layers")
-    fraction = rotary_fraction(c)
-    return common_fields(
+    return rope_decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=D,
-        n_layers=n,
-        n_heads=N,
-        n_kv_heads=c.get("num_key_value_heads") or N,
-        head_dim=H,
-        d_ff=require(c, "intermediate_size"),
-        max_len=c.get("max_position_embeddings") or 2048,
-        position="rope",
-        rope_theta=rope_theta_of(c, partial=True, scaled=True),
-        rope_scaling=rope_scaling_of(c),
-        rotary_dim=None if fraction == 1.0 else int(H * fraction),
-        norm="rmsnorm",
-        norm_eps=c.get("rms_norm_eps", 1e-6),
-        norm_placement="pre",
         qk_norm=True,
-        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         block_pattern=_block_pattern(c, n),
         ffn_variant="moe",
         ffn_settings={
