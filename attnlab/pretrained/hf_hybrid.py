@@ -108,19 +108,29 @@ def bamba(c: dict) -> dict:
 
 _L = "model.layers.{i}"
 _A = "decoder.layers.{i}"
-BAMBA = Mapping(
-    prefix="model.",
-    rules=_table(
+
+
+def _decoder_table(*mixer_rows):
+    """The rows of a decoder whose layers keep Llama's names around their mixer's rows (the
+    embedding, the norms, the SwiGLU FFN and the head), shared by Bamba and Falcon-H1."""
+    return _table(
         ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
         ("model.final_layernorm.weight", "decoder.final_norm.scale_D"),
         ("lm_head.weight", "head.head_DV", "linear"),
         (f"{_L}.input_layernorm.weight", f"{_A}.attn_norm.scale_D"),
         (f"{_L}.pre_ff_layernorm.weight", f"{_A}.ffn_norm.scale_D"),
-        mamba2_rows(f"{_L}.mamba", f"{_A}.attn"),
-        _linear_attention(f"{_L}.self_attn", f"{_A}.attn"),
+        *mixer_rows,
         (f"{_L}.feed_forward.gate_proj.weight", f"{_A}.ffn.w_gate_DF", "linear"),
         (f"{_L}.feed_forward.up_proj.weight", f"{_A}.ffn.w_in_DF", "linear"),
         (f"{_L}.feed_forward.down_proj.weight", f"{_A}.ffn.w_out_FD", "linear"),
+    )
+
+
+BAMBA = Mapping(
+    prefix="model.",
+    rules=_decoder_table(
+        mamba2_rows(f"{_L}.mamba", f"{_A}.attn"),
+        _linear_attention(f"{_L}.self_attn", f"{_A}.attn"),
     ),
     ignore=("lm_head.weight",),
 )
@@ -226,17 +236,9 @@ def falcon_h1_multipliers(tensors: dict, c: dict) -> dict:
 _P = f"{_A}.attn"
 FALCON_H1 = Mapping(
     prefix="model.",
-    rules=_table(
-        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        ("model.final_layernorm.weight", "decoder.final_norm.scale_D"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        (f"{_L}.input_layernorm.weight", f"{_A}.attn_norm.scale_D"),
-        (f"{_L}.pre_ff_layernorm.weight", f"{_A}.ffn_norm.scale_D"),
+    rules=_decoder_table(
         _linear_attention(f"{_L}.self_attn", f"{_P}.0"),
         mamba2_rows(f"{_L}.mamba", f"{_P}.1"),
-        (f"{_L}.feed_forward.gate_proj.weight", f"{_A}.ffn.w_gate_DF", "linear"),
-        (f"{_L}.feed_forward.up_proj.weight", f"{_A}.ffn.w_in_DF", "linear"),
-        (f"{_L}.feed_forward.down_proj.weight", f"{_A}.ffn.w_out_FD", "linear"),
     ),
     ignore=("lm_head.weight",),
 )
