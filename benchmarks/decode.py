@@ -397,11 +397,7 @@ def main(argv=None):
             out["per_token"] += per_token(name, model, args)
     if not args.skip_compile:
         out["compile"] = compile_time(args)
-    out["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(out, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(out, indent=1) + "\n")
+    limits_of.emit(out, args.out)
 
 
 if __name__ == "__main__":

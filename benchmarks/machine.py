@@ -198,3 +198,14 @@ def check_device(args) -> bool:
 
 if __name__ == "__main__":
     print(json.dumps(dict(machine=describe(), limits=limits()), indent=1))
+
+
+def emit(out: dict, path: str | None = None, indent: int = 1) -> None:
+    """Print a benchmark's JSON with the load average at its end in ``out["machine"]``, and
+    write it to ``path`` (``--out``) when given."""
+    out["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    text = json.dumps(out, indent=indent)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")

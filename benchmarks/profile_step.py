@@ -220,12 +220,7 @@ def main(argv=None):
         print(json.dumps({name: programs[name]}), flush=True)
     out = dict(benchmark="profile", machine=host, xla_flags=os.environ.get("XLA_FLAGS", ""),
                programs=programs)  # fmt: skip
-    out["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    machine.emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -381,12 +381,7 @@ def main(argv=None):
         if args.skip_compile
         else compile_times([int(x) for x in args.compile_layers.split(",")], args.override),
     }
-    out["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    machine.emit(out, args.out, indent=2)
 
 
 if __name__ == "__main__":
