@@ -25,13 +25,10 @@ import numpy as np
 
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
-    common_fields,
-    ffn_kind,
     prefix_and_block,
     reject,
     require,
     rope_decoder_fields,
-    rope_scaling_of,
     rope_theta_of,
 )
 from attnlab.pretrained.hf_ssm import mamba2_rows, mamba2_settings
@@ -152,7 +149,7 @@ def falcon_h1(c: dict) -> dict:
             f"{c.get('projectors_bias')!r} is not supported: attnlab's Mamba-2 has biases on "
             "both its projections or neither; set them equal"
         )
-    D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
+    D = require(c, "hidden_size")
     mamba = _bamba_mamba(c)
     settings = mamba["mixer_settings"]
     settings["d_inner"] = c.get("mamba_d_ssm") or settings["expand"] * D
@@ -165,27 +162,13 @@ def falcon_h1(c: dict) -> dict:
     tied = bool(c.get("tie_word_embeddings", False))
     head = float(c.get("lm_head_multiplier", 1.0))
     bias = bool(c.get("attention_bias", False))
-    return common_fields(
+    return rope_decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=D,
-        n_layers=require(c, "num_hidden_layers"),
-        n_heads=N,
-        n_kv_heads=c.get("num_key_value_heads") or N,
-        head_dim=c.get("head_dim") or D // N,
-        d_ff=require(c, "intermediate_size"),
         max_len=c.get("max_position_embeddings") or 8192,
-        position="rope",
-        rope_theta=rope_theta_of(c, scaled=True),
-        rope_scaling=rope_scaling_of(c),
-        norm="rmsnorm",
+        rope_theta=rope_theta_of(c, scaled=True),  # the whole head rotated
         norm_eps=c.get("rms_norm_eps", 1e-5),
-        norm_placement="pre",
-        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
         attn_bias=bias,
         out_bias=bias,
-        tie_embeddings=tied,
         logits_scale=head / float(c.get("embedding_multiplier", 1.0)) if tied else 1.0,
         block_pattern={"block": [{"mixers": ["mha", mamba]}]},
     )

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
-    common_fields,
-    ffn_kind,
     reject,
     require,
-    rope_scaling_of,
+    rope_decoder_fields,
     rope_theta_of,
-    rotary_fraction,
 )
 
 
@@ -48,8 +45,6 @@ def _sliding_window(c: dict, family: str) -> dict:
 
 def llama_like(c: dict, family: str) -> dict:
     reject(c, "mlp_bias", (True,), "attnlab's gated FFN has no bias on its gate")
-    D = require(c, "hidden_size")
-    N = require(c, "num_attention_heads")
     bias = bool(c.get("attention_bias", False))
     attn_bias, out_bias = {
         "llama": (bias, bias),
@@ -60,34 +55,14 @@ def llama_like(c: dict, family: str) -> dict:
         "phi3": (False, False),
         "gpt_oss": (bias, bias),
     }[family]
-    vocab = require(c, "vocab_size")
-    H = c.get("head_dim") or D // N
-    rotary = None
-    if family == "phi3" and rotary_fraction(c) != 1.0:
-        rotary = int(H * rotary_fraction(c))
-    return common_fields(
+    return rope_decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=vocab,
-        d_model=D,
-        n_layers=require(c, "num_hidden_layers"),
-        n_heads=N,
-        n_kv_heads=c.get("num_key_value_heads") or N,
-        head_dim=H,
-        d_ff=require(c, "intermediate_size"),
-        max_len=c.get("max_position_embeddings") or 2048,
-        position="rope",
+        # Only Phi-3 rotates a share of each head; the others refuse partial_rotary_factor.
         rope_theta=rope_theta_of(c, partial=family == "phi3", scaled=True),
-        rope_scaling=rope_scaling_of(c),
-        rotary_dim=rotary,
-        norm="rmsnorm",
-        norm_eps=c.get("rms_norm_eps", 1e-6),
         norm_placement="output" if family == "olmo2" else "pre",
         qk_norm=family in ("qwen3", "olmo2"),
         qk_norm_scope="projection" if family == "olmo2" else "head",
-        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
         attn_bias=attn_bias,
         out_bias=out_bias,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         **_sliding_window(c, family),
     )
