@@ -146,6 +146,7 @@ _MIXERS = Registry(
         "mla": "attnlab.nn.mixers.mla",
         "gated_deltanet": "attnlab.nn.mixers.gated_deltanet",
         "mamba2": "attnlab.nn.mixers.mamba2",
+        "base_conv": "attnlab.nn.mixers.base_conv",
     },
 )
 

@@ -1,0 +1,77 @@
+"""A gated short convolution, ``mixer="base_conv"``: Zoology's ``BaseConv`` (Arora et al.
+2023) with a short filter, the layer its MQAR experiments put before attention::
+
+    y = conv1d(x) * (x W + b)          depthwise causal convolution over W taps, gated
+
+One layer of it lets the next see each token's predecessors (a key beside its value), the
+shift an induction circuit otherwise has to learn in attention. It has no heads and no
+positions. Parameters: ``conv_WZ`` and ``conv_bias_Z`` (``Z = D`` channels), ``proj_DZ``
+and ``proj_bias_Z``.
+
+Cache: ``"conv"`` ``[W - 1, D]`` (the last ``W - 1`` inputs) in ``state_dtype``; a decode
+step is the same call with one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attnlab.errors import ConfigError
+from attnlab.mixers import CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
+from attnlab.nn.layers import normal
+from attnlab.nn.mixers.recurrent import STATE_DTYPES, token_validity
+from attnlab.ops.linear import dense
+from attnlab.ops.recurrent import causal_conv
+
+
+@register_mixer("base_conv")
+class BaseConv(Mixer):
+    """Gated short causal convolution (see the module docstring)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings(MixerSettings):
+        conv_kernel: int = 3  # taps W (Zoology's short filter has 3)
+        state_dtype: str = "float32"  # the "conv" cache entry's dtype
+
+        def validate(self, cfg) -> None:
+            if cfg.arch != "decoder":
+                raise ConfigError(
+                    f"ModelConfig.arch={cfg.arch!r} is invalid with mixer='base_conv': the "
+                    "convolution is causal; use arch='decoder'"
+                )
+            c = self.conv_kernel
+            if not isinstance(c, int) or isinstance(c, bool) or c < 2:
+                self.fail("conv_kernel", "an int of at least 2 (Zoology uses 3)")
+            if self.state_dtype not in STATE_DTYPES:
+                self.fail("state_dtype", f"one of {STATE_DTYPES}")
+
+    def __init__(self, cfg, settings=None, *, rngs: nnx.Rngs):
+        s = settings or self.Settings()
+        self.settings = s
+        D, W, pd = cfg.d_model, s.conv_kernel, jnp.dtype(cfg.param_dtype)
+        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
+        self.conv_WZ = nnx.Param(jax.random.uniform(rngs.params(), (W, D), pd, -bound, bound))
+        self.conv_bias_Z = nnx.Param(jax.random.uniform(rngs.params(), (D,), pd, -bound, bound))
+        self.proj_DZ = normal(rngs, (D, D), cfg.init_std, cfg.param_dtype)
+        self.proj_bias_Z = nnx.Param(jnp.zeros((D,), pd))
+
+    @classmethod
+    def cache_entries(cls, cfg, settings):
+        s = settings or cls.Settings()
+        return {"conv": CacheEntry((s.conv_kernel - 1, cfg.d_model), s.state_dtype, (None, None))}
+
+    def __call__(self, x_BTD, call: MixerCall):
+        valid_BT = token_validity(call, x_BTD.shape[1])
+        cache = call.cache
+        state = None if cache is None else cache.read("conv")
+        conv_BTD, state = causal_conv(
+            x_BTD, self.conv_WZ[...], self.conv_bias_Z[...], state, valid_BT
+        )
+        bias_Z = self.proj_bias_Z[...].astype(x_BTD.dtype)
+        gate_BTD = dense(x_BTD, self.proj_DZ[...]) + bias_Z[None, None, :]
+        out_BTD = conv_BTD.astype(x_BTD.dtype) * gate_BTD
+        return out_BTD, (None if cache is None else cache.put("conv", state)), None
