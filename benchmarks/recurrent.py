@@ -21,6 +21,16 @@ start and the end), each model's parameters, and
 * ``prefill``: milliseconds of the library's prefill (``Decoder.prefill``, one row) of
   ``--prefill-lengths`` tokens into an empty cache.
 
+The roofline (``limits``: this machine's square float32 matmul FLOP/s and copy bytes/s,
+measured in the same run, ``benchmarks/machine.py``) beside each row: a decode step cannot
+beat streaming the weights and the row's cache once (``roofline_tokens_per_s``, the
+bandwidth or compute bound, whichever binds, and ``of_roofline``: the fraction reached); a
+prefill cannot beat its dense FLOPs at the matmul peak (``roofline_ms``: 2 FLOPs a
+parameter a token, plus causal attention's scores and weighted sum in the attention
+layers). The chunked forms' within-chunk work is not counted, so for the recurrent layers
+the bound is lower than their true minimum and ``of_roofline`` understates how close
+they come.
+
 Every program is compiled before it is timed; each figure is the best of ``--repeats``.
 The default is a quick run; the figures of docs/benchmarks.md came from
 
@@ -85,6 +95,38 @@ def machine():
     )
 
 
+def attention_layers(cfg) -> int:
+    """How many of the stack's layers run softmax attention (whose cache grows)."""
+    from attnlab.layer_kinds import stack_plan
+
+    return sum(spec.mixer == "mha" for spec in stack_plan(cfg, cfg.n_layers).mixer_specs)
+
+
+def decode_roofline(row, cfg, limits):
+    """Adds the decode step's roofline to ``row`` (batch 1, float32, the row's context)."""
+    params = count_params(cfg)
+    bound, binding = bench_machine.decode_bound(
+        batch=1,
+        weight_bytes=4 * params,
+        cache_bytes_per_row=row["cache_bytes_per_sequence"],
+        flops_per_token=2 * params + 4 * attention_layers(cfg) * row["context"] * cfg.d_model,
+        bytes_per_s=max(limits["copy_gbps"].values()) * 1e9,
+        flops_per_s=limits["square_matmul_gflops"] * 1e9,
+    )
+    row.update(roofline_tokens_per_s=round(bound, 1), bound_by=binding,
+               of_roofline=round(row["tokens_per_s"] / bound, 4))  # fmt: skip
+    return row
+
+
+def prefill_roofline(row, cfg, limits):
+    """Adds the prefill's dense-FLOP roofline to ``row`` (see the module docstring)."""
+    T = row["tokens"]
+    flops = 2 * count_params(cfg) * T + 2 * attention_layers(cfg) * T * T * cfg.d_model
+    bound_ms = 1e3 * flops / (limits["square_matmul_gflops"] * 1e9)
+    row.update(roofline_ms=round(bound_ms, 2), of_roofline=round(bound_ms / row["ms"], 4))
+    return row
+
+
 def configs(args) -> dict[str, ModelConfig]:
     """The models at matched parameter count: each FFN widened to the largest model's total."""
     max_len = max(args.lengths + args.prefill_lengths) + args.long + 8
@@ -114,7 +156,7 @@ def loop_seconds(decoder, params, cfg, context, n, repeats):
     return best(run, repeats)
 
 
-def decode_rows(name, model, args):
+def decode_rows(name, model, args, limits):
     cfg, rows = model.cfg, []
     decoder, params = Decoder.for_model(model)
     for c in args.lengths:
@@ -126,12 +168,12 @@ def decode_rows(name, model, args):
             cpu_ms_per_token=round(1e3 * (long[1] - short[1]) / (args.long - args.short), 4),
             cache_bytes_per_sequence=kv_cache_bytes(cfg, 1, c, "float32", ring=False),
         )  # fmt: skip
-        rows.append(row)
+        rows.append(decode_roofline(row, cfg, limits))
         print(json.dumps(row), flush=True)
     return rows
 
 
-def prefill_rows(name, model, args):
+def prefill_rows(name, model, args, limits):
     cfg, rows = model.cfg, []
     decoder, params = Decoder.for_model(model)
     for T in args.prefill_lengths:
@@ -142,7 +184,7 @@ def prefill_rows(name, model, args):
         )
         wall, cpu = best(run, args.repeats)
         row = dict(model=name, tokens=T, ms=round(1e3 * wall, 2), cpu_ms=round(1e3 * cpu, 2))
-        rows.append(row)
+        rows.append(prefill_roofline(row, cfg, limits))
         print(json.dumps(row), flush=True)
     return rows
 
@@ -159,8 +201,10 @@ def main(argv=None):
     parser.add_argument("--short", type=int, default=4, help="new tokens of the short loop")
     parser.add_argument("--long", type=int, default=36, help="new tokens of the long loop")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     out = dict(settings=vars(args), machine=machine(), models={}, decode=[], prefill=[])
+    out["limits"] = limits = bench_machine.limits()
     cfgs = configs(args)
     for name in args.models.split(","):
         cfg = cfgs[name]
@@ -173,10 +217,9 @@ def main(argv=None):
             d_ff=cfg.d_ff,
             params=count_params(cfg),
         )
-        out["decode"] += decode_rows(name, model, args)
-        out["prefill"] += prefill_rows(name, model, args)
-    out["machine"]["load_average_end"] = list(os.getloadavg())
-    print(json.dumps(out, indent=1))
+        out["decode"] += decode_rows(name, model, args, limits)
+        out["prefill"] += prefill_rows(name, model, args, limits)
+    bench_machine.emit(out, args.out)
 
 
 if __name__ == "__main__":
