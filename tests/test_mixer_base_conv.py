@@ -35,6 +35,7 @@ def test_the_layer_is_the_gated_convolution_of_its_formula():
     assert cache is None and weights is None
 
 
+@pytest.mark.slow(reason="compiles a decoder's prefill and steps; the fast tier checks the layer")
 def test_a_decoder_with_it_decodes_ragged_prompts_like_its_forward_pass():
     """Prefill (3 and 6 tokens) then token-by-token steps equal one forward pass: the cache
     carries the convolution's last inputs across calls."""
