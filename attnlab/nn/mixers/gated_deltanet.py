@@ -35,6 +35,7 @@ from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,
     RecurrentSettings,
     check_positive,
+    time_step_bias,
     token_validity,
 )
 from attnlab.ops import deltanet
@@ -85,7 +86,10 @@ class GatedDeltaNet(RecurrentMixer):
         self.conv_WZ = nnx.Param(conv)
         decay = jax.random.uniform(rngs.params(), (N,), jnp.float32, 0.01, 16.0)
         self.A_log_N = nnx.Param(jnp.log(decay).astype(pd))
-        self.dt_bias_N = nnx.Param(jnp.ones((N,), jnp.dtype(pd)))
+        # transformers' layer starts dt_bias at 1 (a checkpoint overwrites it); from scratch,
+        # softplus(1) ~ 1.3 makes every head forget within a few tokens, so it starts as
+        # FLA's and Mamba's: time steps log-uniform in [0.001, 0.1].
+        self.dt_bias_N = nnx.Param(time_step_bias(rngs.params(), N, dtype=pd))
         self.norm_scale_J = nnx.Param(jnp.ones((J,), jnp.dtype(pd)))
         self.out_proj_NJD = normal(rngs, (N, J, D), std / (2 * cfg.n_layers) ** 0.5, pd)
 

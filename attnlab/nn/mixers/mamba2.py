@@ -25,7 +25,6 @@ Cache (``attnlab.nn.mixers.recurrent``): ``"state"`` ``[N, head_dim, J]`` and ``
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,
     RecurrentSettings,
     check_positive,
+    time_step_bias,
     token_validity,
 )
 from attnlab.ops import ssd
@@ -106,10 +106,9 @@ class Mamba2(RecurrentMixer):
         bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
         self.conv_WZ = nnx.Param(jax.random.uniform(rngs.params(), (W, Z), pd, -bound, bound))
         self.conv_bias_Z = zeros(Z) if s.use_conv_bias else None
-        lo, hi = math.log(s.time_step_min), math.log(s.time_step_max)
-        dt = jnp.exp(jax.random.uniform(rngs.params(), (N,), jnp.float32, lo, hi))
-        dt = jnp.maximum(dt, s.time_step_floor)
-        self.dt_bias_N = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(pd))  # softplus^-1
+        self.dt_bias_N = nnx.Param(time_step_bias(
+            rngs.params(), N, s.time_step_min, s.time_step_max, s.time_step_floor, pd
+        ))  # fmt: skip
         self.A_log_N = nnx.Param(jnp.log(jnp.arange(1, N + 1, dtype=jnp.float32)).astype(pd))
         self.D_N = nnx.Param(jnp.ones((N,), pd))
         self.norm_scale_Z = nnx.Param(jnp.ones((inner,), pd)) if s.norm != "none" else None

@@ -15,7 +15,9 @@ row's count (a right-padded prefix).
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import jax
 import jax.numpy as jnp
 
 from attnlab.errors import ConfigError
@@ -63,6 +65,16 @@ class RecurrentSettings(MixerSettings):
             self.fail("state_dtype", f"one of {STATE_DTYPES}")
         if self.form not in FORMS:
             self.fail("form", f"one of {FORMS}")
+
+
+def time_step_bias(key, n: int, lo=0.001, hi=0.1, floor=1e-4, dtype="float32"):
+    """``[n]`` ``dt_bias`` for training from scratch (Mamba's and FLA's initialisation): the
+    inverse softplus of time steps drawn log-uniformly from ``[lo, hi]`` (at least
+    ``floor``), so each head starts with a slow decay and carries its state across the
+    sequence."""
+    dt = jnp.exp(jax.random.uniform(key, (n,), jnp.float32, math.log(lo), math.log(hi)))
+    dt = jnp.maximum(dt, floor)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # softplus^-1
 
 
 def token_validity(call: MixerCall, T: int):
