@@ -88,7 +88,7 @@ import typing
 
 from attnlab.experiment import ExperimentError, base_config
 
-VARIANTS = ("small", "tiny", "zoology")
+VARIANTS = ("small", "tiny", "zoology", "zoology_long")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
 EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training length
 EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
@@ -133,6 +133,9 @@ SWEEPS = {
     # trained on 4 to T/4 pairs per row and scored at 4, 8 and 16. T = 128 and 256 (add
     # (128, 4, 32), (256, 4, 64) with data.num_symbols=128) did not fit the CPU time.
     "zoology": Grid(((64, 4, 16),), (0, 1, 2), RECURRENT),
+    # Zoology's longest point: T = 256, 4 to 64 pairs (128 symbols), attention against the
+    # two recurrent layers, 2 seeds (what the CPU time allowed).
+    "zoology_long": Grid(((256, 4, 64),), (0, 1), ("mha", "gated_deltanet", "mamba2")),
 }
 
 
@@ -162,7 +165,7 @@ def get_config(variant=None):
         c.train.update(steps=600, batch_size=32)
         c.eval.update(every_steps=300, batch_size=32)
         c.checkpoint.update(every_steps=600)
-    if variant == "zoology":
+    if variant in ("zoology", "zoology_long"):
         # What lets attention leave the copy-a-value plateau within the CPU's budget: untied
         # embeddings read at unit scale (init_std d_model^-1/2, times sqrt(d_model)), Adam at
         # a constant 1e-3 after 50 warm-up steps, no weight decay.
@@ -171,6 +174,12 @@ def get_config(variant=None):
         c.train.update(steps=1200, batch_size=64)
         c.eval.update(every_steps=400, batch_size=64)
         c.checkpoint.update(every_steps=1200)
+    if variant == "zoology_long":  # 16 rows of 256 tokens: the same tokens a step
+        c.model.update(vocab_size=4 + 128)
+        c.data.update(num_symbols=128)
+        c.train.update(steps=1600, batch_size=16)
+        c.eval.update(every_steps=400, batch_size=16)
+        c.checkpoint.update(every_steps=1600)
     if variant == "tiny":
         c.model.update(vocab_size=4 + 8, d_model=16, n_layers=1, n_heads=2)
         c.data.update(num_symbols=8)
