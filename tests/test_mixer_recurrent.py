@@ -104,6 +104,21 @@ def test_chunked_step_and_scan_equal_the_float64_equations(rule):
         assert rel(state, want_state) <= 1e-5, (name, rel(state, want_state))
 
 
+def test_the_chunked_delta_rule_holds_through_a_run_of_equal_keys():
+    """Filler tokens repeat one key: the chunk's ``I + L`` is then near a lower matrix of
+    ones. The chunked form still equals the float64 recurrence over a 64-token chunk (the
+    inverse by repeated squaring was off by 4e15 here)."""
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(1, 128, 2, 16))
+    k[:, 20:] = k[:, 20:21]
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    inputs = (k * 16**-0.5, k, rng.normal(size=(1, 128, 2, 16)),
+              np.full((1, 128, 2), -1e-3), np.full((1, 128, 2), 0.99))  # fmt: skip
+    o, state = deltanet.delta_rule_chunked(*(jnp.asarray(x, jnp.float32) for x in inputs))
+    want_o, want_state = reference.gated_delta_rule(*inputs)
+    assert rel(o, want_o) < 1e-5 and rel(state, want_state) < 1e-5
+
+
 def test_causal_conv_carries_its_inputs_and_skips_pad_tokens():
     rng = np.random.default_rng(1)
     x, w, bias = rng.normal(size=(2, 7, 6)), rng.normal(size=(4, 6)), rng.normal(size=6)

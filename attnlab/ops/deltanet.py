@@ -61,22 +61,28 @@ def delta_rule_recurrent(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=Non
 
 @jax.custom_vjp
 def unit_lower_inverse(l_XCC):
-    """``(I + L)^-1`` for strictly lower-triangular ``L`` (the last two axes), by matmuls only.
+    """``(I + L)^-1`` for strictly lower-triangular ``L`` (the last two axes), by forward
+    substitution: row ``i`` of the inverse is ``e_i - L[i] @ inv``, the rows above it being
+    final, one batched matrix-vector product per row over every matrix at once.
 
-    With ``N = -L`` nilpotent, ``(I - N)^-1 = (I + N)(I + N^2)(I + N^4)...`` up to the power
-    that reaches the size: ``log2(C)`` squarings instead of a triangular solve (XLA:CPU runs
-    ``solve_triangular`` as one LAPACK call per matrix over its thread pool: seconds at
-    training shapes, and it could deadlock the pool). The gradient is the inverse's own,
-    ``-inv^T g inv^T`` on the strict lower triangle, not the squarings' chain.
+    Not ``solve_triangular``: XLA:CPU runs it as one LAPACK call per matrix over its thread
+    pool (seconds at training shapes, and it could deadlock the pool). Not repeated squaring
+    (``(I - N)^-1 = (I + N)(I + N^2)(I + N^4)...``): with a run of equal keys (filler tokens)
+    ``L`` is near a strictly lower matrix of ones, whose powers reach binomial sizes
+    (``C(63, 31) ~ 1e18`` at 64 tokens), and float32 loses the result in their
+    cancellation. The gradient is the inverse's own, ``-inv^T g inv^T`` on the strict lower
+    triangle.
     """
     C = l_XCC.shape[-1]
-    mm = lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b, precision=HIGHEST)
     eye = jnp.broadcast_to(jnp.eye(C, dtype=l_XCC.dtype), l_XCC.shape)
-    power, inv = -l_XCC, eye - l_XCC
-    for _ in range(max(C - 1, 1).bit_length() - 1):
-        power = mm(power, power)
-        inv = mm(inv, eye + power)
-    return inv
+
+    def row(i, inv_XCC):
+        l_XC = jax.lax.dynamic_index_in_dim(l_XCC, i, axis=-2, keepdims=False)
+        done = jnp.einsum("...j,...jk->...k", l_XC, inv_XCC, precision=HIGHEST)
+        e_XC = jax.lax.dynamic_index_in_dim(eye, i, axis=-2, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(inv_XCC, e_XC - done, i, axis=-2)
+
+    return jax.lax.fori_loop(1, C, row, eye)
 
 
 def _inverse_fwd(l_XCC):
