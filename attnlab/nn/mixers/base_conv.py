@@ -20,12 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab.errors import ConfigError
 from attnlab.mixers import CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
 from attnlab.nn.layers import normal
-from attnlab.nn.mixers.recurrent import STATE_DTYPES, token_validity
+from attnlab.nn.mixers.recurrent import carried_conv, check_causal_conv, token_validity
 from attnlab.ops.linear import dense
-from attnlab.ops.recurrent import causal_conv
 
 
 @register_mixer("base_conv")
@@ -38,16 +36,7 @@ class BaseConv(Mixer):
         state_dtype: str = "float32"  # the "conv" cache entry's dtype
 
         def validate(self, cfg) -> None:
-            if cfg.arch != "decoder":
-                raise ConfigError(
-                    f"ModelConfig.arch={cfg.arch!r} is invalid with mixer='base_conv': the "
-                    "convolution is causal; use arch='decoder'"
-                )
-            c = self.conv_kernel
-            if not isinstance(c, int) or isinstance(c, bool) or c < 2:
-                self.fail("conv_kernel", "an int of at least 2 (Zoology uses 3)")
-            if self.state_dtype not in STATE_DTYPES:
-                self.fail("state_dtype", f"one of {STATE_DTYPES}")
+            check_causal_conv(self, cfg, "Zoology uses 3")
 
     def __init__(self, cfg, settings=None, *, rngs: nnx.Rngs):
         s = settings or self.Settings()
@@ -66,12 +55,8 @@ class BaseConv(Mixer):
 
     def __call__(self, x_BTD, call: MixerCall):
         valid_BT = token_validity(call, x_BTD.shape[1])
-        cache = call.cache
-        state = None if cache is None else cache.read("conv")
-        conv_BTD, state = causal_conv(
-            x_BTD, self.conv_WZ[...], self.conv_bias_Z[...], state, valid_BT
-        )
+        w_WZ, b_Z = self.conv_WZ[...], self.conv_bias_Z[...]
+        cache, conv_BTD = carried_conv(x_BTD, call, valid_BT, w_WZ, b_Z)
         bias_Z = self.proj_bias_Z[...].astype(x_BTD.dtype)
         gate_BTD = dense(x_BTD, self.proj_DZ[...]) + bias_Z[None, None, :]
-        out_BTD = conv_BTD.astype(x_BTD.dtype) * gate_BTD
-        return out_BTD, (None if cache is None else cache.put("conv", state)), None
+        return conv_BTD.astype(x_BTD.dtype) * gate_BTD, cache, None

@@ -34,6 +34,7 @@ from attnlab.nn.layers import normal
 from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,
     RecurrentSettings,
+    carried_conv,
     check_positive,
     time_step_bias,
     token_validity,
@@ -164,7 +165,7 @@ class GatedDeltaNet(RecurrentMixer):
         if valid_BT is not None:
             x_BTD = jnp.where(valid_BT[..., None], x_BTD, jnp.zeros_like(x_BTD))
         mixed_BTZ, z_BTNJ, b_BTN, a_BTN = self.project(x_BTD)
-        cache, mixed_BTZ = self.convolve(mixed_BTZ, call, valid_BT, self.conv_WZ[...])
+        cache, mixed_BTZ = carried_conv(mixed_BTZ, call, valid_BT, self.conv_WZ[...])
         mixed_BTZ = jax.nn.silu(mixed_BTZ.astype(jnp.float32))
         q, k, v = jnp.split(mixed_BTZ, [K * H, 2 * K * H], axis=-1)
         heads = lambda y: jnp.repeat(l2_normalize(y.reshape(B, T, K, H)), N // K, axis=2)

@@ -35,6 +35,7 @@ from attnlab.nn.layers import normal
 from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,
     RecurrentSettings,
+    carried_conv,
     check_positive,
     time_step_bias,
     token_validity,
@@ -156,7 +157,7 @@ class Mamba2(RecurrentMixer):
             proj_BTZ = add_bias(proj_BTZ, self.in_proj_bias_Z[...])
         z_BTZ, xbc_BTZ, dt_BTN = jnp.split(proj_BTZ, [inner, 2 * inner + 2 * G * J], axis=-1)
         bias = None if self.conv_bias_Z is None else self.conv_bias_Z[...]
-        cache, xbc_BTZ = self.convolve(xbc_BTZ, call, valid_BT, self.conv_WZ[...], bias)
+        cache, xbc_BTZ = carried_conv(xbc_BTZ, call, valid_BT, self.conv_WZ[...], bias)
         xbc_BTZ = jax.nn.silu(xbc_BTZ.astype(jnp.float32))
         x_BTZ, b_BTZ, c_BTZ = jnp.split(xbc_BTZ, [inner, inner + G * J], axis=-1)
         x_BTNH = x_BTZ.reshape(B, T, N, P)

@@ -40,6 +40,31 @@ def check_positive(settings, field, allow_none=True):
         )
 
 
+def check_causal_conv(settings, cfg, usual: str) -> None:
+    """Fails a causal, carried layer's settings unless the model is a decoder, ``conv_kernel``
+    an int of at least 2 (``usual``: the taps its models use) and ``state_dtype`` one of
+    ``STATE_DTYPES``."""
+    if cfg.arch != "decoder":
+        raise ConfigError(
+            f"ModelConfig.arch={cfg.arch!r} is invalid with mixer={cfg.mixer!r}: the layer "
+            "is causal and decodes from its carried state; use arch='decoder'"
+        )
+    c = settings.conv_kernel
+    if not isinstance(c, int) or isinstance(c, bool) or c < 2:
+        settings.fail("conv_kernel", f"an int of at least 2 ({usual})")
+    if settings.state_dtype not in STATE_DTYPES:
+        settings.fail("state_dtype", f"one of {STATE_DTYPES}")
+
+
+def carried_conv(x_BTZ, call: MixerCall, valid_BT, w_WZ, bias_Z=None):
+    """``(cache, y_BTZ)``: the short causal convolution of ``x`` after the call's cached
+    ``"conv"`` inputs (a plain pass starts from zeros); the cache then holds its new inputs."""
+    cache = call.cache
+    state = None if cache is None else cache.read("conv")
+    y_BTZ, state = causal_conv(x_BTZ, w_WZ, bias_Z, state, valid_BT)
+    return (None if cache is None else cache.put("conv", state)), y_BTZ
+
+
 @dataclasses.dataclass(frozen=True)
 class RecurrentSettings(MixerSettings):
     """Settings every recurrent-state mixer has."""
@@ -50,19 +75,10 @@ class RecurrentSettings(MixerSettings):
     form: str = "chunked"  # training and prefill: "chunked", or "recurrent" (the per-token scan)
 
     def validate(self, cfg) -> None:
-        if cfg.arch != "decoder":
-            raise ConfigError(
-                f"ModelConfig.arch={cfg.arch!r} is invalid with mixer={cfg.mixer!r}: a "
-                "recurrent layer is causal and decodes from its state; use arch='decoder'"
-            )
+        check_causal_conv(self, cfg, "Qwen3-Next and Mamba-2 use 4")
         check_positive(self, "chunk_size", allow_none=False)
         if self.chunk_size & (self.chunk_size - 1):
             self.fail("chunk_size", "a power of two (64 by default)")
-        c = self.conv_kernel
-        if not isinstance(c, int) or isinstance(c, bool) or c < 2:
-            self.fail("conv_kernel", "an int of at least 2 (Qwen3-Next and Mamba-2 use 4)")
-        if self.state_dtype not in STATE_DTYPES:
-            self.fail("state_dtype", f"one of {STATE_DTYPES}")
         if self.form not in FORMS:
             self.fail("form", f"one of {FORMS}")
 
@@ -117,14 +133,6 @@ class RecurrentMixer(Mixer):
                 (s.conv_kernel - 1, cls.conv_channels(cfg, s)), s.state_dtype, (None, None)
             ),
         }
-
-    def convolve(self, x_BTZ, call: MixerCall, valid_BT, w_WZ, bias_Z=None):
-        """``(cache, y_BTZ)``: the short convolution of ``x`` after the cached inputs (a
-        plain pass starts from zeros); the cache then holds its new inputs."""
-        cache = call.cache
-        state = None if cache is None else cache.read("conv")
-        y_BTZ, state = causal_conv(x_BTZ, w_WZ, bias_Z, state, valid_BT)
-        return (None if cache is None else cache.put("conv", state)), y_BTZ
 
     def initial_state(self, call: MixerCall):
         """The cached recurrent state (float32), or None for a plain pass."""
