@@ -33,11 +33,12 @@ prompts C tokens at a time. ``models`` reports the bytes per row of both caches.
     python benchmarks/decode.py --device gpu [--peer]   # gpt2, bf16, batch 1/8/64
 
 Rooflines (``benchmarks/machine.py``, measured in the same run): each cached row's
-``roofline_tokens_per_s`` is what the machine allows: a step streams the weights once for
-the batch and each row's cache (its mean valid length over the generation), at the copy
-rate, and does 2 x params + the attention FLOPs per token at the square matmul rate (the
-GPU table's bf16 peak with ``--device gpu``): batch 1 is bound by bandwidth, large batches
-by compute. ``of_roofline`` is the measured fraction. ``--peer`` runs ``transformers``'
+``roofline_tokens_per_s`` is what the machine allows: a step reads the weights once for
+the batch and each row's cache (its mean valid length over the generation) at the read
+rate (a matrix-vector product over 512 MiB; a copy's rate counts its writes as well), and
+does 2 x params + the attention FLOPs per token at the square matmul rate (the GPU table's
+bf16 peak with ``--device gpu``): batch 1 is bound by bandwidth, large batches by compute.
+``of_roofline`` is the measured fraction. ``--peer`` runs ``transformers``'
 ``generate`` back to back in this process (skipped without torch/transformers).
 """
 
@@ -238,20 +239,30 @@ def machine():
     )
 
 
+def attention_layers(cfg) -> int:
+    """How many of the stack's layers run softmax attention (whose cache grows and whose
+    scores cost FLOPs per cached token)."""
+    from attnlab.layer_kinds import stack_plan
+
+    return sum(spec.mixer == "mha" for spec in stack_plan(cfg, cfg.n_layers).mixer_specs)
+
+
 def roofline(row, cfg, limits, context=None):
     """Adds to a cached ``row`` the tokens/s the machine allows and the fraction reached
-    (``context``: the valid cache length; default the mean over the row's generation)."""
+    (``context``: the valid cache length; default the mean over the row's generation; the
+    row's ``batch``, default 1). The weights and each row's cache are read once a step at
+    the read rate; the FLOPs are 2 a parameter plus the attention layers' scores and sum."""
     dtype = row.get("dtype", "float32")
     if context is None:
         context = row["prompt_len"] + row["new_tokens"] // 2
     params = count_params(cfg)
     gpu_peak = (limits["table_bf16_tflops"] or 0) * 1e12
     bound, binding = limits_of.decode_bound(
-        batch=row["batch"],
+        batch=row.get("batch", 1),
         weight_bytes=params * jnp.dtype(dtype).itemsize,
         cache_bytes_per_row=kv_cache_bytes(cfg, 1, context, dtype, ring=False),
-        flops_per_token=2 * params + 4 * cfg.n_layers * context * cfg.d_model,
-        bytes_per_s=max(limits["copy_gbps"].values()) * 1e9,
+        flops_per_token=2 * params + 4 * attention_layers(cfg) * context * cfg.d_model,
+        bytes_per_s=max(limits["read_gbps"].values()) * 1e9,
         flops_per_s=gpu_peak or limits["square_matmul_gflops"] * 1e9,
     )
     row.update(roofline_tokens_per_s=round(bound, 1), bound_by=binding,

@@ -11,6 +11,9 @@ day's CPU:
   for a large square one;
 * ``copy_bytes_per_s()``: bytes/s of a large array copy (read + write), through jax on the
   default device and through numpy on the host;
+* ``read_bytes_per_s()``: bytes/s of a large array read once (a matrix-vector product over
+  it, which writes almost nothing), through jax and numpy: the rate a decoding step can
+  stream its weights at. A copy's figure counts its writes too, so it is no bound on reads;
 * ``dense_bf16_peak(kind)``: a GPU's published dense bfloat16 peak, from ``PEAK_BF16_TFLOPS``;
 * ``decode_bound(...)``: tokens/s a decoding step cannot beat: every token streams the
   weights (once per step, shared by the batch) and its row's cache, and does its FLOPs.
@@ -144,6 +147,24 @@ def copy_bytes_per_s(mib=256, repeats=5) -> dict:
     return {"jax": 2 * 4 * n / jax_s, "numpy": 2 * 4 * n / host}
 
 
+def read_bytes_per_s(mib=512, repeats=5) -> dict:
+    """Bytes/s read from a ``mib`` MiB float32 matrix by a product with a vector (``[n / 4096,
+    4096] @ [4096]``: every byte read once, ~0.02% as much written), larger than the CPU's
+    caches, through jax on the default device and numpy on the host."""
+    n = mib * 2**20 // 4
+    a = jnp.ones((n // 4096, 4096), jnp.float32)
+    v = jnp.ones((4096,), jnp.float32)
+    jax_s = _best_seconds(jax.jit(lambda a, v: a @ v), (a, v), repeats)
+    del a
+    a, v = np.ones((n // 4096, 4096), np.float32), np.ones((4096,), np.float32)
+    host = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        a @ v
+        host = min(host, time.perf_counter() - t0)
+    return {"jax": 4 * n / jax_s, "numpy": 4 * n / host}
+
+
 def dense_bf16_peak(device_kind: str) -> float | None:
     """FLOP/s of the GPU's dense bfloat16 peak, or None for a kind not in the table."""
     keys = [k for k in PEAK_BF16_TFLOPS if k.lower() in device_kind.lower()]
@@ -154,7 +175,8 @@ def decode_bound(
     *, batch, weight_bytes, cache_bytes_per_row, flops_per_token, bytes_per_s, flops_per_s
 ):
     """Tokens/s no decoding step can beat: one step reads the weights once and each row's
-    cache, and does ``flops_per_token`` per row. Returns (bound, what binds it)."""
+    cache at ``bytes_per_s`` (the read rate), and does ``flops_per_token`` per row. Returns
+    (bound, what binds it)."""
     memory = batch * bytes_per_s / (weight_bytes + batch * cache_bytes_per_row)
     compute = flops_per_s / flops_per_token
     return (memory, "bandwidth") if memory <= compute else (compute, "compute")
@@ -162,7 +184,7 @@ def decode_bound(
 
 def limits(matmul_shapes=(), dtype="float32", square=2048, repeats=5) -> dict:
     """The machine's limits measured now: matmul FLOP/s at ``matmul_shapes`` and at a
-    ``square`` matmul, copy bytes/s, and on a GPU the table's bf16 peak."""
+    ``square`` matmul, copy and read bytes/s, and on a GPU the table's bf16 peak."""
     kind = jax.devices()[0].device_kind
     shapes = matmul_flops(matmul_shapes, dtype, repeats) if matmul_shapes else {}
     return dict(
@@ -170,6 +192,7 @@ def limits(matmul_shapes=(), dtype="float32", square=2048, repeats=5) -> dict:
         matmul_gflops={k: round(v / 1e9, 1) for k, v in shapes.items()},
         square_matmul_gflops=round(square_matmul_flops(square, dtype, repeats) / 1e9, 1),
         copy_gbps={k: round(v / 1e9, 2) for k, v in copy_bytes_per_s().items()},
+        read_gbps={k: round(v / 1e9, 2) for k, v in read_bytes_per_s().items()},
         table_bf16_tflops=(dense_bf16_peak(kind) or 0) / 1e12 or None,
     )
 

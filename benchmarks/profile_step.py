@@ -168,17 +168,19 @@ def train_step(shape: str):
     return dict(call=call, hlo_text=hlo)
 
 
-def decode_loop(batch: int, new_tokens: int, prompt_len: int = 16):
+def decode_loop(batch: int, new_tokens: int, prompt_len: int = 16, unstack: bool = False):
     """``breakdown``'s arguments for GPT-2 small's generation loop (``Decoder.sample_loop``,
-    greedy, ``new_tokens`` tokens) after a prefill of ``prompt_len`` tokens."""
+    greedy, ``new_tokens`` tokens) after a prefill of ``prompt_len`` tokens; ``unstack``:
+    the model's layers as separate blocks (``attnlab.decode.unstacked``)."""
     import decode as bench
 
     from attnlab import ModelConfig, build_model, init_cache
-    from attnlab.decode import Decoder, SamplingConfig
+    from attnlab.decode import Decoder, SamplingConfig, unstacked
     from attnlab.decode.api import cache_slots
 
     cfg = ModelConfig(**bench.MODELS["gpt2"])
-    decoder, params = Decoder.for_model(build_model(cfg, seed=0))
+    model = build_model(cfg, seed=0)
+    decoder, params = Decoder.for_model(unstacked(model) if unstack else model)
     ids = bench.prompts(batch, prompt_len, cfg.vocab_size)
     lengths = np.full((batch,), prompt_len, np.int32)
     slots = cache_slots(prompt_len + new_tokens, cfg.max_len)
@@ -205,6 +207,11 @@ def main(argv=None):
     p.add_argument("--train", default=None, help="a train_throughput.py shape, e.g. medium")
     p.add_argument("--decode", type=ints, default=[], help="GPT-2 small batch sizes, e.g. 1,8")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--unstacked-model",
+        action="store_true",
+        help="decode with the layers as separate blocks (no per-call weight slices)",
+    )
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     args = p.parse_args(argv)
@@ -216,7 +223,9 @@ def main(argv=None):
     host = machine.describe() | dict(load_average=load)  # after --train chose the devices
     for B in args.decode:
         name = f"decode gpt2 batch {B}, {args.new_tokens} tokens"
-        programs[name] = breakdown(**decode_loop(B, args.new_tokens), calls=args.calls)
+        name += ", unstacked" if args.unstacked_model else ""
+        loop = decode_loop(B, args.new_tokens, unstack=args.unstacked_model)
+        programs[name] = breakdown(**loop, calls=args.calls)
         print(json.dumps({name: programs[name]}), flush=True)
     out = dict(benchmark="profile", machine=host, xla_flags=os.environ.get("XLA_FLAGS", ""),
                programs=programs)  # fmt: skip

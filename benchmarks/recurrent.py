@@ -21,9 +21,10 @@ start and the end), each model's parameters, and
 * ``prefill``: milliseconds of the library's prefill (``Decoder.prefill``, one row) of
   ``--prefill-lengths`` tokens into an empty cache.
 
-The roofline (``limits``: this machine's square float32 matmul FLOP/s and copy bytes/s,
+The roofline (``limits``: this machine's square float32 matmul FLOP/s and read bytes/s,
 measured in the same run, ``benchmarks/machine.py``) beside each row: a decode step cannot
-beat streaming the weights and the row's cache once (``roofline_tokens_per_s``, the
+beat reading the weights and the row's cache once (``decode.roofline``, shared with
+``benchmarks/decode.py``) (``roofline_tokens_per_s``, the
 bandwidth or compute bound, whichever binds, and ``of_roofline``: the fraction reached); a
 prefill cannot beat its dense FLOPs at the matmul peak (``roofline_ms``: 2 FLOPs a
 parameter a token, plus causal attention's scores and weighted sum in the attention
@@ -52,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import machine as bench_machine  # benchmarks/machine.py (this file has a machine() of its own)
 import numpy as np
+from decode import attention_layers, roofline  # benchmarks/decode.py: one decode roofline
 
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
 from attnlab.decode import Decoder, SamplingConfig
@@ -93,29 +95,6 @@ def machine():
         flax=flax.__version__,
         backend=jax.default_backend(),
     )
-
-
-def attention_layers(cfg) -> int:
-    """How many of the stack's layers run softmax attention (whose cache grows)."""
-    from attnlab.layer_kinds import stack_plan
-
-    return sum(spec.mixer == "mha" for spec in stack_plan(cfg, cfg.n_layers).mixer_specs)
-
-
-def decode_roofline(row, cfg, limits):
-    """Adds the decode step's roofline to ``row`` (batch 1, float32, the row's context)."""
-    params = count_params(cfg)
-    bound, binding = bench_machine.decode_bound(
-        batch=1,
-        weight_bytes=4 * params,
-        cache_bytes_per_row=row["cache_bytes_per_sequence"],
-        flops_per_token=2 * params + 4 * attention_layers(cfg) * row["context"] * cfg.d_model,
-        bytes_per_s=max(limits["copy_gbps"].values()) * 1e9,
-        flops_per_s=limits["square_matmul_gflops"] * 1e9,
-    )
-    row.update(roofline_tokens_per_s=round(bound, 1), bound_by=binding,
-               of_roofline=round(row["tokens_per_s"] / bound, 4))  # fmt: skip
-    return row
 
 
 def prefill_roofline(row, cfg, limits):
@@ -168,7 +147,7 @@ def decode_rows(name, model, args, limits):
             cpu_ms_per_token=round(1e3 * (long[1] - short[1]) / (args.long - args.short), 4),
             cache_bytes_per_sequence=kv_cache_bytes(cfg, 1, c, "float32", ring=False),
         )  # fmt: skip
-        rows.append(decode_roofline(row, cfg, limits))
+        rows.append(roofline(row, cfg, limits, context=c))
         print(json.dumps(row), flush=True)
     return rows
 

@@ -166,6 +166,8 @@ def machine_line(i, d):
         parts.append(f"{lim['dtype']} matmul {lim['square_matmul_gflops']} GFLOP/s")
     if lim.get("copy_gbps"):
         parts.append("copy " + " / ".join(f"{v} GB/s ({k})" for k, v in lim["copy_gbps"].items()))
+    if lim.get("read_gbps"):
+        parts.append("read " + " / ".join(f"{v} GB/s ({k})" for k, v in lim["read_gbps"].items()))
     return f"{i}. `{d['_file']}` ({_run_label(d)}): " + ", ".join(parts)
 
 
