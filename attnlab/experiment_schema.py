@@ -98,6 +98,7 @@ def base_config() -> ConfigDict:
             learning_rate=1e-3,
             adam_learning_rate=3e-3,  # muon only: the Adam-trained parameters' peak rate
             muon_beta=0.95,  # muon only: momentum
+            muon_ns_steps=5,  # muon only: Newton-Schulz iterations per orthogonalisation
             warmup_steps=100,
             schedule="cosine",
             min_lr_ratio=0.1,
@@ -249,6 +250,7 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         ("checkpoint.max_to_keep", k.max_to_keep),
         ("data.seq_len", d.seq_len),
         ("optim.grad_accum_steps", o.grad_accum_steps),
+        ("optim.muon_ns_steps", o.get("muon_ns_steps", 5)),
     ]:
         _require(value > 0, key, value, "must be a positive integer")
     _require(0 <= t.seed < 2**32, "train.seed", t.seed, "must be in [0, 2**32)")

@@ -80,9 +80,12 @@ def adamw(o, params, mask):
 
 @register_optimizer("muon", state_names={"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"})
 def muon(o, params, mask):
-    """Muon on the matrices (``muon_dimensions``), Adam at ``adam_learning_rate`` on the rest."""
-    return optax.inject_hyperparams(optax.contrib.muon)(
+    """Muon on the matrices (``muon_dimensions``), Adam at ``adam_learning_rate`` on the rest.
+    ``muon_ns_steps`` Newton-Schulz iterations, a static count (a loop the compiler sees
+    whole, and a different program for each count)."""
+    return optax.inject_hyperparams(optax.contrib.muon, static_args=("ns_steps",))(
         learning_rate=o.learning_rate,
+        ns_steps=int(o.get("muon_ns_steps", 5)),
         beta=o.get("muon_beta", 0.95),
         weight_decay=o.weight_decay,
         weight_decay_mask=mask,

@@ -125,6 +125,26 @@ reached: under load 5 the first 50 steps (compiling the step among them) took 16
 rest ran at 4.5-6.8k tokens/s; the 204k tokens alone take 8.5-16 s at the 13-24k tokens/s
 the project's 2-core machines have shown idle.
 
+Fewer Newton-Schulz iterations (``optim.muon_ns_steps``, a static count), searched on the
+idle machine (load 1.0-1.9, matmul 209 GFLOP/s) against the recipe in the same process:
+
+=====================================================  ===============  =========================
+change                                                 tokens           eval_loss
+=====================================================  ===============  =========================
+this recipe (5 iterations)                             204k             1.8779 (60.8 ms a step)
+4 iterations                                           same             1.8933 (61.8 ms a step)
+3 iterations                                           same             1.9195 (60.1 ms a step)
+=====================================================  ===============  =========================
+
+Each iteration costs ~2.5 ms of a 54-61 ms step (a step alone, 30 timed: 53.6 ms at 5, 48.6
+at 3; AdamW's step at the same shape 35.9 ms), so dropping two saves under 10% of the loop
+and misses the target: five stay. The same day the whole cold process took 25.3 s (38.7 +
+2.2 CPU s, eval_loss 1.87787): 1.3 s to the summary, 7.3 s to step 50 (initialising and
+compiling among them), 12.3-12.8k tokens/s after, 0.7 s for the checkpoint and exit. At
+this machine's rates even a free optimiser leaves the 265 steps at ~9.5 s (AdamW's 35.9 ms
+step) plus ~5 s of start-up and compilation: the 12 s aim needs fewer steps as well as
+cheaper ones.
+
 Under this load, whether one CPU device per core still pays at this shape is not settled:
 with ``--config.mesh.data=1`` (one multithreaded device) the same recipe took 63.1 and 44.5 s
 cold (load 4.3-4.9, eval_loss 1.87786, the sums in another order) around 40.4 s split over

@@ -107,3 +107,24 @@ def test_muon_leaves_recurrent_conv_kernels_and_vectors_to_adam():
         want, _ = plain.update(jnp.asarray(g), plain.init(jnp.asarray(g)), jnp.asarray(g))
         got = np.asarray(layer(updates)[proj][...][0]).reshape(g.shape)
         np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def test_muon_ns_steps_reaches_the_orthogonalisation_as_optax_runs_it():
+    """``optim.muon_ns_steps`` is the count of Newton-Schulz iterations: the update of one
+    ``[D, F]`` matrix equals ``optax.contrib.muon(ns_steps=n)`` on it alone, and 3 differs
+    from 5; a count below 1 is refused naming the field."""
+    g = {"w_DF": jnp.asarray(np.random.default_rng(0).normal(size=(8, 12)), jnp.float32)}
+    got = {}
+    for n in (3, 5):
+        o = experiment.base_config().optim
+        o.update(name="muon", clip_norm=0.0, warmup_steps=0, weight_decay=0.0, muon_ns_steps=n)
+        tx = make_optimizer(o, 10, g)
+        got[n] = np.asarray(tx.update(g, tx.init(g), g)[0]["w_DF"])
+        plain = optax.contrib.muon(learning_rate=o.learning_rate, beta=o.muon_beta, ns_steps=n)
+        want, _ = plain.update(g["w_DF"], plain.init(g["w_DF"]), g["w_DF"])
+        np.testing.assert_allclose(got[n], np.asarray(want), rtol=1e-4, atol=1e-6)
+    assert np.abs(got[3] - got[5]).max() > 0.05 * np.abs(got[5]).max()  # 5 iterations, not 3
+    c = experiment.base_config()
+    c.optim.update(name="muon", muon_ns_steps=0)
+    with pytest.raises(experiment.ConfigError, match=r"optim\.muon_ns_steps=0.*positive integer"):
+        experiment.validate(c)
