@@ -264,16 +264,22 @@ def layer_mask(cfg: ModelConfig, params, layers, *, part: str = "layer", broadca
     return state
 
 
+def zero_frozen(tree, mask):
+    """``tree`` (gradients or updates) with zeros where ``mask`` (``layer_mask``) is True."""
+    return jax.tree.map(lambda u, m: jnp.where(m, jnp.zeros_like(u), u), tree, mask)
+
+
 def freeze(tx: optax.GradientTransformation, mask) -> optax.GradientTransformation:
-    """``tx``, then its updates set to zero where ``mask`` (``layer_mask``) is True. The
-    state is ``tx``'s own (it still tracks the frozen parameters), so a checkpoint restores
-    with or without freezing; ``optax.apply_updates`` adds 0, which keeps every value but
-    turns a -0.0 into 0.0."""
+    """``tx`` seeing zero gradients where ``mask`` (``layer_mask``) is True, as if those
+    parameters had none (its clipping's global norm is the trained parameters' alone), and
+    its updates set to zero there (weight decay and momentum would move them). The state
+    is ``tx``'s own (it still tracks the frozen parameters), so a checkpoint restores with
+    or without freezing; ``optax.apply_updates`` adds 0, which keeps every value but turns
+    a -0.0 into 0.0."""
 
     def update(updates, state, params=None):
-        updates, state = tx.update(updates, state, params)
-        zero = lambda u, m: jnp.where(m, jnp.zeros_like(u), u)
-        return jax.tree.map(zero, updates, mask), state
+        updates, state = tx.update(zero_frozen(updates, mask), state, params)
+        return zero_frozen(updates, mask), state
 
     return optax.GradientTransformation(tx.init, update)
 

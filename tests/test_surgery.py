@@ -130,6 +130,27 @@ def test_training_lowers_the_loss_and_leaves_frozen_parameters_unchanged():
     assert sum(int(np.asarray(m).sum()) for m in jax.tree.leaves(frozen)) > 0
 
 
+def test_frozen_gradients_count_for_nothing_in_the_clipping_norm():
+    """Clipped SGD through ``freeze``: the trained entries move by -lr * g * min(1, c / |g_t|)
+    with ``|g_t|`` the norm of the trained gradients alone (float64), the frozen ones by 0,
+    however large their gradients."""
+    rng = np.random.default_rng(0)
+    g = {"a": rng.normal(size=(3, 4)), "b": 50.0 * rng.normal(size=(5,))}
+    mask = {"a": np.array([[True], [False], [False]]), "b": np.ones((5,), bool)}
+    lr, clip = 0.1, 0.5
+    tx = surgery.freeze(optax.chain(optax.clip_by_global_norm(clip), optax.sgd(lr)), mask)
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), g)
+    grads = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
+    got, _ = tx.update(grads, tx.init(params), params)
+    trained = np.concatenate([np.broadcast_to(~mask[k], g[k].shape)[...].ravel() * g[k].ravel()
+                              for k in g])  # fmt: skip
+    scale = min(1.0, clip / np.linalg.norm(trained))
+    for k in g:
+        want = np.where(mask[k], 0.0, -lr * scale * g[k])
+        np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-7)
+    assert scale < 1.0  # the clipping acted, on the trained gradients' norm
+
+
 def test_a_mixer_only_mask_leaves_the_layers_norms_and_ffn_out():
     _, _, chosen, new_cfg, params = three_of_four()
     mask = _pure(surgery.layer_mask(new_cfg, params, [1], part="mixer"))

@@ -112,8 +112,16 @@ def test_the_trainer_freezes_by_selection_and_trains_the_rest(tmp_path):
     state = trainer.init_state()
     flat = lambda p: jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(p))[0]
     before = [(tuple(k.key for k in path), np.asarray(a)) for path, a in flat(state["params"])]
+    # The gradient the step logs is layer 1's mixer's alone (the frozen ones count for 0).
+    batch0 = task.train_batch(0, 0, 4)
+    _, tokens, grads, _ = jax.jit(trainer._grads)(state["params"], batch0, jax.random.key(0))
+    trained = [np.asarray(g, np.float64)[1] for path, g in flat(grads)
+               if "layers" in {k.key for k in path} and "attn" in {k.key for k in path}]  # fmt: skip
+    want = np.sqrt(sum((g**2).sum() for g in trained)) / float(tokens)
     for step in range(2):
-        state, _ = trainer.train_step(state, task.train_batch(0, step, 4))
+        state, metrics = trainer.train_step(state, task.train_batch(0, step, 4))
+        if step == 0:
+            np.testing.assert_allclose(float(metrics["grad_norm"]), want, rtol=1e-4)
     moved = []
     for (path, a), (_, b) in zip(before, flat(state["params"]), strict=True):
         b = np.asarray(b)

@@ -15,6 +15,8 @@ parameters and optimiser state unchanged; with ``"stop"`` (the default) the loop
 
 The config's ``freeze`` group (``attnlab.surgery.freeze_mask``) wraps the optimiser so the
 selected parameters get zero updates (bitwise unchanged); its state stays the optimiser's own.
+Their gradients are zeroed first, so the logged ``grad_norm`` and the clipping's global norm
+are the trained parameters' alone.
 ``state_around(params)`` is the state at step 0 around given parameters (a surgery run's).
 
 The stacked variants take every state leaf with a leading trial axis (``stack_by``: "vmap" of
@@ -361,6 +363,8 @@ class Trainer:
             )
             router = {k: v / self.accum if v.ndim == 0 else v for k, v in router.items()}
         grads = jax.tree.map(lambda g: g / jnp.maximum(tokens, 1.0), grads)
+        if self.frozen is not None:  # frozen parameters have no gradient, in the norm too
+            grads = surgery.zero_frozen(grads, self.frozen)
         grad_norm = optax.tree.norm(grads)
         if self.muon:  # each batch device orthogonalises its share of the layers
             grads = layers_over_batch_devices(grads)
