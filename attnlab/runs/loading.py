@@ -24,7 +24,7 @@ from attnlab.architectures import architecture
 from attnlab.checkpoint import Checkpointer
 from attnlab.data import make_task
 from attnlab.errors import CheckpointError, WorkdirError
-from attnlab.runs.workdir import (
+from attnlab.runs.files import (
     CHECKPOINTS,
     CONFIG_FILE,
     METRICS_FILE,

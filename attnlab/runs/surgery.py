@@ -26,10 +26,13 @@ import pathlib
 from ml_collections import ConfigDict
 
 from attnlab import experiment, surgery
+from attnlab.checkpoint import Checkpointer
 from attnlab.config import ModelConfig
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import ConfigError
 from attnlab.mixers import make_settings, registered_mixers
+from attnlab.runs.files import CHECKPOINTS, CONFIG_FILE
+from attnlab.runs.loading import load_run, saved_config
 
 FIELD = "surgery"
 
@@ -51,13 +54,9 @@ def _source_config(group) -> ModelConfig:
     if group.run and group.pretrained:
         _fail("pretrained", group.pretrained, "give surgery.run or .pretrained, not both")
     if group.run:
-        from attnlab.runs.workdir import CONFIG_FILE  # (workdir imports this module)
-
         path = pathlib.Path(group.run)
         if not (path / CONFIG_FILE).is_file():
             _fail("run", group.run, "a work directory that `attnlab train` wrote")
-        from attnlab.runs.loading import saved_config
-
         return experiment.model_config(saved_config(path))
     from attnlab.pretrained.configs import model_config_from_hf
 
@@ -143,7 +142,6 @@ def _readable(group) -> bool:
     """Whether the source's config (and a run's checkpoints) are where the group says."""
     if group.pretrained:
         return (pathlib.Path(group.pretrained) / "config.json").is_file()
-    from attnlab.runs.workdir import CHECKPOINTS, CONFIG_FILE
 
     path = pathlib.Path(group.run)
     return (path / CONFIG_FILE).is_file() and (path / CHECKPOINTS).is_dir()
@@ -152,7 +150,6 @@ def _readable(group) -> bool:
 def _begun(cfg, workdir: pathlib.Path):
     """``cfg`` with the model saved in ``workdir/config.json`` when that run began with the
     same surgery, else None."""
-    from attnlab.runs.workdir import CONFIG_FILE
 
     path = workdir / CONFIG_FILE
     if not path.is_file():
@@ -178,8 +175,6 @@ def tokenizer_dir(cfg):
 
 def _source_step(group) -> int | None:
     """The source run's checkpoint to start from (None: its newest), checked to exist."""
-    from attnlab.checkpoint import Checkpointer
-    from attnlab.runs.workdir import CHECKPOINTS
 
     where, steps = pathlib.Path(group.run) / CHECKPOINTS, []
     if where.is_dir():
@@ -198,7 +193,6 @@ def _source_params(group):
         from attnlab.pretrained import load_pretrained
 
         return load_pretrained(group.pretrained).params
-    from attnlab.runs.loading import load_run
 
     return load_run(group.run, _source_step(group)).params
 

@@ -22,34 +22,33 @@ import json
 import os
 import pathlib
 import socket
-import sys
-
-import jax
 
 from attnlab import experiment
-from attnlab.checkpoint import Checkpointer, CorruptCheckpointError, stop_signal
+from attnlab.checkpoint import Checkpointer, stop_signal
 from attnlab.config import ModelConfig
 from attnlab.data import make_task
 from attnlab.data.grain_pipeline import load_process_state, save_process_state
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import CheckpointError, WorkdirError, one_line
 from attnlab.runs import surgery
+from attnlab.runs.files import (  # noqa: F401 (the names a run directory holds, kept here too)
+    CHECKPOINTS,
+    CONFIG_FILE,
+    LOCK_FILE,
+    METRICS_FILE,
+    SAMPLES_FILE,
+    check_workdir,
+    is_writer,
+    restore_newest,
+)
 from attnlab.train import set_optim_values
 
-METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
-LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
 # Values that may change when a run resumes (they change no state and no step's result).
 FREE_ON_RESUME = ("name", "experiment_file", "eval.", "checkpoint.", "train.log_every_steps")
 FREE_ON_RESUME += ("train.on_nonfinite",)
 # How a launch finds its peers (coordinator, process count and this process's index): each
 # process of one run has its own, and a resumed run may start on other hosts.
 FREE_ON_RESUME += ("distributed.",)
-
-
-def is_writer() -> bool:
-    """Only process 0 writes a run's logs, metrics, samples and config (every process
-    writes its own checkpoint shards)."""
-    return jax.process_index() == 0
 
 
 def atomic_write(path: pathlib.Path, text: str):
@@ -124,15 +123,6 @@ def check_config(workdir: pathlib.Path, cfg, allow_changes: bool = False) -> lis
             "or use a new --workdir"
         )
     return changes
-
-
-def check_workdir(workdir: pathlib.Path):
-    """Refuses a path that cannot become a work directory, before anything is written."""
-    for where in (workdir / CHECKPOINTS, workdir, *workdir.parents):
-        if where.exists() and not where.is_dir():
-            raise WorkdirError(
-                f"{where} is a file, not a directory; move it away or choose another --workdir"
-            )
 
 
 class Lock:
@@ -284,51 +274,3 @@ class Run:
 
     def log(self, record: dict, file: str = METRICS_FILE):
         append_jsonl(self.workdir / file, record)
-
-
-def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite, *, move_aside=False):
-    """``(state, step)`` of the newest of ``steps`` that restores with finite parameters.
-
-    Unreadable checkpoints are skipped and reported in one line on stderr that names the
-    step restored instead; with ``move_aside`` (a training run, which holds the directory's
-    lock and would later write those steps again) they are moved to ``step_N.corrupt/``,
-    otherwise they stay where they are. When ``steps`` is one step, its error is raised.
-    """
-    errors, reasons = [], []
-    for step in sorted(steps, reverse=True):
-        try:
-            state = ckpt.restore(abstract, step)
-        except CorruptCheckpointError as e:
-            if len(steps) == 1:
-                raise
-            errors.append(step)
-            reasons.append(e.reason)
-            continue
-        if not bool(all_finite(state["params"])):
-            older = [s for s in ckpt.all_steps() if s < step]
-            raise CheckpointError(
-                f"checkpoint step {step} in {ckpt.directory} holds non-finite parameters (the "
-                f"run diverged); pick an older step with --step N (available: {older})"
-            )
-        if errors:
-            _report_unreadable(ckpt, errors, reasons, step, move_aside)
-        return state, step
-    raise CheckpointError(
-        f"no checkpoint in {ckpt.directory} can be restored (steps {errors} are unreadable: "
-        f"{reasons[0] if reasons else ''}); train again in a new --workdir"
-    )
-
-
-def _report_unreadable(ckpt, errors, reasons, step, move_aside):
-    """One warning line: the unreadable steps, where they went, the step used instead."""
-    kept = "left in place"
-    if move_aside and is_writer():
-        moved = [ckpt.move_aside(s).name for s in errors]
-        kept = f"moved to {', '.join(moved)}"
-    what = ", ".join(map(str, errors))
-    print(
-        f"attnlab: warning: checkpoint step {what} in {ckpt.directory} is unreadable "
-        f"({reasons[0]}); {kept}; using checkpoint step {step} instead",
-        file=sys.stderr,
-        flush=True,
-    )

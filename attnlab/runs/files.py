@@ -1,0 +1,79 @@
+"""A run directory's file names, and reading its checkpoints: what both a training run
+(``attnlab.runs.workdir``) and a run loaded back (``attnlab.runs.loading``, and through it a
+surgery run's source) need, so neither imports the other for them."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+
+from attnlab.checkpoint import Checkpointer, CorruptCheckpointError
+from attnlab.errors import CheckpointError, WorkdirError
+
+METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
+LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
+
+
+def is_writer() -> bool:
+    """Only process 0 writes a run's logs, metrics, samples and config (every process
+    writes its own checkpoint shards)."""
+    return jax.process_index() == 0
+
+
+def check_workdir(workdir: pathlib.Path):
+    """Refuses a path that cannot become a work directory, before anything is written."""
+    for where in (workdir / CHECKPOINTS, workdir, *workdir.parents):
+        if where.exists() and not where.is_dir():
+            raise WorkdirError(
+                f"{where} is a file, not a directory; move it away or choose another --workdir"
+            )
+
+
+def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite, *, move_aside=False):
+    """``(state, step)`` of the newest of ``steps`` that restores with finite parameters.
+
+    Unreadable checkpoints are skipped and reported in one line on stderr that names the
+    step restored instead; with ``move_aside`` (a training run, which holds the directory's
+    lock and would later write those steps again) they are moved to ``step_N.corrupt/``,
+    otherwise they stay where they are. When ``steps`` is one step, its error is raised.
+    """
+    errors, reasons = [], []
+    for step in sorted(steps, reverse=True):
+        try:
+            state = ckpt.restore(abstract, step)
+        except CorruptCheckpointError as e:
+            if len(steps) == 1:
+                raise
+            errors.append(step)
+            reasons.append(e.reason)
+            continue
+        if not bool(all_finite(state["params"])):
+            older = [s for s in ckpt.all_steps() if s < step]
+            raise CheckpointError(
+                f"checkpoint step {step} in {ckpt.directory} holds non-finite parameters (the "
+                f"run diverged); pick an older step with --step N (available: {older})"
+            )
+        if errors:
+            _report_unreadable(ckpt, errors, reasons, step, move_aside)
+        return state, step
+    raise CheckpointError(
+        f"no checkpoint in {ckpt.directory} can be restored (steps {errors} are unreadable: "
+        f"{reasons[0] if reasons else ''}); train again in a new --workdir"
+    )
+
+
+def _report_unreadable(ckpt, errors, reasons, step, move_aside):
+    """One warning line: the unreadable steps, where they went, the step used instead."""
+    kept = "left in place"
+    if move_aside and is_writer():
+        moved = [ckpt.move_aside(s).name for s in errors]
+        kept = f"moved to {', '.join(moved)}"
+    what = ", ".join(map(str, errors))
+    print(
+        f"attnlab: warning: checkpoint step {what} in {ckpt.directory} is unreadable "
+        f"({reasons[0]}); {kept}; using checkpoint step {step} instead",
+        file=sys.stderr,
+        flush=True,
+    )
