@@ -13,6 +13,14 @@ the seconds are the load's, the tokens the recipe's). ``--no-eval`` times the st
 
 An evaluation before the last step sees the schedule's learning rate mid-way, so only the
 last step is the recipe's own figure; the earlier ones say how far it is from the target.
+
+Each trial's line also carries its roofline (``benchmarks/machine.py``, measured once per
+process): ``flops_per_step`` (6 x the matrices' and the tied head's parameters x tokens, plus
+attention's products, as ``train_throughput.py`` counts them; and with Muon its
+Newton-Schulz iterations, ``ns_flops_per_step``: 4 m^2 n + 2 m^3 an iteration for each
+layer's m x n matrix, m <= n), ``floor_ms_per_step`` (those FLOPs at the square float32
+matmul rate of all the devices at once) and ``of_roofline`` (the floor over the measured
+step). ``floor_loop_seconds`` is the whole loop's floor: no step of this recipe can beat it.
 """
 
 from __future__ import annotations
@@ -40,7 +48,39 @@ def trials_of(argv: list[str]) -> tuple[list[str], list[list[str]]]:
     return groups[0], groups[1:] or [[]]
 
 
-def run_trial(config: str, overrides: list[str], eval_at: set[int], target: float, evaluate=True):
+def work_per_step(cfg, params) -> dict:
+    """FLOPs of one training step of ``cfg`` (see the module docstring): the model's and,
+    with Muon, its Newton-Schulz iterations'."""
+    import math
+
+    import jax
+
+    from attnlab import experiment
+    from attnlab.optimizers import muon_dimensions
+
+    m = experiment.model_config(cfg)
+    tokens = int(cfg.train.batch_size) * int(cfg.data.seq_len)
+    dims = muon_dimensions(params)
+    matrix_params, ns = 0, 0
+    steps = int(cfg.optim.get("muon_ns_steps", 5)) if cfg.optim.name == "muon" else 0
+    for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(dims, is_leaf=lambda d: d is None or
+                                                            hasattr(d, "reduction_axis")),
+                    strict=True):  # fmt: skip
+        if d is None:
+            continue
+        rows = math.prod(x.shape[a] for a in d.reduction_axis)
+        cols = math.prod(x.shape[a] for a in d.output_axis)
+        layers = x.size // (rows * cols)
+        matrix_params += x.size
+        small, big = sorted((rows, cols))
+        ns += layers * steps * (4 * small * small * big + 2 * small**3)
+    per_token = 6 * (matrix_params + m.d_model * m.vocab_size)
+    per_token += 6 * m.n_layers * 2 * int(cfg.data.seq_len) * m.d_model
+    return {"flops_per_step": per_token * tokens + ns, "ns_flops_per_step": ns}
+
+
+def run_trial(config: str, overrides: list[str], eval_at: set[int], target: float, evaluate=True,
+              peak=None):  # fmt: skip
     import jax
 
     from attnlab import experiment, sharding
@@ -78,6 +118,13 @@ def run_trial(config: str, overrides: list[str], eval_at: set[int], target: floa
             cpu_seconds += time.process_time() - c0
     jax.block_until_ready(state)
     steady = max(total - 1, 1)
+    work = work_per_step(cfg, state["params"])
+    floor_ms = 1e3 * work["flops_per_step"] / peak if peak else None
+    ms = 1000 * step_seconds / steady
+    roof = dict(work, square_matmul_gflops=round(peak / 1e9, 1) if peak else None,
+                floor_ms_per_step=round(floor_ms, 1) if peak else None,
+                floor_loop_seconds=round(floor_ms * total / 1e3, 2) if peak else None,
+                of_roofline=round(floor_ms / ms, 3) if peak else None)  # fmt: skip
     return {
         "overrides": overrides,
         "reached": reached,
@@ -86,6 +133,7 @@ def run_trial(config: str, overrides: list[str], eval_at: set[int], target: floa
         "cpu_ms_per_step": round(1000 * cpu_seconds / steady, 1),
         "process_seconds": round(time.perf_counter() - start, 2),
         "load_average": [round(x, 2) for x in os.getloadavg()],
+        "roofline": roof,
     }
 
 
@@ -101,12 +149,15 @@ def main():
     from attnlab import devices, experiment
 
     devices.apply(devices.choose(experiment.load_config(args.config)))
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import machine  # benchmarks/machine.py
+
+    peak = machine.square_matmul_flops()
+    print(json.dumps({"machine": machine.describe(), "square_matmul_gflops": peak / 1e9}))
     eval_at = {int(s) for s in args.eval_at.split(",") if s}
     for overrides in trials:
-        print(
-            json.dumps(run_trial(args.config, overrides, eval_at, args.target, not args.no_eval)),
-            flush=True,
-        )
+        out = run_trial(args.config, overrides, eval_at, args.target, not args.no_eval, peak)
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
