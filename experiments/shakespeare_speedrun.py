@@ -145,6 +145,22 @@ this machine's rates even a free optimiser leaves the 265 steps at ~9.5 s (AdamW
 step) plus ~5 s of start-up and compilation: the 12 s aim needs fewer steps as well as
 cheaper ones.
 
+The roofline of the 12 s aim on this machine (``benchmarks/speedrun_search.py`` prints it
+per trial). A step of this recipe is 6.53 GFLOP: 3.89 for the model (6 x 802,816 matrix
+parameters and the 8,320 of the tied head, x 768 tokens, plus attention's products) and 2.64
+for Muon's Newton-Schulz iterations (5 a step over every layer's 128 x 128 and 128 x 352
+matrices: 4 m^2 n + 2 m^3 each), 1.73 TFLOP over the 265 steps. At the square float32
+matmul rate measured in the same process (177-209 GFLOP/s across the day, both cores) that
+is 31-37 ms a step and 8.3-9.8 s for the loop, against the 60.8-69.4 ms a step measured (53%
+of the floor). The rest of the cold process does not depend on the steps: a 2-step run,
+cold, takes 8.5-9.2 s, of which 1.4 s imports, the data and the summary, 1.5 s building and
+initialising the state, 3.9 s compiling the train step (its first step), ~0.9 s the
+checkpoint and 0.7 s the exit. So the whole process cannot beat 8.5 + 8.3 = 16.8 s even
+with every step at the square matmul peak (at the 329-393 GFLOP/s of the fastest day, about
+4.5 + 6 s), and the 12 s aim is out of reach on this CPU for every recipe measured here: the
+cheapest in FLOPs to the target is this one (AdamW's best needs 717k tokens, 3.6 TFLOP;
+fewer Newton-Schulz iterations or layers need more steps than they save).
+
 Under this load, whether one CPU device per core still pays at this shape is not settled:
 with ``--config.mesh.data=1`` (one multithreaded device) the same recipe took 63.1 and 44.5 s
 cold (load 4.3-4.9, eval_loss 1.87786, the sums in another order) around 40.4 s split over
