@@ -159,7 +159,9 @@ checkpoint and 0.7 s the exit. So the whole process cannot beat 8.5 + 8.3 = 16.8
 with every step at the square matmul peak (at the 329-393 GFLOP/s of the fastest day, about
 4.5 + 6 s), and the 12 s aim is out of reach on this CPU for every recipe measured here: the
 cheapest in FLOPs to the target is this one (AdamW's best needs 717k tokens, 3.6 TFLOP;
-fewer Newton-Schulz iterations or layers need more steps than they save).
+fewer Newton-Schulz iterations, layers or a narrower model missed the target at the same
+tokens, tables above). A recipe under ~0.7 TFLOP to the target, with most of the fixed
+8.5 s gone, is what 12 s on this machine would take.
 
 Under this load, whether one CPU device per core still pays at this shape is not settled:
 with ``--config.mesh.data=1`` (one multithreaded device) the same recipe took 63.1 and 44.5 s
