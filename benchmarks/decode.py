@@ -8,7 +8,8 @@ Prints JSON: the machine, the settings, then
   fixed ``[B, prompt + new]`` buffer for every token, the head on the needed position only);
   ``minor_page_faults`` counts the pages of fresh memory one cached call touches (4 KiB
   each: a stacked model's call copies every layer's weights out of the stack into new
-  buffers, ~90k faults for GPT-2 small; ``--unstacked-model`` none);
+  buffers, ~90k faults for GPT-2 small; ``--unstacked-model`` none; ``--out-in-weights``
+  also stores the layer weights output axes first);
 * ``compile``: seconds of the first cached generation (tracing and compiling every program)
   and of a steady one, for 4, 16 and 32 layers of one width: the stack scanned with the
   generation loop scanning too (``decode_layers="scan"``) or running separate blocks
@@ -351,6 +352,12 @@ def main(argv=None):
         "blocks once, as a model kept only for generation (default: build_model's stacked "
         "model, each call slicing the layers itself)",
     )
+    parser.add_argument(
+        "--out-in-weights",
+        action="store_true",
+        help="with --unstacked-model, the layer weights stored output axes first "
+        "(unstacked(model, out_in=True): faster matrix-vector products at batch 1)",
+    )
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument(
         "--dtype", default=None, help="decode in this dtype (generate's dtype), e.g. bfloat16"
@@ -401,8 +408,8 @@ def main(argv=None):
             ),
             cache="ring" if ring_cache(cfg, args) else "linear",
         )
-        if args.unstacked_model:
-            model = unstacked(model)
+        if args.unstacked_model or args.out_in_weights:
+            model = unstacked(model, out_in=args.out_in_weights)
         out["throughput"] += throughput(name, model, args)
         if not args.skip_contexts:
             out["per_token"] += per_token(name, model, args)

@@ -12,7 +12,12 @@ run):
 * ``[out, in]``: the same weights stored transposed, ``einsum("bi,oi->bo")``;
 * ``eigen``: ``[in, out]`` with XLA:CPU's YNNPACK dots turned off (a child process with
   ``--xla_cpu_experimental_ynn_fusion_type=``);
-* ``numpy`` and ``torch`` (where installed): the same chain eagerly, one product a call.
+* ``numpy`` and ``torch`` (where installed): the same chain eagerly, one product a call;
+* ``gpt2 dots``: GPT-2 small's own dots and nothing else: 12 layers of q, k, v and o
+  (``[768, 768]`` each), ``[768, 3072]`` and ``[3072, 768]``, then the head (498 MB), in
+  ``[in, out]``; its ``of_read`` is what a decoding step's dots can reach, before attention,
+  norms and sampling; ``gpt2 dots [out, in]`` the same with every layer weight stored
+  transposed (the head is ``[out, in]`` in both, as a tied embedding is).
 
     python benchmarks/matvec.py [--batches 1,8] [--layers 24] [--out FILE]
 """
@@ -70,6 +75,34 @@ def jax_seconds(batch: int, layers: int, out_in: bool, repeats: int) -> float:
 
     x = jnp.ones((batch, D), jnp.float32)
     return best(lambda: jax.block_until_ready(chain(x, up, down, head)), repeats)
+
+
+def gpt2_dots(batch: int, repeats: int, out_in: bool = False) -> tuple[float, int]:
+    """Seconds and bytes of GPT-2 small's dots alone (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+
+    def w(rows, cols):
+        a = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+        return jax.device_put(a.T.copy() if out_in and rows * cols != V * D else a)
+
+    mm = (lambda x, a: jnp.einsum("bi,oi->bo", x, a)) if out_in else (lambda x, a: x @ a)
+    layers = [dict(q=w(D, D), k=w(D, D), v=w(D, D), o=w(D, D), up=w(D, F), down=w(F, D))
+              for _ in range(12)]  # fmt: skip
+    head = w(V, D)
+
+    @jax.jit
+    def step(x, layers, head):
+        for p in layers:
+            x = x + mm(jnp.tanh(mm(x, p["q"]) + mm(x, p["k"]) * mm(x, p["v"])), p["o"])
+            x = x + mm(jnp.tanh(mm(x, p["up"])), p["down"])
+        return x @ head.T
+
+    x = jnp.ones((batch, D), jnp.float32)
+    size = sum(a.nbytes for p in layers for a in p.values()) + head.nbytes
+    return best(lambda: jax.block_until_ready(step(x, layers, head)), repeats), size
 
 
 def eager_seconds(lib: str, batch: int, layers: int, repeats: int) -> float | None:
@@ -133,11 +166,14 @@ def main(argv=None):
             "numpy": eager_seconds("numpy", B, args.layers, args.repeats),
             "torch": eager_seconds("torch", B, args.layers, args.repeats),
         }
+        ways["gpt2 dots"], gpt2_bytes = gpt2_dots(B, args.repeats)
+        ways["gpt2 dots [out, in]"], _ = gpt2_dots(B, args.repeats, out_in=True)
         for way, seconds in ways.items():
             if seconds is None:
                 continue
-            gbps = nbytes(args.layers) / seconds / 1e9
-            flops = 2 * B * nbytes(args.layers) / 4 / seconds
+            size = gpt2_bytes if way.startswith("gpt2") else nbytes(args.layers)
+            gbps = size / seconds / 1e9
+            flops = 2 * B * size / 4 / seconds
             row = dict(batch=B, way=way, ms=round(1e3 * seconds, 2), gbps=round(gbps, 1))
             rows.append(row | dict(gflops=round(flops / 1e9, 1), of_read=round(gbps / read, 3)))
             print(json.dumps(rows[-1]), flush=True)

@@ -487,3 +487,28 @@ def test_bfloat16_decoding_follows_the_float32_model():
     assert model.decoder.layers.attn.q_DNH[...].dtype == jnp.float32
     with pytest.raises(attnlab.errors.DecodeError, match="dtype"):
         attnlab.generate(model, ids, 2, dtype="float8")
+
+
+def test_weights_stored_output_axes_first_generate_what_the_model_does(lm):
+    """``unstacked(model, out_in=True)`` stores attention's and the FFN's weights output axes
+    first (``ops.Transposed``, each the original's axes moved, bitwise); ``dense`` contracts
+    one as it would the original (float64 NumPy ``einsum``), and greedy generation gives the
+    model's tokens and logits."""
+    from attnlab.decode import unstacked
+    from attnlab.ops.linear import Transposed, dense
+
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(2, 3, 4, 5)), rng.normal(size=(4, 5, 6))
+    got = dense(jnp.asarray(x, jnp.float32), Transposed.of(jnp.asarray(w, jnp.float32), 2), n_in=2)
+    np.testing.assert_allclose(got, np.einsum("btnh,nhd->btd", x, w), rtol=1e-5, atol=1e-5)
+
+    flat = unstacked(lm, out_in=True)
+    layer = flat.decoder.layers[0]
+    q = layer.attn.q_DNH.get_value()
+    assert isinstance(q, Transposed) and q.shape == lm.decoder.layers.attn.q_DNH.shape[1:]
+    np.testing.assert_array_equal(q.original(), lm.decoder.layers.attn.q_DNH[...][0])
+    assert isinstance(layer.ffn.w_out_FD.get_value(), Transposed)
+    a = generate(lm, PROMPTS, 9, return_logits=True)
+    b = generate(flat, PROMPTS, 9, return_logits=True)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logits, b.logits, atol=1e-5, rtol=0)

@@ -177,7 +177,7 @@ class Decoder:
         )  # fmt: skip
 
 
-def unstacked(model):
+def unstacked(model, *, out_in: bool = False):
     """``model`` with its decoder's layers as separate blocks, for a model that will only
     generate (``attnlab sample``, a notebook sampling many times); ``model`` is left as is.
 
@@ -190,13 +190,41 @@ def unstacked(model):
     ``benchmarks/decode.py`` reports the faults per call. Other models
     are returned as they are. The result's parameters no longer have the stacked layout,
     so it is not for training or for saving checkpoints.
+
+    ``out_in=True`` also stores softmax attention's projections and the dense FFN's
+    weights with their output axes first (``ops.Transposed``), for decoding one row at a
+    time: XLA:CPU's matrix-vector products read GPT-2 small's layer weights ~20% faster
+    that way, while from 8 rows its matrix products are slower (``benchmarks/matvec.py``).
     """
     if not architecture(model.cfg).generates or not model.cfg.decode_unstacked:
         return model
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)  # new modules over the same arrays
     copy.decoder.unstack()
+    if out_in:
+        _store_out_in(copy.decoder)
     return copy
+
+
+# The weights ``out_in`` stores transposed: (module class, {parameter: input axes}).
+_OUT_IN = {
+    "Attention": {"q_DNH": 1, "k_DKH": 1, "v_DKH": 1, "o_NHD": 2},
+    "FeedForward": {"w_in_DF": 1, "w_gate_DF": 1, "w_out_FD": 1},
+}
+
+
+def _store_out_in(decoder):
+    from attnlab.nn.attention import Attention
+    from attnlab.nn.layers import FeedForward
+    from attnlab.ops.linear import Transposed
+
+    kinds = {Attention: _OUT_IN["Attention"], FeedForward: _OUT_IN["FeedForward"]}
+    for _, module in nnx.iter_graph(decoder):
+        names = kinds.get(type(module))  # the classes themselves: variants read theirs
+        for name, n_in in (names or {}).items():
+            param = getattr(module, name, None)
+            if param is not None:
+                param.set_value(Transposed.of(param.get_value(), n_in))
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,7 +15,7 @@ from attnlab.ops.activations import (
 )
 from attnlab.ops.attention import IMPLEMENTATIONS, dot_product_attention, reference_attention
 from attnlab.ops.chunked import chunked_attention
-from attnlab.ops.linear import add_bias, dense, dropout, fold
+from attnlab.ops.linear import Transposed, add_bias, dense, dropout, fold
 from attnlab.ops.masks import (
     MaskSpec,
     causal,
@@ -59,6 +59,7 @@ __all__ = [
     "combine",
     "cross",
     "dense",
+    "Transposed",
     "dropout",
     "dot_product_attention",
     "feed_forward",
