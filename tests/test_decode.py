@@ -489,18 +489,30 @@ def test_bfloat16_decoding_follows_the_float32_model():
         attnlab.generate(model, ids, 2, dtype="float8")
 
 
-def test_weights_stored_output_axes_first_generate_what_the_model_does(lm):
-    """``unstacked(model, out_in=True)`` stores attention's and the FFN's weights output axes
-    first (``ops.Transposed``, each the original's axes moved, bitwise); ``dense`` contracts
-    one as it would the original (float64 NumPy ``einsum``), and greedy generation gives the
-    model's tokens and logits."""
-    from attnlab.decode import unstacked
-    from attnlab.ops.linear import Transposed, dense
+def test_a_transposed_weight_contracts_as_the_original():
+    """``ops.Transposed`` holds a weight output axes first (the original's axes moved,
+    bitwise back); ``dense`` contracts it as it would the original: float64 NumPy
+    ``einsum`` for one and two input axes."""
+    from attnlab.ops import Transposed, dense
 
     rng = np.random.default_rng(0)
-    x, w = rng.normal(size=(2, 3, 4, 5)), rng.normal(size=(4, 5, 6))
-    got = dense(jnp.asarray(x, jnp.float32), Transposed.of(jnp.asarray(w, jnp.float32), 2), n_in=2)
-    np.testing.assert_allclose(got, np.einsum("btnh,nhd->btd", x, w), rtol=1e-5, atol=1e-5)
+    x, w2, w1 = rng.normal(size=(2, 3, 4, 5)), rng.normal(size=(4, 5, 6)), rng.normal(size=(5, 7))
+    t2 = Transposed.of(jnp.asarray(w2, jnp.float32), 2)
+    assert t2.t.shape == (6, 4, 5) and t2.shape == (4, 5, 6)
+    np.testing.assert_array_equal(t2.original(), np.float32(w2))
+    x32 = jnp.asarray(x, jnp.float32)
+    np.testing.assert_allclose(dense(x32, t2, n_in=2), np.einsum("btnh,nhd->btd", x, w2),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    t1 = Transposed.of(jnp.asarray(w1, jnp.float32))
+    np.testing.assert_allclose(dense(x32, t1), x @ w1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow(reason="compiles generation for the transposed model (the layout: above)")
+def test_weights_stored_output_axes_first_generate_what_the_model_does(lm):
+    """``unstacked(model, out_in=True)`` stores attention's and the FFN's weights output axes
+    first (``ops.Transposed``), and greedy generation gives the model's tokens and logits."""
+    from attnlab.decode import unstacked
+    from attnlab.ops import Transposed
 
     flat = unstacked(lm, out_in=True)
     layer = flat.decoder.layers[0]
