@@ -127,7 +127,8 @@ import numpy as np
 from attnlab import devices, experiment, sharding, train
 
 assert devices.apply(2)
-cfg = experiment.load_config(sys.argv[1], ["--config.train.batch_size=4"])
+short = ["--config.data.seq_len=16", "--config.model.max_len=16"]
+cfg = experiment.load_config(sys.argv[1], ["--config.train.batch_size=4", *short])
 trainer = train.Trainer(cfg, kind="lm", mesh=sharding.make_mesh({"data": 2}))
 state = trainer.init_state()
 rng = np.random.default_rng(0)
@@ -151,9 +152,10 @@ print(two, train.Trainer(cfg, kind="lm").evaluate(params, batches)["eval_loss"])
     reason="a fresh process on two CPU devices dispatches steps until they would hang"
 )
 def test_steps_dispatched_without_reading_results_do_not_hang_on_two_cpu_devices():
-    """A loop that dispatches 400 steps of the 4 x 128 model without reading a result (a
-    notebook's loop over prepared batches) hung in a collective on 2 single-threaded CPU
-    devices until XLA's rendezvous gave up after 40 s. The steps now run one program at a
+    """A loop that dispatches 400 steps of the 4 x 128 model (rows of 16 tokens: short steps
+    queue up fastest) without reading a result (a notebook's loop over prepared batches)
+    hung in a collective on 2 single-threaded CPU devices until XLA's rendezvous gave up
+    after 40 s. The steps now run one program at a
     time; the evaluation of the result (160 batches, dispatched the same way) equals one
     device's."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

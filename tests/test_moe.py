@@ -40,6 +40,10 @@ def test_top_k_and_renormalisation_match_numpy():
         np.testing.assert_allclose(np.asarray(got_w), want_w, rtol=1e-6, err_msg=str(case))
 
 
+@pytest.mark.slow(
+    reason="builds transformers' DeepSeek-V3 router beside ours (~7 s); the top-k and "
+    "renormalisation test keeps routing in the fast tier"
+)
 def test_grouped_routing_picks_the_experts_of_transformers_deepseek_v3():
     torch = pytest.importorskip("torch")
     mod = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
@@ -206,6 +210,10 @@ def small(**settings):
     )
 
 
+@pytest.mark.slow(
+    reason="compiles a mixture-of-experts train objective three times (~6 s); the load-balancing "
+    "and z-loss formula tests keep the auxiliary losses in the fast tier"
+)
 def test_the_auxiliary_losses_join_the_objective_with_their_weights():
     cfg = small(load_balance_weight=0.5, z_loss_weight=0.25)
     model = build_model(cfg, seed=0)

@@ -115,8 +115,8 @@ def test_the_trainer_freezes_by_selection_and_trains_the_rest(tmp_path):
     # The gradient the step logs is layer 1's mixer's alone (the frozen ones count for 0).
     batch0 = task.train_batch(0, 0, 4)
     _, tokens, grads, _ = jax.jit(trainer._grads)(state["params"], batch0, jax.random.key(0))
-    trained = [np.asarray(g, np.float64)[1] for path, g in flat(grads)
-               if "layers" in {k.key for k in path} and "attn" in {k.key for k in path}]  # fmt: skip
+    in_layer_1_attn = lambda path: {"layers", "attn"} <= {k.key for k in path}
+    trained = [np.asarray(g, np.float64)[1] for path, g in flat(grads) if in_layer_1_attn(path)]
     want = np.sqrt(sum((g**2).sum() for g in trained)) / float(tokens)
     for step in range(2):
         state, metrics = trainer.train_step(state, task.train_batch(0, step, 4))
