@@ -193,8 +193,9 @@ def unstacked(model, *, out_in: bool = False):
 
     ``out_in=True`` also stores softmax attention's projections and the dense FFN's
     weights with their output axes first (``ops.Transposed``), for decoding one row at a
-    time: XLA:CPU's matrix-vector products read GPT-2 small's layer weights ~20% faster
-    that way, while from 8 rows its matrix products are slower (``benchmarks/matvec.py``).
+    time: XLA:CPU's matrix-vector products read a weight faster that way (GPT-2 small's
+    batch-1 loop 8-10% faster a token, ``benchmarks/decode_layouts.py``), while from 8 rows
+    its matrix products are slower (``benchmarks/matvec.py``).
     """
     if not architecture(model.cfg).generates or not model.cfg.decode_unstacked:
         return model
@@ -206,22 +207,19 @@ def unstacked(model, *, out_in: bool = False):
     return copy
 
 
-# The weights ``out_in`` stores transposed: (module class, {parameter: input axes}).
-_OUT_IN = {
-    "Attention": {"q_DNH": 1, "k_DKH": 1, "v_DKH": 1, "o_NHD": 2},
-    "FeedForward": {"w_in_DF": 1, "w_gate_DF": 1, "w_out_FD": 1},
-}
-
-
 def _store_out_in(decoder):
+    """Stores the weights ``unstacked(out_in=True)`` transposes: softmax attention's and the
+    dense FFN's, by their modules' own classes (a variant keeps its layout)."""
     from attnlab.nn.attention import Attention
     from attnlab.nn.layers import FeedForward
     from attnlab.ops.linear import Transposed
 
-    kinds = {Attention: _OUT_IN["Attention"], FeedForward: _OUT_IN["FeedForward"]}
+    input_axes = {  # parameter -> how many of its leading axes are the input's
+        Attention: {"q_DNH": 1, "k_DKH": 1, "v_DKH": 1, "o_NHD": 2},
+        FeedForward: {"w_in_DF": 1, "w_gate_DF": 1, "w_out_FD": 1},
+    }
     for _, module in nnx.iter_graph(decoder):
-        names = kinds.get(type(module))  # the classes themselves: variants read theirs
-        for name, n_in in (names or {}).items():
+        for name, n_in in input_axes.get(type(module), {}).items():
             param = getattr(module, name, None)
             if param is not None:
                 param.set_value(Transposed.of(param.get_value(), n_in))
