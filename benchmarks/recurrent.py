@@ -23,9 +23,9 @@ start and the end), each model's parameters, and
 
 The roofline (``limits``: this machine's square float32 matmul FLOP/s and read bytes/s,
 measured in the same run, ``benchmarks/machine.py``) beside each row: a decode step cannot
-beat reading the weights and the row's cache once (``decode.roofline``, shared with
-``benchmarks/decode.py``) (``roofline_tokens_per_s``, the
-bandwidth or compute bound, whichever binds, and ``of_roofline``: the fraction reached); a
+beat reading the weights and the row's cache once (``roofline_tokens_per_s``, the
+bandwidth or compute bound, whichever binds, and ``of_roofline``: the fraction reached;
+``decode.roofline``, shared with ``benchmarks/decode.py``); a
 prefill cannot beat its dense FLOPs at the matmul peak (``roofline_ms``: 2 FLOPs a
 parameter a token, plus causal attention's scores and weighted sum in the attention
 layers). The chunked forms' within-chunk work is not counted, so for the recurrent layers

@@ -7,6 +7,7 @@ evaluates one). The steps themselves come from ``attnlab.train``; the work direc
 handle (locking, checkpoints, logs) is ``attnlab.runs.workdir.Run``.
 """
 
+from attnlab.runs.files import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 from attnlab.runs.loading import Run, evaluate, load_run, saved_config
 from attnlab.runs.loop import Pruned, mask_row, open_runs, train, train_runs
 from attnlab.runs.progress import Progress
@@ -19,9 +20,6 @@ from attnlab.runs.sampling import (
 )
 from attnlab.runs.stacked import STACKABLE, stack_key, train_stacked
 from attnlab.runs.workdir import (
-    CONFIG_FILE,
-    METRICS_FILE,
-    SAMPLES_FILE,
     append_jsonl,
     atomic_write,
     check_config,

@@ -26,10 +26,11 @@ from attnlab import experiment, sharding
 from attnlab.checkpoint import PreemptionGuard
 from attnlab.errors import DivergenceError
 from attnlab.runs import surgery
+from attnlab.runs.files import METRICS_FILE, SAMPLES_FILE
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
 from attnlab.runs.tracking import Profiler, Tracker, describe, summary
-from attnlab.runs.workdir import METRICS_FILE, SAMPLES_FILE, Run
+from attnlab.runs.workdir import Run
 from attnlab.train import Trainer, injected_hyperparams, lr_multiplier, zeros_acc
 from attnlab.train.router_metrics import router_record
 

@@ -142,7 +142,6 @@ def _readable(group) -> bool:
     """Whether the source's config (and a run's checkpoints) are where the group says."""
     if group.pretrained:
         return (pathlib.Path(group.pretrained) / "config.json").is_file()
-
     path = pathlib.Path(group.run)
     return (path / CONFIG_FILE).is_file() and (path / CHECKPOINTS).is_dir()
 
@@ -150,7 +149,6 @@ def _readable(group) -> bool:
 def _begun(cfg, workdir: pathlib.Path):
     """``cfg`` with the model saved in ``workdir/config.json`` when that run began with the
     same surgery, else None."""
-
     path = workdir / CONFIG_FILE
     if not path.is_file():
         return None
@@ -175,7 +173,6 @@ def tokenizer_dir(cfg):
 
 def _source_step(group) -> int | None:
     """The source run's checkpoint to start from (None: its newest), checked to exist."""
-
     where, steps = pathlib.Path(group.run) / CHECKPOINTS, []
     if where.is_dir():
         with Checkpointer(where) as ckpt:
@@ -193,7 +190,6 @@ def _source_params(group):
         from attnlab.pretrained import load_pretrained
 
         return load_pretrained(group.pretrained).params
-
     return load_run(group.run, _source_step(group)).params
 
 

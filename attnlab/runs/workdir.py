@@ -31,7 +31,7 @@ from attnlab.data.grain_pipeline import load_process_state, save_process_state
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import CheckpointError, WorkdirError, one_line
 from attnlab.runs import surgery
-from attnlab.runs.files import (  # noqa: F401 (the names a run directory holds, kept here too)
+from attnlab.runs.files import (
     CHECKPOINTS,
     CONFIG_FILE,
     LOCK_FILE,
