@@ -54,6 +54,7 @@ def work_per_step(cfg, params) -> dict:
     import math
 
     import jax
+    import optax
 
     from attnlab import experiment
     from attnlab.optimizers import muon_dimensions
@@ -63,10 +64,9 @@ def work_per_step(cfg, params) -> dict:
     dims = muon_dimensions(params)
     matrix_params, ns = 0, 0
     steps = int(cfg.optim.get("muon_ns_steps", 5)) if cfg.optim.name == "muon" else 0
-    for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(dims, is_leaf=lambda d: d is None or
-                                                            hasattr(d, "reduction_axis")),
-                    strict=True):  # fmt: skip
-        if d is None:
+    is_dims = lambda d: d is None or isinstance(d, optax.contrib.MuonDimensionNumbers)
+    for d, x in zip(jax.tree.leaves(dims, is_leaf=is_dims), jax.tree.leaves(params), strict=True):
+        if d is None:  # not a matrix: Adam's, and no matmul of its own
             continue
         rows = math.prod(x.shape[a] for a in d.reduction_axis)
         cols = math.prod(x.shape[a] for a in d.output_axis)
@@ -79,8 +79,8 @@ def work_per_step(cfg, params) -> dict:
     return {"flops_per_step": per_token * tokens + ns, "ns_flops_per_step": ns}
 
 
-def run_trial(config: str, overrides: list[str], eval_at: set[int], target: float, evaluate=True,
-              peak=None):  # fmt: skip
+def run_trial(config, overrides, eval_at, target, evaluate, peak):
+    """One trial (``peak``: the square matmul FLOP/s its roofline is over)."""
     import jax
 
     from attnlab import experiment, sharding
@@ -119,12 +119,11 @@ def run_trial(config: str, overrides: list[str], eval_at: set[int], target: floa
     jax.block_until_ready(state)
     steady = max(total - 1, 1)
     work = work_per_step(cfg, state["params"])
-    floor_ms = 1e3 * work["flops_per_step"] / peak if peak else None
-    ms = 1000 * step_seconds / steady
-    roof = dict(work, square_matmul_gflops=round(peak / 1e9, 1) if peak else None,
-                floor_ms_per_step=round(floor_ms, 1) if peak else None,
-                floor_loop_seconds=round(floor_ms * total / 1e3, 2) if peak else None,
-                of_roofline=round(floor_ms / ms, 3) if peak else None)  # fmt: skip
+    floor_ms = 1e3 * work["flops_per_step"] / peak
+    roof = dict(work, square_matmul_gflops=round(peak / 1e9, 1),
+                floor_ms_per_step=round(floor_ms, 1),
+                floor_loop_seconds=round(floor_ms * total / 1e3, 2),
+                of_roofline=round(floor_ms / (1000 * step_seconds / steady), 3))  # fmt: skip
     return {
         "overrides": overrides,
         "reached": reached,
