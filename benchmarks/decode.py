@@ -355,7 +355,7 @@ def main(argv=None):
     parser.add_argument(
         "--out-in-weights",
         action="store_true",
-        help="with --unstacked-model, the layer weights stored output axes first "
+        help="as --unstacked-model, and the layer weights stored output axes first "
         "(unstacked(model, out_in=True): faster matrix-vector products at batch 1)",
     )
     parser.add_argument("--sliding-window", type=int, default=None)
