@@ -339,3 +339,43 @@ def test_one_query_path_matches_float64_reference(heads):
     ):
         assert got.shape == q.shape and got.dtype == q.dtype
         np.testing.assert_allclose(np.asarray(got), want, **TOL)
+
+
+def test_causal_spec_reaches_the_fused_kernel_as_a_flag(monkeypatch):
+    """On a GPU backend a plain causal ``MaskSpec`` is handed to
+    ``jax.nn.dot_product_attention`` as ``is_causal=True`` (no [T, S] mask array) and gives
+    the float64 causal result (the XLA path, run here on the CPU, stands in for cuDNN)."""
+    calls = []
+    fused = jax.nn.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    rng = np.random.default_rng(21)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, S, 4, H)), jnp.float32) for _ in range(3))
+    spec = masks.MaskSpec.for_sequence(S, causal=True)
+    out = dot_product_attention(q, k, v, mask=spec, implementation="xla", backend="gpu")
+    assert calls[-1]["is_causal"] is True and calls[-1].get("mask") is None
+    expected, _ = ref.attention(q, k, v, mask=np.tril(np.ones((S, S), bool)))
+    np.testing.assert_allclose(np.asarray(out), expected, **TOL)
+    # Any other rule keeps the dense mask (and the flag off), as does the CPU.
+    padded = masks.MaskSpec.for_sequence(S, causal=True, k_valid=np.ones((B, S), bool))
+    dot_product_attention(q, k, v, mask=padded, implementation="xla", backend="gpu")
+    assert not calls[-1].get("is_causal") and calls[-1]["mask"].shape == (B, 1, S, S)
+    dot_product_attention(q, k, v, mask=spec, implementation="xla", backend="cpu")
+    assert not calls[-1].get("is_causal") and calls[-1]["mask"].shape == (B, 1, S, S)
+
+
+def test_causal_only_needs_aligned_positions_and_no_other_rule():
+    aligned = masks.MaskSpec.for_sequence(6, causal=True)
+    assert aligned.causal_only
+    assert not masks.MaskSpec.for_sequence(6).causal_only  # not causal
+    assert not masks.MaskSpec.for_sequence(4, 6, causal=True).causal_only  # T != S
+    assert not masks.MaskSpec.for_sequence(6, causal=True, offset=2).causal_only
+    assert not masks.MaskSpec.for_sequence(6, causal=True, window=3).causal_only
+    seg = np.array([[1, 1, 1, 2, 2, 2]])
+    assert not masks.MaskSpec.for_sequence(6, causal=True, segment_ids=seg).causal_only
+    assert not aligned.replace(q_pos=aligned.q_pos + 1).causal_only  # moved positions
+    assert not masks.MaskSpec.for_cache(6, 6, np.zeros(1, np.int32)).causal_only

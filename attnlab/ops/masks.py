@@ -169,6 +169,10 @@ class MaskSpec:
     k_valid: Any = None  # [B, S] bool
     q_valid: Any = None  # [B, T] bool
     prefix_length: Any = None  # [B] int32
+    # Queries and keys both at 0..T-1 in order (``for_sequence`` with offset 0): with
+    # ``causal`` and no other rule the mask is the plain causal triangle, which fused
+    # kernels take as a flag (``is_causal``) instead of a [T, S] array.
+    aligned: bool = _static(False)
 
     @classmethod
     def for_sequence(
@@ -201,6 +205,7 @@ class MaskSpec:
                 raise ValueError(f"MaskSpec: T={T} != S={S}: pass k_segment_ids for the keys")
             k_segment_ids = segment_ids
         arr = lambda x, dt: None if x is None else jnp.asarray(x, dt)
+        aligned = T == S and isinstance(offset, int) and offset == 0
         return cls(
             q_pos=_query_positions(T, offset),
             k_pos=jnp.arange(S, dtype=jnp.int32)[None, :],
@@ -212,6 +217,7 @@ class MaskSpec:
             k_valid=arr(k_valid, bool),
             q_valid=arr(q_valid, bool),
             prefix_length=arr(prefix_length, jnp.int32),
+            aligned=aligned,
         )
 
     @classmethod
@@ -229,8 +235,19 @@ class MaskSpec:
         return self.q_pos.shape[-1], self.k_pos.shape[-1]
 
     def replace(self, **changes):
-        """A copy with ``changes`` to the fields."""
+        """A copy with ``changes`` to the fields (new positions are no longer ``aligned``
+        unless the changes say so)."""
+        if ("q_pos" in changes or "k_pos" in changes) and "aligned" not in changes:
+            changes["aligned"] = False
         return dataclasses.replace(self, **changes)
+
+    @property
+    def causal_only(self) -> bool:
+        """Whether the mask is exactly the causal triangle over aligned positions (no window,
+        segments, lengths, validity or prefix): what ``is_causal=True`` computes."""
+        others = (self.window, self.q_segment, self.k_segment, self.k_length, self.k_valid,
+                  self.q_valid, self.prefix_length)  # fmt: skip
+        return self.causal and self.aligned and all(x is None for x in others)
 
     def _allowed(self, q_pos, k_pos, k_index_S, q_seg, k_seg, q_valid, k_valid):
         """[B|1, 1, t, s] mask of the given slices of the position-indexed fields."""
