@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -51,9 +52,36 @@ class Transposed:
         return jnp.moveaxis(self.t, tuple(range(n_out, self.t.ndim)), tuple(range(self.n_in)))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _wide_dot(x_MK, w_KN, out_dtype):
+    """``x @ w`` accumulated and returned in the wider ``out_dtype``; its gradients are
+    products in the operands' own dtype (accumulated in float32). Plain autodiff would
+    carry the wide cotangent into both backward products, upcasting the weight: float32
+    GEMMs, for a bfloat16 model's output head the largest products of the step."""
+    return jnp.dot(x_MK, w_KN, preferred_element_type=out_dtype)
+
+
+def _wide_dot_fwd(x_MK, w_KN, out_dtype):
+    return _wide_dot(x_MK, w_KN, out_dtype), (x_MK, w_KN)
+
+
+def _wide_dot_bwd(out_dtype, res, g_MN):
+    x_MK, w_KN = res
+    g_MN = g_MN.astype(x_MK.dtype)
+    f32 = jnp.float32
+    dx_MK = jnp.dot(g_MN, w_KN.T, preferred_element_type=f32).astype(x_MK.dtype)
+    dw_KN = jnp.dot(x_MK.T, g_MN, preferred_element_type=f32).astype(w_KN.dtype)
+    return dx_MK, dw_KN
+
+
+_wide_dot.defvjp(_wide_dot_fwd, _wide_dot_bwd)
+
+
 def dense(x, w, *, n_in=1, out_dtype=None):
     """Contracts the last ``n_in`` axes of ``x`` with the first ``n_in`` of ``w`` (also a
-    ``Transposed`` weight).
+    ``Transposed`` weight), in ``x``'s dtype; ``out_dtype`` (e.g. float32 logits of a
+    bfloat16 model) accumulates and returns the product wider, while the backward products
+    stay in ``x``'s dtype.
 
     Tokens are flattened so the product is one 2-D GEMM going forward and both ways back:
     XLA:CPU runs a weight gradient contracting over (B, T) far slower than one over B*T.
@@ -63,9 +91,11 @@ def dense(x, w, *, n_in=1, out_dtype=None):
         t = w.t.reshape(-1, k).astype(x.dtype)
         y = jnp.einsum("mk,nk->mn", x.reshape(-1, k), t, preferred_element_type=out_dtype)
         return y.reshape(x.shape[: x.ndim - n_in] + w.shape[n_in:])
-    y = jnp.dot(
-        x.reshape(-1, k), w.reshape(k, -1).astype(x.dtype), preferred_element_type=out_dtype
-    )
+    x_MK, w_KN = x.reshape(-1, k), w.reshape(k, -1).astype(x.dtype)
+    if out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
+        y = _wide_dot(x_MK, w_KN, jnp.dtype(out_dtype))
+    else:
+        y = jnp.dot(x_MK, w_KN, preferred_element_type=out_dtype)
     return y.reshape(x.shape[: x.ndim - n_in] + w.shape[n_in:])
 
 
