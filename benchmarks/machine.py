@@ -186,6 +186,8 @@ def limits(matmul_shapes=(), dtype="float32", square=2048, repeats=5) -> dict:
     """The machine's limits measured now: matmul FLOP/s at ``matmul_shapes`` and at a
     ``square`` matmul, copy and read bytes/s, and on a GPU the table's bf16 peak."""
     kind = jax.devices()[0].device_kind
+    if jax.default_backend() == "gpu":
+        square = max(square, 8192)  # a smaller product leaves a GPU's matrix units idle
     shapes = matmul_flops(matmul_shapes, dtype, repeats) if matmul_shapes else {}
     return dict(
         dtype=dtype,

@@ -18,6 +18,7 @@ trace. Figures taken under load move; the shares move much less.
 
     python benchmarks/profile_step.py --train medium            # the 6 x 384 training step
     python benchmarks/profile_step.py --decode 1,8 [--new-tokens 64]   # GPT-2 small, per batch
+    python benchmarks/profile_step.py --train gpt2 --device gpu   # bfloat16, cuDNN attention
 
 Run training and decoding in separate processes: ``--train`` asks for one single-threaded
 CPU device per core (as ``attnlab train`` does), which would leave decoding one thread.
@@ -77,7 +78,7 @@ def instruction_ops(hlo_text: str) -> dict[str, set]:
 def category(ops: set) -> str | None:
     """What an instruction computing ``ops`` is counted as (None: a container such as a
     while loop, whose body's kernels are counted themselves)."""
-    if ops & MATMUL:
+    if ops & MATMUL or "custom-call" in ops:  # on a GPU: cuBLAS gemms, cuDNN attention
         return "matmul"
     if ops & COLLECTIVE:
         return "collective"
@@ -139,10 +140,13 @@ def breakdown(call, hlo_text: str, *, prepare=lambda: None, calls: int = 2, top:
         share={k: round(v / total, 4) for k, v in by_kind.most_common()},
         kernel_ms_by_kind={k: ms(v) for k, v in by_kind.most_common()},
         top_not_matmul=[dict(kernel=k, ms=ms(v)) for k, v in rest.most_common(top)],
+        # Every trace event by name, matched to HLO or not: host spans, and on a GPU the
+        # kernels as CUDA names them (cuBLAS and cuDNN included), which the HLO does not.
+        top_events=[dict(event=k, ms=ms(v)) for k, v in times.most_common(3 * top)],
     )
 
 
-def train_step(shape: str):
+def train_step(shape: str, gpu: bool = False):
     """``breakdown``'s arguments for the training benchmark's step at ``shape`` (each call one
     step, the state donated and carried), on the CPU devices ``attnlab train`` uses."""
     import train_throughput as tt
@@ -150,12 +154,13 @@ def train_step(shape: str):
     from attnlab import devices, sharding, train
 
     s = tt.SHAPES[shape]
-    cfg = tt.config_for(s, s.get("vocab", 65), [])
-    n = devices.choose(cfg)
+    overrides = [f"--config.model.{k}" for k in ("dtype=bfloat16", "attention_impl=cudnn")]
+    cfg = tt.config_for(s, s.get("vocab", 65), overrides if gpu else [])
+    n = 1 if gpu else devices.choose(cfg)
     mesh = sharding.make_mesh({"data": n}) if devices.apply(n) else None
     trainer = train.Trainer(cfg, kind="lm", mesh=mesh)
     rng = np.random.default_rng(0)
-    batch = {k: rng.integers(0, 65, (s["batch"], s["seq_len"]), dtype=np.int32)
+    batch = {k: rng.integers(0, s.get("vocab", 65), (s["batch"], s["seq_len"]), dtype=np.int32)
              for k in ("inputs", "targets")}  # fmt: skip
     batch["loss_mask"] = np.ones((s["batch"], s["seq_len"]), np.float32)
     state = [trainer.init_state()]
@@ -214,11 +219,14 @@ def main(argv=None):
     )
     p.add_argument("--calls", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the JSON to this file")
+    machine.add_device_flag(p)
     args = p.parse_args(argv)
     load = [round(x, 2) for x in os.getloadavg()]  # before the runs
     programs = {}
     if args.train:  # first: it may ask for one CPU device per core before JAX starts
-        programs[f"train {args.train}"] = breakdown(**train_step(args.train), calls=args.calls)
+        programs[f"train {args.train}"] = breakdown(
+            **train_step(args.train, gpu=args.device == "gpu"), calls=args.calls
+        )
         print(json.dumps({f"train {args.train}": programs[f"train {args.train}"]}), flush=True)
     host = machine.describe() | dict(load_average=load)  # after --train chose the devices
     for B in args.decode:

@@ -130,8 +130,19 @@ def pipeline_rows(d):
         )
 
 
+HOST_EVENTS = ("Pjit", "PJRT", "Common", "[", "jit_", "command_buffer", "cuGraph", "Thunk")
+
+
 def profile_rows(d):
+    gpu = d["machine"].get("backend") == "gpu"
     for name, r in d["programs"].items():
+        if gpu:  # a GPU trace names kernels as CUDA does: the longest device kernels
+            kernels = [e for e in r.get("top_events", []) if not e["event"].startswith(HOST_EVENTS)]
+            top = ", ".join(f"`{e['event'][:40]}` {_n(e['ms'], 2)}" for e in kernels[:6])
+            yield dict(work=f"profile: {name}, the longest kernels (ms per step)",
+                       attnlab=f"{_n(r['wall_ms'])} ms wall", roofline=top or "-", peer="-",
+                       ratio="-")  # fmt: skip
+            continue
         share = r["share"]
         rest = ", ".join(f"{k} {_pct(v)}" for k, v in share.items() if k != "matmul")
         yield dict(

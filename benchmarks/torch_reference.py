@@ -79,7 +79,9 @@ def train_throughput(s, steps, vocab=65, device="cpu", compiled=False):
     autocast, and ``compiled`` with ``torch.compile`` (nanoGPT's GPU setting)."""
     torch.manual_seed(0)
     model = GPT(vocab, s["d_model"], s["n_layers"], s["n_heads"], s["seq_len"]).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    opt = torch.optim.AdamW(  # fused on a GPU, as nanoGPT's configure_optimizers does
+        model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=device == "cuda"
+    )
     ids = torch.randint(0, vocab, (s["batch"], s["seq_len"]), device=device)
     targets = torch.randint(0, vocab, (s["batch"], s["seq_len"]), device=device)
     forward = torch.compile(model) if compiled else model

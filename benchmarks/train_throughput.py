@@ -41,6 +41,8 @@ SHAPES = {
     "medium": dict(n_layers=6, n_heads=6, d_model=384, seq_len=256, batch=64),
     # GPT-2 small at context 1024 (the GPU shape).
     "gpt2": dict(n_layers=12, n_heads=12, d_model=768, seq_len=1024, batch=8, vocab=50257),
+    # The same with nanoGPT's own vocabulary, padded to a multiple of 64 for the GPU's GEMMs.
+    "gpt2_v50304": dict(n_layers=12, n_heads=12, d_model=768, seq_len=1024, batch=8, vocab=50304),
 }
 GPU_ATTENTION = ("cudnn", "chunked")  # attention_impl values measured with --device gpu
 
@@ -255,6 +257,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--quick", action="store_true", help="seconds: the small shape, 3 steps")
     p.add_argument("--peer", action="store_true", help="PyTorch's step back to back (torch)")
+    p.add_argument(
+        "--gpu-attention",
+        default=",".join(GPU_ATTENTION),
+        help="with --device gpu: the attention_impl values measured, default cudnn,chunked",
+    )
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     machine.add_device_flag(p)
     args = p.parse_args(argv)
@@ -271,13 +278,14 @@ def variants(args, dry):
         return [("float32", list(args.override))]
     bf16 = ["--config.model.dtype=bfloat16"]
     # cuDNN cannot be traced without a GPU: a dry run stands the fused XLA path in for it.
-    impls = [("xla" if dry and i == "cudnn" else i) for i in GPU_ATTENTION]
+    labels = args.gpu_attention.split(",")
+    impls = [("xla" if dry and i == "cudnn" else i) for i in labels]
     return [
         (
             f"bfloat16+{label}" + (f" ({i} in its place)" if i != label else ""),
             bf16 + [f"--config.model.attention_impl={i}"] + args.override,
         )
-        for label, i in zip(GPU_ATTENTION, impls, strict=True)
+        for label, i in zip(labels, impls, strict=True)
     ]
 
 
@@ -311,6 +319,7 @@ def shape_rows(args, mesh, limits, dry):
     for name in args.shapes.split(","):
         s = SHAPES[name]
         fpt = flops_per_token(s)
+        shape_start = len(results)
         for label, overrides in variants(args, dry):
             row = {"shape": name, **s, "setting": label, "flops_per_token": fpt}
             if dry:
@@ -331,9 +340,8 @@ def shape_rows(args, mesh, limits, dry):
             if "tokens_per_sec" in peer:  # the peer's MFU against the same roofline
                 scale = peer["tokens_per_sec"] / results[-1]["tokens_per_sec"]
                 peer["mfu"] = round(results[-1]["mfu"] * scale, 4)
-                results[-1]["vs_peer"] = round(
-                    results[-1]["tokens_per_sec"] / peer["tokens_per_sec"], 3
-                )
+                for row in results[shape_start:]:  # each setting of this shape against the peer
+                    row["vs_peer"] = round(row["tokens_per_sec"] / peer["tokens_per_sec"], 3)
             print(json.dumps({"peer_torch": peer}), flush=True)
     return results
 
