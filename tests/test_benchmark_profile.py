@@ -21,6 +21,7 @@ def test_category_sorts_ops_by_what_they_compute():
     assert profile.category({"erf", "multiply"}) == "elementwise"
     assert profile.category({"all-reduce"}) == "collective"
     assert profile.category({"while"}) is None  # its body's kernels count instead
+    assert profile.category({"custom-call"}) == "matmul"  # a GPU's cuBLAS and cuDNN calls
 
 
 def test_breakdown_finds_the_matmul_and_the_rest_of_a_program():
@@ -51,3 +52,21 @@ def test_report_prints_the_profile_shares(tmp_path):
     text = report.table([str(path)])
     assert "profile: train medium" in text
     assert "matmul 75.0%; layout 5.0%, elementwise 20.0%" in text
+
+
+def test_report_names_a_gpu_profiles_kernels_not_its_host_spans(tmp_path):
+    report = pytest.importorskip("report")
+    events = [("PjitFunction(_train_step)", 6.2), ("gemm_fusion_dot_general_292", 2.8),
+              ("cuGraphLaunch (CudaGraph:341)", 1.5), ("nvjet_sm90_tst_128x128", 1.2)]
+    run = dict(
+        benchmark="profile",
+        machine=dict(cpu="Xeon", backend="gpu", device_kind="NVIDIA H200", date="2026-11-26"),
+        programs={"train gpt2": dict(wall_ms=24.5, kernel_ms=0.2, share={"elementwise": 1.0},
+                                     top_events=[dict(event=e, ms=m) for e, m in events])},
+    )  # fmt: skip
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(run))
+    text = report.table([str(path)])
+    row = next(line for line in text.splitlines() if "train gpt2" in line)
+    assert "`gemm_fusion_dot_general_292` 2.80, `nvjet_sm90_tst_128x128` 1.20" in row
+    assert "Pjit" not in row and "cuGraph" not in row
