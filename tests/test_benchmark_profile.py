@@ -56,8 +56,12 @@ def test_report_prints_the_profile_shares(tmp_path):
 
 def test_report_names_a_gpu_profiles_kernels_not_its_host_spans(tmp_path):
     report = pytest.importorskip("report")
-    events = [("PjitFunction(_train_step)", 6.2), ("gemm_fusion_dot_general_292", 2.8),
-              ("cuGraphLaunch (CudaGraph:341)", 1.5), ("nvjet_sm90_tst_128x128", 1.2)]
+    events = [
+        ("PjitFunction(_train_step)", 6.2),
+        ("gemm_fusion_dot_general_292", 2.8),
+        ("cuGraphLaunch (CudaGraph:341)", 1.5),
+        ("nvjet_sm90_tst_128x128", 1.2),
+    ]
     run = dict(
         benchmark="profile",
         machine=dict(cpu="Xeon", backend="gpu", device_kind="NVIDIA H200", date="2026-11-26"),
