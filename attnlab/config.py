@@ -74,8 +74,9 @@ class ModelConfig:
     (save the outputs of the weight matmuls, recompute the rest). ``attention_impl`` picks
     the attention implementation (``attnlab.ops.attention``); ``"chunked"`` is blockwise with
     memory linear in the sequence length, its blocks ``attention_block_q``/``_k``; the default
-    ``"auto"`` takes the chunked path on CPU from 128 queries on (measured faster there) and
-    lets ``jax.nn.dot_product_attention`` choose elsewhere (cuDNN on a GPU where it applies).
+    ``"auto"`` takes the chunked path on CPU from 128 queries on (measured faster there),
+    cuDNN on an NVIDIA GPU for plain causal 16-bit self-attention (``gpu_prefers_cudnn``),
+    and XLA's fused path otherwise.
 
     ``decode_layers`` is how the generation loops (sampling, beam search) run the decoder:
     ``"unstacked"`` slices the stacked weights into separate blocks once per call and

@@ -379,3 +379,49 @@ def test_causal_only_needs_aligned_positions_and_no_other_rule():
     assert not masks.MaskSpec.for_sequence(6, causal=True, segment_ids=seg).causal_only
     assert not aligned.replace(q_pos=aligned.q_pos + 1).causal_only  # moved positions
     assert not masks.MaskSpec.for_cache(6, 6, np.zeros(1, np.int32)).causal_only
+
+
+def test_auto_runs_cudnn_on_an_nvidia_gpu_only_where_measured(monkeypatch):
+    """``"auto"`` picks cuDNN for plain causal bfloat16 self-attention on an NVIDIA GPU
+    (the dispatch is checked here, on the CPU, with XLA's kernel run in cuDNN's place) and
+    leaves every case not measured there to XLA's path."""
+    from attnlab.ops import attention as attention_mod
+
+    calls = []
+    fused = jax.nn.dot_product_attention
+
+    def spy(*args, implementation=None, **kwargs):
+        calls.append(dict(kwargs, implementation=implementation))
+        return fused(*args, implementation="xla" if implementation else None, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    monkeypatch.setattr(attention_mod, "_nvidia_gpu", lambda: True)
+    T64 = 64
+    rng = np.random.default_rng(22)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, T64, 2, 16)), jnp.bfloat16) for _ in range(3))
+    spec = masks.MaskSpec.for_sequence(T64, causal=True)
+
+    def run(q=q, k=k, v=v, mask=spec, backend="gpu", **kw):
+        calls.clear()
+        out = dot_product_attention(
+            q, k, v, mask=mask, implementation="auto", backend=backend, **kw
+        )
+        return out, calls[-1]["implementation"] if calls else "not fused"
+
+    out, impl = run()
+    assert impl == "cudnn" and calls[-1]["is_causal"] is True
+    expected, _ = ref.attention(q, k, v, mask=np.tril(np.ones((T64, T64), bool)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, **BF16_TOL)
+    assert run(backend="cpu")[1] != "cudnn"
+    assert run(q=q.astype(jnp.float32), k=k.astype(jnp.float32), v=v.astype(jnp.float32))[1] is None
+    assert run(k=k[:, :, :1], v=v[:, :, :1])[1] is None  # grouped keys: not measured
+    assert run(mask=masks.MaskSpec.for_sequence(T64, causal=True, window=8))[1] is None
+    assert (
+        run(
+            q=q[:, :48], k=k[:, :48], v=v[:, :48], mask=masks.MaskSpec.for_sequence(48, causal=True)
+        )[1]
+        is None
+    )
+    assert run(softcap=30.0)[1] == "not fused"
+    monkeypatch.setattr(attention_mod, "_nvidia_gpu", lambda: False)  # a GPU of another make
+    assert run()[1] is None

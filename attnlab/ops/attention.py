@@ -23,9 +23,9 @@ Implementations, all behind one signature:
 * ``"auto"`` (the model default): on CPU, ``"chunked"`` from ``AUTO_CHUNKED_MIN_T`` queries
   on, with ``AUTO_BLOCK`` blocks up to ``AUTO_BLOCK_MAX_LEN`` (its own defaults beyond),
   and ``one_query_attention`` for a single query (a decoding step), where no weights,
-  ``logits_fn`` or dropout are asked for; otherwise
-  ``jax.nn.dot_product_attention`` choosing for itself (cuDNN's fused kernel on a GPU where
-  it applies, else XLA's).
+  ``logits_fn`` or dropout are asked for; on an NVIDIA GPU, ``"cudnn"`` for the case
+  measured there (``gpu_prefers_cudnn``: plain causal self-attention in 16-bit floats);
+  otherwise ``jax.nn.dot_product_attention``'s own choice, which is XLA's.
 * ``"chunked"``: ``attnlab.ops.chunked``, blockwise with an online softmax and a custom
   backward pass: memory linear in T and S, masked-out blocks skipped, pure JAX (any
   backend). ``block_q``/``block_k`` set its block sizes. It has no ``logits_fn`` and no
@@ -37,9 +37,11 @@ materialise the weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from attnlab.ops.chunked import chunked_attention
@@ -224,6 +226,36 @@ def cpu_prefers_chunked(T: int, backend: str) -> bool:
     return T >= AUTO_CHUNKED_MIN_T and backend == "cpu"
 
 
+@functools.cache
+def _nvidia_gpu() -> bool:
+    try:
+        return "cuda" in jax.extend.backend.get_backend("gpu").platform_version.lower()
+    except RuntimeError:  # no GPU backend
+        return False
+
+
+def gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, bias, backend: str) -> bool:
+    """Whether ``"auto"`` runs cuDNN's fused kernel: on an NVIDIA GPU, for what was measured
+    there (GPT-2 small training and causal attention up to T = 128k on an H200, 3.6-10x
+    faster than XLA's from 8k on; ``docs/benchmarks.md``): a causal-only ``MaskSpec`` (given
+    to cuDNN as its flag), no bias, bfloat16 or float16, as many key heads as query heads,
+    a head size that is a multiple of 8 up to 128, and T a multiple of 64. Anything else
+    keeps XLA's path until measured."""
+    q_dtype, H = q_BTNH.dtype, q_BTNH.shape[-1]
+    return (
+        backend == "gpu"
+        and isinstance(mask, MaskSpec)
+        and mask.causal_only
+        and bias is None
+        and q_dtype in (jnp.bfloat16, jnp.float16)
+        and k_BSKH.shape[2] == q_BTNH.shape[2]
+        and H % 8 == 0
+        and H <= 128
+        and q_BTNH.shape[1] % 64 == 0
+        and _nvidia_gpu()
+    )
+
+
 def _refuse_on_chunked(logits_fn, dropout_rate):
     """The chunked path's backward pass is written for plain softmax attention."""
     if logits_fn is not None:
@@ -292,6 +324,10 @@ def dot_product_attention(
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     plain = not return_weights and logits_fn is None and not drop
     backend = jax.default_backend() if backend is None else backend
+    changed = sinks is not None or softcap is not None  # the fused kernels have neither
+    auto = implementation == "auto" and plain and not changed
+    if auto and gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, bias, backend):
+        implementation = "cudnn"
     if implementation == "auto" and plain and cpu_prefers_chunked(T, backend):
         implementation = "chunked"
         if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
@@ -307,7 +343,6 @@ def dot_product_attention(
     if isinstance(bias, PositionBias):
         bias = bias.dense()
     softmax = {"sinks": sinks, "softcap": softcap}
-    changed = sinks is not None or softcap is not None  # the fused kernels have neither
     fused = not (return_weights or implementation == "reference" or logits_fn is not None
                  or drop or changed)  # fmt: skip
     one_query = implementation == "auto" and plain and T == 1 and backend == "cpu"
