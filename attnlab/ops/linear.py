@@ -81,7 +81,8 @@ def dense(x, w, *, n_in=1, out_dtype=None):
     """Contracts the last ``n_in`` axes of ``x`` with the first ``n_in`` of ``w`` (also a
     ``Transposed`` weight), in ``x``'s dtype; ``out_dtype`` (e.g. float32 logits of a
     bfloat16 model) accumulates and returns the product wider, while the backward products
-    stay in ``x``'s dtype.
+    stay in ``x``'s dtype. Such a widened product is differentiated in reverse mode only
+    (``jax.grad``, ``jax.vjp``); ``jax.jvp`` through it is refused.
 
     Tokens are flattened so the product is one 2-D GEMM going forward and both ways back:
     XLA:CPU runs a weight gradient contracting over (B, T) far slower than one over B*T.
