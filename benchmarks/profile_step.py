@@ -148,7 +148,8 @@ def breakdown(call, hlo_text: str, *, prepare=lambda: None, calls: int = 2, top:
 
 def train_step(shape: str, gpu: bool = False):
     """``breakdown``'s arguments for the training benchmark's step at ``shape`` (each call one
-    step, the state donated and carried), on the CPU devices ``attnlab train`` uses."""
+    step, the state donated and carried), on the CPU devices ``attnlab train`` uses, or with
+    ``gpu`` on one GPU in bfloat16 with cuDNN attention (``train_throughput``'s setting)."""
     import train_throughput as tt
 
     from attnlab import devices, sharding, train
