@@ -14,7 +14,8 @@ from attnlab.train.optim import (
     make_optimizer,
     set_optim_values,
 )
-from attnlab.train.steps import Trainer, zeros_acc
+from attnlab.train.state import zeros_acc
+from attnlab.train.steps import Trainer
 
 __all__ = [
     "NO_DECAY_NAMES",

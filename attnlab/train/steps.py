@@ -1,11 +1,8 @@
 """The step factory: ``Trainer`` builds the model and optimiser and jits the pure steps once.
 
 ``train_step(state, batch) -> (state, metrics)`` and ``eval_step(params, batch)`` are pure
-functions of pytrees (the state buffers are donated). The train state is a dict
-``{"params", "opt_state", "step", "acc", "key"}``: ``acc`` accumulates the loss and gradient
-norm between log lines *inside* the state, so a run resumed from a checkpoint logs exactly
-what the uninterrupted run logs. Dropout keys are ``fold_in(key(seed), step)``, with the
-seed's key data kept in the state so stacked trials can each carry their own.
+functions of pytrees (the state buffers are donated); the state's layout is
+``attnlab.train.state``'s.
 
 Divergence is watched on device at every step without a host sync: ``acc["nonfinite"]``
 counts the steps whose loss or gradient norm was not finite and ``acc["first_nonfinite"]``
@@ -26,8 +23,6 @@ program, the default on CPU); evaluation batches are shared by the trials.
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,50 +35,18 @@ from attnlab.config import ModelConfig
 from attnlab.nn import build_model
 from attnlab.nn.models import init_params
 from attnlab.train.objectives import loss_sums, objective_sums
-from attnlab.train.optim import (
-    INJECTED,
-    layers_over_batch_devices,
-    make_optimizer,
-    set_optim_values,
-)
+from attnlab.train.optim import layers_over_batch_devices, make_optimizer, set_optim_values
 from attnlab.train.router_metrics import router_sums, zeros_router
+from attnlab.train.state import (
+    all_finite,
+    init_compiler_options,
+    init_program,
+    optim_structure,
+    state_around,
+)
 
 _SEED = jax.ShapeDtypeStruct((), jnp.uint32)
 _INIT_PROGRAMS: dict = {}  # what an initialisation depends on -> (its jit, its optim group)
-
-
-def init_compiler_options() -> dict:
-    """XLA options for the train state's initialisation, a program that runs once: on CPU
-    without the backend's optimisations, which took longer to compile (2.4 s of a small
-    model's start-up on 2 cores) than they saved in running it (0.01 s against 0.09 s)."""
-    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
-
-
-def _init_program(mcfg, tx):
-    """The train state as a function of the seed: a closure over the model config and the
-    optimiser alone, so the cache of shared programs keeps no trainer alive."""
-
-    def init(seed):
-        return _state_around(mcfg, tx, init_params(mcfg, seed), seed)
-
-    return init
-
-
-def _state_around(mcfg, tx, params, seed):
-    """The train state at step 0 around ``params``."""
-    return {
-        "params": params,
-        "opt_state": tx.init(params),
-        "step": jnp.zeros((), jnp.int32),
-        "acc": zeros_acc(mcfg),
-        "key": jax.random.key_data(jax.random.key(seed)),
-    }
-
-
-def _structure(o) -> str:
-    """An optim config group without the values that live in the optimiser state."""
-    values = {k: v for k, v in o.to_dict().items() if k not in INJECTED}
-    return json.dumps(values, sort_keys=True, default=str)
 
 
 def _stacked(train_step, eval_step, how: str):
@@ -124,26 +87,6 @@ def _wait_for_last_program():
         last.block_until_ready()
 
 
-def zeros_acc(mcfg=None):
-    """The empty accumulator of the train state (cleared after each log line); a
-    mixture-of-experts ``mcfg`` adds its router statistics (``router_metrics``)."""
-    return {
-        "loss_sum": jnp.zeros((), jnp.float32),
-        "tokens": jnp.zeros((), jnp.float32),
-        "grad_norm_sum": jnp.zeros((), jnp.float32),
-        "steps": jnp.zeros((), jnp.int32),
-        "nonfinite": jnp.zeros((), jnp.int32),
-        "first_nonfinite": jnp.zeros((), jnp.int32),
-        **zeros_router(mcfg),
-    }
-
-
-def all_finite(tree) -> jax.Array:
-    """True when every floating leaf of ``tree`` is finite (one fused reduction)."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
-
-
 class Trainer:
     """Builds the model and optimiser of an experiment and jits its steps once.
 
@@ -181,7 +124,7 @@ class Trainer:
         self.all_finite = jax.jit(all_finite)
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.rules = sharding.resolve_rules(cfg.get("mesh", {}).get("rules"))
-        self._init_state = _init_program(self.mcfg, self.tx)
+        self._init_state = init_program(self.mcfg, self.tx)
         init_out, step_out = {}, {}
         if self.mesh is not None:
             self.check_batch(int(cfg.train.batch_size), "train.batch_size")
@@ -192,7 +135,7 @@ class Trainer:
             step_out = dict(out_shardings=(self.state_shardings, replicated))
         # One initialisation program for trainers that differ only in their seed (an
         # argument) and optimiser values (set afterwards): a sweep's trials compile it once.
-        shared = (repr(self.mcfg), _structure(cfg.optim), self.total_steps, kind)
+        shared = (repr(self.mcfg), optim_structure(cfg.optim), self.total_steps, kind)
         shared += (self.mesh, repr(sorted(self.rules.items())))
         if shared not in _INIT_PROGRAMS:
             if len(_INIT_PROGRAMS) >= 16:
@@ -318,7 +261,7 @@ class Trainer:
     def state_around(self, params):
         """The initial train state with ``params`` (a surgery run's) for the model's own:
         the optimiser's state initialised around them, sharded as ``init_state``'s."""
-        init = lambda p, seed: _state_around(self.mcfg, self.tx, p, seed)
+        init = lambda p, seed: state_around(self.mcfg, self.tx, p, seed)
         if self.mesh is None:
             return jax.jit(init)(params, np.uint32(self.seed))
         with sharding.activate(self.mesh, self.rules):
