@@ -30,15 +30,22 @@ QUIET = ["--config.eval.batches=0", "--config.eval.sample_tokens=0"]
 GPT2 = dict(model_type="gpt2", n_embd=8, n_layer=1, n_head=2, n_positions=16, vocab_size=10)
 
 
-def snapshot(root: pathlib.Path) -> dict:
-    return {
-        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*"))
-    }
+def snapshot(root: pathlib.Path, skip: str | None = None) -> dict:
+    """Size and mtime of everything under ``root``, leaving out (unvisited) the folders whose
+    names hold ``skip``."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if skip is None or skip not in d]
+        for name in dirs + files:
+            p = pathlib.Path(folder, name)
+            out[str(p.relative_to(root))] = (p.stat().st_size, p.stat().st_mtime_ns)
+    return out
 
 
 def finalised(checkpoints: pathlib.Path) -> dict:
-    return {k: v for k, v in snapshot(checkpoints).items() if "checkpoint-tmp" not in k}
+    """The finalised checkpoints alone: a failed save's ``-tmp`` folder is left out unvisited,
+    since Orbax's background threads may still be removing files from it."""
+    return snapshot(checkpoints, skip="checkpoint-tmp")
 
 
 def copy(src: pathlib.Path, dst: pathlib.Path, *, drop=(), write=None) -> pathlib.Path:
