@@ -79,14 +79,20 @@ def describe() -> dict:
     )
 
 
-def _best_seconds(fn, args, repeats):
-    jax.block_until_ready(fn(*args))  # compiles
+def _best(call, repeats):
+    """The best seconds of ``call()`` over ``repeats`` runs after one untimed run (which
+    compiles a jitted call and warms the caches)."""
+    call()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        call()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _best_seconds(fn, args, repeats):
+    return _best(lambda: jax.block_until_ready(fn(*args)), repeats)
 
 
 def _on_every_device(x):
@@ -139,11 +145,7 @@ def copy_bytes_per_s(mib=256, repeats=5) -> dict:
         jax_s = min(jax_s, time.perf_counter() - t0)
     del x
     src, dst = np.ones((n,), np.float32), np.empty((n,), np.float32)
-    host = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        host = min(host, time.perf_counter() - t0)
+    host = _best(lambda: np.copyto(dst, src), repeats)
     return {"jax": 2 * 4 * n / jax_s, "numpy": 2 * 4 * n / host}
 
 
@@ -157,11 +159,7 @@ def read_bytes_per_s(mib=512, repeats=5) -> dict:
     jax_s = _best_seconds(jax.jit(lambda a, v: a @ v), (a, v), repeats)
     del a
     a, v = np.ones((n // 4096, 4096), np.float32), np.ones((4096,), np.float32)
-    host = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        a @ v
-        host = min(host, time.perf_counter() - t0)
+    host = _best(lambda: a @ v, repeats)
     return {"jax": 4 * n / jax_s, "numpy": 4 * n / host}
 
 
