@@ -256,6 +256,22 @@ def gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, bias, backend: str) -> bool:
     )
 
 
+def _resolve_auto(q_BTNH, k_BSKH, mask, bias, *, backend, changed, block_q, block_k):
+    """``(implementation, block_q, block_k)`` that ``"auto"`` runs for a call asking for no
+    weights, ``logits_fn`` or dropout: cuDNN where ``gpu_prefers_cudnn`` (not with sinks or
+    a softcap: ``changed``), the chunked path where ``cpu_prefers_chunked`` (with
+    ``AUTO_BLOCK`` blocks up to ``AUTO_BLOCK_MAX_LEN`` unless blocks are given), else still
+    ``"auto"`` (a CPU decoding step's one-query path, or ``jax.nn``'s own choice)."""
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    if not changed and gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, bias, backend):
+        return "cudnn", block_q, block_k
+    if cpu_prefers_chunked(T, backend):
+        if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
+            return "chunked", AUTO_BLOCK, AUTO_BLOCK
+        return "chunked", block_q, block_k
+    return "auto", block_q, block_k
+
+
 def _refuse_on_chunked(logits_fn, dropout_rate):
     """The chunked path's backward pass is written for plain softmax attention."""
     if logits_fn is not None:
@@ -321,17 +337,15 @@ def dot_product_attention(
             f"block_q/block_k set the chunked implementation's blocks; implementation="
             f"{implementation!r} has none: leave them None or use implementation='chunked'"
         )
-    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    T = q_BTNH.shape[1]
     plain = not return_weights and logits_fn is None and not drop
     backend = jax.default_backend() if backend is None else backend
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
-    auto = implementation == "auto" and plain and not changed
-    if auto and gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, bias, backend):
-        implementation = "cudnn"
-    if implementation == "auto" and plain and cpu_prefers_chunked(T, backend):
-        implementation = "chunked"
-        if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
-            block_q = block_k = AUTO_BLOCK
+    if implementation == "auto" and plain:
+        implementation, block_q, block_k = _resolve_auto(
+            q_BTNH, k_BSKH, mask, bias, backend=backend, changed=changed,
+            block_q=block_q, block_k=block_k,
+        )  # fmt: skip
     if implementation == "chunked" and not return_weights:
         if logits_fn is not None or drop:
             _refuse_on_chunked(logits_fn, dropout_rate)
