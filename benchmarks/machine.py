@@ -17,6 +17,7 @@ day's CPU:
 * ``dense_bf16_peak(kind)``: a GPU's published dense bfloat16 peak, from ``PEAK_BF16_TFLOPS``;
 * ``decode_bound(...)``: tokens/s a decoding step cannot beat: every token streams the
   weights (once per step, shared by the batch) and its row's cache, and does its FLOPs.
+* ``best_seconds(call, repeats)``: the timer all of these use, and other benchmarks too.
 
     python benchmarks/machine.py            # the machine alone, as JSON
 """
@@ -79,9 +80,9 @@ def describe() -> dict:
     )
 
 
-def _best(call, repeats):
+def best_seconds(call, repeats):
     """The best seconds of ``call()`` over ``repeats`` runs after one untimed run (which
-    compiles a jitted call and warms the caches)."""
+    compiles a jitted call and warms the caches); a call into jax waits for its result."""
     call()
     best = float("inf")
     for _ in range(repeats):
@@ -89,10 +90,6 @@ def _best(call, repeats):
         call()
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def _best_seconds(fn, args, repeats):
-    return _best(lambda: jax.block_until_ready(fn(*args)), repeats)
 
 
 def _on_every_device(x):
@@ -115,7 +112,7 @@ def matmul_flops(shapes, dtype="float32", repeats=5) -> dict:
         keys = jax.random.split(jax.random.key(0))
         a = _on_every_device(jax.random.normal(keys[0], (M, K), jnp.float32).astype(dtype))
         b = _on_every_device(jax.random.normal(keys[1], (K, N), jnp.float32).astype(dtype))
-        seconds = _best_seconds(f, (a, b), repeats)
+        seconds = best_seconds(lambda a=a, b=b: jax.block_until_ready(f(a, b)), repeats)
         out[f"{M}x{K}x{N}"] = 2 * M * K * N * jax.device_count() / seconds
     return out
 
@@ -145,7 +142,7 @@ def copy_bytes_per_s(mib=256, repeats=5) -> dict:
         jax_s = min(jax_s, time.perf_counter() - t0)
     del x
     src, dst = np.ones((n,), np.float32), np.empty((n,), np.float32)
-    host = _best(lambda: np.copyto(dst, src), repeats)
+    host = best_seconds(lambda: np.copyto(dst, src), repeats)
     return {"jax": 2 * 4 * n / jax_s, "numpy": 2 * 4 * n / host}
 
 
@@ -156,10 +153,11 @@ def read_bytes_per_s(mib=512, repeats=5) -> dict:
     n = mib * 2**20 // 4
     a = jnp.ones((n // 4096, 4096), jnp.float32)
     v = jnp.ones((4096,), jnp.float32)
-    jax_s = _best_seconds(jax.jit(lambda a, v: a @ v), (a, v), repeats)
+    matvec = jax.jit(lambda a, v: a @ v)
+    jax_s = best_seconds(lambda: jax.block_until_ready(matvec(a, v)), repeats)
     del a
     a, v = np.ones((n // 4096, 4096), np.float32), np.ones((4096,), np.float32)
-    host = _best(lambda: a @ v, repeats)
+    host = best_seconds(lambda: a @ v, repeats)
     return {"jax": 4 * n / jax_s, "numpy": 4 * n / host}
 
 

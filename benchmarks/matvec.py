@@ -29,8 +29,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 
+import machine  # benchmarks/machine.py: the read rate, the timer
 import numpy as np
 
 D, F, V = 768, 3072, 50257
@@ -50,16 +50,6 @@ def nbytes(layers: int) -> int:
     return 4 * (2 * layers * D * F + V * D)
 
 
-def best(fn, repeats: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
-
-
 def jax_seconds(batch: int, layers: int, out_in: bool, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -74,7 +64,7 @@ def jax_seconds(batch: int, layers: int, out_in: bool, repeats: int) -> float:
         return x @ head.T
 
     x = jnp.ones((batch, D), jnp.float32)
-    return best(lambda: jax.block_until_ready(chain(x, up, down, head)), repeats)
+    return machine.best_seconds(lambda: jax.block_until_ready(chain(x, up, down, head)), repeats)
 
 
 def gpt2_dots(batch: int, repeats: int, out_in: bool = False) -> tuple[float, int]:
@@ -102,7 +92,7 @@ def gpt2_dots(batch: int, repeats: int, out_in: bool = False) -> tuple[float, in
 
     x = jnp.ones((batch, D), jnp.float32)
     size = sum(a.nbytes for p in layers for a in p.values()) + head.nbytes
-    return best(lambda: jax.block_until_ready(step(x, layers, head)), repeats), size
+    return machine.best_seconds(lambda: jax.block_until_ready(step(x, layers, head)), repeats), size
 
 
 def eager_seconds(lib: str, batch: int, layers: int, repeats: int) -> float | None:
@@ -126,8 +116,8 @@ def eager_seconds(lib: str, batch: int, layers: int, repeats: int) -> float | No
 
     if lib == "torch":
         with torch.no_grad():
-            return best(chain, repeats)
-    return best(chain, repeats)
+            return machine.best_seconds(chain, repeats)
+    return machine.best_seconds(chain, repeats)
 
 
 def child(args, flags: str) -> float:
@@ -151,8 +141,6 @@ def main(argv=None):
         print(json.dumps({B: jax_seconds(B, args.layers, False, args.repeats)
                           for B in args.batches}))  # fmt: skip
         return
-    import machine  # benchmarks/machine.py
-
     load = [round(x, 2) for x in os.getloadavg()]
     limits = machine.limits()
     read = max(limits["read_gbps"].values())
