@@ -357,3 +357,41 @@ class MaskSpec:
         if out is None:
             return jnp.ones((T // block_q, nk), bool)
         return jnp.broadcast_to(out, (out.shape[0], T // block_q, nk)).any(0)
+
+    def block_all(self, block_q, block_k):
+        """``[T / block_q, S / block_k]`` bool: True where every entry of the (query block,
+        key block) pair may attend, in every batch row, so a kernel may skip evaluating the
+        mask there. False is conservative (the block may still be full); True is exact.
+        T and S must be multiples of the blocks."""
+        T, S = self.shape
+        if T % block_q or S % block_k:
+            raise ValueError(f"block_all: T={T}, S={S} must be multiples of {block_q}, {block_k}")
+        nq, nk = T // block_q, S // block_k
+        q_min, q_max = (x[:, :, None] for x in _block_range(self.q_pos, block_q))
+        k_min, k_max = (x[:, None, :] for x in _block_range(self.k_pos, block_k))
+        out = None  # [B|1, nq, nk]
+        if self.causal:
+            rule = k_max <= q_min
+            if self.prefix_length is not None:
+                rule = rule | (k_max < jnp.asarray(self.prefix_length)[:, None, None])
+            out = rule
+        if self.window is not None:
+            window = jnp.asarray(self.window, jnp.int32)
+            out = _and(out, (k_max <= q_min) & (k_min > q_max - window))
+        if self.q_segment is not None:
+            qs_min, qs_max = (x[:, :, None] for x in _block_range(self.q_segment, block_q))
+            ks_min, ks_max = (x[:, None, :] for x in _block_range(self.k_segment, block_k))
+            out = _and(
+                out, (qs_min == qs_max) & (ks_min == ks_max) & (qs_min == ks_min) & (qs_min > 0)
+            )
+        if self.k_length is not None:
+            ends = (jnp.arange(nk, dtype=jnp.int32) + 1) * block_k
+            out = _and(out, ends[None, None, :] <= jnp.asarray(self.k_length)[:, None, None])
+        if self.k_valid is not None:
+            out = _and(out, self.k_valid.reshape(self.k_valid.shape[0], 1, nk, block_k).all(-1))
+        if self.q_valid is not None:
+            all_q = self.q_valid.reshape(self.q_valid.shape[0], -1, block_q).all(-1)
+            out = _and(out, all_q[:, :, None])
+        if out is None:
+            return jnp.ones((nq, nk), bool)
+        return jnp.broadcast_to(out, (out.shape[0], nq, nk)).all(0)
