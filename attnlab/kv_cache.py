@@ -251,10 +251,10 @@ def check_capacity(cache: KVCache, new_B=0) -> None:
     if (need_B > cache.capacity).any():
         b = int(np.argmax(need_B))
         raise DecodeError(
-            f"the cache holds {cache.capacity} tokens per row (init_cache max_len="
-            f"{cache.capacity}) but row {b} asks for {int(need_B[b])} ({int(held_B[b])} held "
-            f"+ {int(need_B[b] - held_B[b])} new): build the cache with a larger max_len, or "
-            "a ring cache (init_cache(..., ring=True)) for a sliding-window model"
+            f"the cache holds {cache.capacity} tokens per row but row {b} asks for "
+            f"{int(need_B[b])} ({int(held_B[b])} held + {int(need_B[b] - held_B[b])} new): "
+            "pass a larger max_len to init_cache, or use a ring cache (init_cache(..., "
+            "ring=True)) for a sliding-window model"
         )
 
 

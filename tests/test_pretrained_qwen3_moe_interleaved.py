@@ -87,3 +87,11 @@ def test_interleaved_checkpoint_loads_decodes_and_exports_as_transformers(
     greedy_matches_transformers(model, folder)
     assert export_model(handle.model, tmp_path / "hf") == "qwen3_moe"
     assert max_diff(transformers_logits(tmp_path / "hf", ids, mask)[real], expected[real]) <= TOL
+
+
+def test_a_sparse_step_below_one_is_refused_naming_the_key():
+    from attnlab.pretrained.hf_base import UnsupportedCheckpointError
+
+    c = {**_config("alternating").to_dict(), "model_type": "qwen3_moe", "decoder_sparse_step": 0}
+    with pytest.raises(UnsupportedCheckpointError, match="decoder_sparse_step=0"):
+        model_config_from_hf(c)

@@ -40,7 +40,8 @@ def qwen3_moe(c: dict) -> dict:
     ``decoder_sparse_step``): a ``block_pattern`` when any layer is dense, so a regular
     placement scans one block (``hf_base.prefix_and_block``)."""
     n = require(c, "num_hidden_layers")
-    step = c.get("decoder_sparse_step") or 1
+    step = c.get("decoder_sparse_step", 1)
+    step = 1 if step is None else step
     only = c.get("mlp_only_layers") or []
     if not isinstance(step, int) or step < 1:
         raise UnsupportedCheckpointError(
