@@ -47,10 +47,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from attnlab.architectures import architecture
 from attnlab.config import ModelConfig
+from attnlab.errors import DecodeError
 from attnlab.kv_ring import (  # noqa: F401 - the ring's names, where callers look for them
     Ring,
     ring_positions,
@@ -123,6 +125,19 @@ class KVCache:
         fixed-size state alone) serves."""
         slots = self.slots
         return self.max_len if self.ring or slots is None else slots
+
+    @property
+    def overflow(self) -> jax.Array:
+        """``[B]`` bool: rows asked to hold more tokens than a linear cache's ``capacity``.
+
+        ``lengths`` keeps counting past the capacity while the writes past it are dropped,
+        so such a row's logits from its ``capacity``-th token on are wrong, and the flag
+        stays set. Under ``jit``, where a call cannot raise, it is the one sign of a write
+        past the end (``check_capacity`` turns it into the error). A ring never overflows.
+        """
+        if self.ring or self.slots is None:
+            return jnp.zeros(self.lengths.shape, bool)
+        return self.lengths > self.capacity
 
     @property
     def batch_size(self) -> int:
@@ -217,6 +232,30 @@ def init_cache(
         window=window,
         max_len=max_len,
     )
+
+
+def check_capacity(cache: KVCache, new_B=0) -> None:
+    """Raises a ``DecodeError`` if a row of a linear cache would hold more than its
+    ``capacity`` once ``new_B`` more tokens (an int, or ``[B]`` per row) are appended.
+
+    Model calls check their tokens with it before the first write; ``check_capacity(cache)``
+    after a jitted loop reports the rows whose writes went past the end (``overflow``).
+    Nothing to check for a ring (it wraps by design) or traced values (read ``overflow``).
+    """
+    if cache.ring or cache.slots is None:
+        return
+    if any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, new_B)):
+        return
+    held_B = np.asarray(cache.lengths)
+    need_B = held_B + np.asarray(new_B)
+    if (need_B > cache.capacity).any():
+        b = int(np.argmax(need_B))
+        raise DecodeError(
+            f"the cache holds {cache.capacity} tokens per row but row {b} asks for "
+            f"{int(need_B[b])} ({int(held_B[b])} held + {int(need_B[b] - held_B[b])} new): "
+            "pass a larger max_len to init_cache, or use a ring cache (init_cache(..., "
+            "ring=True)) for a sliding-window model"
+        )
 
 
 def scatter(cache_LB, layer, new_BT, slots_BT, slot_axis: int = 1):

@@ -110,6 +110,7 @@ def test_eval_harness_command_prints_the_results(tiny_lm_run, tmp_path, capsys):
     assert main([*args, "--include-path", str(_tasks(tmp_path))]) == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     assert 0.0 <= results["attnlab_mc"]["acc,none"] <= 1.0
+    assert isinstance(results["attnlab_mc"]["acc_stderr,none"], float)  # not "N/A"
 
 
 def test_eval_harness_flags_are_checked(tmp_path, capsys):

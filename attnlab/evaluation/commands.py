@@ -22,6 +22,12 @@ def add_flags(e) -> None:
     e.add_argument("--limit", type=float, default=None, help="examples per task (or a fraction)")
     e.add_argument("--num-fewshot", type=int, default=None)
     e.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    e.add_argument(
+        "--bootstrap-iters",
+        type=int,
+        default=100_000,
+        help="resamples for the standard errors lm-eval bootstraps (its default; 0: none)",
+    )
 
 
 def check(args) -> None:
@@ -38,6 +44,8 @@ def check(args) -> None:
         raise ConfigError("--full evaluates the validation split, not --harness tasks: drop one")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.bootstrap_iters < 0:
+        raise ConfigError(f"--bootstrap-iters {args.bootstrap_iters} must be >= 0")
 
 
 def harness(args) -> None:
@@ -59,5 +67,6 @@ def harness(args) -> None:
         limit=limit,
         num_fewshot=args.num_fewshot,
         batch_size=args.batch_size,
+        bootstrap_iters=args.bootstrap_iters,
     )
     print(json.dumps(out, default=str))

@@ -16,8 +16,12 @@ Nothing is downloaded: tasks come from the harness's own task folders or ``inclu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 from attnlab.errors import ConfigError
 
@@ -105,6 +109,47 @@ def _generate_until(backend, requests, batch_size: int) -> list[str]:
     return out
 
 
+def _quiet_git_hash():
+    """The harness's ``get_git_commit_hash`` without git's "fatal: not a git repository"
+    on stderr when the working directory is not in a repository."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always"], capture_output=True, text=True, check=False
+        )
+    except FileNotFoundError:  # no git on the machine
+        done = None
+    if done is not None and done.returncode == 0:
+        return done.stdout.strip()
+    return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def _quiet_harness():
+    """While the harness runs: git asked quietly, bootstrap resamples drawn in this
+    process (the harness's ``DISABLE_MULTIPROC``: the same seeds, no fork of a process
+    that runs JAX's threads) and its progress prints on stderr, keeping stdout for the
+    results."""
+    import lm_eval.evaluator
+
+    saved_env, saved_hash = os.environ.get(_NO_FORK), lm_eval.evaluator.get_git_commit_hash
+    os.environ[_NO_FORK] = "1"
+    lm_eval.evaluator.get_git_commit_hash = _quiet_git_hash
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = saved_hash
+        if saved_env is None:
+            os.environ.pop(_NO_FORK, None)
+        else:
+            os.environ[_NO_FORK] = saved_env
+
+
+_NO_FORK = "DISABLE_MULTIPROC"
+
+
 def run_harness(
     backend,
     tasks,
@@ -114,9 +159,15 @@ def run_harness(
     num_fewshot=None,
     batch_size: int = 8,
     log_samples: bool = False,
+    bootstrap_iters: int = 100_000,
 ) -> dict:
     """The harness's ``results`` per task (as ``lm_eval.simple_evaluate`` gives them), and
-    with ``log_samples`` each task's ``samples`` (documents, responses, metrics)."""
+    with ``log_samples`` each task's ``samples`` (documents, responses, metrics).
+
+    Each metric's ``<metric>_stderr`` is the harness's own: closed form for means such as
+    ``acc``, ``bootstrap_iters`` resamples (the harness's default) for the metrics it
+    bootstraps, "N/A" where it has none or with ``bootstrap_iters=0``.
+    """
     lm_eval, _ = _lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -132,15 +183,16 @@ def run_harness(
             f"--harness: unknown task {unknown[0]!r}; `lm-eval ls tasks` lists them, or pass "
             "--include-path DIR with its YAML file"
         )
-    results = lm_eval.simple_evaluate(
-        model=make_lm(backend, batch_size),
-        tasks=names,
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=log_samples,
-        bootstrap_iters=0,
-    )
+    with _quiet_harness():
+        results = lm_eval.simple_evaluate(
+            model=make_lm(backend, batch_size),
+            tasks=names,
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=log_samples,
+            bootstrap_iters=bootstrap_iters,
+        )
     out = {"results": results["results"], "versions": results.get("versions", {})}
     if log_samples:
         out["samples"] = results["samples"]

@@ -26,7 +26,7 @@ from flax import nnx, struct
 from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.errors import DecodeError
-from attnlab.kv_cache import KVCache
+from attnlab.kv_cache import KVCache, check_capacity
 from attnlab.nn.layers import Embed, Norm, normal
 from attnlab.nn.stack import Stack
 from attnlab.ops.linear import add_bias, dense, fold
@@ -54,9 +54,12 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
     New tokens sit at ``cache.lengths + t`` (or ``0..T-1`` without a cache). With a cache,
     ``valid_BS`` (right-padded) marks each row's real new tokens: lengths advance by their
     number, and a ring buffer stores only them (padding would overwrite real tokens).
-    Returns ``(x_BTD, new_cache, weights)``.
+    Returns ``(x_BTD, new_cache, weights)``. A write past a linear cache's capacity raises
+    in an eager call; under ``jit`` it sets the returned cache's ``overflow``.
     """
     B, T, _ = x_BTD.shape
+    if cache is not None and not isinstance(valid_BS, jax.core.Tracer):
+        check_capacity(cache, T if valid_BS is None else np.sum(np.asarray(valid_BS), axis=1))
     if positions_BT is None:
         positions_BT = (
             _default_positions(B, T)

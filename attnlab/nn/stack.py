@@ -29,10 +29,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache, Ring
 from attnlab.layer_kinds import StackPlan, stack_plan
 from attnlab.nn import context_parallel, segments
@@ -63,6 +65,22 @@ class _Shared:
     cross_mask: ops.MaskSpec | None
     cache: KVCache | None
     count_B: Any  # each row's new tokens (with a cache)
+
+
+def check_positions(positions_BT, cfg: ModelConfig) -> None:
+    """Raises a ``DecodeError`` for concrete positions outside an absolute position table
+    (``max_len`` rows), where the lookup would give NaN; traced positions pass (NaN logits)."""
+    if isinstance(positions_BT, jax.core.Tracer):
+        return
+    p_BT = np.asarray(positions_BT)
+    bad_BT = (p_BT < -cfg.position_offset) | (p_BT >= cfg.max_len)
+    if bad_BT.any():
+        b, t = (int(i) for i in np.argwhere(bad_BT)[0])
+        raise DecodeError(
+            f"position {int(p_BT[b, t])} (row {b}, token {t}) is outside the table of "
+            f"ModelConfig.max_len={cfg.max_len} positions (position={cfg.position!r}): feed "
+            "at most max_len tokens per row, or build a model with a larger max_len"
+        )
 
 
 class Stack(nnx.Module):
@@ -125,6 +143,8 @@ class Stack(nnx.Module):
 
     def embed_positions(self, x_BTD, positions_BT):
         cfg = self.cfg
+        if self.positions is not None or cfg.position == "sinusoidal":
+            check_positions(positions_BT, cfg)
         if self.positions is not None:
             x_BTD = x_BTD + self.positions(positions_BT).astype(x_BTD.dtype)
         elif cfg.position == "sinusoidal":

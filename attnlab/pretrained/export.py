@@ -89,9 +89,10 @@ def _irrelevant(cfg: ModelConfig) -> set[str]:
     if cfg.arch == "decoder":
         out |= {"mlm_transform", "n_decoder_layers"}
     settings = getattr(cfg, "ffn_settings", None)
-    if getattr(settings, "dense_layers", None) == 0 and not settings.n_shared:
-        out.add("d_ff")  # every FFN is experts of width d_expert (compared in ffn_settings)
     kinds = stack_plan(cfg, cfg.n_layers).kinds
+    experts_only = all(k.ffn_variant == "moe" for k in kinds)
+    if getattr(settings, "dense_layers", None) == 0 and not settings.n_shared and experts_only:
+        out.add("d_ff")  # every FFN is experts of width d_expert (compared in ffn_settings)
     if all(issubclass(get_mixer(m.mixer), RecurrentMixer) for k in kinds for m in k.mixers):
         out |= _ATTENTION_FIELDS  # no layer attends (Mamba-2)
         if cfg.position == "none":

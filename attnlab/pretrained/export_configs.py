@@ -169,14 +169,18 @@ def mixtral(cfg):
 
 
 def qwen3_moe(cfg):
+    """Experts in every layer but those whose FFN is dense (``mlp_only_layers``)."""
     _experts(cfg)
     out = _base(cfg, "qwen3_moe", "Qwen3MoeForCausalLM")
     d_expert = cfg.ffn_settings.d_expert or cfg.d_ff
+    kinds = stack_plan(cfg, cfg.n_layers).kinds
     return {
         **out,
         **_experts(
             cfg, moe_intermediate_size=d_expert, norm_topk_prob=cfg.ffn_settings.renormalize
         ),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, k in enumerate(kinds) if k.ffn_variant == "dense"],
     }
 
 

@@ -1,15 +1,21 @@
 """config.json translators of the mixture-of-experts decoders: Mixtral, Qwen3-MoE,
 gpt-oss and DeepSeek-V3.
 
-Both are Llama-shaped decoders (Mixtral as Mistral, Qwen3-MoE as Qwen3 with QK-norm) whose
-every FFN is ``ffn_variant="moe"``: softmax router scores, top-k experts, the top-k weights
-renormalised (Qwen3-MoE: when ``norm_topk_prob``), each expert a SwiGLU FFN.
+Mixtral and Qwen3-MoE are Llama-shaped decoders (Mixtral as Mistral, Qwen3-MoE as Qwen3 with
+QK-norm) whose FFNs are ``ffn_variant="moe"`` (Qwen3-MoE may keep dense ones in some
+layers): softmax router scores, top-k experts, the top-k weights renormalised (Qwen3-MoE:
+when ``norm_topk_prob``), each expert a SwiGLU FFN.
 """
 
 from __future__ import annotations
 
 from attnlab.ops.positions import yarn_mscale
-from attnlab.pretrained.hf_base import UnsupportedCheckpointError, reject, require
+from attnlab.pretrained.hf_base import (
+    UnsupportedCheckpointError,
+    prefix_and_block,
+    reject,
+    require,
+)
 from attnlab.pretrained.hf_llama import llama_like
 
 
@@ -29,13 +35,23 @@ def mixtral(c: dict) -> dict:
 
 
 def qwen3_moe(c: dict) -> dict:
-    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+    """Experts in the layers transformers makes sparse, a dense SwiGLU FFN of
+    ``intermediate_size`` in the others (``mlp_only_layers``, and those not a multiple of
+    ``decoder_sparse_step``): a ``block_pattern`` when any layer is dense, so a regular
+    placement scans one block (``hf_base.prefix_and_block``)."""
+    n = require(c, "num_hidden_layers")
+    step = c.get("decoder_sparse_step", 1)
+    step = 1 if step is None else step
+    only = c.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
         raise UnsupportedCheckpointError(
-            f"config.json mlp_only_layers={c.get('mlp_only_layers')!r} / decoder_sparse_step="
-            f"{c.get('decoder_sparse_step')!r} is not supported: attnlab loads Qwen3-MoE with "
-            "experts in every layer (mlp_only_layers [] and decoder_sparse_step 1)"
+            f"config.json decoder_sparse_step={step!r} is not supported: give a positive int"
         )
-    return _moe(
+    if not isinstance(only, list) or any(not isinstance(i, int) for i in only):
+        raise UnsupportedCheckpointError(
+            f"config.json mlp_only_layers={only!r} is not supported: give a list of layer indices"
+        )
+    fields = _moe(
         llama_like(c, "qwen3"),
         n_experts=c.get("num_local_experts") or require(c, "num_experts"),
         top_k=require(c, "num_experts_per_tok"),
@@ -44,6 +60,11 @@ def qwen3_moe(c: dict) -> dict:
         load_balance_weight=float(c.get("router_aux_loss_coef", 0.001)),
         z_loss_weight=0.0,
     )
+    dense = [i in only or (i + 1) % step != 0 for i in range(n)]
+    if any(dense):
+        kinds = [{"ffn_variant": "dense"} if d else {} for d in dense]
+        fields["block_pattern"] = prefix_and_block(kinds)
+    return fields
 
 
 _GPT_OSS_ROPE = {

@@ -109,8 +109,9 @@ PHI3 = Mapping(
 )
 
 
-# Mixtral and Qwen3-MoE: a router and per-experts FFNs in place of the FFN (stacked on load).
-def _moe_table(moe, gate, up, down, *, qk_norm):
+# Mixtral and Qwen3-MoE: a router and per-experts FFNs in place of the FFN (stacked on load);
+# Qwen3-MoE's layers listed dense (mlp_only_layers, decoder_sparse_step) keep the plain FFN.
+def _moe_table(moe, gate, up, down, *, qk_norm, dense=False):
     rows = [
         _ends(),
         _norm(f"{_L}.input_layernorm", f"{_A}.attn_norm"),
@@ -126,11 +127,13 @@ def _moe_table(moe, gate, up, down, *, qk_norm):
             _norm(f"{_L}.self_attn.q_norm", f"{_A}.attn.q_norm"),
             _norm(f"{_L}.self_attn.k_norm", f"{_A}.attn.k_norm"),
         ]
+    if dense:  # the plain FFN of the layers whose config keeps no experts
+        rows.append(_gated_ffn())
     return Mapping(prefix="model.", rules=_table(*rows), ignore=_IGNORE)
 
 
 MIXTRAL = _moe_table("block_sparse_moe", "w1", "w3", "w2", qk_norm=False)
-QWEN3_MOE = _moe_table("mlp", "gate_proj", "up_proj", "down_proj", qk_norm=True)
+QWEN3_MOE = _moe_table("mlp", "gate_proj", "up_proj", "down_proj", qk_norm=True, dense=True)
 
 
 # gpt-oss: attention with biases and a sink logit per head; a router with a bias; experts
