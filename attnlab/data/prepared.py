@@ -255,7 +255,6 @@ def open_prepared(path):
             f"({meta['tokens']} {dtype.name} ids); it was truncated or belongs to another "
             f"corpus: {rewrite}"
         )
-    _check_checksum(tokens_file, meta, rewrite)
     tok = load_tokenizer(path / meta["tokenizer"])
     if tok.vocab_size != int(meta["vocab_size"]):
         raise PreparedCorpusError(
@@ -273,6 +272,7 @@ def open_prepared(path):
                 f"tokenizer {path / meta['tokenizer']}: the file belongs to another corpus or "
                 f"tokenizer; {rewrite}"
             )
+    _check_checksum(tokens_file, meta, rewrite)  # after the ids: their message is more precise
     return meta, tok, tokens
 
 
