@@ -138,9 +138,7 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
                 create=True,
-                # A step directory that cannot be created fails the save at once; made in the
-                # background, its failure left orbax's writer threads waiting 300 s for it.
-                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+                async_options=_directories_at_once(),
             ),
             item_handlers={
                 _STATE: ocp.StandardCheckpointHandler(),
@@ -221,15 +219,23 @@ class Checkpointer:
         naming the first file that fails. A step saved before checksums existed is only
         checked for readable metadata."""
         step = self._resolve(step)
+        self._check_files(step)
+        try:
+            self._manager.metadata(step).item_metadata[_STATE]
+        except Exception as e:
+            raise self._corrupt(step, f"the tree metadata cannot be read ({_short(e)})") from e
+
+    def _corrupt(self, step: int, problem: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self._where(step)} is corrupt: {problem}{self._hint(step)}", _short(problem, 160)
+        )
+
+    def _check_files(self, step: int) -> None:
+        """Compares each file of ``step`` with ``checksums.json`` (once per step and
+        ``Checkpointer``); a step whose metadata says it has none is not checked."""
         if step in self._verified:
             return
-        folder, where = self.directory / str(step), self._where(step)
-
-        def corrupt(problem: str):
-            return CorruptCheckpointError(
-                f"{where} is corrupt: {problem}{self._hint(step)}", _short(problem, 160)
-            )
-
+        folder = self.directory / str(step)
         record = folder / CHECKSUM_FILE
         if record.exists():
             try:
@@ -239,27 +245,25 @@ class Checkpointer:
                     str(name): (int(size), str(digest)) for name, (size, digest) in files.items()
                 }
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise corrupt(f"{CHECKSUM_FILE} cannot be read ({_short(e, 80)})") from None
+                problem = f"{CHECKSUM_FILE} cannot be read ({_short(e, 80)})"
+                raise self._corrupt(step, problem) from None
             for name, (size, digest) in files.items():
                 path = folder / name
                 if not path.is_file():
-                    raise corrupt(f"{name} is missing")
+                    raise self._corrupt(step, f"{name} is missing")
                 if path.stat().st_size != size:
-                    raise corrupt(
-                        f"{name} has {path.stat().st_size} bytes where {size} were written"
-                    )
+                    problem = f"{name} has {path.stat().st_size} bytes where {size} were written"
+                    raise self._corrupt(step, problem)
                 with open(path, "rb") as file:
                     if check(file) != digest:
-                        raise corrupt(
+                        problem = (
                             f"{name} does not match the {recorded['algorithm']} checksum "
                             "written with it"
                         )
+                        raise self._corrupt(step, problem)
         elif _CHECKSUMMED in self._read_metadata(step):
-            raise corrupt(f"{CHECKSUM_FILE} is missing (the save did not finish)")
-        try:
-            self._manager.metadata(step).item_metadata[_STATE]
-        except Exception as e:
-            raise corrupt(f"the tree metadata cannot be read ({_short(e)})") from e
+            problem = f"{CHECKSUM_FILE} is missing (the save did not finish)"
+            raise self._corrupt(step, problem)
         self._verified.add(step)
 
     def _discard_partial(self, step: int) -> None:
@@ -304,7 +308,7 @@ class Checkpointer:
         """
         step = self._resolve(step)
         where = self._where(step)
-        self.verify(step)
+        self._check_files(step)
         try:
             stored = self._manager.metadata(step).item_metadata[_STATE]
             stored = ocp.tree.to_flat_dict(stored.tree)
@@ -328,7 +332,7 @@ class Checkpointer:
     def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON dict saved with ``step`` (default: the latest)."""
         step = self._resolve(step)
-        self.verify(step)
+        self._check_files(step)
         metadata = self._read_metadata(step)
         metadata.pop(_CHECKSUMMED, None)
         return metadata
@@ -391,6 +395,17 @@ class Checkpointer:
                 f"(available steps: {steps}); pass --step with one of them"
             )
         return int(step)
+
+
+def _directories_at_once() -> ocp.AsyncOptions | None:
+    """Orbax's options that create a step's directory before the save returns: one that cannot
+    be created then fails the save at once, where made in the background its failure left
+    orbax's writer threads waiting 300 s for it. None (the default) for an orbax that has no
+    such option, as it created directories at once."""
+    try:
+        return ocp.AsyncOptions(create_directories_asynchronously=False)
+    except TypeError:
+        return None
 
 
 def _caused_by_no_space(error: BaseException | None) -> bool:

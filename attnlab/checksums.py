@@ -20,10 +20,9 @@ BLOCK = 1 << 22  # bytes read at a time
 
 
 def _crc32(file: BinaryIO) -> str:
-    value, block = 0, bytearray(BLOCK)
-    view = memoryview(block)
-    while n := file.readinto(block):
-        value = zlib.crc32(view[:n], value)
+    value = 0
+    while block := file.read(BLOCK):
+        value = zlib.crc32(block, value)
     return f"{value:08x}"
 
 
