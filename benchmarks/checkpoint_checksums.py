@@ -1,18 +1,18 @@
 """What the checkpoint checksums cost: save and restore seconds with and without them, per
 checksum, and each checksum's rate over a checkpoint's files and a prepared corpus.
 
-Two training states (parameters and AdamW state, as ``Trainer.init_state`` builds them): the
-char_lm tiny twin and char_lm widened to about 10M parameters. For each checksum (none, and
-every entry of ``attnlab.checksums.CHECKSUMS``) a fresh ``Checkpointer`` saves ``--repeats``
-steps, each timed from the call to the finalised step with its ``checksums.json``; each step is
-then restored by a fresh ``Checkpointer`` (restoring verifies the files first when the step
-has checksums). The end-to-end medians move by more than the checksums cost on a shared
-machine, so the checksums' own share is timed too: checksumming the step's files (best of
-``--repeats``; what ``save`` adds) and ``Checkpointer.verify`` (median; what ``restore``
-adds, the tree metadata read included). The optimizer moments are random (see
-``trained_like``). The files are in the page cache throughout (they were just written), as for a
-run resuming on the machine that saved it. The corpus: a ``--corpus-mb`` MB token file, each
-checksum over it, best of ``--repeats``.
+Two training states (parameters and AdamW state, as ``Trainer.init_state`` builds them, the
+optimizer moments made random by ``trained_like``): the char_lm tiny twin and char_lm widened
+to about 10M parameters. For each checksum (none, and every entry of
+``attnlab.checksums.CHECKSUMS``) a ``Checkpointer`` saves ``--repeats`` steps, each timed from
+the call to the finalised step with its ``checksums.json``, the kinds taking turns within each
+repeat; each step is then restored by a fresh ``Checkpointer`` (restoring checks the files
+first when the step has checksums). On a shared machine the end-to-end medians move by more
+than the checksums cost, so their own share is timed too: checksumming the step's files (best
+of ``--repeats``: what ``save`` adds, and what ``restore`` adds) and ``Checkpointer.verify``
+(median; the files and orbax's tree metadata, without restoring). The files are in the page
+cache throughout (they were just written), as for a run resuming on the machine that saved
+it. The corpus: a ``--corpus-mb`` MB token file, each checksum over it, best of ``--repeats``.
 
 Prints JSON (config, machine, timings; medians in seconds) and writes it to ``--out``:
 
@@ -92,50 +92,60 @@ def time_state(name: str, repeats: int) -> dict:
         "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state))),
         "checksums": {},
     }
-    for checksum in [None, *CHECKSUMS]:
-        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-            ckpt = Checkpointer(tmp, max_to_keep=repeats + 1, checksum=checksum)
+    kinds = [None, *CHECKSUMS]
+    names = [k or "none" for k in kinds]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        dirs = {n: pathlib.Path(tmp) / n for n in names}
+        ckpts = {
+            n: Checkpointer(dirs[n], max_to_keep=repeats + 1, checksum=k)
+            for n, k in zip(names, kinds, strict=True)
+        }
+        for ckpt in ckpts.values():
             ckpt.save(0, state)  # untimed: the first save sets up orbax's machinery
-            saves = []
-            for step in range(1, repeats + 1):
+        # Each repeat times every kind in turn, so a change of load on a shared machine
+        # falls on all of them alike.
+        saves = {n: [] for n in names}
+        for step in range(1, repeats + 1):
+            for n in names:
                 t0 = time.perf_counter()
-                ckpt.save(step, state)
-                saves.append(time.perf_counter() - t0)
+                ckpts[n].save(step, state)
+                saves[n].append(time.perf_counter() - t0)
+        for ckpt in ckpts.values():
             ckpt.close()
-            step_dir = pathlib.Path(tmp) / "1"
-            file_bytes = sum(p.stat().st_size for p in files_of(step_dir))
-            restores = []
-            for step in range(1, repeats + 1):
-                reader = Checkpointer(tmp, checksum=checksum)
+        restores = {n: [] for n in names}
+        verifies = {n: [] for n in names[1:]}  # files and tree metadata, without restoring
+        for step in range(1, repeats + 1):
+            for n, k in zip(names, kinds, strict=True):
+                reader = Checkpointer(dirs[n], checksum=k)
                 t0 = time.perf_counter()
                 jax.block_until_ready(reader.restore(abstract, step))
-                restores.append(time.perf_counter() - t0)
+                restores[n].append(time.perf_counter() - t0)
                 reader.close()
-            rate = {}
-            if checksum is not None:
-                files = files_of(step_dir)
-                seconds = machine.best_seconds(
-                    lambda c=checksum, fs=files: [file_checksum(f, c) for f in fs], repeats
-                )
-                verify = []  # all a restore adds: the files' checksums and the tree metadata
-                for step in range(1, repeats + 1):
-                    reader = Checkpointer(tmp, checksum=checksum)
+                if k is not None:
+                    reader = Checkpointer(dirs[n], checksum=k)
                     t0 = time.perf_counter()
                     reader.verify(step)
-                    verify.append(time.perf_counter() - t0)
+                    verifies[n].append(time.perf_counter() - t0)
                     reader.close()
-                rate = {
-                    "checksum_files_sec": round(seconds, 5),
-                    "checksum_mb_per_s": round(file_bytes / seconds / 1e6, 1),
-                    "verify_sec": round(statistics.median(verify), 5),
-                }
-        out["checksums"][checksum or "none"] = {
-            "step_file_bytes": file_bytes,
-            "save_sec": round(statistics.median(saves), 4),
-            "restore_sec": round(statistics.median(restores), 4),
-            **rate,
-        }
-        print(name, checksum, out["checksums"][checksum or "none"], file=sys.stderr, flush=True)
+        for n, k in zip(names, kinds, strict=True):
+            files = files_of(dirs[n] / "1")
+            file_bytes = sum(f.stat().st_size for f in files)
+            row = {
+                "step_file_bytes": file_bytes,
+                "save_sec": round(statistics.median(saves[n]), 4),
+                "restore_sec": round(statistics.median(restores[n]), 4),
+            }
+            if k is not None:  # what save and restore each add: reading and checksumming
+                seconds = machine.best_seconds(
+                    lambda c=k, fs=files: [file_checksum(f, c) for f in fs], repeats
+                )
+                row.update(
+                    checksum_files_sec=round(seconds, 5),
+                    checksum_mb_per_s=round(file_bytes / seconds / 1e6, 1),
+                    verify_sec=round(statistics.median(verifies[n]), 5),
+                )
+            out["checksums"][n] = row
+            print(name, n, row, file=sys.stderr, flush=True)
     base = out["checksums"]["none"]
     for checksum in CHECKSUMS:
         row = out["checksums"][checksum]
