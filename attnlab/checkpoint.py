@@ -14,6 +14,18 @@ never listed as steps, so a save killed half way leaves a directory that ``lates
 and ``restore`` never reads; the next save of that step removes it and starts afresh. ``save``
 waits for orbax to finish (``wait_until_finished``), so once it returns the step is final.
 
+Integrity. Once orbax has finalised step ``N``, ``save`` writes ``<workdir>/N/checksums.json``
+(through a temporary file and a rename): the size and CRC-32 (``attnlab.checksums``) of every
+file of the step's two items: the arrays' data files, orbax's tree metadata and manifests, and
+the JSON metadata (orbax's own records beside them, ``_CHECKPOINT_METADATA`` and
+``commit_success.txt``, hold no values and are not covered). The metadata records that the step
+has checksums, so a step finalised without its ``checksums.json`` (the process died in
+between) is never taken for one written before checksums existed. Restoring a step first reads
+every file and compares; a file that differs, is missing or was resized raises
+``CorruptCheckpointError`` naming it, so no flipped bit reaches a restored state. Steps written
+before checksums existed (no record in their metadata) are restored unverified. ``verify``
+runs the same checks without restoring.
+
 Errors. Restoring checks the stored tree (paths, shapes, dtypes, read from orbax's metadata)
 against the target first. A mismatch, a missing step or an unreadable (truncated, garbled,
 incomplete) checkpoint raises ``CorruptCheckpointError`` naming the directory and step;
@@ -39,9 +51,12 @@ polls once per step (``stop_signal()`` names the signal afterwards, for the exit
 from __future__ import annotations
 
 import errno
+import json
+import os
 import pathlib
 import shutil
 import signal
+import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -49,6 +64,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from attnlab.checksums import CHECKSUMS, file_checksum
 from attnlab.errors import (
     CheckpointError,
     ConfigError,
@@ -60,6 +76,8 @@ from attnlab.errors import (
 
 _STATE = "state"
 _METADATA = "metadata"
+CHECKSUM_FILE = "checksums.json"
+_CHECKSUMMED = "_checksums"  # the key in a step's metadata that says it has CHECKSUM_FILE
 _FIX = (
     "The checkpoint was written by a different model config; "
     "use a new --workdir or the original config."
@@ -86,9 +104,23 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class Checkpointer:
-    """Keeps the last ``max_to_keep`` checkpoints of a training state pytree in ``directory``."""
+    """Keeps the last ``max_to_keep`` checkpoints of a training state pytree in ``directory``.
 
-    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3):
+    ``checksum`` names the checksum (a key of ``CHECKSUMS``) written with each step, or None
+    to write none (restoring verifies whatever a step recorded either way).
+    """
+
+    def __init__(
+        self,
+        directory: str | pathlib.Path,
+        *,
+        max_to_keep: int = 3,
+        checksum: str | None = "crc32",
+    ):
+        if checksum is not None and checksum not in CHECKSUMS:
+            raise ConfigError(f"checksum={checksum!r} is not one of {sorted(CHECKSUMS)}")
+        self.checksum = checksum
+        self._verified: set[int] = set()
         if max_to_keep < 1:
             raise ConfigError(
                 f"checkpoint.max_to_keep={max_to_keep} must be at least 1; "
@@ -103,7 +135,11 @@ class Checkpointer:
                 )
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                create=True,
+                async_options=_directories_at_once(),
+            ),
             item_handlers={
                 _STATE: ocp.StandardCheckpointHandler(),
                 _METADATA: ocp.JsonCheckpointHandler(),
@@ -127,17 +163,22 @@ class Checkpointer:
         step = int(step)
         if step in self._manager.all_steps():
             return False
+        metadata = dict(metadata or {})
+        if self.checksum is not None:
+            metadata[_CHECKSUMMED] = self.checksum
         args = ocp.args.Composite(
-            **{
-                _STATE: ocp.args.StandardSave(state),
-                _METADATA: ocp.args.JsonSave(dict(metadata or {})),
-            }
+            **{_STATE: ocp.args.StandardSave(state), _METADATA: ocp.args.JsonSave(metadata)}
         )
+        self._verified.discard(step)
         try:
             saved = self._manager.save(step, args=args, force=force)
             self._manager.wait_until_finished()
+            if saved and self.checksum is not None and jax.process_index() == 0:
+                self._write_checksums(step)
         except Exception as e:
             self._discard_partial(step)
+            if step in self._manager.all_steps():  # finalised, but its checksums are not
+                self._manager.delete(step)
             kept = self.latest_step()
             kept = f"step {kept} is kept" if kept is not None else "no earlier step was written"
             if _caused_by_no_space(e):
@@ -154,6 +195,76 @@ class Checkpointer:
                 ) from e
             raise
         return bool(saved)
+
+    def _write_checksums(self, step: int) -> None:
+        """Writes ``N/checksums.json``: each file of the step's items, its size and checksum."""
+        folder = self.directory / str(step)
+        files = {}
+        for item in (_STATE, _METADATA):
+            for path in sorted((folder / item).rglob("*")):
+                if path.is_file():
+                    name = path.relative_to(folder).as_posix()
+                    files[name] = [path.stat().st_size, file_checksum(path, self.checksum)]
+        record = {"algorithm": self.checksum, "files": files}
+        tmp = folder / (CHECKSUM_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=0)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / CHECKSUM_FILE)
+
+    def verify(self, step: int | None = None) -> None:
+        """Checks ``step`` (default: the latest) without restoring it: each file against the
+        checksum written with it, and orbax's tree metadata; raises ``CorruptCheckpointError``
+        naming the first file that fails. A step saved before checksums existed is only
+        checked for readable metadata."""
+        step = self._resolve(step)
+        self._check_files(step)
+        try:
+            self._manager.metadata(step).item_metadata[_STATE]
+        except Exception as e:
+            raise self._corrupt(step, f"the tree metadata cannot be read ({_short(e)})") from e
+
+    def _corrupt(self, step: int, problem: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self._where(step)} is corrupt: {problem}{self._hint(step)}", _short(problem, 160)
+        )
+
+    def _check_files(self, step: int) -> None:
+        """Compares each file of ``step`` with ``checksums.json`` (once per step and
+        ``Checkpointer``); a step whose metadata says it has none is not checked."""
+        if step in self._verified:
+            return
+        folder = self.directory / str(step)
+        record = folder / CHECKSUM_FILE
+        if record.exists():
+            try:
+                recorded = json.loads(record.read_text())
+                check, files = CHECKSUMS[recorded["algorithm"]], recorded["files"]
+                files = {
+                    str(name): (int(size), str(digest)) for name, (size, digest) in files.items()
+                }
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                problem = f"{CHECKSUM_FILE} cannot be read ({_short(e, 80)})"
+                raise self._corrupt(step, problem) from None
+            for name, (size, digest) in files.items():
+                path = folder / name
+                if not path.is_file():
+                    raise self._corrupt(step, f"{name} is missing")
+                if path.stat().st_size != size:
+                    problem = f"{name} has {path.stat().st_size} bytes where {size} were written"
+                    raise self._corrupt(step, problem)
+                with open(path, "rb") as file:
+                    if check(file) != digest:
+                        problem = (
+                            f"{name} does not match the {recorded['algorithm']} checksum "
+                            "written with it"
+                        )
+                        raise self._corrupt(step, problem)
+        elif _CHECKSUMMED in self._read_metadata(step):
+            problem = f"{CHECKSUM_FILE} is missing (the save did not finish)"
+            raise self._corrupt(step, problem)
+        self._verified.add(step)
 
     def _discard_partial(self, step: int) -> None:
         """Removes what a failed save of ``step`` left, as far as orbax's writes still in
@@ -172,11 +283,13 @@ class Checkpointer:
             n += 1
             target = self.directory / f"step_{int(step)}.corrupt.{n}"
         source.rename(target)
+        self._verified.discard(int(step))
         self._manager.reload()
         return target
 
     def delete(self, step: int) -> None:
         """Removes ``step`` (a save of the same step replaces it this way)."""
+        self._verified.discard(int(step))
         self._manager.delete(int(step))
 
     def latest_step(self) -> int | None:
@@ -195,6 +308,7 @@ class Checkpointer:
         """
         step = self._resolve(step)
         where = self._where(step)
+        self._check_files(step)
         try:
             stored = self._manager.metadata(step).item_metadata[_STATE]
             stored = ocp.tree.to_flat_dict(stored.tree)
@@ -218,6 +332,12 @@ class Checkpointer:
     def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON dict saved with ``step`` (default: the latest)."""
         step = self._resolve(step)
+        self._check_files(step)
+        metadata = self._read_metadata(step)
+        metadata.pop(_CHECKSUMMED, None)
+        return metadata
+
+    def _read_metadata(self, step: int) -> dict[str, Any]:
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
@@ -228,6 +348,19 @@ class Checkpointer:
                 _short(e, 120),
             ) from e
         return dict(restored[_METADATA] or {})
+
+    def check_writable(self) -> None:
+        """Raises ``WorkdirError`` unless a file can be created in the directory (a run
+        checks this before its first step rather than failing at its first save)."""
+        try:
+            fd, name = tempfile.mkstemp(prefix=".write-check-", dir=self.directory)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as e:
+            raise WorkdirError(
+                f"cannot write checkpoints to {self.directory} ({e.strerror or one_line(e)}); "
+                "make it writable or choose another --workdir"
+            ) from None
 
     def close(self) -> None:
         """Waits for outstanding work and releases orbax's resources."""
@@ -262,6 +395,17 @@ class Checkpointer:
                 f"(available steps: {steps}); pass --step with one of them"
             )
         return int(step)
+
+
+def _directories_at_once() -> ocp.AsyncOptions | None:
+    """Orbax's options that create a step's directory before the save returns: one that cannot
+    be created then fails the save at once, where made in the background its failure left
+    orbax's writer threads waiting 300 s for it. None (the default) for an orbax that has no
+    such option, as it created directories at once."""
+    try:
+        return ocp.AsyncOptions(create_directories_asynchronously=False)
+    except TypeError:
+        return None
 
 
 def _caused_by_no_space(error: BaseException | None) -> bool:

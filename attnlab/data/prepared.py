@@ -2,18 +2,21 @@
 
 ``prepare(inputs, out, tokenizer=...)`` writes ``DIR/tokens.bin`` (uint16 ids when the
 vocabulary fits, else uint32; the files' tokens one after another), ``DIR/tokenizer.json``
-and ``DIR/meta.json`` (tokenizer, counts, the split, a SHA-256 of ``tokens.bin``). The first
-``train_tokens`` ids are the training split, the rest validation (the in-memory split of the
-same stream). ``data.kind="prepared"`` with ``data.path=DIR`` trains on it: batches index the
-memory map, so only the windows a batch needs are read and a corpus larger than RAM works.
+and ``DIR/meta.json`` (tokenizer, counts, the split, a SHA-256 and a CRC-32 of
+``tokens.bin``). The first ``train_tokens`` ids are the training split, the rest validation
+(the in-memory split of the same stream). ``data.kind="prepared"`` with ``data.path=DIR``
+trains on it: batches index the memory map, so only the windows a batch needs are read and a
+corpus larger than RAM works.
 
 The three files are written beside their final names and renamed only once all are complete:
 a missing input, an unwritable ``--out`` or a full disk is a ``DataError`` that leaves an
 earlier corpus in ``--out`` as it was and no ``.tmp`` file behind. Opening checks
-``meta.json`` (present, JSON, written by ``prepare``) and the size of ``tokens.bin`` against
-it and every id against the tokenizer (files over ``SCAN_BYTES``: batch by batch, a
-``TokenIdError``), so a missing, truncated or foreign file is a ``PreparedCorpusError`` naming
-the file and the command that rewrites it.
+``meta.json`` (present, JSON, written by ``prepare``), the size of ``tokens.bin`` and its
+CRC-32 against it (SHA-256 for corpora written before the CRC-32 was recorded; the cost is in
+docs/guides/checkpoints.md, once per file and process), and every id against the tokenizer
+(files over ``SCAN_BYTES``: batch by batch, a ``TokenIdError``), so a missing, truncated,
+edited or foreign file is a ``PreparedCorpusError`` naming the file and the command that
+rewrites it.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import json
 import os
 import pathlib
 import shutil
+import zlib
 
 import numpy as np
 
+from attnlab.checksums import file_checksum
 from attnlab.data.corpus import split_train_val
 from attnlab.data.tasks import TOKENIZER_FILE as RUN_TOKENIZER
 from attnlab.data.tasks import config_field
@@ -148,7 +153,7 @@ def _encoded(tok, pieces, group: int = 256):
 def _write(sources, out, tok, dtype, val_fraction, progress) -> dict:
     from tqdm.auto import tqdm
 
-    digest, total, written, ends = hashlib.sha256(), 0, [], []
+    digest, crc, total, written, ends = hashlib.sha256(), 0, 0, [], []
     tmp = out / (TOKENS_FILE + ".tmp")
     size = sum(s[1] for s in sources)
     with (
@@ -161,6 +166,7 @@ def _write(sources, out, tok, dtype, val_fraction, progress) -> dict:
                 data = np.asarray(ids).astype(dtype).tobytes()
                 sink.write(data)
                 digest.update(data)
+                crc = zlib.crc32(data, crc)
                 count += len(ids)
                 if each and each[0] and len(ids):
                     ends.append(total + count)
@@ -184,6 +190,7 @@ def _write(sources, out, tok, dtype, val_fraction, progress) -> dict:
         "val_tokens": total - n_train,
         "val_fraction": val_fraction,
         "sha256": digest.hexdigest(),
+        "crc32": f"{crc:08x}",  # what opening verifies (SHA-256 for corpora without it)
         "documents": len(ends),
         "sources": written[:1000],  # the first thousand; every document's end: documents.npy
     }
@@ -265,7 +272,30 @@ def open_prepared(path):
                 f"tokenizer {path / meta['tokenizer']}: the file belongs to another corpus or "
                 f"tokenizer; {rewrite}"
             )
+    _check_checksum(tokens_file, meta, rewrite)  # after the ids: their message is more precise
     return meta, tok, tokens
+
+
+# The token files verified in this process, by what identifies one version of a file: a
+# second open of the same corpus (the evaluation's task, a sweep's next trial) reads none.
+_VERIFIED: set[tuple] = set()
+
+
+def _check_checksum(tokens_file: pathlib.Path, meta: dict, rewrite: str):
+    """Refuses a token file whose checksum differs from the one ``meta.json`` records (CRC-32,
+    or SHA-256 for corpora written before CRC-32 was recorded; none for a hand-made
+    ``meta.json`` that records neither)."""
+    name = next((k for k in ("crc32", "sha256") if k in meta), None)
+    stat = tokens_file.stat()
+    key = (str(tokens_file.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, name)
+    if name is None or key in _VERIFIED:
+        return
+    if file_checksum(tokens_file, name) != str(meta[name]):
+        raise PreparedCorpusError(
+            f"{tokens_file} does not match the {name} checksum recorded in {META_FILE}: it "
+            f"changed after it was written; {rewrite}"
+        )
+    _VERIFIED.add(key)
 
 
 def document_ends(path, meta) -> np.ndarray:
@@ -287,10 +317,8 @@ def document_ends(path, meta) -> np.ndarray:
 
 def verify(path) -> bool:
     """Whether ``tokens.bin`` still has the SHA-256 recorded in ``meta.json``."""
-    from attnlab.data.fetch import sha256_of
-
     meta = _read_meta(pathlib.Path(path))
-    return sha256_of(pathlib.Path(path) / TOKENS_FILE) == meta["sha256"]
+    return file_checksum(pathlib.Path(path) / TOKENS_FILE, "sha256") == meta["sha256"]
 
 
 def prepared_task(cfg, workdir=None, host=(0, 1)):

@@ -64,16 +64,31 @@ def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite, *, move_asid
     )
 
 
-def _report_unreadable(ckpt, errors, reasons, step, move_aside):
+def set_aside_corrupt(ckpt: Checkpointer, step: int):
+    """Moves the steps after ``step`` that fail ``Checkpointer.verify`` to ``step_N.corrupt/``
+    (a run resumed from ``step`` would otherwise replace them), in one warning line."""
+    errors, reasons = [], []
+    for newer in (s for s in ckpt.all_steps() if s > step):
+        try:
+            ckpt.verify(newer)
+        except CorruptCheckpointError as e:
+            errors.append(newer)
+            reasons.append(e.reason)
+    if errors:
+        _report_unreadable(ckpt, errors, reasons, step, move_aside=True, chosen=True)
+
+
+def _report_unreadable(ckpt, errors, reasons, step, move_aside, chosen=False):
     """One warning line: the unreadable steps, where they went, the step used instead."""
     kept = "left in place"
     if move_aside and is_writer():
         moved = [ckpt.move_aside(s).name for s in errors]
         kept = f"moved to {', '.join(moved)}"
     what = ", ".join(map(str, errors))
+    used = f"resuming from --step {step}" if chosen else f"using checkpoint step {step} instead"
     print(
-        f"attnlab: warning: checkpoint step {what} in {ckpt.directory} is unreadable "
-        f"({reasons[0]}); {kept}; using checkpoint step {step} instead",
+        f"attnlab: warning: checkpoint step {what} in {ckpt.directory} is unreadable or "
+        f"corrupt ({reasons[0]}); {kept}; {used}",
         file=sys.stderr,
         flush=True,
     )

@@ -11,8 +11,11 @@ first, and only ``Run.begin`` (once the run is known to start) takes ``DIR/lock`
 writes ``config.json``, ``tokenizer.json`` and the checkpoint directory. A newest checkpoint
 that cannot be read is reported in one line and the newest readable one is used; nothing is
 deleted: a resumed run moves the unreadable step to ``checkpoints/step_N.corrupt/`` (so it is
-never overwritten), ``attnlab eval`` and ``sample`` leave it where it is. A checkpoint written
-because a signal stopped the run records it in its metadata (``"interrupted": "SIGTERM"``).
+never overwritten), ``attnlab eval`` and ``sample`` leave it where it is. A run resumed from an
+older step with ``--step N`` checks the steps after ``N`` (their checksums and metadata) and
+moves the corrupt ones aside the same way; the readable ones are replaced as it reaches them.
+A checkpoint written because a signal stopped the run records it in its metadata
+(``"interrupted": "SIGTERM"``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from attnlab.runs.files import (
     check_workdir,
     is_writer,
     restore_newest,
+    set_aside_corrupt,
 )
 from attnlab.train import set_optim_values
 
@@ -193,13 +197,14 @@ class Run:
             # The processes of one multi-host run share the directory: process 0 holds it.
             self.lock = Lock(self.workdir) if is_writer() else None
             check_config(self.workdir, self.cfg, allow_changes=bool(self.changes))
+            keep = int(self.cfg.checkpoint.max_to_keep)
+            self.ckpt = Checkpointer(self.workdir / CHECKPOINTS, max_to_keep=keep)
+            self.ckpt.check_writable()  # now, not at the first save many steps later
             if is_writer():
                 atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(self.cfg))
                 tokenizer = self.task.tokenizer
                 if tokenizer is not None and not (self.workdir / TOKENIZER_FILE).exists():
                     tokenizer.save(self.workdir / TOKENIZER_FILE)
-            keep = int(self.cfg.checkpoint.max_to_keep)
-            self.ckpt = Checkpointer(self.workdir / CHECKPOINTS, max_to_keep=keep)
         except OSError as e:
             self.close()
             raise WorkdirError(
@@ -236,6 +241,8 @@ class Run:
         state, self.start = restore_newest(
             self.ckpt, abstract, steps, trainer.all_finite, move_aside=True
         )
+        if self.requested is not None:  # the newer steps this run will write again
+            set_aside_corrupt(self.ckpt, self.start)
         metadata = self.ckpt.restore_metadata(self.start)
         self.elapsed = float(metadata.get("elapsed_sec", 0.0))
         host = _host()
