@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +80,9 @@ def convert_score_mod(score_mod, tq, tk, argname="score_mod") -> ScoreMod | None
     try:
         closed = jax.make_jaxpr(score_mod)(*example)
     except TypeError as e:
-        raise ConfigError(f"{argname}: cannot be called as (score, b, h, q_idx, kv_idx): {e}")
+        raise ConfigError(
+            f"{argname}: cannot be called as (score, b, h, q_idx, kv_idx): {e}"
+        ) from None
     out = closed.out_avals
     if len(out) != 1 or out[0].shape != (tq, tk) or not jnp.issubdtype(out[0].dtype, jnp.floating):
         got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out)
@@ -240,7 +242,8 @@ def check_common(q, k, v, *, score_mod=None, mask=None, sinks=None, softcap=None
             or shape[0] not in (1, B)
             or (shape[1] not in (1, N))
         ):
-            return f"mask: a dense mask must be [B|1, N|1, T, S] = [{B}|1, {N}|1, {T}, {k.shape[1]}]; got {list(shape)}"
+            want = f"[{B}|1, {N}|1, {T}, {k.shape[1]}]"
+            return f"mask: a dense mask must be [B|1, N|1, T, S] = {want}; got {list(shape)}"
     if isinstance(mask, MaskSpec) and mask.shape != (T, k.shape[1]):
         return f"mask: the MaskSpec covers (T, S)={mask.shape}, the inputs ({T}, {k.shape[1]})"
     return None

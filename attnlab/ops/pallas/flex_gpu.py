@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +95,7 @@ def _split(refs, c: Config, n_out):
 
 def _mask_refs(c: Config, refs):
     nm = len(c.mask_names)
-    return dict(zip(c.mask_names, refs[:nm])), refs[nm:]
+    return dict(zip(c.mask_names, refs[:nm], strict=True)), refs[nm:]
 
 
 def _allowed(c: Config, mrefs, qs, ks, dense_block):
@@ -123,7 +123,7 @@ def _allowed(c: Config, mrefs, qs, ks, dense_block):
 
 
 def _consts(c: Config, const_refs):
-    return [r[...].reshape(shape) for r, shape in zip(const_refs, c.const_shapes)]
+    return [r[...].reshape(shape) for r, shape in zip(const_refs, c.const_shapes, strict=True)]
 
 
 def _iota(n, axis):
@@ -159,7 +159,7 @@ def _fwd_kernel(*refs, c: Config):
 
     def visit(masked):
         def fn(j, carry):
-            acc, m, l, nvis, nmask = carry
+            acc, m, den, nvis, nmask = carry
             ks = j * c.tk
             k, v = k_ref[pl.ds(ks, c.tk), :], v_ref[pl.ds(ks, c.tk), :]
             s = cm.scores(
@@ -176,7 +176,7 @@ def _fwd_kernel(*refs, c: Config):
                 p = jnp.where(ok, p, 0.0)
             corr = jnp.exp(m - m_new)
             acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
-            return acc, m_new, l * corr + p.sum(-1), nvis + 1, nmask + int(masked)
+            return acc, m_new, den * corr + p.sum(-1), nvis + 1, nmask + int(masked)
 
         return fn
 
@@ -188,15 +188,15 @@ def _fwd_kernel(*refs, c: Config):
         jnp.int32(0),
     )
     carry = _visits(po, pc, i, visit(True), carry)
-    acc, m, l, nvis, nmask = _visits(fo, fc, i, visit(False), carry)
+    acc, m, den, nvis, nmask = _visits(fo, fc, i, visit(False), carry)
     if c.has_sinks:
         sink = sinks_ref[n]
         m_f = jnp.maximum(m, sink)
         corr = jnp.exp(m - m_f)
-        acc, l, m = acc * corr[:, None], l * corr + jnp.exp(sink - m_f), m_f
-    live = l > 0
-    o_ref[...] = (acc / jnp.where(live, l, 1.0)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), 0.0)
+        acc, den, m = acc * corr[:, None], den * corr + jnp.exp(sink - m_f), m_f
+    live = den > 0
+    o_ref[...] = (acc / jnp.where(live, den, 1.0)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(live, m + jnp.log(jnp.where(live, den, 1.0)), 0.0)
     if c.count:
         outs[2][...] = jnp.stack([nvis, nmask])
 
@@ -351,16 +351,22 @@ def _mask_specs(c, by_key):
                 specs.append(
                     _spec(
                         (None, None, c.tq, c.S_pad),
-                        lambda b, n, i, *_: (pick_b(b), pick_n(n), i, 0),
+                        lambda b, n, i, *_, pb=pick_b, pn=pick_n: (pb(b), pn(n), i, 0),
                     )  # fmt: skip
                 )
             elif Nm > 1:
                 specs.append(
-                    _spec((None, c.G, c.T_pad, c.tk), lambda b, kh, j, *_: (pick_b(b), kh, 0, j))
+                    _spec(
+                        (None, c.G, c.T_pad, c.tk),
+                        lambda b, kh, j, *_, pb=pick_b: (pb(b), kh, 0, j),
+                    )
                 )
             else:
                 specs.append(
-                    _spec((None, None, c.T_pad, c.tk), lambda b, kh, j, *_: (pick_b(b), 0, 0, j))
+                    _spec(
+                        (None, None, c.T_pad, c.tk),
+                        lambda b, kh, j, *_, pb=pick_b: (pb(b), 0, 0, j),
+                    )
                 )
     return specs
 
@@ -464,13 +470,13 @@ def _const_grads(c: Config, tables, q, k, v, do, lse, delta, mask_arrays, consts
     """d consts (float32) for the consts flagged in ``wants``, from BTNH padded inputs."""
     B, N, K, G, H, tq, tk = c.B, c.N, c.K, c.G, c.H, c.tq, c.tk
     po, pc, fo, fc = tables
-    mods = dict(zip(c.mask_names, mask_arrays))
+    mods = dict(zip(c.mask_names, mask_arrays, strict=True))
     idx = [n for n, w in enumerate(wants) if w]
     b_B, h_N = jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32)
 
     def mod_all(s_BNtT, q_idx, kv_idx, diff):  # the block's score_mod over every (b, h)
         cs = list(consts)
-        for n_, x in zip(idx, diff):
+        for n_, x in zip(idx, diff, strict=True):
             cs[n_] = x
         one = lambda s, b, h: c.mod(s, b, h, q_idx, kv_idx, *cs)
         return jax.vmap(jax.vmap(one, (0, None, 0)), (0, 0, None))(s_BNtT, b_B, h_N)
@@ -516,13 +522,12 @@ def _const_grads(c: Config, tables, q, k, v, do, lse, delta, mask_arrays, consts
                 lambda *d: mod_all(s1, q_idx, ks + _iota(tk, 1), d), *[consts[n_] for n_ in idx]
             )
             p = jnp.exp(s - lse_i)
-            ok = allowed(qs, ks) if masked else (
-                None if c.S_pad == c.S else allowed(qs, ks))  # fmt: skip
+            ok = allowed(qs, ks) if masked else None  # FULL blocks hold no padded key
             if ok is not None:
                 p = jnp.where(ok, p, 0.0)
             dp = jnp.einsum("BtKGH,BsKH->BKGts", do_i, v_j, preferred_element_type=_F32)
             ds = p * (dp.reshape(B, N, tq, tk) - delta_i)
-            return tuple(a + g.astype(_F32) for a, g in zip(acc, pull(ds)))
+            return tuple(a + g.astype(_F32) for a, g in zip(acc, pull(ds), strict=True))
 
         return fn
 
@@ -533,7 +538,7 @@ def _const_grads(c: Config, tables, q, k, v, do, lse, delta, mask_arrays, consts
     acc = tuple(jnp.zeros(consts[n_].shape, _F32) for n_ in idx)
     acc = jax.lax.fori_loop(0, c.nq, row, acc)
     out = [None] * len(consts)
-    for n_, g in zip(idx, acc):
+    for n_, g in zip(idx, acc, strict=True):
         out[n_] = g.astype(consts[n_].dtype)
     return out
 
@@ -589,7 +594,10 @@ def supports(
             )
     H = q_BTNH.shape[-1]
     if not interpret and not cm.is_pow2(H, 16):
-        return f"q_BTNH: head dim H={H} is not a power of two >= 16 (Triton tiles); falling back to chunked"
+        return (
+            f"q_BTNH: head dim H={H} is not a power of two >= 16 (Triton tiles); "
+            "falling back to chunked"
+        )
     if not interpret and jax.default_backend() != "gpu":
         return "pallas_gpu: needs a GPU (or interpret=True); falling back to chunked"
     return None
