@@ -111,7 +111,7 @@ def _allowed(c: Config, mrefs, qs, ks, dense_block):
                 return r[pl.ds(qs, c.tq)][None]
             if name in cm._K_ROW:
                 return r[pl.ds(ks, c.tk)][None]
-            return r[...]
+            return r[0] if name == "window" else r[...]
 
         out = cm.spec_block(c.causal, get, ks, c.tk, 1)[0]
     elif c.mask_kind == "dense":
@@ -210,6 +210,9 @@ def _grad_block(c, q, k, v, do, lse, delta, b, h, qs, ks, consts, ok):
         ),  # fmt: skip
         s0,
     )
+    if c.T_pad > c.T:  # padded queries: a score_mod may give them anything, even NaN
+        row = qs + _iota(c.tq, 0) < c.T
+        ok = row if ok is None else ok & row
     p = jnp.exp(s - lse[:, None])
     if ok is not None:
         p = jnp.where(ok, p, 0.0)
@@ -493,7 +496,7 @@ def _const_grads(c: Config, tables, q, k, v, do, lse, delta, mask_arrays, consts
                     return jax.lax.dynamic_slice_in_dim(x, qs, tq, 1)
                 if name in cm._K_ROW:
                     return jax.lax.dynamic_slice_in_dim(x, ks, tk, 1)
-                return x[:, 0] if name in cm._PER_ROW else x
+                return x[:, 0] if name in cm._PER_ROW else x[0]  # the window
 
             out = cm.spec_block(c.causal, get, ks, tk, B)[:, None]
         elif c.mask_kind == "dense":
@@ -523,6 +526,9 @@ def _const_grads(c: Config, tables, q, k, v, do, lse, delta, mask_arrays, consts
             )
             p = jnp.exp(s - lse_i)
             ok = allowed(qs, ks) if masked else None  # FULL blocks hold no padded key
+            if c.T_pad > c.T:
+                row = (q_idx < c.T)[None, None]
+                ok = row if ok is None else ok & row
             if ok is not None:
                 p = jnp.where(ok, p, 0.0)
             dp = jnp.einsum("BtKGH,BsKH->BKGts", do_i, v_j, preferred_element_type=_F32)
@@ -647,7 +653,6 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
                 scale=scale, softcap=softcap, sinks=sinks, layout=layout, prefetch=prefetch,
                 interpret=interpret, count=count)  # fmt: skip
     tables_q, tables_k = cm.split_tables(bm), cm.split_tables(bm, transpose=True)
-    counts = []
 
     def to_layout(x, size):  # BTNH padded -> the kernel's layout
         x = _pad_to(x, 1, size)
@@ -660,15 +665,19 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
     def run_fwd(q, k, v, sinks, consts):
         out, lse, cnt = _forward(c, tables_q, to_layout(q, c.T_pad), to_layout(k, c.S_pad),
                                  to_layout(v, c.S_pad), sinks, mi.arrays, consts)  # fmt: skip
-        counts.append(cnt)
-        return from_layout(out, c.T), lse
+        return from_layout(out, c.T), lse, cnt
+
+    sinks_arr = None if sinks is None else jnp.asarray(sinks)
+    if count:  # forward only, with the visit counters
+        out, _, cnt = run_fwd(q, k, v, sinks_arr, tuple(consts))
+        return out, cnt
 
     @jax.custom_vjp
     def f(q, k, v, sinks, consts):
         return run_fwd(q, k, v, sinks, consts)[0]
 
     def f_fwd(q, k, v, sinks, consts):
-        out, lse = run_fwd(q, k, v, sinks, consts)
+        out, lse, _ = run_fwd(q, k, v, sinks, consts)
         return out, (q, k, v, sinks, consts, out, lse)
 
     def f_bwd(res, do):
@@ -704,9 +713,7 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
         return dq, dk, dv, dsinks, dconsts
 
     f.defvjp(f_fwd, f_bwd)
-    sinks_arr = None if sinks is None else jnp.asarray(sinks)
-    out = f(q, k, v, sinks_arr, tuple(consts))
-    return out, (counts[0] if counts else None)
+    return f(q, k, v, sinks_arr, tuple(consts)), None
 
 
 def flex_attention_gpu(
