@@ -238,3 +238,37 @@ def test_gpu_kernel_bfloat16_no_mask():
 @pytest.mark.parametrize("kind", ["segments_fox", "window_softcap_sinks"])
 def test_tpu_kernel_matches_float64(kind):
     _check(flex_tpu.flex_attention_tpu, _case(kind), block_q=8, block_k=8)
+
+
+@pytest.mark.slow(reason="interpret-mode splash attention: its blocks are at least 128 keys")
+def test_splash_matches_float64():
+    """Splash attention with a window, packed documents (padding rows: zero output), a
+    softcap, sinks and grouped heads, at its smallest block (T = 2 blocks of 128)."""
+    T, N = 256, 4
+    r = np.random.default_rng(3)
+    seg = np.array([[1] * 100 + [2] * 120 + [0] * 36])
+    case = dict(
+        inputs=_inputs(B=1, T=T, N=N, K=2),
+        mask=MaskSpec.for_sequence(T, causal=True, window=40, segment_ids=seg),
+        ref_mask=ref.window(1, T, T, 40) & ref.segments(seg),
+        softcap=2.0,
+        sinks=jnp.asarray(r.normal(size=N), F32),
+    )
+    assert flex_tpu.supports_splash(*case["inputs"][:3], mask=case["mask"], interpret=True) is None
+    _check(flex_tpu.splash_attention, case, tol=1e-4)
+
+
+def test_splash_refusals_name_the_argument():
+    q, k, v, _ = _inputs(B=1, T=256, N=4, K=2)
+    spec = MaskSpec.for_sequence(256, causal=True, prefix_length=np.array([5]))
+    for kw, start in (
+        (dict(score_mod=lambda s, b, h, i, j: s), "score_mod"),
+        (dict(mask=spec), "mask.prefix_length"),
+        (dict(mask=jnp.ones((1, 1, 256, 256), bool)), "mask: splash attention takes a MaskSpec"),
+        (dict(block_q=64), "block_q=64"),
+    ):
+        reason = flex_tpu.supports_splash(q, k, v, interpret=True, **kw)
+        assert reason.startswith(start) and reason.endswith("falling back to pallas_tpu"), reason
+    assert flex_tpu.supports_splash(q[:, :20], k[:, :20], v[:, :20], interpret=True).startswith(
+        "block_q=20"
+    )
