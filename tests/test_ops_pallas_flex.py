@@ -229,15 +229,14 @@ def test_gpu_kernel_matches_float64(kind):
 
 @pytest.mark.slow(reason="interpret-mode Pallas forward and backward in bfloat16")
 def test_gpu_kernel_bfloat16_no_mask():
-    case = _case("none")
+    case = _case("none", B=1, T=20)
     case["inputs"] = tuple(x.astype(jnp.bfloat16) for x in case["inputs"])
     _check(flex_gpu.flex_attention_gpu, case, block_q=16, block_k=8)
 
 
 @pytest.mark.slow(reason="interpret-mode Pallas forward and backward, Mosaic-TPU layout")
-@pytest.mark.parametrize("kind", ["segments_fox", "window_softcap_sinks"])
-def test_tpu_kernel_matches_float64(kind):
-    _check(flex_tpu.flex_attention_tpu, _case(kind), block_q=8, block_k=8)
+def test_tpu_kernel_matches_float64():
+    _check(flex_tpu.flex_attention_tpu, _case("segments_fox"), block_q=8, block_k=8)
 
 
 @pytest.mark.slow(reason="interpret-mode splash attention: its blocks are at least 128 keys")
