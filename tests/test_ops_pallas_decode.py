@@ -72,3 +72,16 @@ def test_decode_refusals_name_the_argument():
     assert decode.supports(jnp.concatenate([q, q], 1), k, v).startswith("q_B1NH")
     with pytest.raises(ConfigError, match=r"^num_splits=0"):
         decode.flex_decode_gpu(q, k, v, num_splits=0, interpret=True)
+
+
+@pytest.mark.slow(reason="interpret-mode Pallas decode with a dense mask")
+def test_decode_dense_mask_per_head_with_sinks():
+    q, k, v = _inputs()
+    r = np.random.default_rng(2)
+    m = r.uniform(size=(2, 4, 1, 37)) < 0.5
+    m[1, :, :, :] = False  # a row with no key: the sinks take all the weight, output zero
+    sinks = jnp.ones(4, F32)
+    out = decode.flex_decode_gpu(q, k, v, mask=jnp.asarray(m), sinks=sinks, block_k=8,
+                                 num_splits=3, interpret=True)  # fmt: skip
+    want = ref.flex(q, k, v, np.zeros(q.shape), mask=m, sinks=np.ones(4))["out"]
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=2e-5)
