@@ -99,6 +99,30 @@ def convert_score_mod(score_mod, tq, tk, argname="score_mod") -> ScoreMod | None
     return ScoreMod(fn, tuple(jnp.asarray(c) for c in closed.consts))
 
 
+def _primitives(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _primitives(inner)
+
+
+def triton_unlowerable(score_mod, tq=16, tk=16):
+    """The primitives of ``score_mod`` (traced on a ``[tq, tk]`` block) that the Pallas
+    Triton lowering has no rule for, sorted: indexing a closed-over array with a traced
+    index (``dynamic_slice``, ``gather``) is the usual one."""
+    from jax._src.pallas.triton import lowering
+
+    sm = convert_score_mod(score_mod, tq, tk)
+    closed = jax.make_jaxpr(sm.fn)(
+        jnp.zeros((tq, tk), jnp.float32), jnp.int32(0), jnp.int32(0),
+        jnp.zeros((tq, 1), jnp.int32), jnp.zeros((1, tk), jnp.int32), *sm.consts,
+    )  # fmt: skip
+    rules = lowering.triton_lowering_rules
+    return sorted({p.name for p in _primitives(closed.jaxpr) if p not in rules})
+
+
 def scores(s0, softcap, mod, b, h, q_idx, kv_idx, consts):
     """Logits after the softcap and the ``score_mod``, from the scaled ``q.k`` ``s0``."""
     s = s0 if softcap is None else softcap * jnp.tanh(s0 / softcap)

@@ -598,6 +598,14 @@ def supports(
                 f"{name}={value}: the Triton kernel takes powers of two >= 16; "
                 "falling back to chunked"
             )
+    if not interpret and score_mod is not None:
+        missing = cm.triton_unlowerable(score_mod)
+        if missing:
+            return (
+                f"score_mod: uses {', '.join(missing)}, which the Pallas Triton lowering "
+                "lacks (indexing a closed-over array with a traced index is the usual cause); "
+                "falling back to chunked"
+            )
     H = q_BTNH.shape[-1]
     if not interpret and not cm.is_pow2(H, 16):
         return (
