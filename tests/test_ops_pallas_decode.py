@@ -65,6 +65,9 @@ def test_decode_refusals_name_the_argument():
     q, k, v = _inputs()
     assert decode.supports(q, k, v, block_k=24).startswith("block_k=24")
     assert decode.supports(jnp.concatenate([q, q], 1), k, v).startswith("q_B1NH")
+    slopes = jnp.ones(4, F32)
+    alibi = lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(F32)
+    assert decode.supports(q, k, v, score_mod=alibi).startswith("score_mod: uses dynamic_slice")
     with pytest.raises(ConfigError, match=r"^num_splits=0"):
         decode.flex_decode_gpu(q, k, v, num_splits=0, interpret=True)
 

@@ -209,11 +209,16 @@ def test_refusals_name_the_argument():
     )
     assert flex_gpu.supports(q, k, v, sinks=jnp.zeros(3)).startswith("sinks")
     assert flex_gpu.supports(q, k, v, score_mod=lambda s, b: s).startswith("score_mod")
-    # On a GPU, a score_mod indexing a closed-over array needs a gather Triton cannot lower.
-    alibi = _alibi(jnp.ones(4, F32))[0]
-    reason = flex_gpu.supports(q, k, v, score_mod=alibi, block_q=16, block_k=16)
-    assert reason.startswith("score_mod: uses dynamic_slice"), reason
-    assert flex_gpu.supports(q, k, v, score_mod=alibi, interpret=True) is None
+    # On a GPU: closed-over arrays indexed per entry (ALiBi, a FoX gate) become ref loads,
+    # which Triton lowers; a gather of whole rows does not.
+    alibi, fox = _alibi(jnp.ones(4, F32))[0], _fox(jnp.ones((1, 4, 16), F32))[0]
+    for mod in (alibi, fox):
+        assert "score_mod" not in str(flex_gpu.supports(q, k, v, score_mod=mod, block_q=16))
+    rows = jnp.ones((33, 3), F32)
+    rel_rows = lambda s, b, h, i, j: s + rows[j - i + 16].sum(-1)
+    reason = flex_gpu.supports(q, k, v, score_mod=rel_rows, block_q=16, block_k=16)
+    assert reason.startswith("score_mod: uses gather"), reason
+    assert flex_gpu.supports(q, k, v, score_mod=rel_rows, interpret=True) is None
     with pytest.raises(ConfigError, match=r"^score_mod: must take five") as e:
         flex_gpu.flex_attention_gpu(q, k, v, score_mod=lambda s: s, interpret=True)
     assert "\n" not in str(e.value)

@@ -42,6 +42,7 @@ class ScoreMod:
 
     fn: Callable
     consts: tuple
+    jaxpr: object = None  # the traced score_mod, its constants the hoisted arrays
 
     @property
     def float_consts(self) -> tuple[bool, ...]:
@@ -96,7 +97,7 @@ def convert_score_mod(score_mod, tq, tk, argname="score_mod") -> ScoreMod | None
         (res,) = jax.core.eval_jaxpr(jaxpr, list(consts), s, b, h, q_idx, kv_idx)
         return res.astype(jnp.float32)
 
-    return ScoreMod(fn, tuple(jnp.asarray(c) for c in closed.consts))
+    return ScoreMod(fn, tuple(jnp.asarray(c) for c in closed.consts), jaxpr)
 
 
 def _primitives(jaxpr):
@@ -108,16 +109,47 @@ def _primitives(jaxpr):
                 yield from _primitives(inner)
 
 
-def triton_unlowerable(score_mod, tq=16, tk=16):
-    """The primitives of ``score_mod`` (traced on a ``[tq, tk]`` block) that the Pallas
-    Triton lowering has no rule for, sorted: indexing a closed-over array with a traced
-    index (``dynamic_slice``, ``gather``) is the usual one."""
+class _ShapeRef:
+    """Stands in for a kernel ref while a ``score_mod`` is traced for analysis: a load gives
+    zeros of the loaded shape (index arrays and scalars, or slices), no gather."""
+
+    def __init__(self, x):
+        self.shape, self.dtype = x.shape, x.dtype
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if idx == (Ellipsis,):
+            return jnp.zeros(self.shape, self.dtype)
+        arrays = [i for i in idx if hasattr(i, "shape") and jnp.ndim(i) > 0]
+        if arrays:
+            shape = jnp.broadcast_shapes(*(i.shape for i in arrays))
+        else:
+            shape = tuple(
+                n if isinstance(i, slice) else i.size
+                for i, n in zip(idx, self.shape, strict=True)
+                if isinstance(i, slice) or hasattr(i, "size") and not hasattr(i, "shape")
+            )
+        return jnp.zeros(shape, self.dtype)
+
+
+def triton_unlowerable(score_mod, tq=16, tk=16, *, refs=True):
+    """The primitives a kernel would run for ``score_mod`` (traced on a ``[tq, tk]`` block,
+    its closed-over arrays read from refs as in the flex kernels, or as values with
+    ``refs=False``) that the Pallas Triton lowering has no rule for, sorted; empty when it
+    lowers."""
     from jax._src.pallas.triton import lowering
 
+    from attnlab.ops.pallas import _refmod
+
     sm = convert_score_mod(score_mod, tq, tk)
-    closed = jax.make_jaxpr(sm.fn)(
+    if refs:
+        held = [_ShapeRef(c) for c in sm.consts]
+        fn = _refmod.ref_score_fn(sm)
+    else:
+        held, fn = sm.consts, sm.fn
+    closed = jax.make_jaxpr(lambda *a: fn(*a, *held))(
         jnp.zeros((tq, tk), jnp.float32), jnp.int32(0), jnp.int32(0),
-        jnp.zeros((tq, 1), jnp.int32), jnp.zeros((1, tk), jnp.int32), *sm.consts,
+        jnp.zeros((tq, 1), jnp.int32), jnp.zeros((1, tk), jnp.int32),
     )  # fmt: skip
     rules = lowering.triton_lowering_rules
     return sorted({p.name for p in _primitives(closed.jaxpr) if p not in rules})

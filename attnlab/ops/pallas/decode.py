@@ -188,6 +188,16 @@ def supports(q_B1NH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=None, s
     for name, value in (("block_k", block_k), ("num_splits", num_splits)):
         if value is not None and not (isinstance(value, int) and value >= 1):
             return f"{name}={value!r}: must be a positive integer; falling back"
+    missing = (
+        None
+        if interpret or score_mod is None
+        else cm.triton_unlowerable(score_mod, 1, 16, refs=False)
+    )
+    if missing:
+        return (
+            f"score_mod: uses {', '.join(missing)}, which the Pallas Triton lowering lacks "
+            "(the decode kernel reads closed-over arrays as values); falling back"
+        )
     if not interpret and block_k is not None and not cm.is_pow2(block_k, 16):
         return f"block_k={block_k}: the Triton kernel takes powers of two >= 16; falling back"
     if not interpret and jax.default_backend() != "gpu":

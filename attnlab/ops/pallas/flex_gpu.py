@@ -11,6 +11,11 @@
 * dK/dV, grid ``(B, K, nk)``: one key block against the query blocks of its column, summing
   over the ``G`` query heads that read the kv head (keys and values are never repeated).
 
+Inside the kernels the arrays a ``score_mod`` closes over stay in memory: indexing one entry
+at a time (``slopes[h]``, ``gate[b, h, q_idx]``) becomes a ref load (``_refmod``), which the
+Triton lowering takes where a gather on a value it does not; ``supports`` names a
+``score_mod`` that would still need one.
+
 Gradients of the arrays a ``score_mod`` closes over (hoisted into explicit inputs) come from
 one more blockwise pass in plain JAX over the same non-empty blocks (``_const_grads``): it
 recomputes the block's logits and ``dP`` (two more block matmuls per visited block, the cost
@@ -35,6 +40,7 @@ from jax.experimental import pallas as pl
 
 from attnlab.errors import ConfigError
 from attnlab.ops.pallas import _common as cm
+from attnlab.ops.pallas import _refmod
 
 _F32 = jnp.float32
 
@@ -55,7 +61,8 @@ class Config:
     nk: int
     scale: float
     softcap: float | None
-    mod: Callable | None
+    mod: Callable | None  # on values (the JAX pass for the arrays' gradients)
+    mod_refs: Callable | None  # on the arrays' refs (the kernels; see _refmod)
     const_shapes: tuple
     mask_kind: str | None
     mask_names: tuple
@@ -123,7 +130,8 @@ def _allowed(c: Config, mrefs, qs, ks, dense_block):
 
 
 def _consts(c: Config, const_refs):
-    return [r[...].reshape(shape) for r, shape in zip(const_refs, c.const_shapes, strict=True)]
+    """The score_mod's arrays stay in memory: ``c.mod_refs`` reads what it indexes."""
+    return list(const_refs)
 
 
 def _iota(n, axis):
@@ -163,7 +171,14 @@ def _fwd_kernel(*refs, c: Config):
             ks = j * c.tk
             k, v = k_ref[pl.ds(ks, c.tk), :], v_ref[pl.ds(ks, c.tk), :]
             s = cm.scores(
-                _dot_t(q, k) * c.scale, c.softcap, c.mod, b, n, q_idx, ks + _iota(c.tk, 1), consts
+                _dot_t(q, k) * c.scale,
+                c.softcap,
+                c.mod_refs,
+                b,
+                n,
+                q_idx,
+                ks + _iota(c.tk, 1),
+                consts,
             )
             ok = None
             if masked:
@@ -206,7 +221,7 @@ def _grad_block(c, q, k, v, do, lse, delta, b, h, qs, ks, consts, ok):
     s0 = _dot_t(q, k) * c.scale
     s, pull = jax.vjp(
         lambda x: cm.scores(
-            x, c.softcap, c.mod, b, h, qs + _iota(c.tq, 0), ks + _iota(c.tk, 1), consts
+            x, c.softcap, c.mod_refs, b, h, qs + _iota(c.tq, 0), ks + _iota(c.tk, 1), consts
         ),  # fmt: skip
         s0,
     )
@@ -603,7 +618,7 @@ def supports(
         if missing:
             return (
                 f"score_mod: uses {', '.join(missing)}, which the Pallas Triton lowering "
-                "lacks (indexing a closed-over array with a traced index is the usual cause); "
+                "lacks (closed-over arrays lower when indexed one entry at a time); "
                 "falling back to chunked"
             )
     H = q_BTNH.shape[-1]
@@ -618,7 +633,21 @@ def supports(
 
 
 def _config(
-    q, k, *, mod, consts, mi, bm, scale, softcap, sinks, layout, prefetch, interpret, count
+    q,
+    k,
+    *,
+    mod,
+    mod_refs,
+    consts,
+    mi,
+    bm,
+    scale,
+    softcap,
+    sinks,
+    layout,
+    prefetch,
+    interpret,
+    count,
 ):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -627,7 +656,7 @@ def _config(
     return Config(
         B=B, T=T, S=S, N=N, K=K, H=H, tq=bm.block_q, tk=bm.block_k, nq=nq, nk=nk,
         scale=cm.default_scale(scale, H), softcap=None if softcap is None else float(softcap),
-        mod=mod, const_shapes=tuple(x.shape for x in consts), mask_kind=mi.kind,
+        mod=mod, mod_refs=mod_refs, const_shapes=tuple(x.shape for x in consts), mask_kind=mi.kind,
         mask_names=mi.names, causal=mi.causal, dense_shape=tuple(dense_shape),
         has_sinks=sinks is not None, layout=layout, prefetch=prefetch, interpret=interpret,
         count=count,
@@ -657,7 +686,9 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
                           reason_fn or supports, kw)  # fmt: skip
     consts = () if sm is None else sm.consts
     wants = () if sm is None else sm.float_consts
-    c = _config(q, k, mod=None if sm is None else sm.fn, consts=consts, mi=mi, bm=bm,
+    mod_refs = None if sm is None else _refmod.ref_score_fn(sm)
+    c = _config(q, k, mod=None if sm is None else sm.fn, mod_refs=mod_refs, consts=consts,
+                mi=mi, bm=bm,
                 scale=scale, softcap=softcap, sinks=sinks, layout=layout, prefetch=prefetch,
                 interpret=interpret, count=count)  # fmt: skip
     tables_q, tables_k = cm.split_tables(bm), cm.split_tables(bm, transpose=True)
