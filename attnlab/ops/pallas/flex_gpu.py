@@ -1,7 +1,7 @@
 """Flex attention as Pallas kernels in the Triton style: forward and backward, block-sparse.
 
-``out = softmax(score_mod(softcap(scale * q.k)), masked, with sinks) v`` (see
-``attnlab.ops.flex``'s contract). Three kernels, each over a grid of programs:
+``out = softmax(score_mod(softcap(scale * q.k)), masked, with sinks) v``, the meaning of
+``attnlab.ops.flex``. Three kernels, each over a grid of programs:
 
 * forward, grid ``(B, N, nq)``: one query block against the key blocks of its row of the
   ``BlockMask`` (PARTIAL ones with the mask evaluated, then FULL ones without), online
@@ -18,10 +18,13 @@ Triton lowering takes where a gather on a value it does not; ``supports`` names 
 
 Gradients of the arrays a ``score_mod`` closes over (hoisted into explicit inputs) come from
 one more blockwise pass in plain JAX over the same non-empty blocks (``_const_grads``): it
-recomputes the block's logits and ``dP`` (two more block matmuls per visited block, the cost
-of a third of the backward) and applies the ``score_mod``'s vjp with respect to the arrays;
-it runs only when the ``score_mod`` closes over float arrays. Its memory is one ``[B, N, tq,
-tk]`` block, never ``[T, S]``. Sink gradients come from the log-sum-exp in ``O(B N T)``.
+recomputes the block's logits and ``dP`` (two block matmuls per visited block against the
+kernels' seven: about 30% more backward matmul work, unfused) and applies the
+``score_mod``'s vjp with respect to the arrays; it runs only when the ``score_mod`` closes
+over float arrays. Its memory is one ``[B, N, tq, tk]`` block and the arrays' gradients,
+never ``[T, S]``. (Per-program partial sums written by the dQ kernel would cost
+``B N nq`` copies of every array: fine for per-head slopes, quadratic for a ``[B, N, T]``
+gate.) Sink gradients come from the log-sum-exp in ``O(B N T)``.
 
 ``T`` and ``S`` need not divide the blocks: inputs are zero-padded and padded keys masked.
 A query row with no allowed key gets a zero output and zero gradients. ``flex_tpu`` runs the
