@@ -1,6 +1,6 @@
 """Pure JAX functions for attention: no Flax, no state. See ``attnlab.dims`` for names."""
 
-from attnlab.ops import activations, chunked, linear, masks, norms, positions
+from attnlab.ops import activations, chunked, flex, linear, masks, norms, positions, score_mods
 from attnlab.ops.activations import (
     FFN_KINDS,
     clamped_swiglu,
@@ -14,7 +14,9 @@ from attnlab.ops.activations import (
     swiglu,
 )
 from attnlab.ops.attention import IMPLEMENTATIONS, dot_product_attention, reference_attention
+from attnlab.ops.block_mask import BlockMask
 from attnlab.ops.chunked import chunked_attention
+from attnlab.ops.flex import flex_attention
 from attnlab.ops.linear import Transposed, add_bias, dense, dropout, fold
 from attnlab.ops.masks import (
     MaskSpec,
@@ -44,6 +46,7 @@ from attnlab.ops.positions import (
 )
 
 __all__ = [
+    "BlockMask",
     "FFN_KINDS",
     "IMPLEMENTATIONS",
     "MaskSpec",
@@ -63,6 +66,8 @@ __all__ = [
     "dropout",
     "dot_product_attention",
     "feed_forward",
+    "flex",
+    "flex_attention",
     "fold",
     "geglu",
     "geglu_tanh",
@@ -82,6 +87,7 @@ __all__ = [
     "relative_position_bucket",
     "relu",
     "rms_norm",
+    "score_mods",
     "RopeChoice",
     "RopeScaling",
     "rope_frequencies",
