@@ -1,0 +1,330 @@
+"""``ops.flex_attention`` and the chunked path's score functions against float64 NumPy.
+
+Values and gradients (of q, k, v, the sinks and every array the score function closes over)
+are checked against ``reference.flex_attention``, an explicit loop over the formula, for
+each mask kind, grouped heads and lengths that are not multiples of the blocks. Cases that
+differ only in data share one compiled program (a ``MaskSpec`` with every field present,
+neutral values where a case does not use it). The block mask's skipping is counted: the
+score function and the mask evaluation report each call through ``jax.debug.callback``.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+from attnlab.ops import BlockMask, MaskSpec, chunked, dot_product_attention, flex_attention
+
+B, N, K, H = 2, 4, 2, 8
+BLOCKS = dict(block_q=4, block_k=8)
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _qkv(seed, T, S):
+    rng = np.random.default_rng(seed)
+    shapes = ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H))
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+
+def _bias_alibi(bias_N, slopes_N):
+    """A per-head bias and an ALiBi-like slope, both closed over (both get gradients)."""
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s + bias_N[h] - slopes_N[h] * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+    return score_mod
+
+
+def _ref_score(bias_N, slopes_N):
+    bias_N, slopes_N = np.asarray(bias_N, np.float64), np.asarray(slopes_N, np.float64)
+    return lambda s, b, n, t, j: s + bias_N[n] - slopes_N[n] * abs(t - j)
+
+
+def _ref_param_grads(ds2_BNTS):
+    """d bias_n = sum ds2[:, n]; d slope_n = -sum ds2[:, n] |t - j| (the score's chain rule)."""
+    T, S = ds2_BNTS.shape[2:]
+    dist_TS = np.abs(np.arange(T)[:, None] - np.arange(S)[None, :])
+    return ds2_BNTS.sum((0, 2, 3)), -(ds2_BNTS * dist_TS).sum((0, 2, 3))
+
+
+def _loss_and_grads(*, softcap=None, with_sinks=True, implementation="chunked"):
+    """One jitted value-and-gradient over (q, k, v, dout, bias, slopes, sinks, mask)."""
+
+    def loss(q, k, v, dout, bias_N, slopes_N, sinks_N, mask):
+        out = flex_attention(
+            q, k, v, score_mod=_bias_alibi(bias_N, slopes_N), mask=mask, softcap=softcap,
+            sinks=sinks_N if with_sinks else None, implementation=implementation, **BLOCKS,
+        )  # fmt: skip
+        return jnp.sum(out * dout), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4, 5, 6), has_aux=True))
+
+
+def _spec(T, S, *, causal, window=None, seg=None, k_length=None, k_valid=None, q_valid=None,
+          prefix=None):  # fmt: skip
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    seg = np.ones((B, T), np.int32) if seg is None else np.asarray(seg, np.int32)
+    return MaskSpec(
+        q_pos=i32(np.arange(T)[None]),
+        k_pos=i32(np.arange(S)[None]),
+        causal=causal,
+        window=None if window is None else i32(window),
+        q_segment=i32(seg),
+        k_segment=i32(seg),
+        k_length=i32([S, S] if k_length is None else k_length),
+        k_valid=jnp.asarray(np.ones((B, S), bool) if k_valid is None else k_valid),
+        q_valid=jnp.asarray(np.ones((B, T), bool) if q_valid is None else q_valid),
+        prefix_length=i32([0, 0] if prefix is None else prefix),
+    )
+
+
+def _np_mask(T, S, *, causal, window=None, seg=None, k_length=None, k_valid=None,
+             q_valid=None, prefix=None):  # fmt: skip
+    """The same mask from its definitions, in NumPy: [B, 1, T, S]."""
+    t, s = np.arange(T)[None, :, None], np.arange(S)[None, None, :]
+    ok = np.ones((B, T, S), bool)
+    if causal:
+        ok &= (s <= t) | (s < np.asarray([0, 0] if prefix is None else prefix)[:, None, None])
+    if window is not None:
+        ok &= (s <= t) & (s > t - window)
+    if seg is not None:
+        ok &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    if k_length is not None:
+        ok &= s < np.asarray(k_length)[:, None, None]
+    if k_valid is not None:
+        ok &= k_valid[:, None, :]
+    if q_valid is not None:
+        ok &= np.broadcast_to(q_valid, (B, T))[:, :, None]
+    return ok[:, None]
+
+
+T = 11  # not a multiple of block_q = 4 nor of block_k = 8
+SEG = np.array([[1] * 5 + [2] * 6, [3] * 3 + [0] * 2 + [4] * 6])  # packed, row 1 with padding
+KV = np.ones((B, T), bool)
+KV[1, 2:9] = False
+CAUSAL_CASES = {
+    "causal": {},
+    "documents": dict(seg=SEG),  # row 1's padding queries (segment 0) are fully masked
+    "prefix_lm": dict(prefix=[4, 7]),
+    "ragged_k_length": dict(k_length=[6, 11]),
+    "k_valid_and_masked_rows": dict(k_valid=KV, q_valid=np.arange(T)[None] % 3 != 1),
+}
+
+
+def _check(got, want_out, want, params):
+    (value, out), grads = got
+    np.testing.assert_allclose(np.asarray(out), want_out, **TOL)
+    for name, g in zip(("q", "k", "v"), grads[:3], strict=True):
+        np.testing.assert_allclose(np.asarray(g), want[name], **TOL, err_msg=name)
+        assert np.isfinite(np.asarray(g)).all()
+    d_bias, d_slopes = _ref_param_grads(want["ds2"])
+    np.testing.assert_allclose(np.asarray(grads[3]), d_bias, **TOL, err_msg="bias_N")
+    np.testing.assert_allclose(np.asarray(grads[4]), d_slopes, **TOL, err_msg="slopes_N")
+    if params.get("sinks", True):
+        np.testing.assert_allclose(np.asarray(grads[5]), want["sinks"], **TOL, err_msg="sinks")
+
+
+def _params(seed):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(N), jnp.float32),
+            jnp.asarray(rng.uniform(0.1, 0.5, N), jnp.float32),
+            jnp.asarray(rng.standard_normal(N), jnp.float32))  # fmt: skip
+
+
+def test_every_causal_mask_kind_equals_float64_values_and_gradients():
+    """Causal, packed documents, prefix-LM, ragged lengths and fully masked rows, with
+    softcap, sinks and a score function closing over two per-head arrays, GQA."""
+    _check_cases(CAUSAL_CASES)
+
+
+@pytest.mark.slow(reason="a second compiled program (a window is a field of its own)")
+def test_sliding_windows_equal_float64_values_and_gradients():
+    _check_cases({f"window {w}": dict(window=w, seg=SEG) for w in (1, 3, 8)})
+
+
+def _check_cases(cases):
+    fn = _loss_and_grads(softcap=4.0)
+    q, k, v, dout = _qkv(0, T, T)
+    bias_N, slopes_N, sinks_N = _params(1)
+    for name, fields in cases.items():
+        spec = _spec(T, T, causal=True, **fields)
+        got = fn(q, k, v, dout, bias_N, slopes_N, sinks_N, spec)
+        want_out, want = ref.flex_attention(
+            q, k, v, dout, score=_ref_score(bias_N, slopes_N), softcap=4.0, sinks_N=sinks_N,
+            mask=_np_mask(T, T, causal=True, **fields),
+        )  # fmt: skip
+        try:
+            _check(got, want_out, want, {})
+        except AssertionError as e:
+            raise AssertionError(f"mask kind {name}: {e}") from None
+    if "documents" not in cases:
+        return
+    masked = ~_np_mask(T, T, causal=True, seg=SEG).any(-1)  # [B, 1, T]
+    assert masked.any()  # the documents case has fully masked rows: zero output there
+    out = np.asarray(fn(q, k, v, dout, bias_N, slopes_N, sinks_N, _spec(T, T, causal=True,
+                        seg=SEG))[0][1])  # fmt: skip
+    assert (out[np.transpose(masked, (0, 2, 1))[..., 0]] == 0).all()
+
+
+def test_no_mask_and_cross_lengths_equal_float64():
+    """mask=None over 7 queries and 13 keys (every visited block full but the padded one)."""
+    fn = _loss_and_grads(with_sinks=False)
+    q, k, v, dout = _qkv(2, 7, 13)
+    bias_N, slopes_N, sinks_N = _params(3)
+    got = fn(q, k, v, dout, bias_N, slopes_N, sinks_N, None)
+    want_out, want = ref.flex_attention(q, k, v, dout, score=_ref_score(bias_N, slopes_N))
+    _check(got, want_out, want, {"sinks": False})
+
+
+def _counting(monkeypatch):
+    """Counters of score-function calls and mask evaluations, as they run."""
+    calls = {"score": 0, "mask": 0}
+
+    def bump(name):
+        calls[name] += 1
+
+    original = chunked.mask_block
+
+    def mask_block(*args):
+        jax.debug.callback(lambda: bump("mask"))
+        return original(*args)
+
+    monkeypatch.setattr(chunked, "mask_block", mask_block)
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        jax.debug.callback(lambda: bump("score"))
+        return s
+
+    return calls, score_mod
+
+
+def test_empty_blocks_are_skipped_and_full_blocks_evaluate_no_mask(monkeypatch):
+    """Causal over 16 x 16 in 4 x 4 blocks: of 16 block pairs, 6 are empty (never visited),
+    6 full (visited, no mask evaluated) and 4 on the diagonal partial, in each pass."""
+    calls, score_mod = _counting(monkeypatch)
+    q, k, v, _ = _qkv(4, 16, 16)
+    spec = MaskSpec.for_sequence(16, causal=True)
+    dense = np.tril(np.ones((16, 16), bool)).reshape(4, 4, 4, 4)  # [qb, t, kb, s]
+    any_QK, all_QK = dense.any((1, 3)), dense.all((1, 3))
+    visited, partial = int(any_QK.sum()), int((any_QK & ~all_QK).sum())
+    assert (visited, partial) == (10, 4)
+
+    def loss(q, k, v):
+        out = flex_attention(q, k, v, score_mod=score_mod, mask=spec, implementation="chunked",
+                             block_q=4, block_k=4)  # fmt: skip
+        return out.sum()
+
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    assert calls == {"score": 2 * visited, "mask": 2 * partial}  # forward and backward
+    counts = BlockMask.from_spec(spec, 16, 16, block_q=4, block_k=4).counts()
+    assert counts == {"empty": 16 - visited, "partial": partial, "full": visited - partial}
+
+
+def test_one_query_decoding_sees_the_cache_position():
+    """A decode step (one query per row at cache positions 5 and 9 of 12 slots) scores with
+    q_idx = its position, as the variant trained."""
+    q, k, v, _ = _qkv(5, 1, 12)
+    bias_N, slopes_N, _ = _params(6)
+    start_B = np.array([5, 9])
+    mask = MaskSpec.for_cache(1, 12, start_B)
+    out = dot_product_attention(q, k, v, mask=mask, score_mod=_bias_alibi(bias_N, slopes_N),
+                                implementation="auto", backend="cpu")  # fmt: skip
+    score = _ref_score(bias_N, slopes_N)
+    for b in range(B):
+        row = slice(b, b + 1)
+        want = ref.flex_attention(
+            q[row], k[row], v[row], mask=np.arange(12)[None, None, None] <= start_B[b],
+            score=lambda s, _b, n, t, j, p=int(start_B[b]): score(s, 0, n, p, j),
+        )  # fmt: skip
+        np.testing.assert_allclose(np.asarray(out[row]), want, **TOL)
+
+
+# Bad input: one line naming the argument ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "score_mod, match",
+    [
+        (lambda s, b, h, q: s, r"score_mod must take five positional arguments"),
+        (lambda s, b, h, q, k: jnp.sum(s), r"score_mod must return an array of the score's shape"),
+        (lambda s, b, h, q, k: s[..., :1], r"score_mod must return an array of the score's shape"),
+        (lambda s, b, h, q, k: (s > 0).astype(jnp.int32), r"score_mod must return float"),
+        ("not callable", r"score_mod must be a callable"),
+    ],
+)
+def test_a_bad_score_mod_is_named(score_mod, match):
+    q, k, v, _ = _qkv(7, 5, 5)
+    for implementation in ("chunked", "reference"):
+        with pytest.raises(ValueError, match=match) as e:
+            flex_attention(q, k, v, score_mod=score_mod, implementation=implementation)
+        assert "\n" not in str(e.value)
+
+
+def test_bad_blocks_masks_and_block_masks_are_named():
+    q, k, v, _ = _qkv(8, 5, 5)
+    with pytest.raises(ValueError, match=r"block_q=0 must be a positive integer"):
+        flex_attention(q, k, v, implementation="chunked", block_q=0)
+    with pytest.raises(ValueError, match=r"block_k=2.5 must be a positive integer"):
+        flex_attention(q, k, v, implementation="chunked", block_k=2.5)
+    with pytest.raises(ValueError, match=r"mask must be None, a MaskSpec or a boolean array"):
+        flex_attention(q, k, v, mask=np.ones((5, 5), bool))
+    with pytest.raises(ValueError, match=r"mask: a MaskSpec over \(T, S\)=\(6, 6\)"):
+        flex_attention(q, k, v, mask=MaskSpec.for_sequence(6))
+    other = BlockMask.from_spec(None, 5, 5, block_q=2, block_k=2)
+    with pytest.raises(ValueError, match=r"block_mask: built for blocks \(2, 2\)"):
+        flex_attention(q, k, v, block_mask=other, implementation="chunked", block_q=4)
+    with pytest.raises(ValueError, match=r"implementation='fast' is unknown"):
+        flex_attention(q, k, v, implementation="fast")
+    with pytest.raises(ValueError, match=r"logits_fn .* pass an elementwise score_mod"):
+        dot_product_attention(q, k, v, implementation="chunked", logits_fn=lambda s: s)
+
+
+def test_a_missing_kernel_falls_back_to_chunked_and_says_so(caplog, monkeypatch):
+    """A kernel that is not installed (here: a module path that cannot import) is named in
+    one log line, with the path that runs instead."""
+    from attnlab.ops import flex
+
+    monkeypatch.setitem(flex.KERNELS, "pallas_gpu", ("attnlab.ops.no_such_kernel", "fn"))
+    q, k, v, _ = _qkv(9, 5, 5)
+    with caplog.at_level(logging.INFO, logger="attnlab.attention"):
+        monkeypatch.setattr(flex, "_SAID", set())
+        out = flex_attention(q, k, v, implementation="pallas_gpu", interpret=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "attnlab.attention"]
+    assert lines == [
+        "implementation='pallas_gpu': attnlab.ops.no_such_kernel is not installed; falling "
+        "back to the next path ('chunked')"
+    ]
+    want, _ = ref.attention(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), want, **TOL)
+
+
+def test_a_kernel_that_cannot_express_a_call_falls_back_with_its_reason(caplog, monkeypatch):
+    """``supports`` returning a reason (the kernel cannot take this mask) is logged, and the
+    chunked path runs."""
+    import sys
+    import types
+
+    from attnlab.ops import flex
+
+    module = types.ModuleType("fake_kernel")
+    module.supports = lambda *a, mask=None, **kw: (
+        "mask: a dense mask array is not expressible by this kernel" if mask is not None
+        else None
+    )  # fmt: skip
+    module.fn = lambda q, k, v, **kw: pytest.fail("the kernel must not run")
+    monkeypatch.setitem(sys.modules, "fake_kernel", module)
+    monkeypatch.setitem(flex.KERNELS, "splash", ("fake_kernel", "fn"))
+    monkeypatch.setattr(flex, "_SAID", set())
+    q, k, v, _ = _qkv(10, 5, 5)
+    mask = np.tril(np.ones((5, 5), bool))[None, None]
+    with caplog.at_level(logging.INFO, logger="attnlab.attention"):
+        out = flex_attention(q, k, v, mask=mask, implementation="splash")
+    assert [r.getMessage() for r in caplog.records] == [
+        "mask: a dense mask array is not expressible by this kernel; falling back to the "
+        "next path ('chunked')"
+    ]
+    want, _ = ref.attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(np.asarray(out), want, **TOL)
