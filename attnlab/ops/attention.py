@@ -315,11 +315,11 @@ def _refuse_on_chunked(logits_fn, dropout_rate, implementation):
     )
 
 
-def cache_offset(mask, T, S):
-    """The first query's index among the keys when ``T`` queries continue a cache of ``S``
-    slots (a ``MaskSpec`` with ``k_length``, ``for_cache``'s: ``k_length - T``), else None."""
-    if isinstance(mask, MaskSpec) and T != S and mask.k_length is not None:
-        return jnp.asarray(mask.k_length, jnp.int32).reshape(-1) - T
+def cache_offset(mask):
+    """The first query's position, where a ``MaskSpec`` places the queries after others (a
+    linear cache's ``for_cache``: the slot the query's key is written to), else None."""
+    if isinstance(mask, MaskSpec) and not mask.aligned:
+        return jnp.asarray(mask.q_pos, jnp.int32)[:, 0]
     return None
 
 
@@ -381,11 +381,11 @@ def dot_product_attention(
             f"block_q/block_k set the blockwise implementations' blocks; implementation="
             f"{implementation!r} has none: leave them None or use one of {BLOCKWISE}"
         )
-    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    T = q_BTNH.shape[1]
     plain = not return_weights and logits_fn is None and not drop
     backend = jax.default_backend() if backend is None else backend
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
-    q_offset = cache_offset(mask, T, S) if score_mod is not None else None
+    q_offset = cache_offset(mask) if score_mod is not None else None
     softmax = {"sinks": sinks, "softcap": softcap}
     flexible = score_mod is not None or block_mask is not None
     if plain and bias is None and (implementation in KERNEL_IMPLEMENTATIONS or
