@@ -328,3 +328,53 @@ def test_a_kernel_that_cannot_express_a_call_falls_back_with_its_reason(caplog, 
     ]
     want, _ = ref.attention(q, k, v, mask=mask)
     np.testing.assert_allclose(np.asarray(out), want, **TOL)
+
+
+def _fake_kernel(monkeypatch, name, calls):
+    """Kernel ``name`` as a module that records its calls and computes the float32
+    reference (``flex.reference_flex``) of what it is given."""
+    import sys
+    import types
+
+    from attnlab.ops import flex
+
+    module = types.ModuleType(f"fake_{name}")
+    module.supports = lambda *a, **kw: None
+
+    def fn(q, k, v, *, score_mod, mask, scale, sinks, softcap, q_offset=None, **kw):
+        calls.append(score_mod)
+        return flex.reference_flex(q, k, v, score_mod=score_mod, mask=mask, scale=scale,
+                                   sinks=sinks, softcap=softcap, q_offset=q_offset)  # fmt: skip
+
+    module.fn = fn
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(flex.KERNELS, name, (module.__name__, "fn"))
+
+
+def test_position_biases_reach_a_gpu_kernel_as_score_functions(monkeypatch):
+    """On a GPU, ALiBi and T5's buckets (``PositionBias``) reach the fused kernel as score
+    functions closing over their parameters, equal to the float64 biased attention."""
+    from attnlab.ops import PositionBias
+
+    calls = []
+    _fake_kernel(monkeypatch, "pallas_gpu", calls)
+    q, k, v, _ = _qkv(11, 9, 9)
+    pos = jnp.arange(9, dtype=jnp.int32)[None]
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+    table = jnp.asarray(np.random.default_rng(12).standard_normal((8, N)), jnp.float32)
+    rel = np.arange(9)[None, :] - np.arange(9)[:, None]  # k - q
+    buckets = ref.relative_position_bucket(rel, bidirectional=True, num_buckets=8, max_distance=16)
+    biases = {
+        "alibi": (PositionBias.alibi(slopes, pos, pos), ref.alibi_bias(slopes, pos, pos)),
+        "relative": (
+            PositionBias.relative(table, pos, pos, bidirectional=True, max_distance=16),
+            np.transpose(np.asarray(table, np.float64)[buckets], (2, 0, 1))[None],
+        ),
+    }
+    mask = MaskSpec.for_sequence(9, causal=True)
+    for name, (bias, want_bias) in biases.items():
+        out = dot_product_attention(q, k, v, mask=mask, bias=bias, implementation="auto",
+                                    backend="gpu")  # fmt: skip
+        want, _ = ref.attention(q, k, v, mask=np.tril(np.ones((9, 9), bool)), bias=want_bias)
+        np.testing.assert_allclose(np.asarray(out), want, **TOL, err_msg=name)
+    assert len(calls) == 2 and all(callable(c) for c in calls)

@@ -387,6 +387,14 @@ def dot_product_attention(
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
     q_offset = cache_offset(mask) if score_mod is not None else None
     softmax = {"sinks": sinks, "softcap": softcap}
+    kernel = implementation in KERNEL_IMPLEMENTATIONS or (
+        implementation == "auto" and backend in ("gpu", "tpu")
+    )
+    if kernel and plain and softcap is None and isinstance(bias, PositionBias):
+        q_offset = cache_offset(mask)
+        bias_mod = bias.score_mod(q_offset)  # ALiBi / T5 buckets per entry: kernels take them
+        if bias_mod is not None:
+            score_mod, bias = score_mods.compose(bias_mod, score_mod), None
     flexible = score_mod is not None or block_mask is not None
     if plain and bias is None and (implementation in KERNEL_IMPLEMENTATIONS or
                                    (flexible and implementation == "auto")):  # fmt: skip

@@ -19,9 +19,10 @@ Implementations (``IMPLEMENTATIONS``), one signature:
 * ``"pallas_gpu"``, ``"pallas_tpu"``: the fused Pallas kernels of ``attnlab.ops.pallas``
   (forward and backward, block skipping), in interpret mode on a CPU (``interpret``);
 * ``"splash"``, ``"tokamax"``: library kernels, where installed;
-* ``"auto"``: on a CPU, the chunked path (a single query: the one-query decoding path); on a
-  GPU, cuDNN for the plain causal case it was measured on (``gpu_prefers_cudnn``), else the
-  Pallas GPU kernel; on a TPU, splash, else the Pallas TPU kernel.
+* ``"auto"``: on a CPU, the chunked path; on a GPU, cuDNN for the plain causal case it was
+  measured on (``gpu_prefers_cudnn``), else the Pallas GPU kernel; on a TPU, splash, else
+  the Pallas TPU kernel. A single query (a decoding step) runs the GPU's decode kernel
+  (``attnlab.ops.pallas.decode``, split over the cache) or the one-query path.
 
 A fused kernel that is not installed, or that does not cover a call (its ``supports``
 returns a reason), falls back to the next one and finally to ``"chunked"``; each fallback is
@@ -202,8 +203,8 @@ def flex_attention(
     plain = score_mod is None and sinks is None and softcap is None
     if implementation == "auto":
         candidates = _auto(q_BTNH, k_BSKH, mask, backend, plain and block_mask is None)
-        if T == 1 and backend == "cpu" and block_mask is None:
-            candidates = ("one_query",)
+        if T == 1 and block_mask is None:  # a decoding step
+            candidates = ("decode", "one_query") if backend == "gpu" else ("one_query",)
     elif implementation in KERNELS:
         candidates = (implementation, "chunked")
     else:
@@ -236,10 +237,14 @@ def flex_attention(
                 block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
                 q_offset=q_offset, **common,
             )  # fmt: skip
-        kwargs = dict(
-            score_mod=score_mod, mask=mask, block_mask=block_mask, block_q=block_q,
-            block_k=block_k, interpret=interpret, **common,
-        )  # fmt: skip
+        if impl == "decode":
+            kwargs = dict(score_mod=score_mod, mask=mask, block_k=block_k, num_splits=None,
+                          interpret=interpret, **common)  # fmt: skip
+        else:
+            kwargs = dict(
+                score_mod=score_mod, mask=mask, block_mask=block_mask, block_q=block_q,
+                block_k=block_k, interpret=interpret, **common,
+            )  # fmt: skip
         if q_offset is not None:
             kwargs["q_offset"] = q_offset
         fn, reason = _covers(impl, q_BTNH, k_BSKH, v_BSKH, kwargs)

@@ -88,6 +88,13 @@ def apply(score_mod, score, b, h, q_idx, kv_idx):
     return score_mod(score, b, h, q_idx, kv_idx).astype(jnp.float32)
 
 
+def compose(first, then=None):
+    """``then`` applied after ``first`` (None: ``first`` alone)."""
+    if then is None:
+        return first
+    return lambda s, b, h, q, k: then(first(s, b, h, q, k), b, h, q, k)
+
+
 # Built-in score functions (each closes over what it reads).
 
 
