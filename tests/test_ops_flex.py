@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import reference as ref
 
-from attnlab.ops import BlockMask, MaskSpec, chunked, dot_product_attention, flex_attention
+from attnlab.ops import MaskSpec, chunked, dot_product_attention, flex_attention
+from attnlab.ops.block_mask import BlockMask
 
 B, N, K, H = 2, 4, 2, 8
 BLOCKS = dict(block_q=4, block_k=8)

@@ -14,7 +14,6 @@ from attnlab.ops.activations import (
     swiglu,
 )
 from attnlab.ops.attention import IMPLEMENTATIONS, dot_product_attention, reference_attention
-from attnlab.ops.block_mask import BlockMask
 from attnlab.ops.chunked import chunked_attention
 from attnlab.ops.flex import flex_attention
 from attnlab.ops.linear import Transposed, add_bias, dense, dropout, fold
@@ -46,7 +45,6 @@ from attnlab.ops.positions import (
 )
 
 __all__ = [
-    "BlockMask",
     "FFN_KINDS",
     "IMPLEMENTATIONS",
     "MaskSpec",

@@ -28,8 +28,19 @@ Implementations, all behind one signature:
   otherwise ``jax.nn.dot_product_attention``'s own choice, which is XLA's.
 * ``"chunked"``: ``attnlab.ops.chunked``, blockwise with an online softmax and a custom
   backward pass: memory linear in T and S, masked-out blocks skipped, pure JAX (any
-  backend). ``block_q``/``block_k`` set its block sizes. It has no ``logits_fn`` and no
-  attention dropout (both raise a ``ValueError``); ``softcap`` and ``sinks`` it has.
+  backend). ``block_q``/``block_k`` set its block sizes. It has no ``logits_fn`` (pass a
+  ``score_mod``) and no attention dropout (both raise a ``ValueError``); ``softcap``,
+  ``sinks`` and ``score_mod`` it has.
+
+* ``"pallas_gpu"``, ``"pallas_tpu"``, ``"splash"``, ``"tokamax"``: the fused kernels of
+  ``attnlab.ops.flex``, each falling back (named, on the ``attnlab.attention`` logger) to
+  the chunked path where it is absent or does not cover the call.
+
+A score function, ``score_mod(score, b, h, q_idx, kv_idx)`` (``attnlab.ops.score_mods``),
+changes each logit after the cap and before the mask on every path; a call with one under
+``"auto"`` goes to ``attnlab.ops.flex.flex_attention`` (the chunked path on a CPU, a fused
+kernel elsewhere). ``logits_fn``, a map of the whole logits array, keeps the reference path.
+On a GPU or TPU an ALiBi or T5 ``PositionBias`` reaches the kernels as a score function.
 
 ``return_weights=True`` always runs the reference path, since the fused kernels do not
 materialise the weights.

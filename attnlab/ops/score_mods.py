@@ -7,11 +7,11 @@ against it (of the same rank): the batch row, the *query* head ``n`` (``n = k * 
 grouped heads), the query's index in the queries passed (with a ``q_offset``, ``q_offset +
 t``: its index among the keys when the queries continue a cache, as on the one-query
 decoding path, where it is the query's cache position) and the key's index in the keys
-passed. The result has ``score``'s shape and
-a float dtype; the mask is applied after it, then the softmax (with sinks). The function is
-elementwise, so a blockwise kernel evaluates it per block. It may close over arrays (a
-per-head bias, a position table, a gate's output): they are differentiable inputs, and every
-path returns their gradients. Built-in variants write theirs with the helpers below.
+passed. The result has ``score``'s shape and a float dtype; the mask is applied after it,
+then the softmax (with sinks). The function is elementwise, so a blockwise kernel evaluates
+it per block. It may close over arrays (a per-head bias, a position table, a gate's
+output): they are differentiable inputs, and every path returns their gradients. Built-in
+variants write theirs with the helpers below.
 """
 
 from __future__ import annotations
