@@ -379,3 +379,35 @@ def test_position_biases_reach_a_gpu_kernel_as_score_functions(monkeypatch):
         want, _ = ref.attention(q, k, v, mask=np.tril(np.ones((9, 9), bool)), bias=want_bias)
         np.testing.assert_allclose(np.asarray(out), want, **TOL, err_msg=name)
     assert len(calls) == 2 and all(callable(c) for c in calls)
+
+
+@pytest.mark.slow(reason="builds a model and runs it on two paths")
+def test_a_registered_score_function_runs_the_chunked_path_in_a_model(monkeypatch):
+    """A score function registered from a notebook (``register_attention``) reaches the
+    chunked path through ``dot_product_attention(score_mod=...)`` under "auto" on a CPU,
+    and the model's logits equal the reference path's."""
+    from attnlab import ModelConfig, build_model, variants
+    from attnlab.ops import flex
+
+    seen = []
+    original = flex.chunked_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("score_mod"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(flex, "chunked_attention", spy)
+
+    def capped(q, k, v, **kw):
+        mod = lambda s, b, h, q_idx, kv_idx: 2.0 * jnp.tanh(s / 2.0)  # noqa: E731
+        return dot_product_attention(q, k, v, score_mod=mod, **kw)
+
+    monkeypatch.setitem(variants._REGISTRY, "capped_flex_test", capped)
+    ids = jnp.asarray(np.random.default_rng(13).integers(1, 50, (2, 12)), jnp.int32)
+    logits = {}
+    for impl in ("auto", "reference"):
+        cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16,
+                          attention_fn="capped_flex_test", attention_impl=impl)  # fmt: skip
+        logits[impl] = np.asarray(build_model(cfg, seed=0)(ids).logits)
+    assert seen and all(callable(m) for m in seen)
+    np.testing.assert_allclose(logits["auto"], logits["reference"], rtol=1e-5, atol=1e-5)
