@@ -224,21 +224,25 @@ def test_empty_blocks_are_skipped_and_full_blocks_evaluate_no_mask(monkeypatch):
     assert counts == {"empty": 16 - visited, "partial": partial, "full": visited - partial}
 
 
-def test_one_query_decoding_sees_the_cache_position():
-    """A decode step (one query per row at cache positions 5 and 9 of 12 slots) scores with
-    q_idx = its position, as the variant trained."""
-    q, k, v, _ = _qkv(5, 1, 12)
+@pytest.mark.parametrize("T_new", [1, 3])
+def test_queries_after_a_cache_see_their_cache_positions(T_new):
+    """A decoding step (one query; the one-query path) and a prefill continuing a cache (3
+    queries; the chunked path), per row at cache positions 5 and 8 of 12 slots: the score
+    function sees q_idx = the query's position, as the variant trained."""
+    q, k, v, _ = _qkv(5, T_new, 12)
     bias_N, slopes_N, _ = _params(6)
-    start_B = np.array([5, 9])
-    mask = MaskSpec.for_cache(1, 12, start_B)
+    start_B = np.array([5, 8])
+    mask = MaskSpec.for_cache(T_new, 12, start_B)
+    impl = "auto" if T_new == 1 else "chunked"
     out = dot_product_attention(q, k, v, mask=mask, score_mod=_bias_alibi(bias_N, slopes_N),
-                                implementation="auto", backend="cpu")  # fmt: skip
+                                implementation=impl, backend="cpu")  # fmt: skip
     score = _ref_score(bias_N, slopes_N)
     for b in range(B):
-        row = slice(b, b + 1)
+        row, p = slice(b, b + 1), int(start_B[b])
+        allowed = np.arange(12)[None, :] <= p + np.arange(T_new)[:, None]
         want = ref.flex_attention(
-            q[row], k[row], v[row], mask=np.arange(12)[None, None, None] <= start_B[b],
-            score=lambda s, _b, n, t, j, p=int(start_B[b]): score(s, 0, n, p, j),
+            q[row], k[row], v[row], mask=allowed[None, None],
+            score=lambda s, _b, n, t, j, p=p: score(s, 0, n, p + t, j),
         )  # fmt: skip
         np.testing.assert_allclose(np.asarray(out[row]), want, **TOL)
 

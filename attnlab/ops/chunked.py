@@ -375,13 +375,13 @@ def chunked_attention(
         sinks = jnp.asarray(sinks)
         if sinks.shape != (N,):
             raise ValueError(f"sinks must hold one logit per query head, [{N}]; got {sinks.shape}")
-    consts, fn = (), None
-    if score_mod is not None:
-        shape = (B, K, G, tq, tk)
-        score_mods.check_result(score_mod, shape)
-        fn, consts = score_mods.convert(score_mod, shape)
     q_off = jnp.zeros((1,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
-    q_off = q_off.reshape(-1)
+    q_off = q_off.reshape(-1)  # [1|B]
+    consts, fn = (), None
+    if score_mod is not None:  # converted for the index shapes every block passes
+        shape = (B, K, G, tq, tk)
+        score_mods.check_result(score_mod, shape, q_off.shape[0])
+        fn, consts = score_mods.convert(score_mod, shape, q_off.shape[0])
 
     if isinstance(mask, MaskSpec) and mask.shape != (T, S):
         raise ValueError(f"MaskSpec covers (T, S)={mask.shape}, the inputs ({T}, {S})")

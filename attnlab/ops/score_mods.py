@@ -53,14 +53,19 @@ def indices(B, K, G, q_idx, kv_idx):
     return b, h, q, kv
 
 
-def check_result(score_mod, shape) -> None:
-    """A ``ValueError`` naming ``score_mod`` unless it maps ``shape`` float32 logits (with
-    index arrays of ``indices``) to logits of that shape and a float dtype."""
-    check_signature(score_mod)
+def _examples(shape, q_rows):
     B, K, G, t, s = shape
+    q_idx = jnp.zeros((q_rows, t), jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None]
+    return indices(B, K, G, q_idx, jnp.arange(s, dtype=jnp.int32))
+
+
+def check_result(score_mod, shape, q_rows: int = 1) -> None:
+    """A ``ValueError`` naming ``score_mod`` unless it maps ``shape`` float32 logits (with
+    index arrays of ``indices``, ``q_rows`` rows of query indices) to logits of that shape
+    and a float dtype."""
+    check_signature(score_mod)
     args = (jax.ShapeDtypeStruct(shape, jnp.float32),) + tuple(
-        jax.ShapeDtypeStruct(x.shape, x.dtype)
-        for x in indices(B, K, G, jnp.arange(t), jnp.arange(s))
+        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _examples(shape, q_rows)
     )
     out = jax.eval_shape(score_mod, *args)
     if not hasattr(out, "shape") or out.shape != tuple(shape):
@@ -73,12 +78,12 @@ def check_result(score_mod, shape) -> None:
         raise ValueError(f"score_mod must return float logits; it returned {out.dtype}")
 
 
-def convert(score_mod, shape):
+def convert(score_mod, shape, q_rows: int = 1):
     """``(fn, consts)``: ``score_mod`` with the arrays it closes over hoisted out as ``consts``
     (``fn(score, b, h, q_idx, kv_idx, *consts)``), for logits of ``shape`` ``[B, K, G, t, s]``
-    (``jax.closure_convert``), so a custom backward pass can return their gradients."""
-    B, K, G, t, s = shape
-    example = (jnp.zeros(shape, jnp.float32),) + indices(B, K, G, jnp.arange(t), jnp.arange(s))
+    and ``q_rows`` rows of query indices (``jax.closure_convert``), so a custom backward
+    pass can return their gradients."""
+    example = (jnp.zeros(shape, jnp.float32),) + _examples(shape, q_rows)
     fn, consts = jax.closure_convert(score_mod, *example)
     return fn, tuple(consts)
 
