@@ -33,9 +33,9 @@ Masks and biases may be dense (sliced per block) or descriptions: a ``masks.Mask
 buckets evaluated per block, gradients to its parameters included). A ``BlockMask``
 (``attnlab.ops.block_mask``, built once per call and shared by both passes) says which
 (query block, key block) pairs to visit: each query block loops only over its non-empty key
-blocks (``order_QK``), the backward pass's key blocks over their non-empty query blocks
-(``order_KQ``), so causal attention does about half the work; a ``FULL`` pair runs without
-evaluating the mask (a ``lax.cond`` on the pair's kind), a ``PARTIAL`` one with it. Lengths
+blocks (``kind_QK``), the backward pass's key blocks over their non-empty query blocks, so
+causal attention does about half the work, and in two loops: first the ``FULL`` pairs,
+without evaluating the mask, then the ``PARTIAL`` ones, with it (no branch per block). Lengths
 need not divide the blocks: inputs are padded and the padded keys masked.
 GQA/MQA: queries are grouped ``[B, K, G, T, H]``, keys and values are never repeated.
 """
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.ops import score_mods
-from attnlab.ops.block_mask import FULL, BlockMask
+from attnlab.ops.block_mask import FULL, PARTIAL, BlockMask
 from attnlab.ops.chunked_blocks import Static, bias_block, mask_block, pad_axis, to_BKG
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
@@ -90,13 +90,23 @@ def _mod_fn(st: Static, shape, q_off, i, j):
     return lambda s, consts: st.score_mod(s, *args, *consts).astype(jnp.float32)
 
 
-def _visit(st: Static, bm: BlockMask, step, carry, i, j):
-    """``step(carry, masked)`` for block (i, j): without evaluating the mask on a ``FULL``
-    block, with it on a ``PARTIAL`` one."""
+def _visit_order(kind):
+    """Per row of a ``[rows, cols]`` table of kinds: the ``FULL`` columns first, then the
+    ``PARTIAL`` ones (each ascending), and the two counts, so one loop runs the full blocks
+    without evaluating the mask and a second the partial ones with it (the online softmax
+    and the gradient sums do not depend on the order); ``EMPTY`` columns are never visited."""
+    order = jnp.argsort(-kind.astype(jnp.int32), axis=1, stable=True).astype(jnp.int32)
+    n_full = (kind == FULL).sum(1).astype(jnp.int32)
+    return order, n_full, n_full + (kind == PARTIAL).sum(1).astype(jnp.int32)
+
+
+def _loops(st: Static, body, n_full, n_any, carry):
+    """``body(c, carry, masked)`` over ``c`` in ``[0, n_full)`` unmasked, then
+    ``[n_full, n_any)`` masked (one unmasked loop to ``n_any`` when every block is full)."""
     if st.all_full:
-        return step(carry, False)
-    full = bm.kind_QK[i, j] == FULL
-    return jax.lax.cond(full, lambda c: step(c, False), lambda c: step(c, True), carry)
+        return jax.lax.fori_loop(0, n_any, lambda c, x: body(c, x, False), carry)
+    carry = jax.lax.fori_loop(0, n_full, lambda c, x: body(c, x, False), carry)
+    return jax.lax.fori_loop(n_full, n_any, lambda c, x: body(c, x, True), carry)
 
 
 def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
@@ -105,45 +115,42 @@ def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq = T_pad // tq
+    order, n_full, n_any = _visit_order(bm.kind_QK)
 
     def query_block(_, i):
         q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
 
-        def key_block(c, carry):
-            j = bm.order_QK[i, c]
+        def key_block(c, carry, masked):
+            j = order[i, c]
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
-
-            def step(carry, masked):
-                m, denom, acc = carry
-                s, _ = _scores(st, q_blk, k_blk, bias, i, j)
-                if st.score_mod is not None:
-                    s = _mod_fn(st, s.shape, q_off, i, j)(s, consts)
-                allowed = mask_block(mask, i, j, st, S_pad) if masked else None
-                if allowed is not None:
-                    s = jnp.where(allowed, s, MASK_VALUE)
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
-                if allowed is not None:  # a row masked so far has m_new == MASK_VALUE: p = 1
-                    p = jnp.where(allowed, p, 0.0)
-                correction = jnp.exp(m - m_new)
-                denom = denom * correction + p.sum(-1)
-                pv = jnp.einsum(
-                    "BKGts,BKsH->BKGtH",
-                    p.astype(v.dtype),
-                    v_blk,
-                    preferred_element_type=jnp.float32,
-                )
-                return m_new, denom, acc * correction[..., None] + pv
-
-            return _visit(st, bm, step, carry, i, j)
+            m, denom, acc = carry
+            s, _ = _scores(st, q_blk, k_blk, bias, i, j)
+            if st.score_mod is not None:
+                s = _mod_fn(st, s.shape, q_off, i, j)(s, consts)
+            allowed = mask_block(mask, i, j, st, S_pad) if masked else None
+            if allowed is not None:
+                s = jnp.where(allowed, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            if allowed is not None:  # a row masked so far has m_new == MASK_VALUE: p = 1
+                p = jnp.where(allowed, p, 0.0)
+            correction = jnp.exp(m - m_new)
+            denom = denom * correction + p.sum(-1)
+            pv = jnp.einsum(
+                "BKGts,BKsH->BKGtH",
+                p.astype(v.dtype),
+                v_blk,
+                preferred_element_type=jnp.float32,
+            )
+            return m_new, denom, acc * correction[..., None] + pv
 
         init = (
             jnp.full((B, K, G, tq), MASK_VALUE, jnp.float32),
             jnp.zeros((B, K, G, tq), jnp.float32),
             jnp.zeros((B, K, G, tq, H), jnp.float32),
         )
-        m, denom, acc = jax.lax.fori_loop(0, bm.count_Q[i], key_block, init)
+        m, denom, acc = _loops(st, key_block, n_full[i], n_any[i], init)
         seen = denom > 0.0  # False: a fully masked row, whose output is zero
         out = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), jnp.inf)
@@ -191,85 +198,79 @@ def _backward(st: Static, res, cotangents):
     else:
         dbias0 = None
     dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.float32) for c in consts)
+    order, n_full, n_any = _visit_order(bm.kind_QK.T)  # query blocks per key block
 
     def key_block(carry, j):
         dq, dbias, dconsts = carry
         k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
         v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
 
-        def query_block(c, inner):
-            i = bm.order_KQ[j, c]
+        def query_block(c, inner, masked):
+            i = order[j, c]
             q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
             do_blk = jax.lax.dynamic_slice_in_dim(dout, i * tq, tq, 3)
             lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * tq, tq, 3)
             d_blk = jax.lax.dynamic_slice_in_dim(d_BKGT, i * tq, tq, 3)
 
-            def step(inner, masked):
-                dk, dv, dq, dbias, dconsts = inner
-                s, dcap = _scores(st, q_blk, k_blk, bias, i, j)
-                if st.score_mod is not None:
-                    s, mod_vjp = jax.vjp(_mod_fn(st, s.shape, q_off, i, j), s, consts)
-                allowed = mask_block(mask, i, j, st, S_pad) if masked else None
-                p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
-                if allowed is not None:
-                    p = jnp.where(allowed, p, 0.0)
-                dv = dv + jnp.einsum(
-                    "BKGts,BKGtH->BKsH",
-                    p.astype(dout.dtype),
-                    do_blk,
-                    preferred_element_type=jnp.float32,
+            dk, dv, dq, dbias, dconsts = inner
+            s, dcap = _scores(st, q_blk, k_blk, bias, i, j)
+            if st.score_mod is not None:
+                s, mod_vjp = jax.vjp(_mod_fn(st, s.shape, q_off, i, j), s, consts)
+            allowed = mask_block(mask, i, j, st, S_pad) if masked else None
+            p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
+            if allowed is not None:
+                p = jnp.where(allowed, p, 0.0)
+            dv = dv + jnp.einsum(
+                "BKGts,BKGtH->BKsH",
+                p.astype(dout.dtype),
+                do_blk,
+                preferred_element_type=jnp.float32,
+            )
+            dp = jnp.einsum("BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=jnp.float32)
+            ds = p * (dp - d_blk[..., None])  # d logits (after the score function)
+            if st.score_mod is not None:
+                ds, dc = mod_vjp(ds)
+                dconsts = tuple(a + g.astype(jnp.float32) for a, g in zip(dconsts, dc, strict=True))
+            if dcap is not None:
+                ds = ds * dcap
+            dq_blk = jnp.einsum(
+                "BKGts,BKsH->BKGtH",
+                ds.astype(k.dtype),
+                k_blk,
+                preferred_element_type=jnp.float32,
+            )
+            start = i * tq
+            dq = jax.lax.dynamic_update_slice_in_dim(
+                dq,
+                jax.lax.dynamic_slice_in_dim(dq, start, tq, 3) + st.scale * dq_blk,
+                start,
+                3,
+            )
+            dk = dk + st.scale * jnp.einsum(
+                "BKGts,BKGtH->BKsH",
+                ds.astype(q.dtype),
+                q_blk,
+                preferred_element_type=jnp.float32,
+            )
+            if dense_bias:
+                at = (
+                    0,
+                    0,
+                    0,
+                    start if bias.shape[3] != 1 else 0,
+                    j * tk if bias.shape[4] != 1 else 0,
                 )
-                dp = jnp.einsum(
-                    "BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=jnp.float32
+                block = _reduce_to(ds, bias.shape)
+                dbias = jax.lax.dynamic_update_slice(
+                    dbias, jax.lax.dynamic_slice(dbias, at, block.shape) + block, at
                 )
-                ds = p * (dp - d_blk[..., None])  # d logits (after the score function)
-                if st.score_mod is not None:
-                    ds, dc = mod_vjp(ds)
-                    dconsts = tuple(
-                        a + g.astype(jnp.float32) for a, g in zip(dconsts, dc, strict=True)
-                    )
-                if dcap is not None:
-                    ds = ds * dcap
-                dq_blk = jnp.einsum(
-                    "BKGts,BKsH->BKGtH",
-                    ds.astype(k.dtype),
-                    k_blk,
-                    preferred_element_type=jnp.float32,
-                )
-                start = i * tq
-                dq = jax.lax.dynamic_update_slice_in_dim(
-                    dq,
-                    jax.lax.dynamic_slice_in_dim(dq, start, tq, 3) + st.scale * dq_blk,
-                    start,
-                    3,
-                )
-                dk = dk + st.scale * jnp.einsum(
-                    "BKGts,BKGtH->BKsH",
-                    ds.astype(q.dtype),
-                    q_blk,
-                    preferred_element_type=jnp.float32,
-                )
-                if dense_bias:
-                    at = (
-                        0,
-                        0,
-                        0,
-                        start if bias.shape[3] != 1 else 0,
-                        j * tk if bias.shape[4] != 1 else 0,
-                    )
-                    block = _reduce_to(ds, bias.shape)
-                    dbias = jax.lax.dynamic_update_slice(
-                        dbias, jax.lax.dynamic_slice(dbias, at, block.shape) + block, at
-                    )
-                elif fn_bias:
-                    dbias = jax.tree.map(jnp.add, dbias, _bias_param_grad(bias, ds, i, j, st, K, G))
-                return dk, dv, dq, dbias, dconsts
-
-            return _visit(st, bm, step, inner, i, j)
+            elif fn_bias:
+                dbias = jax.tree.map(jnp.add, dbias, _bias_param_grad(bias, ds, i, j, st, K, G))
+            return dk, dv, dq, dbias, dconsts
 
         zeros = jnp.zeros((B, K, tk, H), jnp.float32)
-        dk, dv, dq, dbias, dconsts = jax.lax.fori_loop(
-            0, bm.count_K[j], query_block, (zeros, zeros, dq, dbias, dconsts)
+        dk, dv, dq, dbias, dconsts = _loops(
+            st, query_block, n_full[j], n_any[j], (zeros, zeros, dq, dbias, dconsts)
         )
         return (dq, dbias, dconsts), (dk, dv)
 
