@@ -415,3 +415,39 @@ def test_a_registered_score_function_runs_the_chunked_path_in_a_model(monkeypatc
         logits[impl] = np.asarray(build_model(cfg, seed=0)(ids).logits)
     assert seen and all(callable(m) for m in seen)
     np.testing.assert_allclose(logits["auto"], logits["reference"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_gpu_decoding_step_runs_the_decode_kernel_with_the_cache_position(monkeypatch):
+    """On a GPU, a one-query call goes to ``pallas.decode.flex_decode_gpu``; a kernel that
+    takes no ``q_offset`` gets a score function that adds the cache position to q_idx."""
+    import sys
+    import types
+
+    from attnlab.ops import flex
+
+    calls = []
+    module = types.ModuleType("fake_decode")
+    module.supports = lambda *a, **kw: None
+
+    def decode(q, k, v, *, score_mod, mask, scale, sinks, softcap, block_k, num_splits,
+               interpret):  # fmt: skip
+        calls.append(num_splits)
+        return flex.reference_flex(q, k, v, score_mod=score_mod, mask=mask, scale=scale,
+                                   sinks=sinks, softcap=softcap)  # fmt: skip
+
+    module.decode = decode
+    monkeypatch.setitem(sys.modules, "fake_decode", module)
+    monkeypatch.setattr(flex, "DECODE_KERNEL", ("fake_decode", "decode"))
+    q, k, v, _ = _qkv(14, 1, 12)
+    bias_N, slopes_N, _ = _params(15)
+    start_B = np.array([5, 8])
+    out = dot_product_attention(q, k, v, mask=MaskSpec.for_cache(1, 12, start_B),
+                                score_mod=_bias_alibi(bias_N, slopes_N), implementation="auto",
+                                backend="gpu")  # fmt: skip
+    assert calls == [None]
+    score = _ref_score(bias_N, slopes_N)
+    for b in range(B):
+        row, p = slice(b, b + 1), int(start_B[b])
+        at_p = lambda s, _b, n, t, j, p=p: score(s, 0, n, p, j)  # noqa: E731
+        want = ref.flex_attention(q[row], k[row], v[row], mask=np.arange(12) <= p, score=at_p)
+        np.testing.assert_allclose(np.asarray(out[row]), want, **TOL)

@@ -500,8 +500,8 @@ def _fused_kernel(q_BTNH, k_BSKH, v_BSKH, mask, scale, backend, softmax):
     kwargs = dict(score_mod=None, mask=mask, block_mask=None, scale=scale, block_q=None,
                   block_k=None, interpret=False, **softmax)  # fmt: skip
     for name in flex.AUTO_KERNELS.get(backend, ()):
-        fn, reason = flex._covers(name, q_BTNH, k_BSKH, v_BSKH, kwargs)
+        fn, given = flex._covers(name, q_BTNH, k_BSKH, v_BSKH, kwargs)
         if fn is not None:
-            return fn(q_BTNH, k_BSKH, v_BSKH, **kwargs)
-        flex.say(f"{reason}; falling back to XLA's attention")
+            return fn(q_BTNH, k_BSKH, v_BSKH, **given)
+        flex.say(f"{given}; falling back to XLA's attention")
     return None

@@ -33,6 +33,7 @@ logged once, as one line naming the argument, on the ``attnlab.attention`` logge
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 
@@ -99,14 +100,41 @@ def kernel(name: str):
     return getattr(mod, fn), getattr(mod, "supports", lambda *a, **kw: None)
 
 
+def _accepts(fn, name):
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind == p.VAR_KEYWORD for p in params)
+
+
 def _covers(name, q_BTNH, k_BSKH, v_BSKH, kwargs):
-    """``(fn, None)`` when kernel ``name`` is installed and covers the call, else
-    ``(None, reason)``."""
+    """``(fn, kwargs)`` when kernel ``name`` is installed and covers the call, else
+    ``(None, reason)``. A kernel without ``q_offset`` gets it folded into the score
+    function (``q_idx + q_offset[b]``)."""
     fn, supports = kernel(name)
     if fn is None:
         return None, supports
-    reason = supports(q_BTNH, k_BSKH, v_BSKH, **kwargs)
-    return (fn, None) if reason is None else (None, reason)
+    kwargs = dict(kwargs)
+    q_offset = kwargs.pop("q_offset", None)
+    if q_offset is not None:
+        if _accepts(fn, "q_offset"):
+            kwargs["q_offset"] = q_offset
+        elif kwargs.get("score_mod") is not None:
+            kwargs["score_mod"] = _shifted(kwargs["score_mod"], q_offset)
+    asked = {k: v for k, v in kwargs.items() if _accepts(supports, k)}
+    reason = supports(q_BTNH, k_BSKH, v_BSKH, **asked)
+    return (fn, kwargs) if reason is None else (None, reason)
+
+
+def _shifted(score_mod, q_offset):
+    """``score_mod`` seeing ``q_idx + q_offset[b]`` (``q_offset``: [1|B] int32)."""
+    off = jnp.asarray(q_offset, jnp.int32).reshape(-1)
+
+    def mod(s, b, h, q_idx, kv_idx):
+        return score_mod(s, b, h, q_idx + off[b if off.shape[0] > 1 else 0], kv_idx)
+
+    return mod
 
 
 def _auto(q_BTNH, k_BSKH, mask, backend, plain):
@@ -247,10 +275,10 @@ def flex_attention(
             )  # fmt: skip
         if q_offset is not None:
             kwargs["q_offset"] = q_offset
-        fn, reason = _covers(impl, q_BTNH, k_BSKH, v_BSKH, kwargs)
+        fn, given = _covers(impl, q_BTNH, k_BSKH, v_BSKH, kwargs)
         if fn is not None:
-            return fn(q_BTNH, k_BSKH, v_BSKH, **kwargs)
-        say(f"{reason}; falling back to the next path ({_next(candidates, impl)!r})")
+            return fn(q_BTNH, k_BSKH, v_BSKH, **given)
+        say(f"{given}; falling back to the next path ({_next(candidates, impl)!r})")
     raise AssertionError("unreachable: the chunked path ends every candidate list")
 
 
@@ -263,9 +291,8 @@ def decode_kernel(q_BTNH, k_BSKH, v_BSKH, *, backend, **kwargs):
     covers a one-query call, else None (the reason logged)."""
     if backend != "gpu" or q_BTNH.shape[1] != 1:
         return None
-    fn, supports = kernel("decode")
-    reason = supports if fn is None else supports(q_BTNH, k_BSKH, v_BSKH, **kwargs)
-    if reason is not None:
-        say(f"{reason}; decoding with the one-query path")
+    fn, given = _covers("decode", q_BTNH, k_BSKH, v_BSKH, kwargs)
+    if fn is None:
+        say(f"{given}; decoding with the one-query path")
         return None
-    return lambda: fn(q_BTNH, k_BSKH, v_BSKH, **kwargs)
+    return lambda: fn(q_BTNH, k_BSKH, v_BSKH, **given)
