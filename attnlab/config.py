@@ -155,7 +155,7 @@ class ModelConfig:
     attn_scale: float | None = None  # logit scale; defaults to head_dim ** -0.5
     attention_impl: str = "auto"
     attention_block_q: int | None = None  # blockwise only: query block (None: its default)
-    attention_block_k: int | None = None  # chunked only: key block (None: its default)
+    attention_block_k: int | None = None  # blockwise only: key block (None: its default)
     attention_fn: str = "softmax"  # a score function from attnlab.attention_variants()
     mixer: str = "mha"  # the self-attention variant: attnlab.registered_mixers()
     mixer_settings: Any = None  # the variant's Settings (a dict of its fields; None: defaults)
