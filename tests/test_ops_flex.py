@@ -170,6 +170,7 @@ def _check_cases(cases):
     assert (out[np.transpose(masked, (0, 2, 1))[..., 0]] == 0).all()
 
 
+@pytest.mark.slow(reason="a compiled program of its own (no mask: every block full)")
 def test_no_mask_and_cross_lengths_equal_float64():
     """mask=None over 7 queries and 13 keys (every visited block full but the padded one)."""
     fn = _loss_and_grads(with_sinks=False)
@@ -224,7 +225,9 @@ def test_empty_blocks_are_skipped_and_full_blocks_evaluate_no_mask(monkeypatch):
     assert counts == {"empty": 16 - visited, "partial": partial, "full": visited - partial}
 
 
-@pytest.mark.parametrize("T_new", [1, 3])
+@pytest.mark.parametrize(
+    "T_new", [1, pytest.param(3, marks=pytest.mark.slow(reason="the chunked path compiled"))]
+)
 def test_queries_after_a_cache_see_their_cache_positions(T_new):
     """A decoding step (one query; the one-query path) and a prefill continuing a cache (3
     queries; the chunked path), per row at cache positions 5 and 8 of 12 slots: the score
@@ -356,6 +359,7 @@ def _fake_kernel(monkeypatch, name, calls):
     monkeypatch.setitem(flex.KERNELS, name, (module.__name__, "fn"))
 
 
+@pytest.mark.slow(reason="two dense biased reference runs through a stand-in kernel")
 def test_position_biases_reach_a_gpu_kernel_as_score_functions(monkeypatch):
     """On a GPU, ALiBi and T5's buckets (``PositionBias``) reach the fused kernel as score
     functions closing over their parameters, equal to the float64 biased attention."""
@@ -417,6 +421,7 @@ def test_a_registered_score_function_runs_the_chunked_path_in_a_model(monkeypatc
     np.testing.assert_allclose(logits["auto"], logits["reference"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow(reason="a stand-in decode kernel's reference run")
 def test_a_gpu_decoding_step_runs_the_decode_kernel_with_the_cache_position(monkeypatch):
     """On a GPU, a one-query call goes to ``pallas.decode.flex_decode_gpu``; a kernel that
     takes no ``q_offset`` gets a score function that adds the cache position to q_idx."""
