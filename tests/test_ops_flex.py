@@ -456,3 +456,26 @@ def test_a_gpu_decoding_step_runs_the_decode_kernel_with_the_cache_position(monk
         at_p = lambda s, _b, n, t, j, p=p: score(s, 0, n, p, j)  # noqa: E731
         want = ref.flex_attention(q[row], k[row], v[row], mask=np.arange(12) <= p, score=at_p)
         np.testing.assert_allclose(np.asarray(out[row]), want, **TOL)
+
+
+def test_verbose_prints_each_fallback_once(monkeypatch):
+    """``log_fallbacks`` (what ``attnlab train --verbose`` turns on) prints each distinct
+    fallback line once, prefixed ``attention:``."""
+    import io
+
+    from attnlab.ops import flex
+
+    monkeypatch.setattr(flex, "_SAID", set())
+    stream = io.StringIO()
+    before = list(flex.LOGGER.handlers), flex.LOGGER.level
+    try:
+        monkeypatch.setattr(flex.LOGGER, "handlers", [])
+        flex.log_fallbacks(stream)
+        for _ in range(2):
+            flex.say("mask: not expressible; falling back to the next path ('chunked')")
+    finally:
+        flex.LOGGER.handlers[:] = before[0]
+        flex.LOGGER.setLevel(before[1])
+    assert stream.getvalue() == (
+        "attention: mask: not expressible; falling back to the next path ('chunked')\n"
+    )

@@ -95,8 +95,10 @@ def kernel(name: str):
     module, fn = KERNELS.get(name, DECODE_KERNEL)
     try:
         mod = importlib.import_module(module)
-    except ImportError:
-        return None, f"implementation={name!r}: {module} is not installed"
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and module.startswith(e.name or "\0"):
+            return None, f"implementation={name!r}: {module} is not installed"
+        return None, f"implementation={name!r}: {module} cannot be imported ({e})"
     return getattr(mod, fn), getattr(mod, "supports", lambda *a, **kw: None)
 
 
