@@ -90,8 +90,7 @@ def test_fox_declares_its_cumulative_gate_as_a_cache_entry():
 @pytest.mark.slow(reason="compiles a model's prefill, decode steps and forward pass")
 def test_fox_cached_decoding_equals_recompute():
     cfg = ModelConfig(**TINY, mixer_settings={"bias_init": 1.0})
-    mixer_checks.prefill_then_steps(cfg, atol=2e-5)
-    mixer_checks.generate_matches_recompute(cfg.replace(**CHUNKED))
+    mixer_checks.prefill_then_steps(cfg, atol=2e-5)  # ragged prefill, then token by token
 
 
 CHILD = __import__("os").environ.get("ATTNLAB_MESH_CHILD") == "1"
