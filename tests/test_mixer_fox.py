@@ -18,6 +18,7 @@ import xla_flags
 from flax import nnx
 
 from attnlab import ModelConfig, ops
+from attnlab.errors import ConfigError
 from attnlab.mixers import MixerCall, get_mixer
 
 B, T = 2, 11
@@ -85,6 +86,13 @@ def test_fox_declares_its_cumulative_gate_as_a_cache_entry():
     assert set(entries) == {"keys", "values", "log_forget"}
     assert entries["log_forget"].shape == (cfg.n_heads, -1)
     assert entries["log_forget"].dtype == "float32"
+
+
+def test_fox_settings_are_validated():
+    with pytest.raises(ConfigError, match=r"mixer_settings.bias_init"):
+        ModelConfig(**TINY, mixer_settings={"bias_init": float("nan")})
+    with pytest.raises(ConfigError, match=r"causal=False is invalid with mixer='fox'"):
+        ModelConfig(**TINY, causal=False)
 
 
 @pytest.mark.slow(reason="compiles a model's prefill, decode steps and forward pass")

@@ -44,6 +44,11 @@ class Forgetting(Attention):
             )
             if not (number and math.isfinite(self.bias_init)):
                 self.fail("bias_init", "a finite number (the forget gates' initial bias)")
+            if not cfg.causal:
+                raise ConfigError(
+                    "ModelConfig.causal=False is invalid with mixer='fox': the forget gates "
+                    "decay the keys before each query (causal attention); set causal=True"
+                )
 
     # The split sequence's ring and all-gather paths take no score function.
     context_parallel = False
