@@ -503,5 +503,5 @@ def _fused_kernel(q_BTNH, k_BSKH, v_BSKH, mask, scale, backend, softmax):
         fn, given = flex._covers(name, q_BTNH, k_BSKH, v_BSKH, kwargs)
         if fn is not None:
             return fn(q_BTNH, k_BSKH, v_BSKH, **given)
-        flex.say(f"{given}; falling back to XLA's attention")
+        flex.say(flex._fallback(given, "XLA's attention"))
     return None

@@ -53,13 +53,14 @@ from attnlab.ops.masks import MaskSpec
 
 IMPLEMENTATIONS = ("auto", "reference", "chunked", "pallas_gpu", "pallas_tpu", "splash", "tokamax")
 
-# The fused kernels: implementation -> (module, function). Each module has ``supports(q, k,
-# v, **same keywords) -> str | None`` (None: the kernel covers the call; else why not).
+# The fused kernels: implementation -> (module, function[, its supports]). Each has a
+# ``supports(q, k, v, **same keywords) -> str | None`` (None: the kernel covers the call;
+# else why not), ``supports`` unless named.
 KERNELS = {
     "pallas_gpu": ("attnlab.ops.pallas.flex_gpu", "flex_attention_gpu"),
     "pallas_tpu": ("attnlab.ops.pallas.flex_tpu", "flex_attention_tpu"),
-    "splash": ("attnlab.ops.pallas.splash", "splash_attention"),
-    "tokamax": ("attnlab.ops.pallas.tokamax", "tokamax_attention"),
+    "splash": ("attnlab.ops.pallas.flex_tpu", "splash_attention", "supports_splash"),
+    "tokamax": ("attnlab.ops.pallas.tokamax_gpu", "tokamax_attention"),
 }
 DECODE_KERNEL = ("attnlab.ops.pallas.decode", "flex_decode_gpu")
 # What "auto" tries per backend, in order, before the chunked path.
@@ -92,14 +93,14 @@ def say(reason: str) -> None:
 
 def kernel(name: str):
     """``(fn, supports)`` of a fused kernel, or ``(None, reason)`` when it is not installed."""
-    module, fn = KERNELS.get(name, DECODE_KERNEL)
+    module, fn, *check = KERNELS.get(name, DECODE_KERNEL)
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
         if isinstance(e, ModuleNotFoundError) and module.startswith(e.name or "\0"):
             return None, f"implementation={name!r}: {module} is not installed"
         return None, f"implementation={name!r}: {module} cannot be imported ({e})"
-    return getattr(mod, fn), getattr(mod, "supports", lambda *a, **kw: None)
+    return getattr(mod, fn), getattr(mod, check[0] if check else "supports", lambda *a, **k: None)
 
 
 def _accepts(fn, name):
@@ -280,8 +281,13 @@ def flex_attention(
         fn, given = _covers(impl, q_BTNH, k_BSKH, v_BSKH, kwargs)
         if fn is not None:
             return fn(q_BTNH, k_BSKH, v_BSKH, **given)
-        say(f"{given}; falling back to the next path ({_next(candidates, impl)!r})")
+        say(_fallback(given, f"the next path ({_next(candidates, impl)!r})"))
     raise AssertionError("unreachable: the chunked path ends every candidate list")
+
+
+def _fallback(reason, to):
+    """One line: the reason, and where the call goes (unless the reason says it)."""
+    return reason if "falling back" in reason else f"{reason}; falling back to {to}"
 
 
 def _next(candidates, impl):
@@ -295,6 +301,6 @@ def decode_kernel(q_BTNH, k_BSKH, v_BSKH, *, backend, **kwargs):
         return None
     fn, given = _covers("decode", q_BTNH, k_BSKH, v_BSKH, kwargs)
     if fn is None:
-        say(f"{given}; decoding with the one-query path")
+        say(_fallback(given, "the one-query path"))
         return None
     return lambda: fn(q_BTNH, k_BSKH, v_BSKH, **given)
