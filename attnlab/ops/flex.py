@@ -63,6 +63,8 @@ KERNELS = {
     "tokamax": ("attnlab.ops.pallas.tokamax_gpu", "tokamax_attention"),
 }
 DECODE_KERNEL = ("attnlab.ops.pallas.decode", "flex_decode_gpu")
+# A library kernel that does not cover a call hands it to the Pallas kernel of its backend.
+LIBRARY_FALLBACKS = {"splash": ("pallas_tpu",), "tokamax": ("pallas_gpu",)}
 # What "auto" tries per backend, in order, before the chunked path.
 AUTO_KERNELS = {"gpu": ("pallas_gpu",), "tpu": ("splash", "pallas_tpu")}
 # The chunked path's blocks under "auto": 64 up to 1,024 queries and keys, then its defaults
@@ -237,7 +239,7 @@ def flex_attention(
         if T == 1 and block_mask is None:  # a decoding step
             candidates = ("decode", "one_query") if backend == "gpu" else ("one_query",)
     elif implementation in KERNELS:
-        candidates = (implementation, "chunked")
+        candidates = (implementation, *LIBRARY_FALLBACKS.get(implementation, ()), "chunked")
     else:
         candidates = (implementation,)
     common = dict(scale=scale, sinks=sinks, softcap=softcap)
