@@ -324,12 +324,12 @@ def test_a_kernel_that_cannot_express_a_call_falls_back_with_its_reason(caplog, 
     )  # fmt: skip
     module.fn = lambda q, k, v, **kw: pytest.fail("the kernel must not run")
     monkeypatch.setitem(sys.modules, "fake_kernel", module)
-    monkeypatch.setitem(flex.KERNELS, "splash", ("fake_kernel", "fn"))
+    monkeypatch.setitem(flex.KERNELS, "pallas_tpu", ("fake_kernel", "fn"))
     monkeypatch.setattr(flex, "_SAID", set())
     q, k, v, _ = _qkv(10, 5, 5)
     mask = np.tril(np.ones((5, 5), bool))[None, None]
     with caplog.at_level(logging.INFO, logger="attnlab.attention"):
-        out = flex_attention(q, k, v, mask=mask, implementation="splash")
+        out = flex_attention(q, k, v, mask=mask, implementation="pallas_tpu")
     assert [r.getMessage() for r in caplog.records] == [
         "mask: a dense mask array is not expressible by this kernel; falling back to the "
         "next path ('chunked')"
