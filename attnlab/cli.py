@@ -109,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--workdir", required=True)
     t.add_argument("--no-progress", action="store_true", help="plain log lines only")
-    t.add_argument("--verbose", action="store_true", help="also print how the state is sharded")
+    t.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print how the state is sharded and which attention paths fall back",
+    )
     t.add_argument(
         "--allow-changes",
         action="store_true",

@@ -76,7 +76,11 @@ class ModelConfig:
     memory linear in the sequence length, its blocks ``attention_block_q``/``_k``; the default
     ``"auto"`` takes the chunked path on CPU from 128 queries on (measured faster there),
     cuDNN on an NVIDIA GPU for plain causal 16-bit self-attention (``gpu_prefers_cudnn``),
-    and XLA's fused path otherwise.
+    a fused kernel of ``attnlab.ops.flex`` where one is installed and covers the call (with
+    a score function: the chunked path where none does), and XLA's fused path otherwise;
+    ``"pallas_gpu"``, ``"pallas_tpu"``, ``"splash"`` and ``"tokamax"`` ask for a kernel
+    (blocks as for ``"chunked"``), falling back, named under ``--verbose``, to the chunked
+    path.
 
     ``decode_layers`` is how the generation loops (sampling, beam search) run the decoder:
     ``"unstacked"`` slices the stacked weights into separate blocks once per call and
@@ -150,8 +154,8 @@ class ModelConfig:
     sliding_window_layers: tuple[int, ...] | None = None  # layers with a window; None = all
     attn_scale: float | None = None  # logit scale; defaults to head_dim ** -0.5
     attention_impl: str = "auto"
-    attention_block_q: int | None = None  # chunked only: query block (None: its default)
-    attention_block_k: int | None = None  # chunked only: key block (None: its default)
+    attention_block_q: int | None = None  # blockwise only: query block (None: its default)
+    attention_block_k: int | None = None  # blockwise only: key block (None: its default)
     attention_fn: str = "softmax"  # a score function from attnlab.attention_variants()
     mixer: str = "mha"  # the self-attention variant: attnlab.registered_mixers()
     mixer_settings: Any = None  # the variant's Settings (a dict of its fields; None: defaults)

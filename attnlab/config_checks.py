@@ -10,7 +10,7 @@ from attnlab.errors import ConfigError
 from attnlab.ffns import get_ffn
 from attnlab.mixers import get_mixer
 from attnlab.ops.activations import FFN_KINDS
-from attnlab.ops.attention import IMPLEMENTATIONS
+from attnlab.ops.attention import BLOCKWISE, IMPLEMENTATIONS
 from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
 from attnlab.ops.positions import ROPE_SCALINGS, RopeScaling
 from attnlab.variants import attention_variants
@@ -174,16 +174,19 @@ def _check_attention(cfg) -> None:
     """The attention implementation, context parallelism and the layers' windows."""
     for field in ("attention_block_q", "attention_block_k"):
         value = getattr(cfg, field)
-        if value is not None and cfg.attention_impl != "chunked":
+        if value is not None and cfg.attention_impl not in BLOCKWISE:
             _fail(
-                field, value, "block sizes apply to attention_impl='chunked' only; set it or None"
+                field,
+                value,
+                f"block sizes apply to the blockwise attention_impl {BLOCKWISE} only; set one "
+                "or None",
             )
-    if cfg.attention_impl == "chunked" and cfg.attention_dropout > 0:
+    if cfg.attention_impl in BLOCKWISE and cfg.attention_dropout > 0:
         _fail(
             "attention_dropout",
             cfg.attention_dropout,
-            "attention_impl='chunked' has no attention dropout: set it to 0, or use "
-            "attention_impl='reference'",
+            f"attention_impl={cfg.attention_impl!r} has no attention dropout: set it to 0, or "
+            "use attention_impl='reference'",
         )
     _choice(cfg, "context_parallel", CONTEXT_PARALLEL)
     if not isinstance(cfg.context_load_balance, bool):

@@ -143,6 +143,7 @@ _MIXERS = Registry(
         "sinks": "attnlab.nn.mixers.sinks",
         "gated": "attnlab.nn.mixers.gated",
         "differential": "attnlab.nn.mixers.differential",
+        "fox": "attnlab.nn.mixers.forgetting",
         "mla": "attnlab.nn.mixers.mla",
         "gated_deltanet": "attnlab.nn.mixers.gated_deltanet",
         "mamba2": "attnlab.nn.mixers.mamba2",

@@ -20,8 +20,12 @@ config sets ``attention_block_q``/``attention_block_k``, the keywords ``block_q`
 too. A variant that forwards them to ``dot_product_attention`` keeps every path; one that
 needs arrays calls ``.dense()``.
 
-A score function changes the scores alone; a variant with its own parameters or cache
-entries is a module (``attnlab.mixers``, ``ModelConfig.mixer``).
+A score function changes the scores alone, best as a ``score_mod(score, b, h, q_idx,
+kv_idx)`` passed to ``dot_product_attention`` (``attnlab.ops.score_mods``): every path
+then runs it, the chunked one and the fused kernels included, with no kernel code of the
+variant's own (a whole-array ``logits_fn`` keeps the dense reference path). A variant with
+its own parameters or cache entries is a module (``attnlab.mixers``, ``ModelConfig.mixer``)
+that passes its ``score_mod`` the same way (``attnlab.nn.mixers.forgetting``).
 
 The function is resolved when a model is built and held by its attention modules, so it is
 part of the model's graph: every compiled program (training, evaluation, cached decoding)
@@ -31,7 +35,7 @@ them can be reopened from their work directory::
 
     def capped(q, k, v, **kw):
         return attnlab.ops.dot_product_attention(
-            q, k, v, logits_fn=lambda s: 30.0 * jnp.tanh(s / 30.0), **kw)
+            q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: 30.0 * jnp.tanh(s / 30.0), **kw)
 
     attnlab.register_attention("softcap30", capped)
     cfg = cfg.replace(attention_fn="softcap30")

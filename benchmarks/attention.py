@@ -25,6 +25,13 @@ built on the host, and ``--compile-only`` reports each program's temporaries wit
 running it. ``--device gpu --dry-run`` compiles the GPU settings (bfloat16, the fused XLA
 path standing in for cuDNN, which cannot be compiled without a GPU) on a CPU.
 
+``--flex`` measures ``ops.flex_attention`` per variant (plain causal, soft-cap, sliding
+window, sinks, ALiBi, packed documents, FoX; ``--flex-variants``): forward + backward of q,
+k, v and the arrays the score function closes over, its temporaries and its share of the
+matmul roofline over the entries the mask allows, at T = 1k / 4k / 16k on a CPU (the
+chunked path) or 8k / 32k / 128k on a GPU (the fused kernel, cuDNN's plain causal beside
+it); ``--device gpu --dry-run --flex`` runs the GPU script's code path at tiny shapes here.
+
 ``--variants mha,sinks,gated,differential,mla`` measures the registered attention variants
 instead (``attnlab.mixers``), each in a one-layer decoder (d_model 256, 4 heads, chunked
 path): the train step (value and gradient of the loss over the parameters, causal, B=1) at
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import jax
@@ -206,6 +214,94 @@ def main_variants(args, budget, host):
     report("attention_variants", host, vars(args), rows)
 
 
+FLEX_VARIANTS = ("causal", "softcap", "window", "sinks", "alibi", "documents", "fox")
+FLEX_WINDOW = 512  # the sliding window's keys
+FLEX_DOCUMENTS = 4  # packed documents of T / 4 tokens each
+
+
+def flex_program(variant, T, args):
+    """A jitted value-and-grad of ``ops.flex_attention`` for one variant (gradients of q,
+    k, v and of the arrays its score function closes over), its inputs and the number of
+    (query, key) entries the variant's mask allows (the useful work)."""
+    from attnlab.ops import score_mods
+
+    B, N, H = args.batch, args.heads, args.head_dim
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(0), 5)
+    q, k, v, w = (jax.random.normal(s, (B, T, N, H), jnp.float32).astype(dtype) for s in keys[:4])
+    causal = MaskSpec.for_sequence(T, causal=True)
+    mask, extra, allowed = causal, (), T * (T + 1) // 2
+    kw = dict(implementation=args.flex_impl, backend=args.backend)
+    if args.flex_blocks:
+        kw |= dict(block_q=args.block_q, block_k=args.block_k)
+    mod = None
+    if variant == "softcap":
+        kw["softcap"] = 30.0
+    elif variant == "window":
+        window = min(FLEX_WINDOW, T)
+        mask = MaskSpec.for_sequence(T, causal=True, window=window)
+        allowed = window * (window + 1) // 2 + (T - window) * window
+    elif variant == "sinks":
+        extra = (jnp.zeros((N,), jnp.float32),)
+    elif variant == "alibi":
+        extra = (ops.alibi_slopes(N),)
+        mod = lambda slopes: score_mods.alibi(slopes)  # noqa: E731
+    elif variant == "documents":
+        L = T // FLEX_DOCUMENTS
+        segments = 1 + jnp.minimum(jnp.arange(T) // L, FLEX_DOCUMENTS - 1)
+        mask = MaskSpec.for_sequence(T, causal=True, segment_ids=segments[None])
+        allowed = FLEX_DOCUMENTS * L * (L + 1) // 2
+    elif variant == "fox":
+        gates = jax.random.normal(keys[4], (B, N, T), jnp.float32)
+        extra = (jnp.cumsum(jax.nn.log_sigmoid(gates + 3.0), axis=-1),)
+        mod = score_mods.forget_gate
+
+    def loss(q, k, v, w, mask, *extra):
+        options = dict(kw)
+        if variant == "sinks":
+            options["sinks"] = extra[0]
+        elif mod is not None:
+            options["score_mod"] = mod(*extra)
+        out = ops.flex_attention(q, k, v, mask=mask, **options)
+        return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
+
+    argnums = tuple(range(3)) + tuple(5 + i for i in range(len(extra)))
+    fn = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+    return fn, (q, k, v, w, mask, *extra), allowed
+
+
+def measure_flex(variant, T, args, budget):
+    if variant == "cudnn":  # the peer on a GPU: plain causal, cuDNN's fused kernel
+        fn, inputs = program("cudnn", T, args)
+        allowed = T * (T + 1) // 2
+    else:
+        fn, inputs, allowed = flex_program(variant, T, args)
+    row = timed(fn, inputs, dict(variant=variant, T=T), args, budget)
+    row["allowed_fraction"] = round(allowed / T**2, 4)
+    if "ms" in row:  # useful FLOPs (12 H per allowed entry, forward + backward) over the peak
+        flops = 12 * args.batch * args.heads * args.head_dim * allowed
+        row["of_peak"] = round(flops / (row["ms"] / 1e3) / args.peak_flops, 4)
+    return row
+
+
+def main_flex(args, budget, host, gpu, dry):
+    """``--flex``: every variant through ``ops.flex_attention`` ("auto": the chunked path on
+    a CPU, the fused kernel on a GPU, with cuDNN's plain causal beside it)."""
+    lengths = [int(x) for x in args.lengths.split(",")]
+    variants = args.flex_variants.split(",") + (["cudnn"] if gpu and not dry else [])
+    repeats = args.repeats
+    rows = []
+    for T in lengths:
+        args.repeats = max(1, repeats // 3) if T >= 16384 else repeats  # 16k: fewer
+        for variant in variants:
+            rows.append(one_row(measure_flex, dict(variant=variant, T=T), variant, T, args,
+                                budget))  # fmt: skip
+    args.repeats = repeats
+    settings = vars(args) | {"budget_gib": round(budget / 2**30, 1), "window": FLEX_WINDOW,
+                             "documents": FLEX_DOCUMENTS}  # fmt: skip
+    report("flex_attention", host, settings, rows)
+
+
 def main():
     gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser()
@@ -228,9 +324,21 @@ def main():
     p.add_argument("--compile-only", action="store_true", help="temporaries, not times")
     p.add_argument("--quick", action="store_true", help="seconds: T = 256 / 512")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--flex", action="store_true", help="flex attention's variants instead")
+    p.add_argument("--flex-variants", default=",".join(FLEX_VARIANTS))
+    p.add_argument("--flex-impl", default="auto", help="flex_attention's implementation")
     machine.add_device_flag(p)
     args = p.parse_args()
     dry = machine.check_device(args)
+    args.flex_blocks = any(a.startswith(("--block-q", "--block-k")) for a in sys.argv)
+    if args.flex:
+        # CPU: 1k / 4k / 16k (a dry run: tiny shapes on this CPU); GPU: 8k / 32k / 128k.
+        default = "1024,4096,16384" if not (gpu or args.device == "gpu") else "8192,32768,131072"
+        if p.get_default("lengths") == args.lengths:
+            args.lengths = "256,512" if dry else default
+        args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+        args.backend = jax.default_backend()
+    dry = dry and not args.flex  # --flex --dry-run runs its tiny shapes, timed
     gpu = gpu or args.device == "gpu"
     args.impls = args.impls or "reference,xla,chunked,chunked_full" + (",cudnn" if gpu else "")
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
@@ -249,6 +357,8 @@ def main():
     host |= {"limits": limits}
     if args.variants:
         return main_variants(args, budget, host)
+    if args.flex:
+        return main_flex(args, budget, host, gpu and not args.dry_run, args.dry_run)
     rows = [
         one_row(measure, dict(impl=impl, T=T), impl, T, args, budget)
         for T in (int(x) for x in args.lengths.split(","))

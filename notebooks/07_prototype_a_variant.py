@@ -67,16 +67,16 @@ TAU = 10.0  # temperature of cosine attention
 # A variant has the signature of `attnlab.ops.dot_product_attention`: `q [B, T, N, H]`,
 # `k, v [B, S, K, H]` and keyword arguments (`mask`, `bias`, `scale`, `return_weights`,
 # `implementation`). Both variants below delegate to it: soft-capping through its
-# `logits_fn` hook (applied to the scaled logits, before masking), cosine attention by
-# normalising its inputs and fixing the scale.
+# `score_mod` hook (`score_mod(score, b, h, q_idx, kv_idx)`, applied to each scaled logit
+# before masking, so every path runs it: the chunked one on a CPU, a fused kernel on a GPU),
+# cosine attention by normalising its inputs and fixing the scale.
 
 
 # %%
 def softcap_attention(q_BTNH, k_BSKH, v_BSKH, *, cap=CAP, **kwargs):
     """Softmax attention of ``cap * tanh(logits / cap)``."""
-    return ops.dot_product_attention(
-        q_BTNH, k_BSKH, v_BSKH, logits_fn=lambda logits: cap * jnp.tanh(logits / cap), **kwargs
-    )
+    score_mod = lambda s, b, h, q_idx, kv_idx: cap * jnp.tanh(s / cap)
+    return ops.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, **kwargs)
 
 
 def cosine_attention(q_BTNH, k_BSKH, v_BSKH, *, scale=None, tau=TAU, **kwargs):

@@ -58,6 +58,104 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None):
     return out_BTNH, weights_BNTS
 
 
+def flex_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    dout_BTNH=None,
+    *,
+    score=None,
+    dscore=None,
+    mask=None,
+    scale=None,
+    softcap=None,
+    sinks_N=None,
+):
+    """Flex attention and its gradients, an explicit loop over (b, n, t).
+
+    Per entry: ``s0 = scale * q.k``; ``s1 = c tanh(s0 / c)`` with ``softcap = c``;
+    ``s2 = score(s1, b, n, t, j)`` (a scalar function, the variant's formula; ``n`` is the
+    query head, ``j`` the key index); masked entries drop out; ``p = softmax`` over the
+    allowed ``s2`` and the head's sink; ``out = sum_j p_j v_j`` (a row with no allowed key: 0).
+
+    With ``dout`` also the backward pass of ``sum(out * dout)``: ``dP_j = dout . v_j``,
+    ``ds2_j = p_j (dP_j - sum_k p_k dP_k)`` (the sink's dP is 0), ``ds1 = ds2 *
+    dscore(s1, b, n, t, j)`` (``d score / d s``; default 1), ``ds0 = ds1 (1 - tanh^2)``,
+    ``dq_t = scale sum_j ds0_j k_j``, ``dk_j += scale ds0_j q_t``, ``dv_j += p_j dout_t``,
+    ``dsink_n = -sum_t p_sink D_t``. Returns ``out`` alone, or ``(out, grads)`` with grads
+    ``{"q", "k", "v", "sinks", "ds2"}`` (``ds2_BNTS``: the cotangent of the score
+    function's output, from which a test forms the gradients of what the function reads).
+    """
+    q_BTNH, k_BSKH, v_BSKH = _f64(q_BTNH), _f64(k_BSKH), _f64(v_BSKH)
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    G = N // K
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    mask_BNTS = np.broadcast_to(True if mask is None else np.asarray(mask, bool), (B, N, T, S))
+    sinks_N = None if sinks_N is None else _f64(sinks_N)
+    dout_BTNH = None if dout_BTNH is None else _f64(dout_BTNH)
+    out = np.zeros((B, T, N, H))
+    grads = {
+        "q": np.zeros((B, T, N, H)),
+        "k": np.zeros((B, S, K, H)),
+        "v": np.zeros((B, S, K, H)),
+        "sinks": np.zeros(N),
+        "ds2": np.zeros((B, N, T, S)),
+    }
+    for b in range(B):
+        for n in range(N):
+            kv = n // G
+            for t in range(T):
+                allowed = np.flatnonzero(mask_BNTS[b, n, t])
+                if allowed.size == 0:
+                    continue
+                s0 = k_BSKH[b, allowed, kv] @ q_BTNH[b, t, n] * scale
+                s1 = s0 if softcap is None else softcap * np.tanh(s0 / softcap)
+                s2 = np.array([s1[i] if score is None else score(s1[i], b, n, t, j)
+                               for i, j in enumerate(allowed)])  # fmt: skip
+                sink = [] if sinks_N is None else [float(sinks_N[n])]
+                m = max([s2.max(), *sink])
+                denom = np.exp(s2 - m).sum() + sum(math.exp(x - m) for x in sink)
+                p = np.exp(s2 - m) / denom
+                out[b, t, n] = p @ v_BSKH[b, allowed, kv]
+                if dout_BTNH is None:
+                    continue
+                do = dout_BTNH[b, t, n]
+                dP = v_BSKH[b, allowed, kv] @ do
+                D = p @ dP
+                ds2 = p * (dP - D)
+                grads["ds2"][b, n, t, allowed] = ds2
+                if sink:
+                    grads["sinks"][n] += -(math.exp(sink[0] - m) / denom) * D
+                ds1 = ds2 * np.array([1.0 if dscore is None else dscore(s1[i], b, n, t, j)
+                                      for i, j in enumerate(allowed)])  # fmt: skip
+                ds0 = ds1 if softcap is None else ds1 * (1.0 - np.tanh(s0 / softcap) ** 2)
+                grads["q"][b, t, n] += scale * ds0 @ k_BSKH[b, allowed, kv]
+                grads["k"][b, allowed, kv] += scale * ds0[:, None] * q_BTNH[b, t, n][None]
+                grads["v"][b, allowed, kv] += p[:, None] * do[None]
+    return out if dout_BTNH is None else (out, grads)
+
+
+def forgetting_attention(q_BTNH, k_BTKH, v_BTKH, logf_BTN, *, scale=None):
+    """The Forgetting Transformer's attention (Lin et al. 2025, eq. 4), causal:
+    ``o_i = sum_{j<=i} exp(q_i.k_j * scale + D_ij) v_j / sum_{j<=i} exp(q_i.k_j * scale +
+    D_ij)`` with ``D_ij = sum_{l=j+1}^{i} log f_l`` (the log forget gates between them),
+    written as that explicit sum, per (b, n, i)."""
+    q, k, v, logf = _f64(q_BTNH), _f64(k_BTKH), _f64(v_BTKH), _f64(logf_BTN)
+    B, T, N, H = q.shape
+    G = N // k.shape[2]
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    out = np.zeros((B, T, N, H))
+    for b in range(B):
+        for n in range(N):
+            for i in range(T):
+                s = np.array([q[b, i, n] @ k[b, j, n // G] * scale + logf[b, j + 1 : i + 1, n].sum()
+                              for j in range(i + 1)])  # fmt: skip
+                w = np.exp(s - s.max())
+                out[b, i, n] = (w / w.sum()) @ v[b, : i + 1, n // G]
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Positions
 # --------------------------------------------------------------------------------------------

@@ -254,7 +254,7 @@ def test_unsupported_options_raise_naming_the_fix():
         dot_product_attention(
             q, k, v, implementation="chunked", dropout_rate=0.1, dropout_key=jax.random.key(0)
         )
-    with pytest.raises(ValueError, match="block_q/block_k.*implementation='chunked'"):
+    with pytest.raises(ValueError, match="block_q/block_k.*'xla' has none.*'chunked'"):
         dot_product_attention(q, k, v, implementation="xla", block_q=8)
     with pytest.raises(ValueError, match="block_k=0 must be a positive integer"):
         dot_product_attention(q, k, v, implementation="chunked", block_k=0)

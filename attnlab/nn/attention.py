@@ -10,7 +10,10 @@ returns ``(out_BTD, cache, weights_BNTS | None)``.
 
 Variants that change one step subclass it and override that step: ``query`` (q from x),
 ``keys_values`` (k and v, through the cache), ``attend`` (the scores and the weighted sum),
-``output`` (the output projection). ``attnlab.nn.mixers`` holds the built-in ones.
+``output`` (the output projection). ``attnlab.nn.mixers`` holds the built-in ones. A
+variant that changes the scores passes a ``score_mod`` to ``attend`` (``extra``; see
+``attnlab.ops.score_mods``): every attention path, the chunked one and the fused kernels,
+runs it, so the variant needs no kernel of its own (``mixer="fox"``).
 
 Settings: ``softcap`` caps the self-attention logits at ``c * tanh(s / c)`` (Gemma 2) on
 every implementation, the chunked one included (cross-attention stays uncapped). Variants

@@ -1,6 +1,6 @@
 """Pure JAX functions for attention: no Flax, no state. See ``attnlab.dims`` for names."""
 
-from attnlab.ops import activations, chunked, linear, masks, norms, positions
+from attnlab.ops import activations, chunked, flex, linear, masks, norms, positions, score_mods
 from attnlab.ops.activations import (
     FFN_KINDS,
     clamped_swiglu,
@@ -15,6 +15,7 @@ from attnlab.ops.activations import (
 )
 from attnlab.ops.attention import IMPLEMENTATIONS, dot_product_attention, reference_attention
 from attnlab.ops.chunked import chunked_attention
+from attnlab.ops.flex import flex_attention
 from attnlab.ops.linear import Transposed, add_bias, dense, dropout, fold
 from attnlab.ops.masks import (
     MaskSpec,
@@ -63,6 +64,8 @@ __all__ = [
     "dropout",
     "dot_product_attention",
     "feed_forward",
+    "flex",
+    "flex_attention",
     "fold",
     "geglu",
     "geglu_tanh",
@@ -82,6 +85,7 @@ __all__ = [
     "relative_position_bucket",
     "relu",
     "rms_norm",
+    "score_mods",
     "RopeChoice",
     "RopeScaling",
     "rope_frequencies",

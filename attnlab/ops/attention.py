@@ -28,8 +28,19 @@ Implementations, all behind one signature:
   otherwise ``jax.nn.dot_product_attention``'s own choice, which is XLA's.
 * ``"chunked"``: ``attnlab.ops.chunked``, blockwise with an online softmax and a custom
   backward pass: memory linear in T and S, masked-out blocks skipped, pure JAX (any
-  backend). ``block_q``/``block_k`` set its block sizes. It has no ``logits_fn`` and no
-  attention dropout (both raise a ``ValueError``); ``softcap`` and ``sinks`` it has.
+  backend). ``block_q``/``block_k`` set its block sizes. It has no ``logits_fn`` (pass a
+  ``score_mod``) and no attention dropout (both raise a ``ValueError``); ``softcap``,
+  ``sinks`` and ``score_mod`` it has.
+
+* ``"pallas_gpu"``, ``"pallas_tpu"``, ``"splash"``, ``"tokamax"``: the fused kernels of
+  ``attnlab.ops.flex``, each falling back (named, on the ``attnlab.attention`` logger) to
+  the chunked path where it is absent or does not cover the call.
+
+A score function, ``score_mod(score, b, h, q_idx, kv_idx)`` (``attnlab.ops.score_mods``),
+changes each logit after the cap and before the mask on every path; a call with one under
+``"auto"`` goes to ``attnlab.ops.flex.flex_attention`` (the chunked path on a CPU, a fused
+kernel elsewhere). ``logits_fn``, a map of the whole logits array, keeps the reference path.
+On a GPU or TPU an ALiBi or T5 ``PositionBias`` reaches the kernels as a score function.
 
 ``return_weights=True`` always runs the reference path, since the fused kernels do not
 materialise the weights.
@@ -44,12 +55,17 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from attnlab.ops import score_mods
 from attnlab.ops.chunked import chunked_attention
 from attnlab.ops.linear import dropout
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
 
-IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto", "chunked")
+# The fused kernels of ``attnlab.ops.flex`` (imported when asked; each falls back, named,
+# to the chunked path where it is absent or does not cover the call).
+KERNEL_IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "splash", "tokamax")
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto", "chunked") + KERNEL_IMPLEMENTATIONS
+BLOCKWISE = ("chunked",) + KERNEL_IMPLEMENTATIONS  # the paths with block sizes
 
 # On CPU the blockwise path beats XLA's dense softmax for training from 128 queries on
 # (benchmarks/attention.py, forward + backward, causal, B=8, N=6, H=64, 2 cores, ms for
@@ -190,10 +206,23 @@ def _fused_attention(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, implementatio
 
 
 def one_query_attention(
-    q_BTNH, k_BSKH, v_BSKH, *, mask=None, bias=None, scale=None, sinks=None, softcap=None
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    *,
+    mask=None,
+    bias=None,
+    scale=None,
+    sinks=None,
+    softcap=None,
+    score_mod=None,
+    q_offset=None,
 ):
     """Attention of a single query per row (a decoding step), with the keys and values
     contracted in ``[B, K, S, H]`` order, the order the KV cache stores them.
+
+    ``score_mod`` (``attnlab.ops.score_mods``) sees the query at index ``q_offset`` (an int
+    or [B]: its cache position, so a variant decodes with the scores it trained with).
 
     The cache hands a layer over as a transposed view (``[B, S, K, H]``); contracting that
     view, XLA:CPU copies each layer's keys and values into a new layout at every token
@@ -213,11 +242,22 @@ def one_query_attention(
     if bias is not None:
         logits_BKGS = logits_BKGS + to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(f32)
     logits_BKGS = _softcap(logits_BKGS, softcap)
+    if score_mod is not None:
+        logits_BKGS = _one_query_mod(score_mod, logits_BKGS, q_offset)
     mask_BKGS = None if mask is None else to_BKGTS(mask, B, K, G, 1, S)[:, :, :, 0].astype(bool)
     sinks_BKGS = None if sinks is None else _sinks_BKG(sinks, K, G)[..., None]
     weights_BKGS = _masked_softmax(logits_BKGS, mask_BKGS, sinks_BKGS)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", weights_BKGS.astype(v_BSKH.dtype), v_BKSH)
     return out_BKGH.reshape(B, 1, N, H)
+
+
+def _one_query_mod(score_mod, logits_BKGS, q_offset):
+    B, K, G, S = logits_BKGS.shape
+    score_mods.check_result(score_mod, (B, K, G, 1, S))
+    q_idx = jnp.zeros((1, 1), jnp.int32) if q_offset is None else q_offset
+    q_idx = jnp.asarray(q_idx, jnp.int32).reshape(-1, 1)
+    args = score_mods.indices(B, K, G, q_idx, jnp.arange(S, dtype=jnp.int32))
+    return score_mods.apply(score_mod, logits_BKGS[:, :, :, None], *args)[:, :, :, 0]
 
 
 def cpu_prefers_chunked(T: int, backend: str) -> bool:
@@ -272,17 +312,26 @@ def _resolve_auto(q_BTNH, k_BSKH, mask, bias, *, backend, changed, block_q, bloc
     return "auto", block_q, block_k
 
 
-def _refuse_on_chunked(logits_fn, dropout_rate):
-    """The chunked path's backward pass is written for plain softmax attention."""
+def _refuse_on_chunked(logits_fn, dropout_rate, implementation):
+    """The blockwise paths take a per-entry ``score_mod``, not a whole-array ``logits_fn``."""
     if logits_fn is not None:
         raise ValueError(
-            "logits_fn is not supported by implementation='chunked' (its backward pass "
-            "is written for plain softmax attention): use implementation='reference'"
+            f"logits_fn is not supported by implementation={implementation!r} (it maps the "
+            "whole [T, S] logits): pass an elementwise score_mod(score, b, h, q_idx, kv_idx) "
+            "instead, or use implementation='reference'"
         )
     raise ValueError(
         f"attention dropout (dropout_rate={dropout_rate}) is not supported by "
-        "implementation='chunked': set the rate to 0 or use implementation='reference'"
+        f"implementation={implementation!r}: set the rate to 0 or use implementation='reference'"
     )
+
+
+def cache_offset(mask):
+    """The first query's position, where a ``MaskSpec`` places the queries after others (a
+    linear cache's ``for_cache``: the slot the query's key is written to), else None."""
+    if isinstance(mask, MaskSpec) and not mask.aligned:
+        return jnp.asarray(mask.q_pos, jnp.int32)[:, 0]
+    return None
 
 
 def dot_product_attention(
@@ -303,6 +352,8 @@ def dot_product_attention(
     sinks=None,
     softcap: float | None = None,
     backend: str | None = None,
+    score_mod: Callable | None = None,
+    block_mask=None,
 ):
     """Scaled dot-product attention.
 
@@ -314,14 +365,18 @@ def dot_product_attention(
       scale: logit scale; defaults to 1/sqrt(H).
       return_weights: also return the attention weights [B, N, T, S] (float32).
       implementation: one of ``IMPLEMENTATIONS``.
-      logits_fn: optional map of the logits (reference path only), for score variants.
+      logits_fn: optional map of the whole logits (reference path only); an elementwise
+        variant passes ``score_mod`` instead, which every path takes.
       dropout_rate, dropout_key: attention dropout on the weights (reference path); no
         dropout without a key.
-      block_q, block_k: the chunked implementation's block sizes (None: its defaults).
+      block_q, block_k: the blockwise implementations' block sizes (None: their defaults).
       sinks: per-head sink logits [N] (float32), or None (see the module docstring).
       softcap: ``c`` of the logit cap ``c * tanh(s / c)`` (a Python number), or None.
       backend: the platform ``"auto"`` chooses for ("cpu", "gpu", "tpu"); models pass the one
         they were built for, so nothing ambient changes the path. None: JAX's default backend.
+      score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied after the cap
+        and before the mask (``attnlab.ops.score_mods``; ``attnlab.ops.flex``).
+      block_mask: a precomputed ``BlockMask`` of ``mask`` (blockwise paths).
 
     Returns:
       ``out_BTNH``, or ``(out_BTNH, weights_BNTS)`` when ``return_weights``.
@@ -332,41 +387,76 @@ def dot_product_attention(
             f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}"
         )
     drop = dropout_key is not None and dropout_rate > 0.0
-    if (block_q is not None or block_k is not None) and implementation != "chunked":
+    if (block_q is not None or block_k is not None) and implementation not in BLOCKWISE:
         raise ValueError(
-            f"block_q/block_k set the chunked implementation's blocks; implementation="
-            f"{implementation!r} has none: leave them None or use implementation='chunked'"
+            f"block_q/block_k set the blockwise implementations' blocks; implementation="
+            f"{implementation!r} has none: leave them None or use one of {BLOCKWISE}"
         )
     T = q_BTNH.shape[1]
     plain = not return_weights and logits_fn is None and not drop
     backend = jax.default_backend() if backend is None else backend
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
+    q_offset = cache_offset(mask) if score_mod is not None else None
+    softmax = {"sinks": sinks, "softcap": softcap}
+    kernel = implementation in KERNEL_IMPLEMENTATIONS or (
+        implementation == "auto" and backend in ("gpu", "tpu")
+    )
+    if kernel and plain and softcap is None and isinstance(bias, PositionBias):
+        q_offset = cache_offset(mask)
+        bias_mod = bias.score_mod(q_offset)  # ALiBi / T5 buckets per entry: kernels take them
+        if bias_mod is not None:
+            score_mod, bias = score_mods.compose(bias_mod, score_mod), None
+    flexible = score_mod is not None or block_mask is not None
+    if plain and bias is None and (implementation in KERNEL_IMPLEMENTATIONS or
+                                   (flexible and implementation == "auto")):  # fmt: skip
+        from attnlab.ops import flex
+
+        return flex.flex_attention(
+            q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, mask=mask, block_mask=block_mask,
+            scale=scale, implementation=implementation, block_q=block_q, block_k=block_k,
+            backend=backend, q_offset=q_offset, **softmax,
+        )  # fmt: skip
+    if implementation in KERNEL_IMPLEMENTATIONS:  # with a bias, weights, logits_fn or dropout
+        from attnlab.ops import flex
+
+        what = "bias" if bias is not None else "logits_fn/return_weights/dropout"
+        flex.say(f"{what}: implementation={implementation!r} takes none; falling back to "
+                 f"{'chunked' if plain else 'reference'}")  # fmt: skip
+        implementation = "chunked" if plain else "reference"
     if implementation == "auto" and plain:
         implementation, block_q, block_k = _resolve_auto(
-            q_BTNH, k_BSKH, mask, bias, backend=backend, changed=changed,
+            q_BTNH, k_BSKH, mask, bias, backend=backend, changed=changed or flexible,
             block_q=block_q, block_k=block_k,
         )  # fmt: skip
+        if implementation == "auto" and flexible:  # a bias beside the score_mod
+            implementation = "chunked"
+        if implementation == "auto" and backend in ("gpu", "tpu") and bias is None:
+            out = _fused_kernel(q_BTNH, k_BSKH, v_BSKH, mask, scale, backend, softmax)
+            if out is not None:
+                return out
     if implementation == "chunked" and not return_weights:
         if logits_fn is not None or drop:
-            _refuse_on_chunked(logits_fn, dropout_rate)
+            _refuse_on_chunked(logits_fn, dropout_rate, implementation)
         blocks = {n: v for n, v in (("block_q", block_q), ("block_k", block_k)) if v is not None}
         return chunked_attention(
-            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, sinks=sinks,
-            softcap=softcap, **blocks,
+            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, score_mod=score_mod,
+            block_mask=block_mask, q_offset=q_offset, **softmax, **blocks,
         )  # fmt: skip
     if isinstance(bias, PositionBias):
         bias = bias.dense()
-    softmax = {"sinks": sinks, "softcap": softcap}
     fused = not (return_weights or implementation == "reference" or logits_fn is not None
-                 or drop or changed)  # fmt: skip
+                 or drop or changed or flexible)  # fmt: skip
     one_query = implementation == "auto" and plain and T == 1 and backend == "cpu"
     if isinstance(mask, MaskSpec) and (one_query or not fused):
         mask = mask.dense()  # the fused path keeps a spec to pass a causal flag
     if one_query:
         return one_query_attention(
-            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, **softmax
-        )
+            q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, score_mod=score_mod,
+            q_offset=q_offset, **softmax,
+        )  # fmt: skip
     if not fused:
+        if score_mod is not None:
+            logits_fn = _with_score_mod(score_mod, logits_fn, q_BTNH, k_BSKH, q_offset)
         out_BTNH, weights_BNTS = reference_attention(
             q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, logits_fn=logits_fn,
             dropout_rate=dropout_rate, dropout_key=dropout_key, **softmax,
@@ -376,3 +466,42 @@ def dot_product_attention(
         q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale,
         implementation=implementation, backend=backend,
     )  # fmt: skip
+
+
+def _with_score_mod(score_mod, logits_fn, q_BTNH, k_BSKH, q_offset):
+    """The reference path's ``logits_fn``: ``score_mod`` over the whole logits, then
+    ``logits_fn`` (if any)."""
+    B, T, N, _ = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    score_mods.check_result(score_mod, (B, K, N // K, T, S))
+    q_idx = jnp.arange(T, dtype=jnp.int32)[None]
+    if q_offset is not None:
+        q_idx = q_offset.reshape(-1, 1) + q_idx
+    args = score_mods.indices(B, K, N // K, q_idx, jnp.arange(S, dtype=jnp.int32))
+
+    def fn(logits_BKGTS):
+        logits_BKGTS = score_mods.apply(score_mod, logits_BKGTS, *args)
+        return logits_BKGTS if logits_fn is None else logits_fn(logits_BKGTS)
+
+    return fn
+
+
+def _fused_kernel(q_BTNH, k_BSKH, v_BSKH, mask, scale, backend, softmax):
+    """A GPU/TPU kernel of ``attnlab.ops.flex`` for a call ``"auto"`` would give XLA's dense
+    path (the decode kernel for one query on a GPU), or None (the reason logged)."""
+    from attnlab.ops import flex
+
+    if q_BTNH.shape[1] == 1:
+        run = flex.decode_kernel(
+            q_BTNH, k_BSKH, v_BSKH, backend=backend, score_mod=None, mask=mask, scale=scale,
+            block_k=None, num_splits=None, interpret=False, **softmax,
+        )  # fmt: skip
+        return None if run is None else run()
+    kwargs = dict(score_mod=None, mask=mask, block_mask=None, scale=scale, block_q=None,
+                  block_k=None, interpret=False, **softmax)  # fmt: skip
+    for name in flex.AUTO_KERNELS.get(backend, ()):
+        fn, given = flex._covers(name, q_BTNH, k_BSKH, v_BSKH, kwargs)
+        if fn is not None:
+            return fn(q_BTNH, k_BSKH, v_BSKH, **given)
+        flex.say(flex._fallback(given, "XLA's attention"))
+    return None

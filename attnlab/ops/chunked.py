@@ -22,13 +22,21 @@ since ``exp(lse) / (exp(lse) + exp(sink))`` is the share the real keys keep. The
 returns ``lse`` beside the output for this, and takes its cotangent: ``d lse / d s = p``,
 so ``dS = p * (dO V^T - D + d lse)``.
 
+A score function (``score_mod(score, b, h, q_idx, kv_idx)``, ``attnlab.ops.score_mods``)
+is applied to each block's capped logits before the mask. It is closure-converted
+(``jax.closure_convert``): the arrays it closes over become explicit inputs of the custom
+VJP, and the backward pass pulls ``dS`` back through it per block (``jax.vjp``), adding the
+gradients of those arrays as it goes.
+
 Masks and biases may be dense (sliced per block) or descriptions: a ``masks.MaskSpec``
 (positions and rules, evaluated per block) and a ``positions.PositionBias`` (ALiBi or T5
-buckets evaluated per block, gradients to its parameters included). The (query block, key
-block) pairs that the mask rules out entirely are never computed: each query block loops
-only over the key blocks that ``MaskSpec.block_any`` (or, for a dense mask, its per-block
-``any``) keeps, and the backward pass likewise, so causal attention does about half the
-work. Lengths need not divide the blocks: inputs are padded and the padded keys masked.
+buckets evaluated per block, gradients to its parameters included). A ``BlockMask``
+(``attnlab.ops.block_mask``, built once per call and shared by both passes) says which
+(query block, key block) pairs to visit: each query block loops only over its non-empty key
+blocks (``kind_QK``), the backward pass's key blocks over their non-empty query blocks, so
+causal attention does about half the work, and in two loops: first the ``FULL`` pairs,
+without evaluating the mask, then the ``PARTIAL`` ones, with it (no branch per block). Lengths
+need not divide the blocks: inputs are padded and the padded keys masked.
 GQA/MQA: queries are grouped ``[B, K, G, T, H]``, keys and values are never repeated.
 """
 
@@ -41,15 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab.ops.chunked_blocks import (
-    Static,
-    bias_block,
-    block_grid,
-    mask_block,
-    pad_axis,
-    to_BKG,
-    visit_order,
-)
+from attnlab.ops import score_mods
+from attnlab.ops.block_mask import FULL, PARTIAL, BlockMask
+from attnlab.ops.chunked_blocks import Static, bias_block, mask_block, pad_axis, to_BKG
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
 
@@ -60,9 +62,9 @@ DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 
 
-def _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad):
-    """Block (i, j) logits in float32, capped and masked; its mask (None when nothing is
-    masked); and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
+def _scores(st: Static, q_blk, k_blk, bias, i, j):
+    """Block (i, j) logits in float32, scaled, biased and capped (before the score function
+    and the mask), and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
     _, K, G, _, _ = q_blk.shape
     s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=jnp.float32)
     s = s * st.scale
@@ -73,29 +75,62 @@ def _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad):
     if st.softcap is not None:
         tanh = jnp.tanh(s / st.softcap)
         s, dcap = st.softcap * tanh, 1.0 - tanh * tanh
-    allowed = mask_block(mask, i, j, st, S_pad)
-    if allowed is not None:
-        s = jnp.where(allowed, s, MASK_VALUE)
-    return s, allowed, dcap
+    return s, dcap
 
 
-def _forward(st: Static, q, k, v, mask, bias):
+def _mod_fn(st: Static, shape, q_off, i, j):
+    """Block (i, j)'s score function of ``(s, consts)``: ``st.score_mod`` with the block's
+    batch, head, query and key indices (padded queries and keys take the last real index,
+    so a function indexing a table by them stays in bounds; their entries are masked)."""
+    B, K, G, tq, tk = shape
+    i32 = jnp.int32
+    q_idx = q_off[:, None] + jnp.minimum(i * tq + jnp.arange(tq, dtype=i32), st.T - 1)[None]
+    kv_idx = jnp.minimum(j * tk + jnp.arange(tk, dtype=i32), st.S - 1)
+    args = score_mods.indices(B, K, G, q_idx, kv_idx)
+    return lambda s, consts: st.score_mod(s, *args, *consts).astype(jnp.float32)
+
+
+def _visit_order(kind):
+    """Per row of a ``[rows, cols]`` table of kinds: the ``FULL`` columns first, then the
+    ``PARTIAL`` ones (each ascending), and the two counts, so one loop runs the full blocks
+    without evaluating the mask and a second the partial ones with it (the online softmax
+    and the gradient sums do not depend on the order); ``EMPTY`` columns are never visited."""
+    order = jnp.argsort(-kind.astype(jnp.int32), axis=1, stable=True).astype(jnp.int32)
+    n_full = (kind == FULL).sum(1).astype(jnp.int32)
+    return order, n_full, n_full + (kind == PARTIAL).sum(1).astype(jnp.int32)
+
+
+def _loops(st: Static, body, n_full, n_any, carry):
+    """``body(c, carry, masked)`` over ``c`` in ``[0, n_full)`` unmasked, then
+    ``[n_full, n_any)`` masked (one unmasked loop to ``n_any`` when every block is full)."""
+    if st.all_full:
+        return jax.lax.fori_loop(0, n_any, lambda c, x: body(c, x, False), carry)
+    carry = jax.lax.fori_loop(0, n_full, lambda c, x: body(c, x, False), carry)
+    return jax.lax.fori_loop(n_full, n_any, lambda c, x: body(c, x, True), carry)
+
+
+def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
     """(out [B, K, G, T, H], lse [B, K, G, T]) of padded, head-major inputs."""
     B, K, G, T_pad, H = q.shape
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
-    nq, nk = T_pad // tq, S_pad // tk
-    order, count = visit_order(block_grid(mask, st, nq, nk))
+    nq = T_pad // tq
+    order, n_full, n_any = _visit_order(bm.kind_QK)
 
     def query_block(_, i):
         q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
 
-        def key_block(c, carry):
-            m, denom, acc = carry
+        def key_block(c, carry, masked):
             j = order[i, c]
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
-            s, allowed, _ = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
+            m, denom, acc = carry
+            s, _ = _scores(st, q_blk, k_blk, bias, i, j)
+            if st.score_mod is not None:
+                s = _mod_fn(st, s.shape, q_off, i, j)(s, consts)
+            allowed = mask_block(mask, i, j, st, S_pad) if masked else None
+            if allowed is not None:
+                s = jnp.where(allowed, s, MASK_VALUE)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             if allowed is not None:  # a row masked so far has m_new == MASK_VALUE: p = 1
@@ -103,7 +138,10 @@ def _forward(st: Static, q, k, v, mask, bias):
             correction = jnp.exp(m - m_new)
             denom = denom * correction + p.sum(-1)
             pv = jnp.einsum(
-                "BKGts,BKsH->BKGtH", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32
+                "BKGts,BKsH->BKGtH",
+                p.astype(v.dtype),
+                v_blk,
+                preferred_element_type=jnp.float32,
             )
             return m_new, denom, acc * correction[..., None] + pv
 
@@ -112,7 +150,7 @@ def _forward(st: Static, q, k, v, mask, bias):
             jnp.zeros((B, K, G, tq), jnp.float32),
             jnp.zeros((B, K, G, tq, H), jnp.float32),
         )
-        m, denom, acc = jax.lax.fori_loop(0, count[i], key_block, init)
+        m, denom, acc = _loops(st, key_block, n_full[i], n_any[i], init)
         seen = denom > 0.0  # False: a fully masked row, whose output is zero
         out = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), jnp.inf)
@@ -143,13 +181,12 @@ def _reduce_to(x, shape):
 
 
 def _backward(st: Static, res, cotangents):
-    q, k, v, mask, bias, out, lse = res
+    q, k, v, mask, bias, bm, q_off, consts, out, lse = res
     dout, dlse = cotangents
     B, K, G, T_pad, H = q.shape
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
-    nq, nk = T_pad // tq, S_pad // tk
-    order, count = visit_order(block_grid(mask, st, nq, nk).T)  # query blocks per key block
+    nk = S_pad // tk
     # D - d lse: the per-row term of dS (``d lse`` is zero on fully masked rows, lse = inf).
     d_BKGT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1) - dlse
     dense_bias = bias is not None and not isinstance(bias, PositionBias)
@@ -160,20 +197,26 @@ def _backward(st: Static, res, cotangents):
         dbias0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), bias.params)
     else:
         dbias0 = None
+    dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.float32) for c in consts)
+    order, n_full, n_any = _visit_order(bm.kind_QK.T)  # query blocks per key block
 
     def key_block(carry, j):
-        dq, dbias = carry
+        dq, dbias, dconsts = carry
         k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
         v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
 
-        def query_block(c, inner):
-            dk, dv, dq, dbias = inner
+        def query_block(c, inner, masked):
             i = order[j, c]
             q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
             do_blk = jax.lax.dynamic_slice_in_dim(dout, i * tq, tq, 3)
             lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * tq, tq, 3)
             d_blk = jax.lax.dynamic_slice_in_dim(d_BKGT, i * tq, tq, 3)
-            s, allowed, dcap = _logits(st, q_blk, k_blk, mask, bias, i, j, S_pad)
+
+            dk, dv, dq, dbias, dconsts = inner
+            s, dcap = _scores(st, q_blk, k_blk, bias, i, j)
+            if st.score_mod is not None:
+                s, mod_vjp = jax.vjp(_mod_fn(st, s.shape, q_off, i, j), s, consts)
+            allowed = mask_block(mask, i, j, st, S_pad) if masked else None
             p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
             if allowed is not None:
                 p = jnp.where(allowed, p, 0.0)
@@ -184,18 +227,30 @@ def _backward(st: Static, res, cotangents):
                 preferred_element_type=jnp.float32,
             )
             dp = jnp.einsum("BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=jnp.float32)
-            ds = p * (dp - d_blk[..., None])  # d logits (before the scale)
+            ds = p * (dp - d_blk[..., None])  # d logits (after the score function)
+            if st.score_mod is not None:
+                ds, dc = mod_vjp(ds)
+                dconsts = tuple(a + g.astype(jnp.float32) for a, g in zip(dconsts, dc, strict=True))
             if dcap is not None:
                 ds = ds * dcap
             dq_blk = jnp.einsum(
-                "BKGts,BKsH->BKGtH", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32
+                "BKGts,BKsH->BKGtH",
+                ds.astype(k.dtype),
+                k_blk,
+                preferred_element_type=jnp.float32,
             )
             start = i * tq
             dq = jax.lax.dynamic_update_slice_in_dim(
-                dq, jax.lax.dynamic_slice_in_dim(dq, start, tq, 3) + st.scale * dq_blk, start, 3
+                dq,
+                jax.lax.dynamic_slice_in_dim(dq, start, tq, 3) + st.scale * dq_blk,
+                start,
+                3,
             )
             dk = dk + st.scale * jnp.einsum(
-                "BKGts,BKGtH->BKsH", ds.astype(q.dtype), q_blk, preferred_element_type=jnp.float32
+                "BKGts,BKGtH->BKsH",
+                ds.astype(q.dtype),
+                q_blk,
+                preferred_element_type=jnp.float32,
             )
             if dense_bias:
                 at = (
@@ -211,14 +266,18 @@ def _backward(st: Static, res, cotangents):
                 )
             elif fn_bias:
                 dbias = jax.tree.map(jnp.add, dbias, _bias_param_grad(bias, ds, i, j, st, K, G))
-            return dk, dv, dq, dbias
+            return dk, dv, dq, dbias, dconsts
 
         zeros = jnp.zeros((B, K, tk, H), jnp.float32)
-        dk, dv, dq, dbias = jax.lax.fori_loop(0, count[j], query_block, (zeros, zeros, dq, dbias))
-        return (dq, dbias), (dk, dv)
+        dk, dv, dq, dbias, dconsts = _loops(
+            st, query_block, n_full[j], n_any[j], (zeros, zeros, dq, dbias, dconsts)
+        )
+        return (dq, dbias, dconsts), (dk, dv)
 
     dq0 = jnp.zeros(q.shape, jnp.float32)
-    (dq, dbias), (dk, dv) = jax.lax.scan(key_block, (dq0, dbias0), jnp.arange(nk, dtype=jnp.int32))
+    (dq, dbias, dconsts), (dk, dv) = jax.lax.scan(
+        key_block, (dq0, dbias0, dconsts0), jnp.arange(nk, dtype=jnp.int32)
+    )
     head_major = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, K, S_pad, H)
     dk, dv = head_major(dk).astype(k.dtype), head_major(dv).astype(v.dtype)
     if dense_bias:
@@ -226,7 +285,13 @@ def _backward(st: Static, res, cotangents):
     elif fn_bias:
         dparams = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), dbias, bias.params)
         dbias = _zero_cotangent(bias).replace(params=dparams)
-    return dq.astype(q.dtype), dk, dv, _zero_cotangent(mask), dbias
+    dconsts = tuple(
+        g.astype(jnp.result_type(c)) if jnp.issubdtype(jnp.result_type(c), jnp.inexact)
+        else _zero_cotangent(c)
+        for g, c in zip(dconsts, consts, strict=True)
+    )  # fmt: skip
+    zero = _zero_cotangent
+    return dq.astype(q.dtype), dk, dv, zero(mask), dbias, zero(bm), zero(q_off), dconsts
 
 
 def _bias_param_grad(bias: PositionBias, ds, i, j, st: Static, K, G):
@@ -241,13 +306,13 @@ def _bias_param_grad(bias: PositionBias, ds, i, j, st: Static, K, G):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st, q, k, v, mask, bias):
-    return _forward(st, q, k, v, mask, bias)
+def _attention(st, q, k, v, mask, bias, bm, q_off, consts):
+    return _forward(st, q, k, v, mask, bias, bm, q_off, consts)
 
 
-def _attention_fwd(st, q, k, v, mask, bias):
-    out, lse = _forward(st, q, k, v, mask, bias)
-    return (out, lse), (q, k, v, mask, bias, out, lse)
+def _attention_fwd(st, q, k, v, mask, bias, bm, q_off, consts):
+    out, lse = _forward(st, q, k, v, mask, bias, bm, q_off, consts)
+    return (out, lse), (q, k, v, mask, bias, bm, q_off, consts, out, lse)
 
 
 _attention.defvjp(_attention_fwd, _backward)
@@ -275,6 +340,9 @@ def chunked_attention(
     block_k: int = DEFAULT_BLOCK_K,
     sinks=None,
     softcap: float | None = None,
+    score_mod=None,
+    block_mask: BlockMask | None = None,
+    q_offset=None,
 ):
     """Blockwise attention; returns ``out_BTNH`` (dtype of ``q``), as ``reference_attention``.
 
@@ -286,39 +354,58 @@ def chunked_attention(
       block_q, block_k: block sizes (capped at T and S); need not divide T or S.
       sinks: per-head sink logits [N], or None.
       softcap: ``c`` of the logit cap ``c * tanh(s / c)`` (a positive Python number), or None.
+      score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` (``attnlab.ops.score_mods``),
+        applied after the cap and before the mask; gradients reach the arrays it closes over.
+      block_mask: the ``BlockMask`` of ``mask`` for these blocks (None: built here).
+      q_offset: added to the query indices ``score_mod`` sees (an int or [B] int32).
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     G = N // K
     for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(value, int | np.integer) or value < 1:
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
             raise ValueError(f"chunked attention: {name}={value!r} must be a positive integer")
-    tq, tk = min(block_q, T), min(block_k, S)
+    tq, tk = min(int(block_q), T), min(int(block_k), S)
     T_pad, S_pad = tq * math.ceil(T / tq), tk * math.ceil(S / tk)
     scale = H**-0.5 if scale is None else _static("scale", scale)
     if softcap is not None:
         softcap = _static("softcap", softcap)
         if not softcap > 0:
             raise ValueError(f"softcap={softcap} must be positive (the cap's c in c*tanh(s/c))")
-    st = Static(scale=scale, softcap=softcap, block_q=tq, block_k=tk, S=S)
     if sinks is not None:
         sinks = jnp.asarray(sinks)
         if sinks.shape != (N,):
             raise ValueError(f"sinks must hold one logit per query head, [{N}]; got {sinks.shape}")
+    q_off = jnp.zeros((1,), jnp.int32) if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    q_off = q_off.reshape(-1)  # [1|B]
+    consts, fn = (), None
+    if score_mod is not None:  # converted for the index shapes every block passes
+        shape = (B, K, G, tq, tk)
+        score_mods.check_result(score_mod, shape, q_off.shape[0])
+        fn, consts = score_mods.convert(score_mod, shape, q_off.shape[0])
+
+    if isinstance(mask, MaskSpec) and mask.shape != (T, S):
+        raise ValueError(f"MaskSpec covers (T, S)={mask.shape}, the inputs ({T}, {S})")
+    if block_mask is None:
+        block_mask = _block_mask(mask, T, S, tq, tk)
+    elif (block_mask.block_q, block_mask.block_k, block_mask.T, block_mask.S) != (tq, tk, T, S):
+        raise ValueError(
+            f"block_mask: built for blocks ({block_mask.block_q}, {block_mask.block_k}) over "
+            f"(T, S)=({block_mask.T}, {block_mask.S}); this call has blocks ({tq}, {tk}) over "
+            f"({T}, {S}): build it with BlockMask.from_spec(mask, {T}, {S}, block_q={tq}, "
+            f"block_k={tk}), or pass None"
+        )
+    all_full = mask is None and S_pad == S
+    st = Static(scale, softcap, tq, tk, S, T=T, score_mod=fn, all_full=all_full)
 
     q = jnp.transpose(q_BTNH.reshape(B, T, K, G, H), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
     q = pad_axis(q, 3, T_pad)
     k, v = (pad_axis(jnp.swapaxes(x, 1, 2), 2, S_pad) for x in (k_BSKH, v_BSKH))
 
     if isinstance(mask, MaskSpec):
-        if mask.shape != (T, S):
-            raise ValueError(f"MaskSpec covers (T, S)={mask.shape}, the inputs ({T}, {S})")
         mask = mask.padded(T_pad, S_pad)
     elif mask is not None:
-        mask = jnp.asarray(mask, bool)
-        if mask.ndim != 4:
-            raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {mask.shape}")
-        mask = pad_axis(pad_axis(to_BKG(mask, K, G), 3, T_pad, False), 4, S_pad, False)
+        mask = pad_axis(pad_axis(to_BKG(_dense_mask(mask), K, G), 3, T_pad, False), 4, S_pad, False)
     if isinstance(bias, PositionBias):
         bias = bias.replace(
             q_pos=_pad_edge(jnp.asarray(bias.q_pos), T_pad),
@@ -330,13 +417,29 @@ def chunked_attention(
             raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {bias.shape}")
         bias = pad_axis(pad_axis(to_BKG(bias, K, G), 3, T_pad), 4, S_pad)
 
-    out, lse = _attention(st, q, k, v, mask, bias)
+    out, lse = _attention(st, q, k, v, mask, bias, block_mask, q_off, consts)
     out, lse = out[:, :, :, :T], lse[:, :, :, :T]  # [B, K, G, T, H], [B, K, G, T]
     if sinks is not None:  # the real keys' share (a fully masked row: lse = inf, out stays 0)
         sink_1KG1 = sinks.astype(jnp.float32).reshape(1, K, G, 1)
         kept = jax.nn.sigmoid(lse - sink_1KG1)[..., None]
         out = (out.astype(jnp.float32) * kept).astype(q.dtype)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
+
+
+def _dense_mask(mask):
+    mask = jnp.asarray(mask, bool)
+    if mask.ndim != 4:
+        raise ValueError(f"masks and biases must be 4-D [B, N|1, T, S], got {mask.shape}")
+    return mask
+
+
+def _block_mask(mask, T, S, tq, tk) -> BlockMask:
+    """The ``BlockMask`` of a ``MaskSpec``, a dense mask or None, over blocks (tq, tk)."""
+    if mask is None or isinstance(mask, MaskSpec):
+        return BlockMask.from_spec(mask, T, S, block_q=tq, block_k=tk)
+    mask = _dense_mask(mask)
+    mask = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], T, S))
+    return BlockMask.from_dense(mask, block_q=tq, block_k=tk)
 
 
 def _pad_edge(x_BT, size):

@@ -1,9 +1,10 @@
 """The blocks of the chunked path (``attnlab.ops.chunked``): what the custom VJP holds
-static, a block's slice of a mask or bias, and which (query block, key block) pairs hold
-an allowed entry and in which order a loop visits them."""
+static and a block's slice of a mask or bias (``attnlab.ops.block_mask`` says which
+(query block, key block) pairs a loop visits and which of them need their mask)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -14,13 +15,18 @@ from attnlab.ops.positions import PositionBias
 
 
 class Static(NamedTuple):
-    """What the custom VJP treats as static: the logit scale, the cap and the blocking."""
+    """What the custom VJP treats as static: the logit scale, the cap, the blocking and the
+    score function (closure-converted: ``score_mod(s, b, h, q_idx, kv_idx, *consts)``)."""
 
     scale: float
     softcap: float | None
     block_q: int
     block_k: int
     S: int  # keys before padding: keys at index >= S are masked
+    T: int = 0  # queries before padding
+    score_mod: Callable | None = None
+    # Whether every visited block is FULL (no mask, no padded keys): no mask, no branch.
+    all_full: bool = False
 
 
 def to_BKG(x, K, G):
@@ -70,24 +76,3 @@ def bias_block(bias, i, j, st: Static, K, G, params=None):
         b = bias.block(i * st.block_q, st.block_q, j * st.block_k, st.block_k, params)
         return to_BKG(b, K, G).astype(jnp.float32)
     return slice_TS(bias, i, j, st).astype(jnp.float32)
-
-
-def block_grid(mask, st: Static, nq, nk):
-    """[nq, nk] bool: the (query block, key block) pairs that may hold an allowed entry."""
-    if isinstance(mask, MaskSpec):
-        return mask.block_any(st.block_q, st.block_k)
-    if mask is None:
-        return jnp.ones((nq, nk), bool)
-    Bm, Km, Gm, Tm, Sm = mask.shape
-    # [.., T|1, S|1] -> [.., nq|1, tq|1, nk|1, tk|1], then any() over all but the block axes.
-    rows = (nq, st.block_q) if Tm != 1 else (1, 1)
-    cols = (nk, st.block_k) if Sm != 1 else (1, 1)
-    per_block = mask.reshape(Bm * Km * Gm, *rows, *cols).any(axis=(0, 2, 4))
-    return jnp.broadcast_to(per_block, (nq, nk))
-
-
-def visit_order(grid):
-    """For each row of ``grid``: the indices of its True entries first (in order), and
-    their count. A loop over ``order[r, :count[r]]`` visits exactly the needed blocks."""
-    order = jnp.argsort(~grid, axis=1, stable=True).astype(jnp.int32)
-    return order, grid.sum(1).astype(jnp.int32)

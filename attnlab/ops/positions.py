@@ -331,3 +331,41 @@ class PositionBias:
     def replace(self, **changes):
         """A copy with ``changes`` to the fields."""
         return dataclasses.replace(self, **changes)
+
+    def score_mod(self, q_offset=None):
+        """The bias as a score function (``attnlab.ops.score_mods``), ``s + bias[b, h, q, k]``
+        evaluated per entry and closing over ``params`` and the positions (so the fused
+        kernels, which take no bias array, run it and return its gradient); None when
+        ``fn`` has no per-entry form (``ELEMENTWISE``). ``q_offset`` ([B|1]): what the
+        score function's query indices carry beyond the index into ``q_pos``."""
+        entry = ELEMENTWISE.get(self.fn)
+        if entry is None:
+            return None
+        options = dict(self.options)
+        q_pos, k_pos = jnp.asarray(self.q_pos), jnp.asarray(self.k_pos)
+
+        def mod(s, b, h, q_idx, kv_idx):
+            if q_offset is not None:
+                q_idx = q_idx - q_offset[b if q_offset.shape[0] > 1 else 0]
+            qp = q_pos[b if q_pos.shape[0] > 1 else 0, q_idx]
+            kp = k_pos[b if k_pos.shape[0] > 1 else 0, kv_idx]
+            return s + entry(self.params, h, qp, kp, **options)
+
+        return mod
+
+
+def _alibi_entry(slopes_N, h, q_pos, k_pos):
+    return -slopes_N[h].astype(jnp.float32) * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+
+
+def _relative_entry(table_XN, h, q_pos, k_pos, *, bidirectional=True, max_distance=128):
+    bucket = relative_position_bucket(
+        k_pos - q_pos, bidirectional=bidirectional, num_buckets=table_XN.shape[0],
+        max_distance=max_distance,
+    )  # fmt: skip
+    return table_XN[bucket, h].astype(jnp.float32)
+
+
+# A bias function's value at one (head, query position, key position): what lets a
+# ``PositionBias`` run as a score function.
+ELEMENTWISE = {alibi_bias: _alibi_entry, relative_position_bias: _relative_entry}

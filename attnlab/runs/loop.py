@@ -294,9 +294,14 @@ def train_runs(
     """Opens, restores and trains the runs; stacked runs at different steps train in turn.
 
     A lone run prints a header first and a summary at the end (``verbose``: the shardings
-    too). Returns the ``Run`` objects (closed) and whether a signal stopped the training.
+    too, and one line per attention fallback, ``attnlab.ops.flex.log_fallbacks``). Returns
+    the ``Run`` objects (closed) and whether a signal stopped the training.
     """
     wall = time.perf_counter()
+    if verbose:  # each attention path that falls back says so when the step is built
+        from attnlab.ops.flex import log_fallbacks
+
+        log_fallbacks()
     runs, trainers = open_runs(cfgs, workdirs, step=step, allow_changes=allow_changes)
     profiler = Profiler(runs[0].cfg, runs[0].workdir)
     speak = len(runs) == 1 and jax.process_index() == 0
