@@ -25,7 +25,7 @@ import pathlib
 from attnlab.data import prepared
 from attnlab.data.fetch import cache_dir, sha256_of
 from attnlab.data.tasks import _DEFAULTS, TOKENIZER_FILE, config_field
-from attnlab.errors import DataError, DataFileError, one_line
+from attnlab.errors import DataError, DataFileError, one_line, optional_import
 
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
@@ -33,13 +33,7 @@ SEPARATOR = "\n\n"
 
 
 def _datasets():
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            "data.source='hf_datasets' needs the datasets library: pip install 'attnlab[datasets]'"
-        ) from None
-    return datasets
+    return optional_import("datasets", "datasets", "data.source='hf_datasets'")
 
 
 def data_files(path) -> list[pathlib.Path]:

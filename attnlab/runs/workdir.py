@@ -17,10 +17,12 @@ because a signal stopped the run records it in its metadata (``"interrupted": "S
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import pathlib
+import shutil
 import socket
 
 from attnlab import experiment
@@ -185,9 +187,16 @@ class Run:
         self.elapsed, self.step = 0.0, 0
         self.record: dict | None = None  # the record logged at the last step, if any
         self.failure: Exception | None = None
+        self.eval_batches: list | None = None  # built by preflight, used by the loop
+        # What the work directory held before ``begin`` (None: ``begin`` made these
+        # folders, the work directory last), for ``close(discard=True)``.
+        self.made: list[pathlib.Path] = []
+        self.held: set[str] = set()
 
     def begin(self):
         """Locks the directory and writes the config and tokenizer: the run starts."""
+        self.made = [p for p in (self.workdir, *self.workdir.parents) if not p.exists()][::-1]
+        self.held = set() if self.made else set(os.listdir(self.workdir))
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
             # The processes of one multi-host run share the directory: process 0 holds it.
@@ -201,27 +210,52 @@ class Run:
             keep = int(self.cfg.checkpoint.max_to_keep)
             self.ckpt = Checkpointer(self.workdir / CHECKPOINTS, max_to_keep=keep)
         except OSError as e:
-            self.close()
+            self.close(discard=True)
             raise WorkdirError(
                 f"cannot write to {self.workdir} ({e.strerror or one_line(e)}); choose a "
                 "writable --workdir"
             ) from None
         except BaseException:
-            self.close()
+            self.close(discard=True)
             raise
         steps = self.ckpt.all_steps()
         if self.requested is not None and int(self.requested) not in steps:
-            self.close()
+            self.close(discard=True)
             raise CheckpointError(
                 f"--step {self.requested}: {self.workdir / CHECKPOINTS} has no such checkpoint "
                 f"(available steps: {steps})"
             )
 
-    def close(self):
+    def close(self, *, discard: bool = False):
+        """Ends the run's hold on its directory; with ``discard`` (a run that did not
+        start), first removes what ``begin`` created there."""
         if self.ckpt is not None:
             self.ckpt.close()
+            self.ckpt = None
+        if discard:
+            self._discard()
         if self.lock is not None:
             self.lock.release()
+            self.lock = None
+
+    def _discard(self):
+        """The work directory as it was before ``begin``: the folders it made removed (the
+        work directory whole, those above it when empty), else the new entries in it.
+        Only while holding the lock, so another process's files are never touched."""
+        if not is_writer():
+            return
+        if self.lock is not None and self.made:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        elif self.lock is not None and self.workdir.is_dir():
+            for name in set(os.listdir(self.workdir)) - self.held - {LOCK_FILE}:
+                path = self.workdir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        for folder in reversed(self.made):  # the parents begin made, when left empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     def initial_state(self, trainer, abstract):
         """A fresh train state, or the chosen checkpoint's (dropping later log records)."""
