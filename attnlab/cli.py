@@ -194,8 +194,47 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv=None) -> int:
+    """The ``attnlab`` command, its console entry point (``[project.scripts]``).
+
+    An interrupt at any point after Python's own start is one line on stderr and exit 130,
+    never a traceback. While the subcommands' modules load (JAX, Flax and Orbax among them)
+    SIGINT is held until they are loaded: a ``KeyboardInterrupt`` raised inside an
+    extension module's initialisation can crash the interpreter (jaxlib's does).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    debug = "--debug" in argv or os.environ.get("ATTNLAB_DEBUG") == "1"
+    try:
+        with _holding_sigint() as held:
+            parser = build_parser()
+        if held:
+            raise KeyboardInterrupt
+        return _main(parser, argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(
+            "attnlab: stopped: SIGINT arrived while the command was starting; nothing was done",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _holding_sigint():
+    """SIGINT recorded (in the list it yields), not raised, inside the block."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(parser, argv) -> int:
     args, extra = parser.parse_known_args(argv)
     overrides = [a for a in extra if a.startswith("--config.")]
     unknown = [a for a in extra if not a.startswith("--config.")]
@@ -203,12 +242,12 @@ def main(argv=None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
     command = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
     debug = debugging(args)
-    from attnlab import checkpoint
-
-    checkpoint._RECEIVED.clear()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
+        from attnlab import checkpoint
+
+        checkpoint._RECEIVED.clear()
         with contextlib.nullcontext() if debug else quiet_libraries():
             compilation_cache()
             args.fn(args, overrides)
