@@ -45,9 +45,16 @@ def seq2seq_continuation(model, task, source: str, n: int, **options) -> np.ndar
 
 def decode_known(task, tokens) -> str:
     """Text of sampled ids, dropping ids the tokenizer lacks (``model.vocab_size`` may exceed
-    the task's vocabulary, and such ids have no text)."""
+    the task's vocabulary, and such ids have no text; ``unknown_ids`` counts them)."""
     tokens = np.asarray(tokens)
     return task.decode(tokens[(tokens >= 0) & (tokens < task.vocab_size)])
+
+
+def unknown_ids(task, tokens) -> int:
+    """How many of the sampled ``tokens`` the tokenizer has no text for (``decode_known``
+    leaves them out)."""
+    tokens = np.asarray(tokens)
+    return int(((tokens < 0) | (tokens >= task.vocab_size)).sum())
 
 
 def default_prompt(cfg, task) -> str:
