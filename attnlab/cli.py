@@ -1,7 +1,7 @@
 """The ``attnlab`` command: train, eval, plot, sample, sweep.
 
 attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
-              [--step N] [--allow-changes] [--verbose]
+              [--step N] [--allow-changes] [--verbose] [--import my_variant.py ...]
 attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
               [--parallel vmap|sequential] [--max-trials N] [--print-commands]
               [--retry-failed] [--allow-changes]
@@ -49,7 +49,7 @@ def _train(args, overrides):
     from attnlab import devices, experiment, runs, sharding
     from attnlab.checkpoint import raise_if_stopped
 
-    cfg = experiment.load_config(args.config, overrides)
+    cfg = experiment.load_config(args.config, overrides, imports=args.imports or ())
     devices.apply(devices.choose(cfg))  # before anything else uses JAX
     sharding.initialize_distributed(cfg.distributed)
     record = runs.train(  # logs its records itself
@@ -98,8 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    step = argparse.ArgumentParser(add_help=False)
+    step = argparse.ArgumentParser(add_help=False)  # the flags of commands that read a run
     step.add_argument("--step", type=int, default=None, help="the checkpoint step to use")
+    step.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="FILE.py",
+        help="import this module file first (a variant it registers); repeatable. train "
+        "records it in config.json, so eval and sample import it again by themselves",
+    )
 
     t = sub.add_parser(
         "train", parents=[debug, step], help="train (or resume) an experiment in a work directory"
@@ -250,6 +258,10 @@ def _main(parser, argv) -> int:
         checkpoint._RECEIVED.clear()
         with contextlib.nullcontext() if debug else quiet_libraries():
             compilation_cache()
+            for path in getattr(args, "imports", None) or ():
+                from attnlab.experiment import import_file
+
+                import_file(path)  # before anything reads a config that names its variants
             args.fn(args, overrides)
     except AttnlabError as e:
         if debug and not isinstance(e, Interrupted):

@@ -46,7 +46,8 @@ from attnlab.runs.files import (
 from attnlab.train import set_optim_values
 
 # Values that may change when a run resumes (they change no state and no step's result).
-FREE_ON_RESUME = ("name", "experiment_file", "eval.", "checkpoint.", "train.log_every_steps")
+FREE_ON_RESUME = ("name", "experiment_file", "imports", "eval.", "checkpoint.")
+FREE_ON_RESUME += ("train.log_every_steps",)
 FREE_ON_RESUME += ("train.on_nonfinite",)
 # How a launch finds its peers (coordinator, process count and this process's index): each
 # process of one run has its own, and a resumed run may start on other hosts.
