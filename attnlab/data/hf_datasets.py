@@ -63,6 +63,8 @@ def load_records(path):
     """The ``datasets.Dataset`` at ``path`` (its ``train`` split for a ``DatasetDict``)."""
     datasets = _datasets()
     files = data_files(path)
+    shown = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # its conversion's bars are not the run's output
     try:
         if files[0].is_dir():
             ds = datasets.load_from_disk(str(files[0]))
@@ -77,6 +79,9 @@ def load_records(path):
         raise DataError(
             f"data.path={str(path)!r} cannot be read as a data set ({one_line(e)})"
         ) from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(

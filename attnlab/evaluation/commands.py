@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, require
 
 
 def add_flags(e) -> None:
@@ -38,6 +38,7 @@ def check(args) -> None:
         raise ConfigError("--full evaluates the validation split, not --harness tasks: drop one")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    require("lm_eval", "eval", "--harness (the EleutherAI harness)")  # before a model loads
 
 
 def harness(args) -> None:

@@ -10,9 +10,9 @@ was. In order:
 2. the paths the run will write (``paths``): no file where a folder goes (or the reverse),
    and the work directory (or the nearest folder above it that exists) writable;
 3. the saved config of a resumed run, the data and its tokenizer (``workdir.Run``);
-4. the model, the optimiser and the training batch against the mesh (``Trainer``);
-5. the sample prompt against the tokenizer and the model's context
+4. the sample prompt against the tokenizer and the model's context
    (``sampling.sample_plan``, which the samples use later);
+5. the model, the optimiser and the training batch against the mesh (``Trainer``);
 6. the evaluation batches, built once here (the loop uses these) and placed on the mesh.
 
 If the run still fails before its first step (a checkpoint that cannot be restored, a step
@@ -140,7 +140,7 @@ def preflight(cfg, workdir, mcfg, mesh, *, step=None, allow_changes=False):
     packages(cfg)
     paths(cfg, workdir)
     run = Run(cfg, workdir, mcfg, step=step, allow_changes=allow_changes)
+    sample_plan(run.task.kind, run.task, cfg, mcfg.max_len)
     trainer = Trainer(cfg, mcfg, kind=run.task.kind, mesh=mesh)
-    sample_plan(trainer.kind, run.task, cfg, mcfg.max_len)
     run.eval_batches = eval_batches(cfg, run.task, trainer)
     return run, trainer
