@@ -122,6 +122,12 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     home = _HOMES.get(name)
+    if home is None and not name.startswith("_"):  # a subpackage or module: attnlab.nn
+        try:
+            return importlib.import_module(f"attnlab.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"attnlab.{name}":
+                raise
     if home is None:
         raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
     module = importlib.import_module(home)
