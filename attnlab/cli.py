@@ -6,7 +6,7 @@ attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir
               [--parallel vmap|sequential] [--max-trials N] [--print-commands]
               [--retry-failed] [--allow-changes]
 attnlab sweep --collect DIR
-attnlab eval --workdir DIR [--step N] [--full]
+attnlab eval --workdir DIR [--step N] [--full] [--import my_variant.py ...]
 attnlab eval --harness TASKS (--workdir DIR | --pretrained HF_DIR) [--include-path DIR]
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflow stop|raise]
@@ -19,7 +19,9 @@ attnlab sweep ... --launcher local|slurm [--partition P --timeout-min M ...]
 Expected errors (config, data, work directory, checkpoint, decoding, pretrained folders,
 downloads) print one line and exit with 2 (what was asked cannot run) or 1 (the run failed:
 it diverged, a checkpoint is unreadable, the disk is full). A run stopped by SIGINT or SIGTERM
-writes its checkpoint, says so in one line and exits with 130 or 143. --debug or
+writes its checkpoint, says so in one line and exits with 130 or 143; SIGINT while the command
+is still starting (loading JAX) is one line and 130 too. A run that cannot start leaves its
+work directory as it was (``attnlab.runs.preflight``). --debug or
 ATTNLAB_DEBUG=1 shows the traceback, and the libraries' own warnings and log lines (Orbax,
 absl, asyncio), which are hidden otherwise.
 """
