@@ -193,6 +193,7 @@ class Run:
         # folders, the work directory last), for ``close(discard=True)``.
         self.made: list[pathlib.Path] = []
         self.held: set[str] = set()
+        self.saved_config: bytes | None = None  # config.json as begin found it
 
     def begin(self):
         """Locks the directory and writes the config and tokenizer: the run starts."""
@@ -204,7 +205,9 @@ class Run:
             self.lock = Lock(self.workdir) if is_writer() else None
             check_config(self.workdir, self.cfg, allow_changes=bool(self.changes))
             if is_writer():
-                atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(self.cfg))
+                saved = self.workdir / CONFIG_FILE
+                self.saved_config = saved.read_bytes() if saved.is_file() else None
+                atomic_write(saved, experiment.to_json(self.cfg))
                 tokenizer = self.task.tokenizer
                 if tokenizer is not None and not (self.workdir / TOKENIZER_FILE).exists():
                     tokenizer.save(self.workdir / TOKENIZER_FILE)
@@ -254,6 +257,9 @@ class Run:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
+            config = self.workdir / CONFIG_FILE
+            if self.saved_config is not None and config.read_bytes() != self.saved_config:
+                config.write_bytes(self.saved_config)  # a resume's changed values, undone
         for folder in reversed(self.made):  # the parents begin made, when left empty
             with contextlib.suppress(OSError):
                 folder.rmdir()
