@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 
 import pytest
@@ -254,7 +255,7 @@ def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(tmp_path):
         pytest.skip("needs /proc to see the command's imports begin")
     try:  # once NumPy is mapped the command is inside its heavy imports
         while child.poll() is None and "numpy" not in maps.read_text():
-            pass
+            time.sleep(0.002)
     except FileNotFoundError:
         pass
     child.send_signal(signal.SIGINT)
