@@ -8,7 +8,9 @@ logged after its checkpoint, so they are logged again exactly once.
 Opening a run writes nothing: the directory, config, data, tokenizer and model are checked
 first, and only ``Run.begin`` (once the run is known to start) takes ``DIR/lock`` (an
 ``fcntl`` lock the system releases when its process dies, so a stale lock never blocks) and
-writes ``config.json``, ``tokenizer.json`` and the checkpoint directory. A newest checkpoint
+writes ``config.json``, ``tokenizer.json`` and the checkpoint directory; a run that fails
+before its first step puts the directory back as ``begin`` found it (``close(discard=True)``;
+the checks before are ``attnlab.runs.preflight``'s). A newest checkpoint
 that cannot be read is reported in one line and the newest readable one is used; nothing is
 deleted: a resumed run moves the unreadable step to ``checkpoints/step_N.corrupt/`` (so it is
 never overwritten), ``attnlab eval`` and ``sample`` leave it where it is. A checkpoint written
@@ -189,8 +191,8 @@ class Run:
         self.record: dict | None = None  # the record logged at the last step, if any
         self.failure: Exception | None = None
         self.eval_batches: list | None = None  # built by preflight, used by the loop
-        # What the work directory held before ``begin`` (None: ``begin`` made these
-        # folders, the work directory last), for ``close(discard=True)``.
+        # For ``close(discard=True)``: the folders ``begin`` made (outermost first, the
+        # work directory last), else the names the work directory held before it.
         self.made: list[pathlib.Path] = []
         self.held: set[str] = set()
         self.saved_config: bytes | None = None  # config.json as begin found it
