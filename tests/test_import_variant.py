@@ -120,6 +120,10 @@ class Probe(Attention):
         return super().attend(q_BTNH, k_BSKH, v_BSKH, call, **extra)
 
 
+@pytest.mark.slow(
+    reason="builds and compiles a mixer call of its own (1-2.5 s); the fast tier "
+    "keeps the import tests"
+)
 def test_attend_sees_the_cache_before_the_call_and_keys_with_the_call():
     cfg = ModelConfig(
         vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=6, position="none",
