@@ -5,31 +5,80 @@
 (``attnlab.generate``); ``attnlab.load_run(DIR)`` reopens a trained run as a ``Run``.
 """
 
-from attnlab import ops
-from attnlab.architectures import Architecture, architecture
-from attnlab.compilation import compilation_cache
-from attnlab.config import ModelConfig
-from attnlab.decode import GenerateOptions, GenerationResult, generate
-from attnlab.ffns import FFN, FFNSettings, register_ffn, registered_ffns
-from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
-from attnlab.mixers import (
-    CacheEntry,
-    Mixer,
-    MixerCall,
-    MixerSettings,
-    register_mixer,
-    registered_mixers,
-)
-from attnlab.nn import build_model, count_params
-from attnlab.optimizers import register_optimizer, register_schedule
-from attnlab.surgery import (
-    freeze,
-    layer_kind_names,
-    layer_mask,
-    replace_mixer,
-    select_layers,
-)
-from attnlab.variants import attention_variants, register_attention
+import importlib
+from typing import TYPE_CHECKING
+
+# The package's names and the modules that define them, imported on first use: ``import
+# attnlab`` (and so the ``attnlab`` command's own start) stays light until a name is read.
+_HOMES = {
+    "ops": "attnlab.ops",
+    "Architecture": "attnlab.architectures",
+    "architecture": "attnlab.architectures",
+    "compilation_cache": "attnlab.compilation",
+    "ModelConfig": "attnlab.config",
+    "GenerateOptions": "attnlab.decode",
+    "GenerationResult": "attnlab.decode",
+    "generate": "attnlab.decode",
+    "FFN": "attnlab.ffns",
+    "FFNSettings": "attnlab.ffns",
+    "register_ffn": "attnlab.ffns",
+    "registered_ffns": "attnlab.ffns",
+    "KVCache": "attnlab.kv_cache",
+    "init_cache": "attnlab.kv_cache",
+    "kv_cache_bytes": "attnlab.kv_cache",
+    "CacheEntry": "attnlab.mixers",
+    "Mixer": "attnlab.mixers",
+    "MixerCall": "attnlab.mixers",
+    "MixerSettings": "attnlab.mixers",
+    "register_mixer": "attnlab.mixers",
+    "registered_mixers": "attnlab.mixers",
+    "build_model": "attnlab.nn",
+    "count_params": "attnlab.nn",
+    "register_optimizer": "attnlab.optimizers",
+    "register_schedule": "attnlab.optimizers",
+    "freeze": "attnlab.surgery",
+    "layer_kind_names": "attnlab.surgery",
+    "layer_mask": "attnlab.surgery",
+    "replace_mixer": "attnlab.surgery",
+    "select_layers": "attnlab.surgery",
+    "attention_variants": "attnlab.variants",
+    "register_attention": "attnlab.variants",
+    # The Hugging Face loading stack (safetensors, tables of every family) and the
+    # training stack.
+    "load_pretrained": "attnlab.pretrained",
+    "pretrained": "attnlab.pretrained",
+    "load_run": "attnlab.runs.loading",
+    "Run": "attnlab.runs.loading",
+}
+
+if TYPE_CHECKING:  # what readers and type checkers see
+    from attnlab import ops
+    from attnlab.architectures import Architecture, architecture
+    from attnlab.compilation import compilation_cache
+    from attnlab.config import ModelConfig
+    from attnlab.decode import GenerateOptions, GenerationResult, generate
+    from attnlab.ffns import FFN, FFNSettings, register_ffn, registered_ffns
+    from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
+    from attnlab.mixers import (
+        CacheEntry,
+        Mixer,
+        MixerCall,
+        MixerSettings,
+        register_mixer,
+        registered_mixers,
+    )
+    from attnlab.nn import build_model, count_params
+    from attnlab.optimizers import register_optimizer, register_schedule
+    from attnlab.pretrained import load_pretrained
+    from attnlab.runs.loading import Run, load_run
+    from attnlab.surgery import (
+        freeze,
+        layer_kind_names,
+        layer_mask,
+        replace_mixer,
+        select_layers,
+    )
+    from attnlab.variants import attention_variants, register_attention
 
 __all__ = [
     "Architecture",
@@ -72,17 +121,20 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # The Hugging Face loading stack (safetensors, tables of every family) loads on first use.
-    if name == "load_pretrained":
-        from attnlab.pretrained import load_pretrained
+    home = _HOMES.get(name)
+    if home is None and not name.startswith("_"):  # a subpackage or module: attnlab.nn
+        try:
+            return importlib.import_module(f"attnlab.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"attnlab.{name}":
+                raise
+    if home is None:
+        raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    value = module if home == f"attnlab.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
 
-        return load_pretrained
-    if name in ("load_run", "Run"):  # the training stack loads on first use too
-        from attnlab.runs import loading
 
-        return getattr(loading, name)
-    if name == "pretrained":
-        import attnlab.pretrained
-
-        return attnlab.pretrained
-    raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))

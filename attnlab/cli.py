@@ -1,12 +1,12 @@
 """The ``attnlab`` command: train, eval, plot, sample, sweep.
 
 attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
-              [--step N] [--allow-changes] [--verbose]
+              [--step N] [--allow-changes] [--verbose] [--import my_variant.py ...]
 attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
               [--parallel vmap|sequential] [--max-trials N] [--print-commands]
               [--retry-failed] [--allow-changes]
 attnlab sweep --collect DIR
-attnlab eval --workdir DIR [--step N] [--full]
+attnlab eval --workdir DIR [--step N] [--full] [--import my_variant.py ...]
 attnlab eval --harness TASKS (--workdir DIR | --pretrained HF_DIR) [--include-path DIR]
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflow stop|raise]
@@ -19,7 +19,9 @@ attnlab sweep ... --launcher local|slurm [--partition P --timeout-min M ...]
 Expected errors (config, data, work directory, checkpoint, decoding, pretrained folders,
 downloads) print one line and exit with 2 (what was asked cannot run) or 1 (the run failed:
 it diverged, a checkpoint is unreadable, the disk is full). A run stopped by SIGINT or SIGTERM
-writes its checkpoint, says so in one line and exits with 130 or 143. --debug or
+writes its checkpoint, says so in one line and exits with 130 or 143; SIGINT while the command
+is still starting (loading JAX) is one line and 130 too. A run that cannot start leaves its
+work directory as it was (``attnlab.runs.preflight``). --debug or
 ATTNLAB_DEBUG=1 shows the traceback, and the libraries' own warnings and log lines (Orbax,
 absl, asyncio), which are hidden otherwise.
 """
@@ -49,7 +51,7 @@ def _train(args, overrides):
     from attnlab import devices, experiment, runs, sharding
     from attnlab.checkpoint import raise_if_stopped
 
-    cfg = experiment.load_config(args.config, overrides)
+    cfg = experiment.load_config(args.config, overrides, imports=args.imports or ())
     devices.apply(devices.choose(cfg))  # before anything else uses JAX
     sharding.initialize_distributed(cfg.distributed)
     record = runs.train(  # logs its records itself
@@ -98,8 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    step = argparse.ArgumentParser(add_help=False)
+    step = argparse.ArgumentParser(add_help=False)  # the flags of commands that read a run
     step.add_argument("--step", type=int, default=None, help="the checkpoint step to use")
+    step.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="FILE.py",
+        help="import this module file first (a variant it registers); repeatable. train "
+        "records it in config.json, so eval and sample import it again by themselves",
+    )
 
     t = sub.add_parser(
         "train", parents=[debug, step], help="train (or resume) an experiment in a work directory"
@@ -198,8 +208,47 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv=None) -> int:
+    """The ``attnlab`` command, its console entry point (``[project.scripts]``).
+
+    An interrupt at any point after Python's own start is one line on stderr and exit 130,
+    never a traceback. While the subcommands' modules load (JAX, Flax and Orbax among them)
+    SIGINT is held until they are loaded: a ``KeyboardInterrupt`` raised inside an
+    extension module's initialisation can crash the interpreter (jaxlib's does).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    debug = "--debug" in argv or os.environ.get("ATTNLAB_DEBUG") == "1"
+    try:
+        with _holding_sigint() as held:
+            parser = build_parser()
+        if held:
+            raise KeyboardInterrupt
+        return _main(parser, argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(
+            "attnlab: stopped: SIGINT arrived while the command was starting; nothing was done",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _holding_sigint():
+    """SIGINT recorded (in the list it yields), not raised, inside the block."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(parser, argv) -> int:
     args, extra = parser.parse_known_args(argv)
     overrides = [a for a in extra if a.startswith("--config.")]
     unknown = [a for a in extra if not a.startswith("--config.")]
@@ -207,14 +256,18 @@ def main(argv=None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(unknown or overrides)}")
     command = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
     debug = debugging(args)
-    from attnlab import checkpoint
-
-    checkpoint._RECEIVED.clear()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
+        from attnlab import checkpoint
+
+        checkpoint._RECEIVED.clear()
         with contextlib.nullcontext() if debug else quiet_libraries():
             compilation_cache()
+            for path in getattr(args, "imports", None) or ():
+                from attnlab.experiment import import_file
+
+                import_file(path)  # before anything reads a config that names its variants
             args.fn(args, overrides)
     except AttnlabError as e:
         if debug and not isinstance(e, Interrupted):

@@ -12,6 +12,8 @@ for run-time failures), so the Python API raises the same types the command repo
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import signal
 
 
@@ -49,6 +51,11 @@ class TokenIdError(DataError):
 
 class FetchError(DataError, OSError):
     """A download that could not be made (offline, refused, not found); nothing was kept."""
+
+
+class MissingPackageError(AttnlabError, ImportError):
+    """An optional package that what was asked for needs is not installed: the message names
+    the extra that brings it."""
 
 
 class DecodeError(AttnlabError, ValueError):
@@ -94,6 +101,33 @@ class Interrupted(AttnlabError):
         super().__init__(message)
         self.signal_name = signal_name
         self.exit_code = 128 + int(signal.Signals[signal_name])
+
+
+def _missing(module: str, extra: str | None, what: str) -> MissingPackageError:
+    target = "." if extra is None else f'".[{extra}]"'  # None: a core dependency
+    return MissingPackageError(
+        f"{what} needs the {module} package, which is not installed: run "
+        f"pip install -e {target} in the attnlab folder"
+    )
+
+
+def require(module: str, extra: str | None, what: str) -> None:
+    """Refuses ``what`` (the config value or flag that asked for it) unless the optional
+    ``module`` is installed (found, not imported); the message names the ``extra`` of
+    pyproject.toml that brings it (None: a core dependency, brought by ``pip install -e .``)."""
+    if importlib.util.find_spec(module) is None:
+        raise _missing(module, extra, what)
+
+
+def optional_import(module: str, extra: str | None, what: str):
+    """``import module`` for ``what``, a ``MissingPackageError`` naming the extra when it is
+    not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if e.name is not None and e.name.split(".")[0] != module.split(".")[0]:
+            raise  # the package is there but one of its own imports failed: a real error
+        raise _missing(module, extra, what) from None
 
 
 def one_line(error: BaseException) -> str:

@@ -37,6 +37,7 @@ from attnlab.experiment_schema import (  # noqa: F401  (read as attnlab.experime
     _load_python,
     base_config,
     import_experiment,
+    import_file,
     model_config,
     register_variants,
     validate,
@@ -73,13 +74,19 @@ def _settings_fields(
         node[field] = ConfigDict(fields)
 
 
-def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
+def load_config(
+    spec: str, overrides: typing.Sequence[str] = (), imports: typing.Sequence = ()
+) -> ConfigDict:
     """Loads ``path.py[:variant]`` or a saved ``config.json``, then applies dotted overrides.
 
     ``overrides`` are ``--config.a.b=v`` strings (ml_collections flag syntax). An experiment
     file is imported once per process and recorded in ``experiment_file``; a saved config
-    imports the file it records.
+    imports the file it records. ``imports`` are module files imported first
+    (``import_file``; ``attnlab train --import FILE``), so the variants they register exist
+    when the experiment file runs; they are recorded in ``imports`` (after those a saved
+    config records).
     """
+    files = [import_file(f).__file__ for f in imports]
     from absl import flags
     from ml_collections import config_flags
 
@@ -105,6 +112,10 @@ def load_config(spec: str, overrides: typing.Sequence[str] = ()) -> ConfigDict:
         except (TypeError, ValueError) as e:
             raise ExperimentError(f"{spec}: get_config failed: {_clean(e)}") from None
         base.experiment_file = str(path.resolve())
+    if files:
+        recorded = [f for f in base.get("imports") or () if f not in files]
+        with base.unlocked():
+            base.imports = tuple(recorded + [str(pathlib.Path(f).resolve()) for f in files])
     _settings_fields(base, overrides)
     _settings_fields(base, overrides, "ffn_variant", "dense", get_ffn)
     _settings_fields(base, overrides, "mixer", "", group="surgery")  # the surgery's new mixer

@@ -72,6 +72,9 @@ def base_config() -> ConfigDict:
     c = ConfigDict()
     c.name = "experiment"
     c.experiment_file = ""  # the experiment's .py file (absolute), set by load_config
+    # Module files imported before the config was built (``attnlab train --import FILE``),
+    # absolute; every process that reopens the run imports them first.
+    c.imports = ()
     c.model = _model_defaults()
     c.data = ConfigDict(
         dict(
@@ -304,14 +307,42 @@ def validate(cfg: ConfigDict) -> ModelConfig:
 _MODULES: dict[tuple[str, int], types.ModuleType] = {}
 
 
+def _on_path(folder: pathlib.Path) -> None:
+    """``folder`` first on ``sys.path`` (as Python puts a script's folder), once."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+def import_file(path) -> types.ModuleType:
+    """A module file (``attnlab train --import FILE``) imported as a script would import a
+    neighbour: its folder first on ``sys.path``, the module named by the file's stem. A file
+    that imports it (an experiment file beside it) then gets the same module, so what it
+    registers is registered once. A stem taken by another module is refused."""
+    path = pathlib.Path(path).resolve()
+    if path.suffix != ".py" or not path.is_file():
+        raise ExperimentError(f"--import {path}: no such Python file")
+    _on_path(path.parent)
+    module = sys.modules.get(path.stem) or importlib.import_module(path.stem)
+    where = getattr(module, "__file__", None)
+    if where is None or pathlib.Path(where).resolve() != path:
+        raise ExperimentError(
+            f"--import {path}: the module name {path.stem!r} is already taken by "
+            f"{where or 'a built-in module'}; rename the file"
+        )
+    return module
+
+
 def import_experiment(path) -> types.ModuleType:
     """The module of an experiment file, executed once per process (while unchanged).
 
     Executing it registers the attention variants it defines; a second import of the same
-    file returns the same module, so its registrations are not repeated.
+    file returns the same module, so its registrations are not repeated. The file's folder
+    is first on ``sys.path`` (``_on_path``), so it imports the files beside it as a script
+    would (``from my_variant import MyMixer``).
     """
     path = pathlib.Path(path).resolve()
     key = (str(path), path.stat().st_mtime_ns)
+    _on_path(path.parent)
     if key not in _MODULES:
         digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
         name = f"attnlab_experiment_{path.stem}_{digest}"
@@ -328,10 +359,16 @@ def import_experiment(path) -> types.ModuleType:
 
 
 def register_variants(cfg: ConfigDict) -> None:
-    """Imports the experiment file ``cfg`` records, registering its attention variants.
+    """Imports the module files (``imports``) and then the experiment file ``cfg`` records,
+    registering their variants.
 
-    A missing file is an error only when ``model.attention_fn`` is not registered otherwise.
+    A missing module file is skipped (the variant it registers, if the config names one, is
+    then reported unregistered); a missing experiment file is an error only when
+    ``model.attention_fn`` is not registered otherwise.
     """
+    for imported in cfg.get("imports") or ():
+        if pathlib.Path(imported).is_file():
+            import_file(imported)
     source = cfg.get("experiment_file") or ""
     if source and pathlib.Path(source).exists():
         import_experiment(source)

@@ -392,6 +392,11 @@ def kv_cache_bytes(
 class LayerCache:
     """One layer of the cache inside the scan over layers: what a variant reads and writes.
 
+    A mixer's call receives it as ``MixerCall.cache`` (None without a cache) and returns the
+    one its writes produced. It is a value: ``append`` and ``put`` return a new
+    ``LayerCache`` and leave this one as it was, so ``call.cache`` stays the cache before
+    the call in every step of the call (``docs/variants.md``, "Which cache each step sees").
+
     ``append(role, new_BT)`` writes a call's per-token values into layer ``index`` (in
     place in the stacked arrays) and returns the entry this call attends over, ``[B, ...]``
     in the entry's own layout: for a linear cache the layer's slots, written from each
@@ -399,26 +404,47 @@ class LayerCache:
     layer's entry as it is, ``put(role, value_B)`` replaces a fixed-size state entry.
     """
 
-    layers: dict  # role -> [L, B, *shape] (the layer's own [1, B, *shape] when split)
-    index: jax.Array  # int32 scalar (traced under scan)
-    start_B: jax.Array  # [B] tokens each row had seen before this call
-    count_B: jax.Array  # [B] this call's real tokens per row
-    ring: Ring | None = None
+    # Role -> the entry's [L, B, *shape] array over the stack's layers (the layer's own
+    # [1, B, *shape] when the cache is split); ``read`` and ``append`` pick layer ``index``.
+    layers: dict
+    index: jax.Array  # int32 scalar: this layer's row of ``layers`` (traced under scan)
+    # [B] int32: the tokens each row had seen before this call (``KVCache.lengths``), so
+    # the call's first token sits at position ``start_B`` and a linear entry's slot of it.
+    start_B: jax.Array
+    # [B] int32: this call's real tokens per row (the rest of the T are right padding of a
+    # ragged prefill); a state update must take these alone. ``KVCache.lengths`` advances
+    # by it after the call.
+    count_B: jax.Array
+    ring: Ring | None = None  # a ring buffer's slots and where this call writes; None: linear
+    # Static: (role, token axis in the per-row shape, None for fixed-size state).
     slot_axes: tuple = struct.field(pytree_node=False, default=())
 
     def _axis(self, name):
         return dict(self.slot_axes)[name]
 
     def read(self, name):
+        """Entry ``name`` of this layer as this ``LayerCache`` holds it, ``[B, *shape]``:
+        on ``call.cache``, the state (or slots) before the call; on the one ``append`` or
+        ``put`` returned, with those writes."""
         return layer(self.layers[name], self.index)
 
     def put(self, name, value_B):
+        """A ``LayerCache`` whose fixed-size entry ``name`` holds ``value_B``
+        (``[B, *shape]``, cast to the entry's dtype) in this layer; the others unchanged.
+        Rows the call does not advance (``count_B`` 0) must be given their old value."""
         x = self.layers[name]
         value = value_B.astype(x.dtype)[None]
         new = jax.lax.dynamic_update_index_in_dim(x, value[0], self.index, 0)
         return self.replace(layers={**self.layers, name: new})
 
     def append(self, name, new_BT):
+        """``(cache, entry_B)``: the call's per-token values ``new_BT`` (``[B, T, ...]``,
+        token-major) written into per-token entry ``name`` of this layer, and the entry the
+        call attends over, in the entry's own layout. Linear: all the layer's slots after the
+        write (row ``b``'s tokens in slots ``start_B[b]`` on; slots past each row's length
+        hold nothing meaningful and are masked). Ring: the ring after the write for a single
+        token, else the ring before it followed by the call's own T values. A fixed-size
+        entry is refused (``put`` replaces those)."""
         axis = self._axis(name)
         if axis is None:
             raise ValueError(f"cache entry {name!r} is fixed-size state: replace it with put")

@@ -1,5 +1,10 @@
 """``attnlab sample``: text from a run's checkpoint or a Hugging Face folder (a command, above
-the runs and the pretrained loaders it reads from)."""
+the runs and the pretrained loaders it reads from).
+
+A run's model may sample ids its tokenizer has no text for (``model.vocab_size`` above the
+tokenizer's size, as ``char_lm``'s 256 over a corpus of 94 characters): they are left out of
+the printed text, and one line on stderr says how many of the sampled ids were.
+"""
 
 from __future__ import annotations
 
@@ -90,6 +95,7 @@ def _sample(args, overrides):
         n = _room(args.max_new_tokens, 1, max_len, args.on_overflow, "the start token", position)
         tokens = runs.seq2seq_continuation(model, task, args.source, n, **common)
         print(runs.decode_known(task, tokens))
+        _say_unknown(task, tokens, trainer.mcfg.vocab_size)
         return
     if not architecture(trainer.mcfg).generates:
         raise DecodeError(
@@ -104,6 +110,23 @@ def _sample(args, overrides):
     eos = getattr(task, "eos_id", None) if task.tokenizer is None else None
     tokens = runs.continuation(model, ids, n, eos_id=eos, **common)
     print(prompt + runs.decode_known(task, tokens))
+    _say_unknown(task, tokens, trainer.mcfg.vocab_size)
+
+
+def _say_unknown(task, tokens, model_vocab):
+    """One stderr line when sampled ids had no text (they are left out of the text)."""
+    from attnlab.runs.sampling import unknown_ids
+
+    n = unknown_ids(task, tokens)
+    if n:
+        print(
+            f"attnlab sample: {n} of the {len(tokens)} sampled ids have no text and are left "
+            f"out: the tokenizer knows ids 0-{task.vocab_size - 1}, the model samples from "
+            f"model.vocab_size={model_vocab} (train longer, or set model.vocab_size to "
+            f"{task.vocab_size})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _sample_pretrained(args):

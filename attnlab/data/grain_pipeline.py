@@ -50,9 +50,9 @@ STATE_DIR = "data_state"  # per-process iterator states of a multi-process run's
 
 
 def _grain():
-    import grain
+    from attnlab.errors import optional_import
 
-    return grain
+    return optional_import("grain", None, "text data (data.kind, data.pipeline)")
 
 
 def rows_per_process(batch_size: int, count: int) -> int:

@@ -25,7 +25,7 @@ import pathlib
 from attnlab.data import prepared
 from attnlab.data.fetch import cache_dir, sha256_of
 from attnlab.data.tasks import _DEFAULTS, TOKENIZER_FILE, config_field
-from attnlab.errors import DataError, DataFileError, one_line
+from attnlab.errors import DataError, DataFileError, one_line, optional_import
 
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}
 SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
@@ -33,13 +33,7 @@ SEPARATOR = "\n\n"
 
 
 def _datasets():
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            "data.source='hf_datasets' needs the datasets library: pip install 'attnlab[datasets]'"
-        ) from None
-    return datasets
+    return optional_import("datasets", "datasets", "data.source='hf_datasets'")
 
 
 def data_files(path) -> list[pathlib.Path]:
@@ -69,6 +63,8 @@ def load_records(path):
     """The ``datasets.Dataset`` at ``path`` (its ``train`` split for a ``DatasetDict``)."""
     datasets = _datasets()
     files = data_files(path)
+    shown = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # its conversion's bars are not the run's output
     try:
         if files[0].is_dir():
             ds = datasets.load_from_disk(str(files[0]))
@@ -83,6 +79,9 @@ def load_records(path):
         raise DataError(
             f"data.path={str(path)!r} cannot be read as a data set ({one_line(e)})"
         ) from None
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, require
 
 
 def add_flags(e) -> None:
@@ -46,6 +46,7 @@ def check(args) -> None:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     if args.bootstrap_iters < 0:
         raise ConfigError(f"--bootstrap-iters {args.bootstrap_iters} must be >= 0")
+    require("lm_eval", "eval", "--harness (the EleutherAI harness)")  # before a model loads
 
 
 def harness(args) -> None:

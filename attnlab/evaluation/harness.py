@@ -23,17 +23,13 @@ import pathlib
 import subprocess
 import sys
 
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, optional_import
 
 
 def _lm_eval():
-    try:
-        import lm_eval
-        from lm_eval.api.model import TemplateLM
-    except ImportError:
-        raise ConfigError(
-            "--harness needs the EleutherAI harness: pip install 'attnlab[eval]'"
-        ) from None
+    lm_eval = optional_import("lm_eval", "eval", "--harness (the EleutherAI harness)")
+    from lm_eval.api.model import TemplateLM
+
     return lm_eval, TemplateLM
 
 

@@ -17,6 +17,7 @@ from attnlab.runs.sampling import (
     default_prompt,
     sample_text,
     seq2seq_continuation,
+    unknown_ids,
 )
 from attnlab.runs.stacked import STACKABLE, stack_key, train_stacked
 from attnlab.runs.workdir import (
@@ -52,4 +53,5 @@ __all__ = [
     "train_runs",
     "train_stacked",
     "truncate_jsonl",
+    "unknown_ids",
 ]

@@ -23,7 +23,7 @@ from attnlab import experiment, sharding
 from attnlab.architectures import architecture
 from attnlab.checkpoint import Checkpointer
 from attnlab.data import make_task
-from attnlab.errors import CheckpointError, WorkdirError
+from attnlab.errors import CheckpointError, DecodeError, WorkdirError
 from attnlab.runs.files import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -53,10 +53,11 @@ class Run:
     trainer: Trainer
     task: Any
 
-    def generate(self, prompt: str = "", max_new_tokens: int = 100, **options) -> str:
+    def generate(self, prompt: str | None = None, max_new_tokens: int = 100, **options) -> str:
         """The prompt's continuation as text (``options``: ``temperature``, ``top_k``,
         ``top_p``, ``seed``, as ``attnlab.generate`` takes them); an encoder-decoder run
-        reads ``prompt`` as its source."""
+        reads ``prompt`` as its source. ``None`` is the run's sample prompt
+        (``eval.sample_prompt``); an empty prompt (no tokens) is a ``DecodeError``."""
         from attnlab.runs.sampling import (
             continuation,
             decode_known,
@@ -64,10 +65,17 @@ class Run:
             seq2seq_continuation,
         )
 
+        if prompt == "":
+            raise DecodeError(
+                "Run.generate: the prompt is empty; pass some text, or leave it out (None) "
+                "for the run's sample prompt (eval.sample_prompt)"
+            )
         if architecture(self.trainer.mcfg).seq2seq:
+            if prompt is None:
+                raise DecodeError("Run.generate: this run is an encoder-decoder: pass a source")
             tokens = seq2seq_continuation(self.model, self.task, prompt, max_new_tokens, **options)
             return decode_known(self.task, tokens)
-        prompt = prompt or default_prompt(self.config, self.task)
+        prompt = default_prompt(self.config, self.task) if prompt is None else prompt
         eos = getattr(self.task, "eos_id", None) if self.task.tokenizer is None else None
         ids = self.task.encode(prompt)
         tokens = continuation(self.model, ids, max_new_tokens, eos_id=eos, **options)

@@ -27,11 +27,11 @@ from attnlab.checkpoint import PreemptionGuard
 from attnlab.errors import DivergenceError
 from attnlab.runs import surgery
 from attnlab.runs.files import METRICS_FILE, SAMPLES_FILE
+from attnlab.runs.preflight import preflight
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
 from attnlab.runs.tracking import Profiler, Tracker, describe, summary
-from attnlab.runs.workdir import Run
-from attnlab.train import Trainer, injected_hyperparams, lr_multiplier, zeros_acc
+from attnlab.train import injected_hyperparams, lr_multiplier, zeros_acc
 from attnlab.train.router_metrics import router_record
 
 # Metrics of the evaluation that mean nothing for a task: not printed (still logged).
@@ -65,16 +65,17 @@ def open_runs(cfgs, workdirs, *, step=None, allow_changes=False):
         for cfg, workdir, at in zip(cfgs, workdirs, steps, strict=True):
             cfg = surgery.resolve(cfg, workdir)  # a surgery run's model: the result
             mcfg = experiment.validate(cfg)
-            runs.append(Run(cfg, workdir, mcfg, step=at, allow_changes=allow_changes))
-            trainers.append(Trainer(cfg, mcfg, kind=runs[-1].task.kind, mesh=mesh))
+            run, trainer = preflight(cfg, workdir, mcfg, mesh, step=at, allow_changes=allow_changes)
+            runs.append(run)
+            trainers.append(trainer)
         for run in runs:
             run.begin()
             run.tracker = Tracker(run.cfg, run.workdir, start_step=run.start or 0)
     except BaseException:
         for run in runs:
-            run.close()
             if getattr(run, "tracker", None) is not None:
                 run.tracker.close()
+            run.close(discard=True)  # nothing trained: the directory as it was
         raise
     return runs, trainers
 
@@ -174,9 +175,11 @@ class _Loop:
         self.trainer, self.runs, self.stacked, self.on_eval = trainer, runs, stacked, on_eval
         cfg = runs[0].cfg
         e, self.batch_size = cfg.eval, int(cfg.train.batch_size)
-        self.eval_batches = (
-            runs[0].task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
-        )
+        self.eval_batches = runs[0].eval_batches  # built and checked by preflight
+        if self.eval_batches is None:
+            self.eval_batches = (
+                runs[0].task.eval_batches(int(e.batch_size), int(e.batches)) if e.batches else []
+            )
         self.tokens_per_step = self.batch_size * int(cfg.data.seq_len)
         self.lr_at = lr_multiplier(cfg.optim, trainer.total_steps)
         self.rows = sharding.process_rows(self.batch_size)  # this process's rows of the batch
@@ -305,6 +308,7 @@ def train_runs(
     runs, trainers = open_runs(cfgs, workdirs, step=step, allow_changes=allow_changes)
     profiler = Profiler(runs[0].cfg, runs[0].workdir)
     speak = len(runs) == 1 and jax.process_index() == 0
+    failed = False
     try:
         if speak:
             print(describe(runs[0], trainers[0], verbose=verbose), flush=True)
@@ -342,11 +346,15 @@ def train_runs(
             took = time.perf_counter() - wall
             print(summary(r, wall=took, steps=r.step - start, seconds=r.elapsed - elapsed))
         return runs, stopped
+    except BaseException:
+        failed = True
+        raise
     finally:
         profiler.stop()
         for r in runs:
-            r.close()
             r.tracker.close()
+            # A run that failed before its first step leaves its directory as it was.
+            r.close(discard=failed and (r.start is None or r.step <= r.start))
 
 
 def train(

@@ -20,8 +20,10 @@ import sys
 import jax
 
 from attnlab import experiment
+from attnlab.errors import optional_import
 
 TB_DIR = "tb"
+WANDB_DIR = "wandb"  # where wandb.init writes (dir=DIR)
 
 
 def _flat(values: dict) -> dict:
@@ -68,8 +70,7 @@ class Tracker:
                     global_step=0,
                 )
         if track.get("wandb_project"):
-            import wandb
-
+            wandb = optional_import("wandb", "cluster", "track.wandb_project")
             self.wandb = wandb.init(
                 project=track["wandb_project"],
                 entity=track.get("wandb_entity") or None,

@@ -8,7 +8,9 @@ logged after its checkpoint, so they are logged again exactly once.
 Opening a run writes nothing: the directory, config, data, tokenizer and model are checked
 first, and only ``Run.begin`` (once the run is known to start) takes ``DIR/lock`` (an
 ``fcntl`` lock the system releases when its process dies, so a stale lock never blocks) and
-writes ``config.json``, ``tokenizer.json`` and the checkpoint directory. A newest checkpoint
+writes ``config.json``, ``tokenizer.json`` and the checkpoint directory; a run that fails
+before its first step puts the directory back as ``begin`` found it (``close(discard=True)``;
+the checks before are ``attnlab.runs.preflight``'s). A newest checkpoint
 that cannot be read is reported in one line and the newest readable one is used; nothing is
 deleted: a resumed run moves the unreadable step to ``checkpoints/step_N.corrupt/`` (so it is
 never overwritten), ``attnlab eval`` and ``sample`` leave it where it is. A run resumed from an
@@ -20,10 +22,12 @@ A checkpoint written because a signal stopped the run records it in its metadata
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import pathlib
+import shutil
 import socket
 
 from attnlab import experiment
@@ -48,7 +52,8 @@ from attnlab.runs.files import (
 from attnlab.train import set_optim_values
 
 # Values that may change when a run resumes (they change no state and no step's result).
-FREE_ON_RESUME = ("name", "experiment_file", "eval.", "checkpoint.", "train.log_every_steps")
+FREE_ON_RESUME = ("name", "experiment_file", "imports", "eval.", "checkpoint.")
+FREE_ON_RESUME += ("train.log_every_steps",)
 FREE_ON_RESUME += ("train.on_nonfinite",)
 # How a launch finds its peers (coordinator, process count and this process's index): each
 # process of one run has its own, and a resumed run may start on other hosts.
@@ -189,9 +194,17 @@ class Run:
         self.elapsed, self.step = 0.0, 0
         self.record: dict | None = None  # the record logged at the last step, if any
         self.failure: Exception | None = None
+        self.eval_batches: list | None = None  # built by preflight, used by the loop
+        # For ``close(discard=True)``: the folders ``begin`` made (outermost first, the
+        # work directory last), else the names the work directory held before it.
+        self.made: list[pathlib.Path] = []
+        self.held: set[str] = set()
+        self.saved_config: bytes | None = None  # config.json as begin found it
 
     def begin(self):
         """Locks the directory and writes the config and tokenizer: the run starts."""
+        self.made = [p for p in (self.workdir, *self.workdir.parents) if not p.exists()][::-1]
+        self.held = set() if self.made else set(os.listdir(self.workdir))
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
             # The processes of one multi-host run share the directory: process 0 holds it.
@@ -201,32 +214,62 @@ class Run:
             self.ckpt = Checkpointer(self.workdir / CHECKPOINTS, max_to_keep=keep)
             self.ckpt.check_writable()  # now, not at the first save many steps later
             if is_writer():
-                atomic_write(self.workdir / CONFIG_FILE, experiment.to_json(self.cfg))
+                saved = self.workdir / CONFIG_FILE
+                self.saved_config = saved.read_bytes() if saved.is_file() else None
+                atomic_write(saved, experiment.to_json(self.cfg))
                 tokenizer = self.task.tokenizer
                 if tokenizer is not None and not (self.workdir / TOKENIZER_FILE).exists():
                     tokenizer.save(self.workdir / TOKENIZER_FILE)
         except OSError as e:
-            self.close()
+            self.close(discard=True)
             raise WorkdirError(
                 f"cannot write to {self.workdir} ({e.strerror or one_line(e)}); choose a "
                 "writable --workdir"
             ) from None
         except BaseException:
-            self.close()
+            self.close(discard=True)
             raise
         steps = self.ckpt.all_steps()
         if self.requested is not None and int(self.requested) not in steps:
-            self.close()
+            self.close(discard=True)
             raise CheckpointError(
                 f"--step {self.requested}: {self.workdir / CHECKPOINTS} has no such checkpoint "
                 f"(available steps: {steps})"
             )
 
-    def close(self):
+    def close(self, *, discard: bool = False):
+        """Ends the run's hold on its directory; with ``discard`` (a run that did not
+        start), first removes what ``begin`` created there."""
         if self.ckpt is not None:
             self.ckpt.close()
+            self.ckpt = None
+        if discard:
+            self._discard()
         if self.lock is not None:
             self.lock.release()
+            self.lock = None
+
+    def _discard(self):
+        """The work directory as it was before ``begin``: the folders it made removed (the
+        work directory whole, those above it when empty), else the new entries in it.
+        Only while holding the lock, so another process's files are never touched."""
+        if not is_writer():
+            return
+        if self.lock is not None and self.made:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        elif self.lock is not None and self.workdir.is_dir():
+            for name in set(os.listdir(self.workdir)) - self.held - {LOCK_FILE}:
+                path = self.workdir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            config = self.workdir / CONFIG_FILE
+            if self.saved_config is not None and config.read_bytes() != self.saved_config:
+                config.write_bytes(self.saved_config)  # a resume's changed values, undone
+        for folder in reversed(self.made):  # the parents begin made, when left empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     def initial_state(self, trainer, abstract):
         """A fresh train state, or the chosen checkpoint's (dropping later log records)."""

@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attnlab import experiment, runs
+from attnlab.errors import optional_import
 from attnlab.experiment import ExperimentError
 from attnlab.runs import surgery
 from attnlab.sweep.plan import Trial, apply_overrides, group_trials, plan_sweep
@@ -160,12 +161,7 @@ def _example(dist):
 
 # The study -----------------------------------------------------------------------------------
 def _optuna():
-    try:
-        import optuna
-    except ImportError:
-        raise ExperimentError(
-            "sweep: method='optuna' needs Optuna: pip install 'attnlab[optuna]'"
-        ) from None
+    optuna = optional_import("optuna", "optuna", "sweep: method='optuna'")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     return optuna
