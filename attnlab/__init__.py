@@ -8,41 +8,43 @@
 import importlib
 from typing import TYPE_CHECKING
 
+from attnlab import _moved  # first: the previous release's module paths, deprecated
+
 # The package's names and the modules that define them, imported on first use: ``import
 # attnlab`` (and so the ``attnlab`` command's own start) stays light until a name is read.
 _HOMES = {
     "ops": "attnlab.ops",
-    "Architecture": "attnlab.architectures",
-    "architecture": "attnlab.architectures",
+    "Architecture": "attnlab.config.architectures",
+    "architecture": "attnlab.config.architectures",
     "compilation_cache": "attnlab.compilation",
     "ModelConfig": "attnlab.config",
     "GenerateOptions": "attnlab.decode",
     "GenerationResult": "attnlab.decode",
     "generate": "attnlab.decode",
-    "FFN": "attnlab.ffns",
-    "FFNSettings": "attnlab.ffns",
-    "register_ffn": "attnlab.ffns",
-    "registered_ffns": "attnlab.ffns",
+    "FFN": "attnlab.contracts.ffn",
+    "FFNSettings": "attnlab.contracts.ffn",
+    "register_ffn": "attnlab.contracts.ffn",
+    "registered_ffns": "attnlab.contracts.ffn",
     "KVCache": "attnlab.kv_cache",
     "init_cache": "attnlab.kv_cache",
     "kv_cache_bytes": "attnlab.kv_cache",
-    "CacheEntry": "attnlab.mixers",
-    "Mixer": "attnlab.mixers",
-    "MixerCall": "attnlab.mixers",
-    "MixerSettings": "attnlab.mixers",
-    "register_mixer": "attnlab.mixers",
-    "registered_mixers": "attnlab.mixers",
+    "CacheEntry": "attnlab.contracts.mixer",
+    "Mixer": "attnlab.contracts.mixer",
+    "MixerCall": "attnlab.contracts.mixer",
+    "MixerSettings": "attnlab.contracts.mixer",
+    "register_mixer": "attnlab.contracts.mixer",
+    "registered_mixers": "attnlab.contracts.mixer",
     "build_model": "attnlab.nn",
     "count_params": "attnlab.nn",
-    "register_optimizer": "attnlab.optimizers",
-    "register_schedule": "attnlab.optimizers",
-    "freeze": "attnlab.surgery",
-    "layer_kind_names": "attnlab.surgery",
-    "layer_mask": "attnlab.surgery",
-    "replace_mixer": "attnlab.surgery",
-    "select_layers": "attnlab.surgery",
-    "attention_variants": "attnlab.variants",
-    "register_attention": "attnlab.variants",
+    "register_optimizer": "attnlab.contracts.optimizer",
+    "register_schedule": "attnlab.contracts.optimizer",
+    "freeze": "attnlab.nn.surgery",
+    "layer_kind_names": "attnlab.nn.surgery",
+    "layer_mask": "attnlab.nn.surgery",
+    "replace_mixer": "attnlab.nn.surgery",
+    "select_layers": "attnlab.nn.surgery",
+    "attention_variants": "attnlab.contracts.score_function",
+    "register_attention": "attnlab.contracts.score_function",
     # The Hugging Face loading stack (safetensors, tables of every family) and the
     # training stack.
     "load_pretrained": "attnlab.pretrained",
@@ -53,13 +55,11 @@ _HOMES = {
 
 if TYPE_CHECKING:  # what readers and type checkers see
     from attnlab import ops
-    from attnlab.architectures import Architecture, architecture
     from attnlab.compilation import compilation_cache
     from attnlab.config import ModelConfig
-    from attnlab.decode import GenerateOptions, GenerationResult, generate
-    from attnlab.ffns import FFN, FFNSettings, register_ffn, registered_ffns
-    from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
-    from attnlab.mixers import (
+    from attnlab.config.architectures import Architecture, architecture
+    from attnlab.contracts.ffn import FFN, FFNSettings, register_ffn, registered_ffns
+    from attnlab.contracts.mixer import (
         CacheEntry,
         Mixer,
         MixerCall,
@@ -67,18 +67,20 @@ if TYPE_CHECKING:  # what readers and type checkers see
         register_mixer,
         registered_mixers,
     )
+    from attnlab.contracts.optimizer import register_optimizer, register_schedule
+    from attnlab.contracts.score_function import attention_variants, register_attention
+    from attnlab.decode import GenerateOptions, GenerationResult, generate
+    from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
     from attnlab.nn import build_model, count_params
-    from attnlab.optimizers import register_optimizer, register_schedule
-    from attnlab.pretrained import load_pretrained
-    from attnlab.runs.loading import Run, load_run
-    from attnlab.surgery import (
+    from attnlab.nn.surgery import (
         freeze,
         layer_kind_names,
         layer_mask,
         replace_mixer,
         select_layers,
     )
-    from attnlab.variants import attention_variants, register_attention
+    from attnlab.pretrained import load_pretrained
+    from attnlab.runs.loading import Run, load_run
 
 __all__ = [
     "Architecture",
@@ -129,7 +131,7 @@ def __getattr__(name):
             if e.name != f"attnlab.{name}":
                 raise
     if home is None:
-        raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
+        return _moved.moved_name(__name__, name)
     module = importlib.import_module(home)
     value = module if home == f"attnlab.{name}" else getattr(module, name)
     globals()[name] = value

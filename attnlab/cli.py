@@ -48,8 +48,9 @@ from attnlab.errors import (
 
 
 def _train(args, overrides):
-    from attnlab import devices, experiment, runs, sharding
-    from attnlab.checkpoint import raise_if_stopped
+    from attnlab import devices, experiment, runs
+    from attnlab.devices import sharding
+    from attnlab.runs.checkpoint import raise_if_stopped
 
     cfg = experiment.load_config(args.config, overrides, imports=args.imports or ())
     devices.apply(devices.choose(cfg))  # before anything else uses JAX
@@ -153,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=_plot)
 
     from attnlab.data.commands import add_parser as add_data_parser
-    from attnlab.pretrained.commands import add_parser as add_export_parser
-    from attnlab.sample_command import add_parser as add_sample_parser
+    from attnlab.runs.export import add_parser as add_export_parser
+    from attnlab.runs.sample_command import add_parser as add_sample_parser
     from attnlab.sweep.command_line import add_parser as add_sweep_parser
 
     add_sample_parser(sub, [debug, step])
@@ -259,7 +260,7 @@ def _main(parser, argv) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        from attnlab import checkpoint
+        from attnlab.runs import checkpoint
 
         checkpoint._RECEIVED.clear()
         with contextlib.nullcontext() if debug else quiet_libraries():

@@ -33,7 +33,7 @@ chunked path) or 8k / 32k / 128k on a GPU (the fused kernel, cuDNN's plain causa
 it); ``--device gpu --dry-run --flex`` runs the GPU script's code path at tiny shapes here.
 
 ``--variants mha,sinks,gated,differential,mla`` measures the registered attention variants
-instead (``attnlab.mixers``), each in a one-layer decoder (d_model 256, 4 heads, chunked
+instead (``attnlab.contracts.mixer``), each in a one-layer decoder (d_model 256, 4 heads, chunked
 path): the train step (value and gradient of the loss over the parameters, causal, B=1) at
 each length, with its temporaries, and cached greedy decoding (batch 1, 256 new tokens
 after a prompt of 16) in tokens/s with the bytes of the variant's own cache per token.

@@ -4,7 +4,7 @@ checksum, and each checksum's rate over a checkpoint's files and a prepared corp
 Two training states (parameters and AdamW state, as ``Trainer.init_state`` builds them, the
 optimizer moments made random by ``trained_like``): the char_lm tiny twin and char_lm widened
 to about 10M parameters. For each checksum (none, and every entry of
-``attnlab.checksums.CHECKSUMS``) a ``Checkpointer`` saves ``--repeats`` steps, each timed from
+``attnlab.data.checksums.CHECKSUMS``) a ``Checkpointer`` saves ``--repeats`` steps, each timed from
 the call to the finalised step with its ``checksums.json``, the kinds taking turns within each
 repeat; each step is then restored by a fresh ``Checkpointer`` (restoring checks the files
 first when the step has checksums). On a shared machine the end-to-end medians move by more
@@ -38,8 +38,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from attnlab import experiment  # noqa: E402
-from attnlab.checkpoint import Checkpointer  # noqa: E402
-from attnlab.checksums import CHECKSUMS, file_checksum  # noqa: E402
+from attnlab.data.checksums import CHECKSUMS, file_checksum  # noqa: E402
+from attnlab.runs.checkpoint import Checkpointer  # noqa: E402
 from attnlab.train import Trainer  # noqa: E402
 
 CHAR_LM = str(REPO / "experiments" / "char_lm.py")

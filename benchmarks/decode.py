@@ -243,7 +243,7 @@ def machine():
 def attention_layers(cfg) -> int:
     """How many of the stack's layers run softmax attention (whose cache grows and whose
     scores cost FLOPs per cached token)."""
-    from attnlab.layer_kinds import stack_plan
+    from attnlab.config.layer_kinds import stack_plan
 
     return sum(spec.mixer == "mha" for spec in stack_plan(cfg, cfg.n_layers).mixer_specs)
 

@@ -152,7 +152,8 @@ def train_step(shape: str, gpu: bool = False):
     ``gpu`` on one GPU in bfloat16 with cuDNN attention (``train_throughput``'s setting)."""
     import train_throughput as tt
 
-    from attnlab import devices, sharding, train
+    from attnlab import devices, train
+    from attnlab.devices import sharding
 
     s = tt.SHAPES[shape]
     overrides = [f"--config.model.{k}" for k in ("dtype=bfloat16", "attention_impl=cudnn")]

@@ -57,7 +57,7 @@ def work_per_step(cfg, params) -> dict:
     import optax
 
     from attnlab import experiment
-    from attnlab.optimizers import muon_dimensions
+    from attnlab.contracts.optimizer import muon_dimensions
 
     m = experiment.model_config(cfg)
     tokens = int(cfg.train.batch_size) * int(cfg.data.seq_len)
@@ -83,8 +83,9 @@ def run_trial(config, overrides, eval_at, target, evaluate, peak):
     """One trial (``peak``: the square matmul FLOP/s its roofline is over)."""
     import jax
 
-    from attnlab import experiment, sharding
+    from attnlab import experiment
     from attnlab.data import make_task
+    from attnlab.devices import sharding
     from attnlab.train import Trainer
 
     cfg = experiment.load_config(config, overrides)

@@ -33,7 +33,8 @@ import jax
 import machine  # benchmarks/machine.py: the machine's limits, measured in this run
 import numpy as np
 
-from attnlab import devices, experiment, sharding, train
+from attnlab import devices, experiment, train
+from attnlab.devices import sharding
 
 SHAPES = {
     # The shakespeare_char baseline shape and a 6-layer / 384-wide / 256-context one.

@@ -381,7 +381,7 @@ def extrapolation(workdir, *, factors=FACTORS, rows: int = 256) -> dict:
 def _extends(mcfg) -> bool:
     """Whether the model reaches past its training length: its positions extend, or no layer
     reads positions at all (a recurrent stack)."""
-    from attnlab.layer_kinds import stack_plan
+    from attnlab.config.layer_kinds import stack_plan
 
     if mcfg.position in EXTENDS:
         return True

@@ -52,9 +52,9 @@ from flax import nnx
 
 import attnlab
 from attnlab import ModelConfig, runs, viz
+from attnlab.contracts.mixer import MixerCall, MixerSettings
 from attnlab.data import make_task
-from attnlab.mixers import MixerCall, MixerSettings
-from attnlab.nn.attention import Attention
+from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.masks import MASK_VALUE
 from attnlab.sweep import grid, markdown_table, plan_sweep, run_sweep
 

@@ -44,9 +44,10 @@ from flax import nnx
 from matplotlib.figure import Figure
 
 import attnlab
-from attnlab import experiment, runs, surgery, train, viz
+from attnlab import experiment, runs, train, viz
 from attnlab.data import make_task
 from attnlab.decode import Decoder, SamplingConfig
+from attnlab.nn import surgery
 
 attnlab.compilation_cache()  # programs compiled once are kept on disk for the next run
 
@@ -102,7 +103,7 @@ print(f"original: eval loss {original['eval_loss']:.4f} after {original['step']}
 # and in the replaced layers the norms and the FFN) is copied exactly. `init="matching"`
 # starts Gated DeltaNet's q, k and v and its output projection from the attention layer's
 # (its gate, convolution and decay are fresh); `surgery.mixer_settings` are its settings. The
-# model group stays the source's: the surgery decides the new one (`runs.surgery.resolve`),
+# model group stays the source's: the surgery decides the new one (`runs.surgery_run.resolve`),
 # which the run's `config.json` holds.
 
 # %%
@@ -131,7 +132,7 @@ NEW_ONLY = [
 hybrid_cfg = experiment.load_config(
     spec, [*FINE_TUNE, *SURGERY, *NEW_ONLY, f"--config.train.steps={NEW_ONLY_STEPS}"]
 )
-resolved = runs.surgery.resolve(hybrid_cfg)
+resolved = runs.surgery_run.resolve(hybrid_cfg)
 mcfg = experiment.validate(resolved)
 print("layers:", surgery.layer_kind_names(mcfg))
 print("block pattern:", [kind.mixers[0].mixer for kind in mcfg.block_pattern.block])
@@ -145,7 +146,9 @@ assert surgery.layer_kind_names(mcfg) == ("gated_deltanet",) * 3 + ("mha",)
 task = make_task(resolved.data, root / "original")
 eval_batches = task.eval_batches(int(resolved.eval.batch_size), int(resolved.eval.batches))
 trainer = train.Trainer(resolved, mcfg, kind=task.kind)
-at_zero = trainer.evaluate(runs.surgery.initial_state(resolved, trainer)["params"], eval_batches)
+at_zero = trainer.evaluate(
+    runs.surgery_run.initial_state(resolved, trainer)["params"], eval_batches
+)
 before = runs.load_run(root / "original").evaluate()["eval_loss"]
 print(f"eval loss: original {before:.4f}, surgered at step 0 {at_zero['eval_loss']:.4f}")
 

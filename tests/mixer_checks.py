@@ -1,5 +1,5 @@
-"""Checks every attention variant (``attnlab.mixers``) must pass, shared by the variants' tests:
-cached decoding (prefill of ragged prompts, then one token at a time) equals one full forward
+"""Checks every attention variant (``attnlab.contracts.mixer``) must pass, shared by the variants'
+tests: cached decoding (prefill of ragged prompts, then one token at a time) equals one full forward
 pass; generation with the cache equals generation by recomputation; gradients stay finite
 when whole rows are masked."""
 

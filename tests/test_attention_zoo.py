@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from attnlab import sweep
-from attnlab.mixers import MixerSettings, register_mixer
-from attnlab.nn.attention import Attention
+from attnlab.contracts.mixer import MixerSettings, register_mixer
+from attnlab.nn.mixers.mha import Attention
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(

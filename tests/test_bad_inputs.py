@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import xla_flags
 
-from attnlab.checkpoint import Checkpointer
 from attnlab.cli import main
 from attnlab.data.prepared import prepare
 from attnlab.errors import DecodeError, TokenIdError
-from attnlab.sample_command import _room
+from attnlab.runs.checkpoint import Checkpointer
+from attnlab.runs.sample_command import _room
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = f"{REPO / 'experiments' / 'char_lm.py'}:tiny"

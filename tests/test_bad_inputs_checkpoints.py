@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from test_bad_inputs import snapshot  # tests/ is on the path
 
-from attnlab.checkpoint import Checkpointer
 from attnlab.cli import main
 from attnlab.data.prepared import META_FILE, TOKENS_FILE, prepare
 from attnlab.errors import WorkdirError
+from attnlab.runs.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = f"{REPO / 'experiments' / 'char_lm.py'}:tiny"

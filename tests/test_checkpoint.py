@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from attnlab.checkpoint import Checkpointer, CheckpointError, PreemptionGuard
+from attnlab.runs.checkpoint import Checkpointer, CheckpointError, PreemptionGuard
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -204,7 +204,7 @@ TRAIN_LOOP = textwrap.dedent(
     """
     import itertools, sys, time
     import numpy as np
-    from attnlab.checkpoint import Checkpointer, PreemptionGuard
+    from attnlab.runs.checkpoint import Checkpointer, PreemptionGuard
 
     with Checkpointer(sys.argv[1], max_to_keep=2) as ckpt, PreemptionGuard() as guard:
         for step in itertools.count(1):

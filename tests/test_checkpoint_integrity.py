@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from attnlab.checkpoint import Checkpointer, CorruptCheckpointError
+from attnlab.runs.checkpoint import Checkpointer, CorruptCheckpointError
 from attnlab.runs.files import restore_newest
 
 ITEMS = ("state", "metadata")

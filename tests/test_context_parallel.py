@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import xla_flags
 
-from attnlab import ModelConfig, build_model, ops, sharding
+from attnlab import ModelConfig, build_model, ops
+from attnlab.devices import sharding
 from attnlab.ops import context_parallel as cp
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -189,7 +189,7 @@ def test_a_run_on_packed_grain_batches_resumes_bitwise(tmp_path):
     runs.train(cfg(), tmp_path / "straight", progress=False)
     runs.train(cfg(), tmp_path / "resumed", progress=False, stop_after=4)
     runs.train(cfg(), tmp_path / "resumed", progress=False)
-    from attnlab.checkpoint import Checkpointer
+    from attnlab.runs.checkpoint import Checkpointer
 
     with Checkpointer(tmp_path / "resumed" / "checkpoints") as ckpt:
         assert ckpt.restore_metadata(4)["data_state"]["step"] == 4  # resumed from the state

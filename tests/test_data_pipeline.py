@@ -141,7 +141,7 @@ def test_a_packed_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     import jax
 
     from attnlab import runs
-    from attnlab.checkpoint import Checkpointer
+    from attnlab.runs.checkpoint import Checkpointer
 
     repo = pathlib.Path(__file__).resolve().parents[1]
 

@@ -124,7 +124,8 @@ _MANY_STEPS = """
 import sys
 import jax
 import numpy as np
-from attnlab import devices, experiment, sharding, train
+from attnlab import devices, experiment, train
+from attnlab.devices import sharding
 
 assert devices.apply(2)
 short = ["--config.data.seq_len=16", "--config.model.max_len=16"]

@@ -26,9 +26,9 @@ from tiers import cases
 
 import attnlab
 from attnlab import ModelConfig, build_model, init_cache, kv_cache, ops
+from attnlab.contracts.mixer import CacheEntry, Mixer, MixerCall, MixerSettings
 from attnlab.decode import Decoder
 from attnlab.errors import ConfigError
-from attnlab.mixers import CacheEntry, Mixer, MixerCall, MixerSettings
 from attnlab.nn.layers import normal
 from attnlab.ops.linear import dense
 
@@ -307,7 +307,7 @@ def test_each_kind_keeps_its_own_entries_and_the_bytes_sum_over_kinds():
     cfg = ModelConfig(**HYBRID)
     B, S, K, H = 3, 12, 2, 8
     cache = init_cache(cfg, B, S)
-    mla = attnlab.mixers.get_mixer("mla").Settings().resolved(cfg)
+    mla = attnlab.contracts.mixer.get_mixer("mla").Settings().resolved(cfg)
     R, Hr = mla.kv_lora_rank, mla.qk_rope_head_dim
     shapes = {name: x.shape for name, x in cache.layers.items()}
     assert shapes == {
@@ -362,7 +362,7 @@ def test_phases_and_row_reordering_work_on_every_entry_of_a_hybrid_cache():
 
 
 def test_hybrid_parameters_carry_logical_axes_with_a_leading_layer_axis():
-    from attnlab import sharding
+    from attnlab.devices import sharding
 
     params = nnx.state(build_model(ModelConfig(**HYBRID), seed=0), nnx.Param)
     flat = {
@@ -375,7 +375,9 @@ def test_hybrid_parameters_carry_logical_axes_with_a_leading_layer_axis():
     assert sharding.logical_names(path, leaf.shape) == ("layers", "embed", "latent")
     # Muon reads the same rule: each layer's [D, R] matrix, not the stacked array.
     tree = {"decoder": {"prefix": {"attn": {"kv_down_DR": leaf}}}}
-    got = attnlab.optimizers.muon_dimensions(tree)["decoder"]["prefix"]["attn"]["kv_down_DR"]
+    got = attnlab.contracts.optimizer.muon_dimensions(tree)["decoder"]["prefix"]["attn"][
+        "kv_down_DR"
+    ]
     assert (got.reduction_axis, got.output_axis) == ((1,), (2,))
 
 
@@ -474,7 +476,8 @@ def test_hybrid_on_eight_cpu_devices():
 def test_hybrid_trains_and_decodes_on_a_mesh_like_one_device():
     from test_sharding import batches, run_steps, tiny
 
-    from attnlab import experiment, generate, sharding
+    from attnlab import experiment, generate
+    from attnlab.devices import sharding
     from attnlab.train import Trainer
 
     cfg = tiny(position="rope", dropout=0.0, attention_dropout=0.0, n_layers=5)

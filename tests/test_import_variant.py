@@ -17,10 +17,10 @@ from flax import nnx
 from attnlab import experiment, ops
 from attnlab.cli import main
 from attnlab.config import ModelConfig
+from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
 from attnlab.kv_cache import LayerCache
-from attnlab.mixers import MixerCall, get_mixer
-from attnlab.nn.attention import Attention
+from attnlab.nn.mixers.mha import Attention
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = f"{REPO / 'experiments' / 'char_lm.py'}:tiny"
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attnlab
-from attnlab.mixers import MixerSettings
-from attnlab.nn.attention import Attention
+from attnlab.contracts.mixer import MixerSettings
+from attnlab.nn.mixers.mha import Attention
 
 
 @attnlab.register_mixer("{name}")

@@ -15,7 +15,7 @@ from tiers import cases
 
 import attnlab
 from attnlab import ModelConfig, build_model, init_cache, ops
-from attnlab.mixers import MixerCall
+from attnlab.contracts.mixer import MixerCall
 from attnlab.nn.blocks import Block
 
 BASE = dict(vocab_size=40, d_model=32, n_heads=4, n_layers=3, max_len=16, d_ff=48)

@@ -10,8 +10,8 @@ import reference
 from flax import nnx
 
 from attnlab import ModelConfig, kv_cache_bytes
+from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
-from attnlab.mixers import MixerCall, get_mixer
 
 
 def tiny(**changes):

@@ -17,9 +17,9 @@ from flax import nnx
 
 import attnlab
 from attnlab import ModelConfig, init_cache
+from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
 from attnlab.kv_cache import LayerCache
-from attnlab.mixers import MixerCall, get_mixer
 from attnlab.ops import MaskSpec
 
 TINY = dict(mixer_checks.TINY, position="rope")

@@ -18,8 +18,8 @@ import xla_flags
 from flax import nnx
 
 from attnlab import ModelConfig, ops
+from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
-from attnlab.mixers import MixerCall, get_mixer
 
 B, T = 2, 11
 TINY = dict(mixer_checks.TINY, n_kv_heads=2, position="none", mixer="fox")
@@ -117,7 +117,7 @@ def test_fox_training_on_a_mesh_equals_one_device():
     (data 2, tensor 2) mesh: the same losses and parameters."""
     from test_sharding import batches, host, run_steps, tiny
 
-    from attnlab import sharding
+    from attnlab.devices import sharding
     from attnlab.train import Trainer
 
     cfg = tiny(mixer="fox", position="none", dropout=0.0, attention_dropout=0.0, **CHUNKED)

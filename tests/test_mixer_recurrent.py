@@ -16,8 +16,8 @@ from tiers import cases
 
 import attnlab
 from attnlab import ModelConfig, build_model, kv_cache
+from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
-from attnlab.mixers import MixerCall, get_mixer
 from attnlab.ops import MaskSpec, deltanet, ssd
 from attnlab.ops.recurrent import causal_conv
 

@@ -17,10 +17,10 @@ import reference as ref
 from flax import nnx
 
 from attnlab import ModelConfig, ops
+from attnlab.contracts.mixer import MixerCall, get_mixer
+from attnlab.devices.sharding import logical_names
 from attnlab.errors import ConfigError
-from attnlab.mixers import MixerCall, get_mixer
 from attnlab.ops import dot_product_attention
-from attnlab.sharding import logical_names
 
 B, T, N, K, H = 2, 13, 4, 2, 8
 TOL = {"rtol": 1e-5, "atol": 1e-6}

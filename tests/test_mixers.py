@@ -1,5 +1,5 @@
-"""The variant API (``attnlab.mixers``): a variant defined here, outside the library, with a
-parameter and a cache entry that is neither keys nor values, trains, checkpoints, resumes
+"""The variant API (``attnlab.contracts.mixer``): a variant defined here, outside the library, with
+a parameter and a cache entry that is neither keys nor values, trains, checkpoints, resumes
 exactly, decodes and loads back; per-layer patterns; one-line errors for bad settings."""
 
 import dataclasses
@@ -15,9 +15,9 @@ from flax import nnx
 
 import attnlab
 from attnlab import ModelConfig, build_model, experiment, runs
+from attnlab.contracts.mixer import CacheEntry, MixerCall, MixerSettings, register_mixer
 from attnlab.errors import ConfigError
-from attnlab.mixers import CacheEntry, MixerCall, MixerSettings, register_mixer
-from attnlab.nn.attention import Attention
+from attnlab.nn.mixers.mha import Attention
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

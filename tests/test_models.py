@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from attnlab import ModelConfig, build_model
-from attnlab.mixers import MixerCall
+from attnlab.contracts.mixer import MixerCall
 from attnlab.nn import Attention, Block
 
 TINY = dict(vocab_size=40, d_model=32, n_layers=2, n_heads=4, max_len=16)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import xla_flags
 
-from attnlab import experiment, sharding
+from attnlab import experiment
+from attnlab.devices import sharding
 from attnlab.train import Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -394,7 +394,8 @@ def test_a_registered_score_function_runs_the_chunked_path_in_a_model(monkeypatc
     """A score function registered from a notebook (``register_attention``) reaches the
     chunked path through ``dot_product_attention(score_mod=...)`` under "auto" on a CPU,
     and the model's logits equal the reference path's."""
-    from attnlab import ModelConfig, build_model, variants
+    from attnlab import ModelConfig, build_model
+    from attnlab.contracts import score_function as variants
     from attnlab.ops import flex
 
     seen = []

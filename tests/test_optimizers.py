@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from attnlab import experiment
-from attnlab.optimizers import OPTIMIZERS, SCHEDULES, register_optimizer, register_schedule
+from attnlab.contracts.optimizer import OPTIMIZERS, SCHEDULES, register_optimizer, register_schedule
 from attnlab.train.optim import injected_hyperparams, make_optimizer, set_optim_values
 
 
@@ -73,7 +73,7 @@ def test_muon_leaves_recurrent_conv_kernels_and_vectors_to_adam():
     from flax import nnx
 
     from attnlab import ModelConfig, build_model
-    from attnlab.optimizers import muon_dimensions
+    from attnlab.contracts.optimizer import muon_dimensions
     from attnlab.train.optim import decay_mask
 
     settings = {

@@ -18,7 +18,7 @@ from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_moe import SPECS, TOL  # noqa: E402
 from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
 
-from attnlab.layer_kinds import stack_plan  # noqa: E402
+from attnlab.config.layer_kinds import stack_plan  # noqa: E402
 from attnlab.pretrained import export_model, load_pretrained  # noqa: E402
 from attnlab.pretrained.configs import model_config_from_hf  # noqa: E402
 

@@ -81,7 +81,7 @@ def test_moe_with_gated_shared_expert_equals_qwen3_next_sparse_moe_block():
     import transformers
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
-    from attnlab.ffns import get_ffn
+    from attnlab.contracts.ffn import get_ffn
 
     D, E, F, Fs = 32, 4, 24, 40
     hf = transformers.Qwen3NextConfig(

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from attnlab import ModelConfig, build_model, experiment, runs
-from attnlab.checkpoint import Checkpointer
 from attnlab.cli import main
 from attnlab.errors import ConfigError, DecodeError, DivergenceError
+from attnlab.runs.checkpoint import Checkpointer
 from attnlab.runs.workdir import Lock
 from attnlab.train import Trainer, lr_multiplier
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import xla_flags
 
-from attnlab import experiment, sharding
+from attnlab import experiment
+from attnlab.devices import sharding
 from attnlab.train import Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -190,7 +191,7 @@ def test_initialisation_is_sharded_from_the_start(fsdp_trainer):
 
 @on_mesh
 def test_save_on_one_mesh_restore_on_another_and_continue(one_device, tmp_path):
-    from attnlab.checkpoint import Checkpointer
+    from attnlab.runs.checkpoint import Checkpointer
 
     cfg, data = one_device.cfg, one_device.data
     first = Trainer(cfg, kind="lm", mesh=sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
@@ -320,7 +321,7 @@ def test_accumulation_and_bfloat16_on_a_mesh_equal_one_device(one_device):
 def test_resume_on_the_same_mesh_is_bitwise_and_stacked_trials_train_on_a_mesh(
     one_device, tmp_path
 ):
-    from attnlab.checkpoint import Checkpointer
+    from attnlab.runs.checkpoint import Checkpointer
 
     cfg, data = one_device.cfg, one_device.data
     mesh = sharding.make_mesh({"data": 4, "tensor": 2})

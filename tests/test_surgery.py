@@ -1,4 +1,4 @@
-"""Model surgery (``attnlab.surgery``): select layers, replace their mixer, freeze by selection.
+"""Model surgery (``attnlab.nn.surgery``): select layers, replace their mixer, freeze by selection.
 
 Replacing nothing gives back the same logits and parameters bitwise (every leaf copied, none
 from the fresh initialisation, which uses another seed); turning 3 of every 4 attention
@@ -15,8 +15,9 @@ import optax
 import pytest
 from flax import nnx
 
-from attnlab import ModelConfig, build_model, surgery
+from attnlab import ModelConfig, build_model
 from attnlab.errors import ConfigError
+from attnlab.nn import surgery
 
 TINY = dict(vocab_size=40, d_model=16, n_heads=2, d_ff=32, max_len=16, init_std=0.3,
             position="rope", norm="rmsnorm", n_layers=8)  # fmt: skip

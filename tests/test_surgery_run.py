@@ -1,4 +1,4 @@
-"""Model surgery at the run level (``attnlab.runs.surgery``) and freezing in the Trainer.
+"""Model surgery at the run level (``attnlab.runs.surgery_run``) and freezing in the Trainer.
 
 A surgery run starts from its source's checkpoint with 3 of every 4 layers turned into
 Gated DeltaNet and every untouched parameter copied bitwise; bad settings are one-line errors
@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attnlab import build_model, experiment, runs, surgery, train
+from attnlab import build_model, experiment, runs, train
 from attnlab.data import make_task
 from attnlab.errors import ConfigError
+from attnlab.nn import surgery
 from attnlab.sweep import grid, plan_sweep, run_sweep
 from attnlab.sweep.plan import apply_overrides
 
@@ -73,10 +74,10 @@ def initial_source(tmp_path_factory):
 
 
 def test_a_surgery_run_starts_from_the_source_with_its_untouched_layers_bitwise(initial_source):
-    cfg = runs.surgery.resolve(tiny(**THREE_OF_FOUR, **{"surgery.run": str(initial_source)}))
+    cfg = runs.surgery_run.resolve(tiny(**THREE_OF_FOUR, **{"surgery.run": str(initial_source)}))
     assert [k["mixer"] for k in cfg.model.block_pattern.block] == ["gated_deltanet"] * 3 + ["mha"]
     trainer = train.Trainer(cfg)
-    state = runs.surgery.initial_state(cfg, trainer)
+    state = runs.surgery_run.initial_state(cfg, trainer)
     old = _pure(runs.load_run(initial_source).params)
     new = _pure(state["params"])
     blocks = new["layers"]["blocks"]
@@ -156,7 +157,7 @@ def test_bad_surgery_settings_are_one_line_errors_naming_the_field(
     cfg = tiny(**{"surgery.run": str(initial_source), "surgery.mixer": "gated_deltanet"})
     cfg = apply_overrides(cfg, overrides)
     with pytest.raises(ConfigError) as e:
-        experiment.validate(runs.surgery.resolve(cfg))
+        experiment.validate(runs.surgery_run.resolve(cfg))
     assert field in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -171,14 +172,14 @@ def test_a_missing_source_checkpoint_names_the_step(initial_source, tmp_path):
 def test_a_begun_surgery_run_resumes_without_its_source(initial_source, tmp_path):
     shutil.copytree(initial_source, tmp_path / "source")
     cfg = tiny(**THREE_OF_FOUR, **{"surgery.run": str(tmp_path / "source")})
-    resolved = runs.surgery.resolve(cfg)
+    resolved = runs.surgery_run.resolve(cfg)
     (tmp_path / "run").mkdir()  # a run that began: its config.json holds the surgery
     (tmp_path / "run" / "config.json").write_text(experiment.to_json(resolved))
     shutil.rmtree(tmp_path / "source")
-    again = runs.surgery.resolve(cfg, tmp_path / "run")
+    again = runs.surgery_run.resolve(cfg, tmp_path / "run")
     assert experiment.to_json(again) == experiment.to_json(resolved)
     with pytest.raises(ConfigError, match=r"^surgery\.run="):  # a new run needs the source
-        runs.surgery.resolve(cfg, tmp_path / "elsewhere")
+        runs.surgery_run.resolve(cfg, tmp_path / "elsewhere")
 
 
 def test_the_new_mixers_settings_take_dotted_overrides(initial_source, tmp_path):
@@ -186,7 +187,7 @@ def test_the_new_mixers_settings_take_dotted_overrides(initial_source, tmp_path)
     saved.write_text(experiment.to_json(tiny(**{"surgery.run": str(initial_source)})))
     overrides = ["--config.surgery.mixer=gated_deltanet",
                  "--config.surgery.mixer_settings.form=recurrent"]  # fmt: skip
-    cfg = runs.surgery.resolve(experiment.load_config(str(saved), overrides))
+    cfg = runs.surgery_run.resolve(experiment.load_config(str(saved), overrides))
     (kind,) = cfg.model.block_pattern.block  # no selection: every layer
     assert (kind["mixer"], kind["mixer_settings"]["form"]) == ("gated_deltanet", "recurrent")
 
@@ -275,11 +276,11 @@ def test_a_surgery_run_starts_from_a_hugging_face_checkpoint(tmp_path):
     cfg = tiny(**THREE_OF_FOUR, **{"surgery.pretrained": str(tmp_path / "hf")})
     with cfg.unlocked():
         cfg.model = experiment.base_config().model  # unset: the checkpoint decides
-    cfg = runs.surgery.resolve(apply_overrides(cfg, {"surgery.init": "matching"}))
+    cfg = runs.surgery_run.resolve(apply_overrides(cfg, {"surgery.init": "matching"}))
     trainer = train.Trainer(cfg)
     assert surgery.layer_kind_names(trainer.mcfg) == ("gated_deltanet",) * 3 + ("mha",)
     assert (trainer.mcfg.ffn, trainer.mcfg.tie_embeddings) == ("swiglu", False)
-    state = runs.surgery.initial_state(cfg, trainer)
+    state = runs.surgery_run.initial_state(cfg, trainer)
     old = _pure(load_pretrained(tmp_path / "hf").params)["layers"]
     new = _pure(state["params"])["layers"]["blocks"]
     for a, b in zip(jax.tree.leaves(old["ffn"]), jax.tree.leaves(new[3]["ffn"]), strict=True):

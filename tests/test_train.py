@@ -157,7 +157,7 @@ def test_schedule_is_warmup_then_cosine():
 
 def test_an_experiment_file_runs_once_so_its_variants_register_once(tmp_path):
     from attnlab import sweep
-    from attnlab.variants import attention_variants
+    from attnlab.contracts.score_function import attention_variants
 
     source = tmp_path / "once.py"
     source.write_text(

@@ -32,7 +32,7 @@ import zlib
 
 import numpy as np
 
-from attnlab.checksums import file_checksum
+from attnlab.data.checksums import file_checksum
 from attnlab.data.corpus import split_train_val
 from attnlab.data.tasks import TOKENIZER_FILE as RUN_TOKENIZER
 from attnlab.data.tasks import config_field

@@ -13,8 +13,8 @@ import numpy as np
 from flax import nnx
 
 from attnlab import kv_cache
-from attnlab.architectures import architecture
 from attnlab.config import DTYPES
+from attnlab.config.architectures import architecture
 from attnlab.decode import checks
 from attnlab.decode.compiled import Decoder, chunk_size
 from attnlab.decode.loops import phases
@@ -112,7 +112,7 @@ def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring=None)
         lengths = jnp.asarray(lengths_B, jnp.int32)
         return Placed(params, cache, as_jnp(tokens_BT), lengths, as_jnp(src), as_jnp(valid), B,
                       contextlib.nullcontext())  # fmt: skip
-    from attnlab import sharding
+    from attnlab.devices import sharding
 
     rules = sharding.resolve_rules()
     rows = sharding.axis_size(mesh, rules["batch"])
@@ -160,9 +160,9 @@ def in_dtype(graphdef, params, cfg, dtype: str):
 @functools.lru_cache(maxsize=16)
 def _graph(cfg):
     """The graph of ``cfg``'s architecture (a pretrained model's is built the same way)."""
-    from attnlab.nn.models import ARCHITECTURES
+    from attnlab.nn.models import MODEL_CLASSES
 
-    return nnx.graphdef(nnx.eval_shape(lambda: ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(0))))
+    return nnx.graphdef(nnx.eval_shape(lambda: MODEL_CLASSES[cfg.arch](cfg, rngs=nnx.Rngs(0))))
 
 
 def _split(model):

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab.architectures import architecture
 from attnlab.config import ModelConfig
+from attnlab.config.architectures import architecture
 from attnlab.decode.loops import beam_loop, sample_loop
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
@@ -210,8 +210,8 @@ def unstacked(model, *, out_in: bool = False):
 def _store_out_in(decoder):
     """Stores the weights ``unstacked(out_in=True)`` transposes: softmax attention's and the
     dense FFN's, by their modules' own classes (a variant keeps its layout)."""
-    from attnlab.nn.attention import Attention
     from attnlab.nn.layers import FeedForward
+    from attnlab.nn.mixers.mha import Attention
     from attnlab.ops.linear import Transposed
 
     input_axes = {  # parameter -> how many of its leading axes are the input's

@@ -1,10 +1,12 @@
 """Flax NNX modules that own parameters and call ``attnlab.ops``."""
 
-from attnlab.nn.attention import Attention
+from attnlab import _moved
+from attnlab.contracts.score_function import attention_variants, get_attention, register_attention
 from attnlab.nn.blocks import Block
 from attnlab.nn.layers import Embed, FeedForward, LearnedPositions, Norm, RelativeBias
+from attnlab.nn.mixers.mha import Attention
 from attnlab.nn.models import (
-    ARCHITECTURES,
+    MODEL_CLASSES,
     DecoderLM,
     EncoderDecoder,
     EncoderMLM,
@@ -13,10 +15,9 @@ from attnlab.nn.models import (
     count_params,
 )
 from attnlab.nn.stack import Stack
-from attnlab.variants import attention_variants, get_attention, register_attention
 
 __all__ = [
-    "ARCHITECTURES",
+    "MODEL_CLASSES",
     "Attention",
     "Block",
     "DecoderLM",
@@ -35,3 +36,7 @@ __all__ = [
     "get_attention",
     "register_attention",
 ]
+
+
+def __getattr__(name):  # the previous release's names (attnlab._moved), deprecated
+    return _moved.moved_name(__name__, name)

@@ -1,9 +1,9 @@
 """Transformer blocks: a self-attention variant, optional cross-attention and an FFN.
 
-A ``Block`` is one layer of a kind (``attnlab.layer_kinds.LayerKind``; by default the
-config's): its sequence mixer (a registered ``attnlab.mixers`` variant, or several side by
+A ``Block`` is one layer of a kind (``attnlab.config.layer_kinds.LayerKind``; by default the
+config's): its sequence mixer (a registered ``attnlab.contracts.mixer`` variant, or several side by
 side on the same input, their outputs summed: ``attn`` is then a list), optional
-cross-attention and a feed-forward network (a registered ``attnlab.ffns`` variant), each
+cross-attention and a feed-forward network (a registered ``attnlab.contracts.ffn`` variant), each
 a residual sub-layer in pre-norm (``x + f(norm(x))``), post-norm (``norm(x + f(x))``),
 sandwich (``x + norm2(f(norm1(x)))``, Gemma 2/3) or output (``x + norm(f(x))``, OLMo 2)
 placement. ``attnlab.nn.stack`` stacks them.
@@ -15,11 +15,11 @@ import jax
 from flax import nnx
 
 from attnlab.config import ModelConfig
-from attnlab.ffns import get_ffn
-from attnlab.layer_kinds import LayerKind
-from attnlab.mixers import MixerCall, get_mixer
-from attnlab.nn.attention import Attention
+from attnlab.config.layer_kinds import LayerKind
+from attnlab.contracts.ffn import get_ffn
+from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.nn.layers import Norm
+from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.linear import dropout, fold
 
 
@@ -88,7 +88,7 @@ class Block(nnx.Module):
         self, x_BTD, call: MixerCall, *, caches=None, enc_BSD=None, cross_mask=None, cross_kv=None
     ):
         """Returns ``(x_BTD, cache, weights, aux)``; ``weights`` is a dict or None, ``aux``
-        what the FFN reports (``attnlab.ffns``; empty for the plain FFN).
+        what the FFN reports (``attnlab.contracts.ffn``; empty for the plain FFN).
 
         ``call`` is the self-attention's (``MixerCall``); ``caches`` one ``LayerCache`` per
         mixer (then ``cache`` is a tuple of them too; else ``call.cache`` and the mixer's

@@ -39,8 +39,9 @@ from typing import Any
 
 import jax
 
-from attnlab import ops, sharding
-from attnlab.mixers import get_mixer
+from attnlab import ops
+from attnlab.contracts.mixer import get_mixer
+from attnlab.devices import sharding
 from attnlab.ops import context_parallel as cp
 
 AXIS = "context"

@@ -8,7 +8,7 @@ from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
-from attnlab.ffns import FFN, register_ffn
+from attnlab.contracts.ffn import FFN, register_ffn
 from attnlab.ops.linear import dense
 
 

@@ -23,14 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from attnlab import ops
+from attnlab import _moved, ops
 from attnlab.config import ModelConfig
+from attnlab.devices.sharding import constrain
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache, check_capacity
 from attnlab.nn.layers import Embed, Norm, normal
 from attnlab.nn.stack import Stack
 from attnlab.ops.linear import add_bias, dense, fold
-from attnlab.sharding import constrain
 
 
 @struct.dataclass
@@ -39,7 +39,7 @@ class ModelOutput:
     cache: KVCache | None = None
     weights: tuple | None = None  # per layer: {"self": [B,N,T,S], "cross": ...}
     hidden: jax.Array | None = None  # [B, T, D] last hidden state
-    # What the FFN variant reports (attnlab.ffns), per layer; "loss" summed over the layers
+    # What the FFN variant reports (attnlab.contracts.ffn), per layer; "loss" summed over the layers
     # joins the training objective. None for the plain FFN.
     aux: dict | None = None
 
@@ -309,7 +309,7 @@ class EncoderDecoder(nnx.Module):
         return out
 
 
-ARCHITECTURES = {"decoder": DecoderLM, "encoder": EncoderMLM, "encoder_decoder": EncoderDecoder}
+MODEL_CLASSES = {"decoder": DecoderLM, "encoder": EncoderMLM, "encoder_decoder": EncoderDecoder}
 
 
 def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None):
@@ -318,7 +318,7 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None
     With a ``seed``, every parameter is initialised in one compiled program (cached per
     config, the seed traced); ``rngs`` builds eagerly from the given streams.
     """
-    cls = ARCHITECTURES[cfg.arch]
+    cls = MODEL_CLASSES[cfg.arch]
     if rngs is not None:
         return cls(cfg, rngs=rngs)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
@@ -328,7 +328,7 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None
 def init_params(cfg: ModelConfig, seed):
     """The parameter state of ``build_model(cfg, seed=seed)``, as a pure function of the
     (traceable) seed: jit it, with output shardings on a mesh."""
-    return nnx.state(ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+    return nnx.state(MODEL_CLASSES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
 
 
 _init_jit = jax.jit(init_params, static_argnums=0)
@@ -355,3 +355,7 @@ def count_params(cfg: ModelConfig, *, active: bool = False) -> int:
         routed = re.search(r"_E[A-Z]+$", name) is not None
         total += x.size // s.n_experts * s.top_k if routed else x.size
     return int(total)
+
+
+def __getattr__(name):  # the previous release's names (attnlab._moved), deprecated
+    return _moved.moved_name(__name__, name)

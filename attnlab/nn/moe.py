@@ -38,11 +38,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from attnlab import ops
-from attnlab.ffns import FFN, FFNSettings, register_ffn
+from attnlab.contracts.ffn import FFN, FFNSettings, register_ffn
+from attnlab.devices.sharding import current_rules
 from attnlab.nn.layers import normal
 from attnlab.ops import moe
 from attnlab.ops.linear import add_bias, dense
-from attnlab.sharding import current_rules
 
 
 @register_ffn("moe")

@@ -13,8 +13,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from attnlab.contracts.ffn import FFN, FFNSettings, register_ffn
 from attnlab.errors import ConfigError
-from attnlab.ffns import FFN, FFNSettings, register_ffn
 
 
 @register_ffn("none")

@@ -1,4 +1,4 @@
-"""Applying a stack's layers: each segment (``attnlab.layer_kinds.Segment``) scanned over its
+"""Applying a stack's layers: each segment (``attnlab.config.layer_kinds.Segment``) scanned over its
 repeats or unrolled, the cache entries carried through.
 
 A segment's unit is one ``Block`` (a segment of one kind: a plain stack) or a ``Period``
@@ -8,7 +8,7 @@ own data (index, window, RoPE base, cross-attention K/V, its mixers' cache ordin
 the traced program holds P layers whatever the depth; ``ModelConfig.remat`` rematerialises
 each unit in the backward pass. Each mixer reads and writes its cache entries through a
 ``LayerCache`` view that names them by role (``"keys"``), whatever the cache calls them
-(``"mla.latent"``, see ``attnlab.layer_kinds``): a mixer never sees another's entries.
+(``"mla.latent"``, see ``attnlab.config.layer_kinds``): a mixer never sees another's entries.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import numpy as np
 from flax import nnx
 
 from attnlab import kv_cache, ops
+from attnlab.config.layer_kinds import Segment, StackPlan
+from attnlab.contracts.mixer import MixerCall
+from attnlab.devices.sharding import constrain
 from attnlab.kv_cache import LayerCache
-from attnlab.layer_kinds import Segment, StackPlan
-from attnlab.mixers import MixerCall
 from attnlab.nn.blocks import Block
 from attnlab.ops.linear import fold
-from attnlab.sharding import constrain
 
 NO_WINDOW = jnp.iinfo(jnp.int32).max  # a layer's window when it attends to everything
 REMAT_POLICIES = {

@@ -6,7 +6,7 @@ and the position bias once (``ops.MaskSpec``, ``ops.PositionBias``: the only mas
 attention resolves it, block by block on the chunked path, so no ``[T, S]`` array is built
 there) and shares them across its blocks.
 
-Layers are a stack: the layers are segments (``attnlab.layer_kinds``: a homogeneous stack
+Layers are a stack: the layers are segments (``attnlab.config.layer_kinds``: a homogeneous stack
 is one, after the FFN variant's dense prefix if any; a hybrid stack is an optional prefix
 and a block of layer kinds repeated), each one unit (a ``Block``, or a ``Period`` of the P
 blocks of a hybrid block) whose parameters carry a leading repeat axis
@@ -34,9 +34,9 @@ from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.config.layer_kinds import StackPlan, stack_plan
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache, Ring
-from attnlab.layer_kinds import StackPlan, stack_plan
 from attnlab.nn import context_parallel, segments
 from attnlab.nn.blocks import stacked
 from attnlab.nn.layers import LearnedPositions, Norm, RelativeBias
@@ -115,7 +115,7 @@ class Stack(nnx.Module):
 
     @property
     def plan(self) -> StackPlan:
-        """The stack's segments and cache groups (``attnlab.layer_kinds``)."""
+        """The stack's segments and cache groups (``attnlab.config.layer_kinds``)."""
         return stack_plan(self.cfg, self.n_layers)
 
     def unstack(self):

@@ -23,9 +23,9 @@ import safetensors.numpy
 from flax import nnx
 
 from attnlab.config import ModelConfig
+from attnlab.config.layer_kinds import stack_plan
+from attnlab.contracts.mixer import get_mixer
 from attnlab.errors import PretrainedError
-from attnlab.layer_kinds import stack_plan
-from attnlab.mixers import get_mixer
 from attnlab.nn.mixers.recurrent import RecurrentMixer, RecurrentSettings
 from attnlab.pretrained.configs import model_config_from_hf
 from attnlab.pretrained.export_configs import WRITERS
@@ -254,10 +254,3 @@ def export_model(model, out) -> str:
         tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"}
     )
     return family
-
-
-def export_run(workdir, out, step: int | None = None) -> str:
-    """Exports checkpoint ``step`` (default: the newest) of the run in ``workdir``."""
-    from attnlab.runs.loading import load_run
-
-    return export_model(load_run(workdir, step).model, out)

@@ -6,7 +6,7 @@ config read back computes the same model."""
 from __future__ import annotations
 
 from attnlab.config import ModelConfig
-from attnlab.layer_kinds import stack_plan
+from attnlab.config.layer_kinds import stack_plan
 from attnlab.pretrained.hf_hybrid import BAMBA_MAMBA_KEYS
 from attnlab.pretrained.hf_ssm import MAMBA2_KEYS
 

@@ -7,6 +7,7 @@ evaluates one). The steps themselves come from ``attnlab.train``; the work direc
 handle (locking, checkpoints, logs) is ``attnlab.runs.workdir.Run``.
 """
 
+from attnlab import _moved
 from attnlab.runs.files import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 from attnlab.runs.loading import Run, evaluate, load_run, saved_config
 from attnlab.runs.loop import Pruned, mask_row, open_runs, train, train_runs
@@ -55,3 +56,7 @@ __all__ = [
     "truncate_jsonl",
     "unknown_ids",
 ]
+
+
+def __getattr__(name):  # the previous release's names (attnlab._moved), deprecated
+    return _moved.moved_name(__name__, name)

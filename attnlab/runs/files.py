@@ -9,8 +9,8 @@ import sys
 
 import jax
 
-from attnlab.checkpoint import Checkpointer, CorruptCheckpointError
 from attnlab.errors import CheckpointError, WorkdirError
+from attnlab.runs.checkpoint import Checkpointer, CorruptCheckpointError
 
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
 LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"

@@ -19,11 +19,12 @@ import math
 import pathlib
 from typing import Any
 
-from attnlab import experiment, sharding
-from attnlab.architectures import architecture
-from attnlab.checkpoint import Checkpointer
+from attnlab import experiment
+from attnlab.config.architectures import architecture
 from attnlab.data import make_task
+from attnlab.devices import sharding
 from attnlab.errors import CheckpointError, DecodeError, WorkdirError
+from attnlab.runs.checkpoint import Checkpointer
 from attnlab.runs.files import (
     CHECKPOINTS,
     CONFIG_FILE,

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab import experiment, sharding
-from attnlab.checkpoint import PreemptionGuard
+from attnlab import experiment
+from attnlab.devices import sharding
 from attnlab.errors import DivergenceError
-from attnlab.runs import surgery
+from attnlab.runs import surgery_run as surgery
+from attnlab.runs.checkpoint import PreemptionGuard
 from attnlab.runs.files import METRICS_FILE, SAMPLES_FILE
 from attnlab.runs.preflight import preflight
 from attnlab.runs.progress import Progress

@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import pathlib
 
-from attnlab import sharding
 from attnlab.data.tasks import TOKENIZER_FILE
+from attnlab.devices import sharding
 from attnlab.errors import ConfigError, WorkdirError, one_line, require
 from attnlab.runs.files import (
     CHECKPOINTS,

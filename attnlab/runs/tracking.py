@@ -190,7 +190,7 @@ def describe(run, trainer, devices=None, *, verbose: bool = False) -> str:
             f"{jax.process_count()} process(es)" + per_core(devices)
         )
     if trainer.mesh is not None and (trainer.mesh.size > 1 or verbose):
-        from attnlab import sharding
+        from attnlab.devices import sharding
 
         state = trainer.abstract_state()
         described = sharding.describe(state, trainer.state_shardings, trainer.mesh)

@@ -31,13 +31,13 @@ import shutil
 import socket
 
 from attnlab import experiment
-from attnlab.checkpoint import Checkpointer, stop_signal
 from attnlab.config import ModelConfig
 from attnlab.data import make_task
 from attnlab.data.grain_pipeline import load_process_state, save_process_state
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import CheckpointError, WorkdirError, one_line
-from attnlab.runs import surgery
+from attnlab.runs import surgery_run as surgery
+from attnlab.runs.checkpoint import Checkpointer, stop_signal
 from attnlab.runs.files import (
     CHECKPOINTS,
     CONFIG_FILE,

@@ -7,7 +7,7 @@ from attnlab.errors import ConfigError, one_line
 
 def _sweep(args, overrides):
     from attnlab import sweep
-    from attnlab.checkpoint import raise_if_stopped
+    from attnlab.runs.checkpoint import raise_if_stopped
 
     workdir = args.workdir or args.dir
     if workdir is None:
@@ -64,7 +64,8 @@ def _sweep(args, overrides):
 def check_trials(plan):
     """Refuses a sweep before its first step when a trial's config is invalid or its batch
     does not split over its mesh (it would fail after the trials before it had trained)."""
-    from attnlab import experiment, sharding
+    from attnlab import experiment
+    from attnlab.devices import sharding
 
     for t in plan.trials:
         try:

@@ -22,7 +22,7 @@ from typing import Any
 
 from attnlab import experiment, runs
 from attnlab.experiment import ConfigDict, ExperimentError
-from attnlab.runs import surgery
+from attnlab.runs import surgery_run as surgery
 from attnlab.sweep.spec import as_trials, format_value, trial_name
 
 PARALLEL = ("vmap", "sequential")

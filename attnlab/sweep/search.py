@@ -44,7 +44,7 @@ from typing import Any
 from attnlab import experiment, runs
 from attnlab.errors import optional_import
 from attnlab.experiment import ExperimentError
-from attnlab.runs import surgery
+from attnlab.runs import surgery_run as surgery
 from attnlab.sweep.plan import Trial, apply_overrides, group_trials, plan_sweep
 from attnlab.sweep.results import collect, write_results
 from attnlab.sweep.run import (

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from attnlab import sharding
-from attnlab.optimizers import NO_DECAY_NAMES, SCHEDULES, get_optimizer
+from attnlab.contracts.optimizer import NO_DECAY_NAMES, SCHEDULES, get_optimizer
+from attnlab.devices import sharding
 
 # Schedules whose value at a step does not depend on the total step count before the decay:
 # a finished run trained on to more steps continues exactly (WSD places its decay by the new

@@ -1,6 +1,6 @@
 """Router statistics of a mixture-of-experts model, accumulated in the train state.
 
-Per step, from the model's ``aux`` (``attnlab.ffns``): the load-balancing and z-losses
+Per step, from the model's ``aux`` (``attnlab.contracts.ffn``): the load-balancing and z-losses
 (means over the MoE layers), the assignments each expert received (summed over the layers)
 and the dropped assignments (0: dispatch is dropless). The train state's ``acc`` sums them
 between log lines; ``router_record`` turns the sums into the log line's values.

@@ -10,7 +10,7 @@ holds the first such step (1-based), read by the loop where it syncs anyway (log
 before every checkpoint). With ``train.on_nonfinite="skip"`` such a step leaves the
 parameters and optimiser state unchanged; with ``"stop"`` (the default) the loop stops.
 
-The config's ``freeze`` group (``attnlab.surgery.freeze_mask``) wraps the optimiser so the
+The config's ``freeze`` group (``attnlab.nn.surgery.freeze_mask``) wraps the optimiser so the
 selected parameters get zero updates (bitwise unchanged); its state stays the optimiser's own.
 Their gradients are zeroed first, so the logged ``grad_norm`` and the clipping's global norm
 are the trained parameters' alone.
@@ -30,9 +30,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from attnlab import experiment, sharding, surgery
+from attnlab import experiment
 from attnlab.config import ModelConfig
-from attnlab.nn import build_model
+from attnlab.devices import sharding
+from attnlab.nn import build_model, surgery
 from attnlab.nn.models import init_params
 from attnlab.train.objectives import loss_sums, objective_sums
 from attnlab.train.optim import layers_over_batch_devices, make_optimizer, set_optim_values

@@ -1,3 +1,4 @@
-"""The built-in attention variants beyond ``mha`` (``attnlab.nn.attention``), each in its own
-file, written with the variant contract of ``attnlab.mixers``; ``attnlab.mixers`` imports
-them on first use."""
+"""The built-in mixers, one file each: ``mha`` (``Attention``: MHA/GQA/MQA, which the
+attention variants subclass), ``sinks``, ``gated``, ``differential``, ``mla``, ``gated_deltanet``,
+``mamba2``, ``base_conv``. Each is written with the mixer contract of ``attnlab.contracts.mixer``,
+whose registry imports them on first use."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab.mixers import CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
+from attnlab.contracts.mixer import CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.recurrent import carried_conv, check_causal_conv, token_validity
 from attnlab.ops.linear import dense

@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attnlab.contracts.mixer import SLOTS, CacheEntry, MixerCall, MixerSettings, register_mixer
+from attnlab.devices.sharding import constrain
 from attnlab.errors import ConfigError
-from attnlab.mixers import SLOTS, CacheEntry, MixerCall, MixerSettings, register_mixer
-from attnlab.nn.attention import Attention
 from attnlab.nn.layers import Norm
+from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.linear import fold
-from attnlab.sharding import constrain
 
 
 def lambda_init_schedule(layer):

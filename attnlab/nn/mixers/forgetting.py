@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attnlab.contracts.mixer import SLOTS, CacheEntry, MixerCall, register_mixer
 from attnlab.errors import ConfigError
-from attnlab.mixers import SLOTS, CacheEntry, MixerCall, register_mixer
-from attnlab.nn.attention import Attention
 from attnlab.nn.layers import normal
+from attnlab.nn.mixers.mha import Attention
 from attnlab.ops import score_mods
 from attnlab.ops.linear import dense
 

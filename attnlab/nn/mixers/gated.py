@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab.mixers import register_mixer
-from attnlab.nn.attention import Attention
+from attnlab.contracts.mixer import register_mixer
 from attnlab.nn.layers import normal
+from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.linear import dense
 
 KINDS = ("headwise", "elementwise")

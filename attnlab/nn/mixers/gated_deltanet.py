@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attnlab.mixers import MixerCall, register_mixer
+from attnlab.contracts.mixer import MixerCall, register_mixer
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,

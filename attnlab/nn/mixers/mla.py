@@ -46,12 +46,12 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from attnlab.contracts.mixer import SLOTS, CacheEntry, MixerCall, MixerSettings, register_mixer
+from attnlab.devices.sharding import constrain
 from attnlab.errors import ConfigError
-from attnlab.mixers import SLOTS, CacheEntry, MixerCall, MixerSettings, register_mixer
-from attnlab.nn.attention import Attention
 from attnlab.nn.layers import Norm, normal
+from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.linear import dense
-from attnlab.sharding import constrain
 
 
 def _pad_to(x, size):

@@ -20,8 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from attnlab.contracts.mixer import CacheEntry, Mixer, MixerCall, MixerSettings
 from attnlab.errors import ConfigError
-from attnlab.mixers import CacheEntry, Mixer, MixerCall, MixerSettings
 from attnlab.ops.masks import MaskSpec
 from attnlab.ops.recurrent import causal_conv
 

@@ -16,8 +16,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab.mixers import MixerCall, register_mixer
-from attnlab.nn.attention import Attention
+from attnlab.contracts.mixer import MixerCall, register_mixer
+from attnlab.nn.mixers.mha import Attention
 
 
 @register_mixer("sinks")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from attnlab.architectures import architecture
-from attnlab.config_checks import (  # noqa: F401  (the choices, read from here too)
+from attnlab.config.architectures import architecture
+from attnlab.config.checks import (  # noqa: F401  (the choices, read from here too)
     ARCHS,
     DECODE_LAYERS,
     DTYPES,
@@ -26,9 +26,9 @@ from attnlab.config_checks import (  # noqa: F401  (the choices, read from here 
     validate,
     validate_raw,
 )
-from attnlab.ffns import make_ffn_settings
-from attnlab.layer_kinds import BlockPattern
-from attnlab.mixers import make_settings
+from attnlab.config.layer_kinds import BlockPattern
+from attnlab.contracts.ffn import make_ffn_settings
+from attnlab.contracts.mixer import make_settings
 
 # Beyond this many decoder layers, "auto" decoding scans: the unrolled loop body's compile
 # time grows with depth (about 0.5 s a layer on a 2-core CPU) and stops paying for itself.
@@ -92,7 +92,7 @@ class ModelConfig:
 
     ``block_pattern`` makes a hybrid stack: an optional prefix of layer kinds and a block
     of kinds repeated to fill ``n_layers``, each kind its own mixer(s) and FFN
-    (``attnlab.layer_kinds``); None is the one-kind stack of ``mixer`` and ``ffn_variant``.
+    (``attnlab.config.layer_kinds``); None is the one-kind stack of ``mixer`` and ``ffn_variant``.
 
     ``context_parallel`` is how self-attention runs when the mesh splits the sequence
     (``mesh.context > 1``; see ``attnlab.ops.context_parallel``): ``"ring"`` passes
@@ -163,7 +163,7 @@ class ModelConfig:
     # a list of {"window": W | None, "rope_theta": R | None}; replaces sliding_window(_layers).
     layer_pattern: tuple | None = None
     # The stack as an optional prefix of layer kinds and a repeating block of them (hybrid
-    # stacks; attnlab.layer_kinds): {"prefix": [...], "block": [...]}, a BlockPattern once
+    # stacks; attnlab.config.layer_kinds): {"prefix": [...], "block": [...]}, a BlockPattern once
     # built. None: the mixer and FFN above in every layer.
     block_pattern: dict | None = None
     context_parallel: str = "ring"  # self-attention over mesh.context > 1: or "all_gather"

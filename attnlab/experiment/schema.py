@@ -18,11 +18,11 @@ import typing
 from ml_collections import config_dict
 
 from attnlab.config import ModelConfig
+from attnlab.contracts.optimizer import OPTIMIZERS, SCHEDULES
+from attnlab.contracts.score_function import attention_variants
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
 from attnlab.ops.positions import RopeScaling
-from attnlab.optimizers import OPTIMIZERS, SCHEDULES
-from attnlab.variants import attention_variants
 
 ConfigDict = config_dict.ConfigDict
 
@@ -136,7 +136,7 @@ def base_config() -> ConfigDict:
         )
     )
     c.checkpoint = ConfigDict(dict(every_steps=500, max_to_keep=3))
-    # The device mesh (attnlab.sharding): one axis may be -1, the remaining devices.
+    # The device mesh (attnlab.devices.sharding): one axis may be -1, the remaining devices.
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, context=1, expert=1))
     c.mesh.rules = ConfigDict()  # logical axis -> mesh axis overrides of sharding.RULES
     # Many hosts: jax.distributed.initialize before anything else. "auto" initialises when
@@ -148,7 +148,7 @@ def base_config() -> ConfigDict:
     c.track = ConfigDict(
         dict(tensorboard=True, wandb_project="", wandb_entity="", wandb_mode="offline")
     )
-    # Model surgery (attnlab.runs.surgery): the run starts from another run's checkpoint
+    # Model surgery (attnlab.runs.surgery_run): the run starts from another run's checkpoint
     # (or a Hugging Face checkpoint folder) with ``mixer`` in the selected layers. Applied
     # once, when the work directory has no checkpoint; the model group becomes the result.
     c.surgery = ConfigDict(
@@ -162,7 +162,7 @@ def base_config() -> ConfigDict:
             init="fresh",  # or "matching": new mixers start from the old where shapes allow
         )
     )
-    # Parameters kept unchanged by the optimiser (attnlab.surgery.freeze): "none", the
+    # Parameters kept unchanged by the optimiser (attnlab.nn.surgery.freeze): "none", the
     # "selected" layers, or every parameter but the selected layers' ("others").
     c.freeze = ConfigDict(dict(mode="none", layers=layer_selection(), part="layer"))
     return c
@@ -170,7 +170,7 @@ def base_config() -> ConfigDict:
 
 def layer_selection() -> ConfigDict:
     """Layers by every criterion given (none: every layer): ``index`` (negative from the
-    end), ``kind`` (``attnlab.surgery.layer_kind_names``), and ``i % every in positions``."""
+    end), ``kind`` (``attnlab.nn.surgery.layer_kind_names``), and ``i % every in positions``."""
     return ConfigDict(dict(index=(), kind="", every=0, positions=()))
 
 
@@ -298,7 +298,7 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         f"exceeds model.max_len={mcfg.max_len}; raise model.max_len or shorten data.seq_len",
     )
     if "freeze" in cfg:  # its mode, part and selection, on the model (before any run starts)
-        from attnlab import surgery
+        from attnlab.nn import surgery
 
         surgery.check_freeze(mcfg, cfg.freeze)
     return mcfg

@@ -1,6 +1,6 @@
 """One registry of modules by name, for every extension point whose members carry their own
-settings: the sequence mixers (``attnlab.mixers``) and the feed-forward variants
-(``attnlab.ffns``). A member is a class with a ``Settings`` frozen dataclass (a subclass of
+settings: the sequence mixers (``attnlab.contracts.mixer``) and the feed-forward variants
+(``attnlab.contracts.ffn``). A member is a class with a ``Settings`` frozen dataclass (a subclass of
 the registry's settings base); built-ins are imported on first use and register themselves.
 Errors are ``ConfigError`` lines naming the ``ModelConfig`` field.
 """

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from attnlab.architectures import architecture
+from attnlab.config.architectures import architecture
 from attnlab.errors import ConfigError, DecodeError, PretrainedFileError, one_line
 
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from attnlab import ops
-from attnlab.architectures import architecture
 from attnlab.config import ModelConfig
+from attnlab.config.architectures import architecture
 from attnlab.errors import DecodeError
 
 

@@ -8,7 +8,7 @@ repeated to fill the stack (``repeats = (n_layers - len(prefix)) / len(block)``)
         "block": ["sinks", "sinks", "sinks", {"mixer": "mla", "mixer_settings": {...}}],
     })
 
-A ``LayerKind`` names its sequence mixers (``attnlab.mixers``) with their own settings (a
+A ``LayerKind`` names its sequence mixers (``attnlab.contracts.mixer``) with their own settings (a
 plain name, ``{"mixer": ..., "mixer_settings": ...}``, or ``{"mixers": [...]}`` for mixers
 run side by side on the same input whose outputs are summed, as Falcon-H1's attention and
 Mamba-2) and optionally its own FFN (``ffn_variant``/``ffn_settings``; ``"dense"`` is the
@@ -35,9 +35,15 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
+from attnlab.contracts.ffn import FFNSettings, get_ffn, make_ffn_settings, registered_ffns
+from attnlab.contracts.mixer import (
+    CacheEntry,
+    MixerSettings,
+    get_mixer,
+    make_settings,
+    registered_mixers,
+)
 from attnlab.errors import ConfigError
-from attnlab.ffns import FFNSettings, get_ffn, make_ffn_settings, registered_ffns
-from attnlab.mixers import CacheEntry, MixerSettings, get_mixer, make_settings, registered_mixers
 
 FIELD = "block_pattern"
 

@@ -1,6 +1,6 @@
 """The feed-forward contract: a position-wise sub-layer (the plain FFN, a mixture of
 experts) is a registered Flax NNX module that owns its parameters and names its settings,
-as the sequence mixers are (``attnlab.mixers``)::
+as the sequence mixers are (``attnlab.contracts.mixer``)::
 
     @attnlab.register_ffn("moe")
     class MoE(attnlab.FFN):
@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from flax import nnx
 
-from attnlab.registry import Registry, Settings
+from attnlab.contracts.registry import Registry, Settings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The decoding cache: an explicit pytree, passed in and returned, never hidden module state.
 
-One contract for every variant (``attnlab.mixers``). A variant declares its entries by role
+One contract for every variant (``attnlab.contracts.mixer``). A variant declares its entries by role
 (``CacheEntry``): per-token entries (keys, values, a compressed latent) with a token axis,
 and fixed-size state (a recurrent or convolution state) without one. The cache holds each
 role as one stacked array ``[L, B, *shape]`` with a leading layer axis (the stack's layers
 scan over it), in ``KVCache.layers``. A hybrid stack (``ModelConfig.block_pattern``) holds
 one array per mixer and role, ``"<mixer>.<role>"`` ``[n, B, *shape]`` over the ``n`` layers
-that run that mixer (``cache_layout``, ``attnlab.layer_kinds``). The built-in attention
+that run that mixer (``cache_layout``, ``attnlab.config.layer_kinds``). The built-in attention
 keeps ``"keys"`` and ``"values"`` as ``[L, B, K, S, H]``: only the K key/value heads
 (GQA/MQA's saving is real), head-major (S inside K), so each head's keys are contiguous and
 the attention dots read the cache where it lies. Per-token values arrive in token-major
@@ -50,18 +50,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from attnlab.architectures import architecture
 from attnlab.config import ModelConfig
+from attnlab.config.architectures import architecture
+from attnlab.config.layer_kinds import stack_plan
+from attnlab.contracts.mixer import CacheEntry
 from attnlab.errors import DecodeError
-from attnlab.kv_ring import (  # noqa: F401 - the ring's names, where callers look for them
+from attnlab.kv_cache.ring import (  # noqa: F401 - the ring's names, where callers look for them
     Ring,
     ring_positions,
     ring_size,
     ring_slots,
     ring_window,
 )
-from attnlab.layer_kinds import stack_plan
-from attnlab.mixers import CacheEntry
 
 
 @struct.dataclass
@@ -186,7 +186,7 @@ def cache_layout(cfg: ModelConfig) -> dict[str, tuple[CacheEntry, int]]:
     """Each entry of the decoder's cache by name: what one layer keeps
     (``Mixer.cache_entries``) and how many layers stack it. A homogeneous stack names its
     entries by role, every layer stacked (``[L, ...]``); a hybrid one
-    ``"<mixer>.<role>"``, over the layers that run that mixer (``attnlab.layer_kinds``)."""
+    ``"<mixer>.<role>"``, over the layers that run that mixer (``attnlab.config.layer_kinds``)."""
     return stack_plan(cfg, cfg.stack_layers).cache_layout(cfg)
 
 

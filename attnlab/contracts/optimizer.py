@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from attnlab.sharding import stacked_path
+from attnlab.devices.sharding import stacked_path
 
 # Parameters that are no matrices in the optimiser's sense: no weight decay, Adam in Muon.
 NO_DECAY_NAMES = ("embedding", "table", "token_types", "bias")

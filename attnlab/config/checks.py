@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from attnlab.architectures import ARCHITECTURES, architecture
+from attnlab.config.architectures import ARCHITECTURES, architecture
+from attnlab.contracts.ffn import get_ffn
+from attnlab.contracts.mixer import get_mixer
+from attnlab.contracts.score_function import attention_variants
 from attnlab.errors import ConfigError
-from attnlab.ffns import get_ffn
-from attnlab.mixers import get_mixer
 from attnlab.ops.activations import FFN_KINDS
 from attnlab.ops.attention import BLOCKWISE, IMPLEMENTATIONS
 from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
 from attnlab.ops.positions import ROPE_SCALINGS, RopeScaling
-from attnlab.variants import attention_variants
 
 ARCHS = tuple(ARCHITECTURES)
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "relative", "none")

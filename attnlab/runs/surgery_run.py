@@ -2,9 +2,9 @@
 
 ``surgery.run`` (a work directory; ``surgery.step``, -1: its newest checkpoint) or
 ``surgery.pretrained`` (a Hugging Face checkpoint folder) names the source; ``surgery.layers``
-selects its layers (``attnlab.surgery.select_from``: ``index``, ``kind``, ``i % every in
+selects its layers (``attnlab.nn.surgery.select_from``: ``index``, ``kind``, ``i % every in
 positions``), which get ``surgery.mixer`` with ``surgery.mixer_settings``, initialised
-``fresh`` (at ``train.seed``) or ``matching`` (``attnlab.surgery.replace_mixer``).
+``fresh`` (at ``train.seed``) or ``matching`` (``attnlab.nn.surgery.replace_mixer``).
 
 ``resolve(cfg)`` gives the config whose ``model`` group is the result (the source's model
 with the new ``block_pattern``); the run's ``config.json`` holds it, so ``load_run``, cached
@@ -25,12 +25,13 @@ import pathlib
 
 from ml_collections import ConfigDict
 
-from attnlab import experiment, surgery
-from attnlab.checkpoint import Checkpointer
+from attnlab import experiment
 from attnlab.config import ModelConfig
+from attnlab.contracts.mixer import make_settings, registered_mixers
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.errors import ConfigError
-from attnlab.mixers import make_settings, registered_mixers
+from attnlab.nn import surgery
+from attnlab.runs.checkpoint import Checkpointer
 from attnlab.runs.files import CHECKPOINTS, CONFIG_FILE
 from attnlab.runs.loading import load_run, saved_config
 
@@ -201,7 +202,7 @@ def initial_state(cfg, trainer):
     if result != trainer.mcfg:
         raise ConfigError(
             f"{FIELD}: the config's model is not the surgery's result; pass the config "
-            "through attnlab.runs.surgery.resolve first"
+            "through attnlab.runs.surgery_run.resolve first"
         )
     # Through replace_mixer even when nothing is replaced: the parameters come out in the
     # layout (and with the variables) of the model the trainer builds.

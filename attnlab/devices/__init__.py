@@ -3,7 +3,7 @@
 XLA:CPU gives each op of a train step every core, and at the widths researchers train on
 a laptop or a small server the ops are too small for that to pay: the cores spend the
 step waiting for each other. Splitting the batch over one single-threaded device per core
-(a ``data`` mesh, ``attnlab.sharding``) keeps every core busy on its own half. On 2 cores
+(a ``data`` mesh, ``attnlab.devices.sharding``) keeps every core busy on its own half. On 2 cores
 this measured 1.44x the tokens/s of one device at 4 layers x 128 and 1.29x at 6 x 384
 (``benchmarks/train_throughput.py --cpu-devices 1`` for the other; the README's benchmarks).
 

@@ -1,4 +1,5 @@
-"""``attnlab export-hf``: a run's checkpoint as a Hugging Face folder."""
+"""A run as a Hugging Face folder: ``export_run`` and the ``attnlab export-hf`` command
+(``attnlab.pretrained.export`` writes the model)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ def add_parser(sub, parents) -> None:
 
 def _export(args, overrides):
     del overrides  # export-hf takes no --config overrides
-    from attnlab.pretrained.export import export_run
-
     family = export_run(args.workdir, args.out, args.step)
     print(f"wrote {args.out} (model_type {family}): config.json, model.safetensors")
+
+
+def export_run(workdir, out, step: int | None = None) -> str:
+    """Exports checkpoint ``step`` (default: the newest) of the run in ``workdir``."""
+    from attnlab.pretrained.export import export_model
+    from attnlab.runs.loading import load_run
+
+    return export_model(load_run(workdir, step).model, out)

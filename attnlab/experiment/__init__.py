@@ -31,8 +31,10 @@ import typing
 
 from ml_collections import config_dict
 
+from attnlab.contracts.ffn import get_ffn
+from attnlab.contracts.mixer import get_mixer
 from attnlab.errors import ConfigError
-from attnlab.experiment_schema import (  # noqa: F401  (read as attnlab.experiment.*)
+from attnlab.experiment.schema import (  # noqa: F401  (read as attnlab.experiment.*)
     ExperimentError,
     _load_python,
     base_config,
@@ -42,8 +44,6 @@ from attnlab.experiment_schema import (  # noqa: F401  (read as attnlab.experime
     register_variants,
     validate,
 )
-from attnlab.ffns import get_ffn
-from attnlab.mixers import get_mixer
 
 ConfigDict = config_dict.ConfigDict
 

@@ -23,7 +23,7 @@ train state's ``"params"``); nothing is modified in place.
   parameters stay bitwise unchanged (the complement, ``jax.tree.map(np.logical_not,
   mask)``, trains the selection only); the state is ``tx``'s own.
 
-A run applies them from its config (``attnlab.runs.surgery``): ``select_from`` reads a
+A run applies them from its config (``attnlab.runs.surgery_run``): ``select_from`` reads a
 layer selection group (``index``, ``kind``, ``every``/``positions``) and ``freeze_mask`` the
 ``freeze`` group, which the ``Trainer`` wraps its optimiser with.
 """
@@ -40,9 +40,9 @@ import optax
 from flax import nnx
 
 from attnlab.config import ModelConfig
+from attnlab.config.layer_kinds import BlockPattern, LayerKind, MixerSpec, stack_plan
+from attnlab.contracts.mixer import get_mixer, make_settings, registered_mixers
 from attnlab.errors import ConfigError
-from attnlab.layer_kinds import BlockPattern, LayerKind, MixerSpec, stack_plan
-from attnlab.mixers import get_mixer, make_settings, registered_mixers
 from attnlab.nn.models import build_model
 
 STACKS = ("decoder", "encoder")  # the attribute of a one-stack model that holds its layers
@@ -284,7 +284,7 @@ def freeze(tx: optax.GradientTransformation, mask) -> optax.GradientTransformati
     return optax.GradientTransformation(tx.init, update)
 
 
-# Config groups (``attnlab.experiment_schema.layer_selection``, ``freeze``) ----------------
+# Config groups (``attnlab.experiment.schema.layer_selection``, ``freeze``) ----------------
 FREEZE_MODES = ("none", "selected", "others")
 
 

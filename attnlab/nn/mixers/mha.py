@@ -5,8 +5,8 @@ Projections are stored as ``q_DNH``, ``k_DKH``, ``v_DKH`` and ``o_NHD``, so ``he
 independent of ``d_model / n_heads``. The module computes q, k, v, applies QK-norm and RoPE
 (with the layer's base), appends k and v to its layer of the cache (``"keys"`` and
 ``"values"``, ``[B, K, S, H]`` per row) when decoding, and calls the score function that
-``ModelConfig.attention_fn`` named when the module was built (``attnlab.variants``). It
-returns ``(out_BTD, cache, weights_BNTS | None)``.
+``ModelConfig.attention_fn`` named when the module was built (``attnlab.contracts.score_function``).
+It returns ``(out_BTD, cache, weights_BNTS | None)``.
 
 Variants that change one step subclass it and override that step: ``query`` (q from x),
 ``keys_values`` (k and v, through the cache), ``attend`` (the scores and the weighted sum),
@@ -30,13 +30,20 @@ from flax import nnx
 
 from attnlab import ops
 from attnlab.config import ModelConfig
+from attnlab.contracts.mixer import (
+    SLOTS,
+    CacheEntry,
+    Mixer,
+    MixerCall,
+    MixerSettings,
+    register_mixer,
+)
+from attnlab.contracts.score_function import get_attention
+from attnlab.devices.sharding import constrain
 from attnlab.errors import ConfigError
-from attnlab.mixers import SLOTS, CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
 from attnlab.nn.context_parallel import ContextMask
 from attnlab.nn.layers import Norm, normal
 from attnlab.ops.linear import add_bias, dense
-from attnlab.sharding import constrain
-from attnlab.variants import get_attention
 
 
 @register_mixer("mha")

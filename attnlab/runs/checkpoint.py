@@ -15,7 +15,7 @@ and ``restore`` never reads; the next save of that step removes it and starts af
 waits for orbax to finish (``wait_until_finished``), so once it returns the step is final.
 
 Integrity. Once orbax has finalised step ``N``, ``save`` writes ``<workdir>/N/checksums.json``
-(through a temporary file and a rename): the size and CRC-32 (``attnlab.checksums``) of every
+(through a temporary file and a rename): the size and CRC-32 (``attnlab.data.checksums``) of every
 file of the step's two items: the arrays' data files, orbax's tree metadata and manifests, and
 the JSON metadata (orbax's own records beside them, ``_CHECKPOINT_METADATA`` and
 ``commit_success.txt``, hold no values and are not covered). The metadata records that the step
@@ -64,7 +64,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from attnlab.checksums import CHECKSUMS, file_checksum
+from attnlab.data.checksums import CHECKSUMS, file_checksum
 from attnlab.errors import (
     CheckpointError,
     ConfigError,

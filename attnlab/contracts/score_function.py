@@ -1,6 +1,7 @@
-"""Registry of attention functions selectable by name from ``ModelConfig.attention_fn``.
+"""Score functions: the attention function a softmax-attention layer calls, selectable by name
+from ``ModelConfig.attention_fn`` (a registry).
 
-The contract. A variant is called as::
+The contract. A score function is called as::
 
     fn(q_BTNH, k_BSKH, v_BSKH, *, mask, bias, scale, return_weights, implementation,
        dropout_rate, dropout_key, backend)
@@ -24,7 +25,7 @@ A score function changes the scores alone, best as a ``score_mod(score, b, h, q_
 kv_idx)`` passed to ``dot_product_attention`` (``attnlab.ops.score_mods``): every path
 then runs it, the chunked one and the fused kernels included, with no kernel code of the
 variant's own (a whole-array ``logits_fn`` keeps the dense reference path). A variant with
-its own parameters or cache entries is a module (``attnlab.mixers``, ``ModelConfig.mixer``)
+its own parameters or cache entries is a module (``attnlab.contracts.mixer``, ``ModelConfig.mixer``)
 that passes its ``score_mod`` the same way (``attnlab.nn.mixers.forgetting``).
 
 The function is resolved when a model is built and held by its attention modules, so it is
@@ -85,7 +86,8 @@ def check_contract(name: str, fn: Callable) -> None:
     if missing:
         raise TypeError(
             f"attention variant {name!r} does not accept the keyword(s) {missing} of the "
-            f"variant contract (see attnlab.variants); add them or a **kwargs catch-all"
+            f"variant contract (see attnlab.contracts.score_function); add them or a "
+            "**kwargs catch-all"
         )
 
 

@@ -1,4 +1,4 @@
-"""The variant contract: a sequence mixer (an attention variant, later a recurrent layer) is a
+"""The mixer contract: a sequence mixer (an attention variant, later a recurrent layer) is a
 registered Flax NNX module that owns its parameters, names its settings and declares what it
 keeps in the cache.
 
@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import jax
 from flax import nnx, struct
 
-from attnlab.registry import Registry, Settings
+from attnlab.contracts.registry import Registry, Settings
 
 SLOTS = -1  # the token axis of a per-token cache entry, sized when the cache is built
 
@@ -139,7 +139,7 @@ _MIXERS = Registry(
     settings_field="mixer_settings",
     register="register_mixer",
     builtins={
-        "mha": "attnlab.nn.attention",
+        "mha": "attnlab.nn.mixers.mha",
         "sinks": "attnlab.nn.mixers.sinks",
         "gated": "attnlab.nn.mixers.gated",
         "differential": "attnlab.nn.mixers.differential",
