@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab import ops
+from attnlab import ops, probe
 from attnlab.config import ModelConfig
 from attnlab.ffns import FFN, register_ffn
 from attnlab.ops.linear import dense
@@ -127,4 +127,5 @@ class FeedForward(FFN):
             b_out_D=get(self.b_out_D),
             dropout_rate=self.rate,
             key=key,
+            hidden_fn=lambda h_BTF: probe.tap("hidden", h_BTF),  # named ffn.hidden
         )
