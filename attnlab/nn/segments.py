@@ -232,9 +232,7 @@ class Layers:
             if split:  # the scan needs the layers stacked again
                 entries = {n: jnp.concatenate(a) for n, a in entries.items()}
             data = jax.tree.map(jnp.asarray, data)
-            (x_BTD, entries), (*out, kept) = jax.lax.scan(
-                body, (x_BTD, entries), (params,) + data
-            )
+            (x_BTD, entries), (*out, kept) = jax.lax.scan(body, (x_BTD, entries), (params,) + data)
             probe.collect(kept, len(segment.kinds))
             if split:
                 entries = {n: kv_cache.layer_arrays(a) for n, a in entries.items()}
