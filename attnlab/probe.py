@@ -76,6 +76,7 @@ class Seen:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one such value (0 when its shape is unknown: computed only when asked)."""
         if self.shape is None:  # computed only when captured
             return 0
         return int(np.prod(self.shape, dtype=np.int64)) * jnp.dtype(self.dtype).itemsize
@@ -133,6 +134,8 @@ class Probe:
 
     # Taps ------------------------------------------------------------------------------
     def tap(self, name, value, *, patchable: bool):
+        """``value`` (or ``value()``, a lazy value computed only when captured) as the model
+        continues with it: patched where a patch names it; kept where ``capture`` does."""
         fulls = self.names_of(name)
         patches = []
         for patch in self.patches:
