@@ -10,6 +10,8 @@ scanned == unrolled, no parameters added, nothing selected == the plain program,
 of attention weights at long T and the refusal above ``max_bytes``, unknown names.
 """
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,3 +240,50 @@ def test_an_unknown_name_lists_the_close_ones_on_one_line():
     assert "close matches: layers.1.attn.weights" in msg
     with pytest.raises(InspectError, match=r"close matches: .*resid_post"):
         ins.cost(model, ids, capture="blocks.9.resid_posts")
+
+
+GPT2 = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "hf" / "gpt2"
+
+
+@pytest.mark.slow(reason="loads transformers and torch and compiles GPT-2's capture (~6 s)")
+def test_a_loaded_checkpoint_captures_what_transformers_reports_per_layer():
+    if not (GPT2 / "model.safetensors").is_file():
+        pytest.skip(f"{GPT2} is absent (the shared Hugging Face fixtures)")
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference")
+    torch = pytest.importorskip("torch", reason="transformers runs on torch")
+    from attnlab import load_pretrained
+
+    handle = load_pretrained(GPT2)
+    ids = np.load(GPT2 / "reference.npz")["input_ids"][:1]
+    _, acts = ins.run(handle, jnp.asarray(ids), capture=["layers.*.resid_pre", "*.attn.weights"])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(GPT2, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids, dtype=torch.long), output_hidden_states=True,
+                 output_attentions=True)  # fmt: skip
+    n = handle.config.n_layers
+    assert len(ref.attentions) == n
+    for i in range(n):
+        np.testing.assert_allclose(acts[f"layers.{i}.resid_pre"], ref.hidden_states[i].numpy(),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(acts[f"layers.{i}.attn.weights"], ref.attentions[i].numpy(),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.slow(reason="compiles a mixture-of-experts model with its router captured (~3 s)")
+def test_the_router_choices_are_the_top_k_of_the_captured_router_logits():
+    cfg = ModelConfig(**BASE, ffn_variant="moe", ffn_settings={"n_experts": 4, "top_k": 2,
+                                                               "renormalize": True})  # fmt: skip
+    model = build_model(cfg, seed=4)
+    ids = tokens()
+    _, acts = ins.run(model, ids, capture=["layers.1.ffn.router.*", "layers.1.resid_mid"])
+    state = nnx.to_pure_dict(nnx.state(model))
+    p = at(state["decoder"]["layers"], 1)
+    x = norm(p["ffn_norm"], f64(acts["layers.1.resid_mid"]), cfg)
+    logits = x @ p["ffn"]["router_DE"]
+    np.testing.assert_allclose(f64(acts["layers.1.ffn.router.logits"]), logits, **TOL)
+    choices = np.sort(np.asarray(acts["layers.1.ffn.router.choices"]), axis=-1)
+    np.testing.assert_array_equal(choices, np.sort(np.argsort(-logits, axis=-1)[..., :2], -1))
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    top = np.take_along_axis(probs, np.argsort(-logits, axis=-1)[..., :2], -1)
+    gates = np.sort(f64(acts["layers.1.ffn.router.gates"]), -1)
+    np.testing.assert_allclose(gates, np.sort(top / top.sum(-1, keepdims=True), -1), **TOL)
