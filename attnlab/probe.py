@@ -15,9 +15,10 @@ pass (``with probe:``), and only at trace time: it decides, per name, whether to
 value, replace it, or neither, so what is not selected costs nothing.
 
 Under the scanned layer stack a layer's code is traced once for all the repeats of its
-segment: the probe keeps what is selected in a per-call ``frame`` that the scan returns
-as outputs stacked over the repeats, and ``collect`` names each repeat's slice by its
-layer; a patch there is applied where the traced layer index is the patched layer.
+segment: the probe keeps what is selected in a per-call ``frame`` that the scan body
+returns, ``scan`` writes it into a carried buffer of the selected repeats alone (or the
+scan's stacked outputs when every repeat is selected), and ``collect`` names each row by
+its layer; a patch there applies where the traced layer index is the patched layer.
 """
 
 from __future__ import annotations
@@ -89,12 +90,14 @@ class _Layer:
 
 
 class Probe:
-    """Keeps the intermediates whose names match ``capture`` (globs) and applies
-    ``patches``, for one traced forward pass (``with probe: model(...)``)."""
+    """Keeps the intermediates whose names match ``capture`` (a glob or several) and
+    applies ``patches`` (one or several), for one traced forward pass (``with probe:
+    model(...)``; then ``probe.captured``, and ``probe.check()`` for names that matched
+    nothing)."""
 
     def __init__(self, capture=(), patches=(), *, weights: bool = True):
-        self.patterns = tuple(capture)
-        self.patches = tuple(patches)
+        self.patterns = (capture,) if isinstance(capture, str) else tuple(capture)
+        self.patches = (patches,) if isinstance(patches, Patch) else tuple(patches)
         for p in self.patches:
             if p.op not in OPS:
                 raise InspectError(f"patch op {p.op!r} is unknown: use one of {OPS}")
@@ -103,7 +106,6 @@ class Probe:
         self.frames: list[dict] = []
         self.seen: dict[str, Seen] = {}
         self.captured: dict[str, jax.Array] = {}
-        self.scan_bytes = 0  # kept inside the scan beyond what is captured
         self.used: set[str] = set()  # patterns and patch names that matched a name
         self._token = None
 
@@ -160,10 +162,10 @@ class Probe:
         for patch, hit in patches:
             value = self._patched(patch, value, fulls[hit[0]], hit, len(fulls))
         if selected:
-            self._keep(fulls, value, len(selected))
+            self._keep(fulls, value)
         return value
 
-    def _keep(self, fulls, value, n_selected):
+    def _keep(self, fulls, value):
         if self.layer is None:
             self.captured[fulls[0]] = value
             return
@@ -171,7 +173,6 @@ class Probe:
         first, rest = fulls[0].split("layers.", 1)[1].split(".", 1)
         prefix = fulls[0].split("layers.", 1)[0]
         self.frames[-1][f"{prefix}|{first}|{rest}"] = value
-        self.scan_bytes += (len(fulls) - n_selected) * self.seen[fulls[0]].nbytes
 
     def _patched(self, patch: Patch, value, full, hit, n_candidates):
         shape = tuple(value.shape)
@@ -220,20 +221,31 @@ class Probe:
         return new if keep is None else jnp.where(jnp.broadcast_to(keep, shape), new, value)
 
     # Layers and frames (the stack's layer runner) ----------------------------------------
-    def collect(self, frame: dict, period: int, repeat=None):
-        """Names the values a unit's frame kept: stacked over the scan's repeats (``repeat``
-        None: the value kept for layer ``l`` holds layers ``l + r * period``) or one
-        unrolled repeat's."""
+    def _repeats(self, key: str, period: int, n: int) -> list[int]:
+        """The repeats (of ``n``) at which a frame key's name is captured."""
+        prefix, first, rest = key.split("|")
+        full = lambda r: f"{prefix}layers.{int(first) + r * period}.{rest}"
+        return [r for r in range(n) if self._selected(full(r))]
+
+    def collect(self, frame: dict, period: int, repeats=None):
+        """Names the values a unit's frame kept: rows of the scan's repeats ``repeats[key]``
+        (a key's value for layer ``l`` holds layers ``l + r * period``; None: every repeat,
+        stacked), or one unrolled unit's (``repeats`` an int, the repeat)."""
         for key, value in frame.items():
             prefix, first, rest = key.split("|")
-            repeats = range(value.shape[0]) if repeat is None else (0,)
-            for r in repeats:
-                full = f"{prefix}layers.{int(first) + r * period}.{rest}"
+            if isinstance(repeats, int):
+                rows = {0: None}
+            else:
+                at = range(value.shape[0]) if repeats is None else repeats[key]
+                rows = dict(enumerate(at))
+            for j, r in rows.items():
+                layer = int(first) + (0 if r is None else r * period)
+                full = f"{prefix}layers.{layer}.{rest}"
                 if self._selected(full):
-                    self.captured[full] = value[r] if repeat is None else value
+                    self.captured[full] = value if r is None else value[j]
 
     # After the trace -------------------------------------------------------------------
-    def check(self, max_bytes: int | None):
+    def check(self, max_bytes: int | None = None):
         """Raises for patterns or patches that matched no name (listing the close ones), and
         for a capture larger than ``max_bytes``."""
         for wanted in (*self.patterns, *(p.name for p in self.patches)):
@@ -250,9 +262,8 @@ class Probe:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the captured values take, plus what the scan keeps for unselected repeats."""
-        kept = sum(self.seen[n].nbytes for n in self.captured)
-        return kept + self.scan_bytes
+        """Bytes the captured values take."""
+        return sum(self.seen[n].nbytes for n in self.captured)
 
 
 HEADED = ("q", "k", "v", "z")  # names whose axis 2 is a head axis ([B, T, N, H], [B, S, K, H])
@@ -376,11 +387,55 @@ def frame():
         probe.frames.pop()
 
 
-def collect(values: dict, period: int, repeat=None) -> None:
-    """Hands a frame's values to the probe (see ``Probe.collect``); a no-op without one."""
+def collect(values: dict, period: int, repeat: int) -> None:
+    """Hands an unrolled unit's frame to the probe (see ``Probe.collect``); a no-op without one."""
     probe = _ACTIVE.get()
     if probe is not None and values:
         probe.collect(values, period, repeat)
+
+
+def scan(body, init, xs, period: int):
+    """``jax.lax.scan(body, init, xs)`` for a stack's layers, whose body returns the frame
+    it kept last among its outputs; returns ``(carry, outputs without the frame)``.
+
+    With a probe capturing a name at only some of the repeats, the kept values go into a
+    carried buffer of those repeats alone (its shapes from one abstract call of the body),
+    so the scan holds only what is captured; otherwise they are the scan's stacked outputs.
+    """
+    probe = _ACTIVE.get()
+    if probe is None or not probe.patterns:
+        carry, (*out, kept) = jax.lax.scan(body, init, xs)
+        return carry, tuple(out)
+    R = jax.tree.leaves(xs)[0].shape[0]
+    first = jax.tree.map(lambda a: a[0], xs)
+    *_, shapes = jax.eval_shape(body, init, first)[1]
+    repeats = {k: probe._repeats(k, period, R) for k in shapes}
+    if all(len(r) == R for r in repeats.values()):
+        carry, (*out, kept) = jax.lax.scan(body, init, xs)
+        probe.collect(kept, period)
+        return carry, tuple(out)
+    slots = {}  # per key: each repeat's row in the buffer (-1: not captured there)
+    for k, rows in repeats.items():
+        table = np.full((R,), -1, np.int32)
+        table[rows] = np.arange(len(rows), dtype=np.int32)
+        slots[k] = jnp.asarray(table)
+    buffers = {k: jnp.zeros((len(repeats[k]), *v.shape), v.dtype) for k, v in shapes.items()}
+
+    def buffered(carry, xs_r):
+        (inner, bufs), (r, x) = carry, xs_r
+        inner, (*out, kept) = body(inner, x)
+        for k, value in kept.items():
+            slot = slots[k][r]
+            row = jnp.maximum(slot, 0)
+            old = jax.lax.dynamic_index_in_dim(bufs[k], row, 0, keepdims=False)
+            new = jnp.where(slot >= 0, value, old)
+            bufs[k] = jax.lax.dynamic_update_index_in_dim(bufs[k], new, row, 0)
+        return (inner, bufs), tuple(out)
+
+    steps = jnp.arange(R, dtype=jnp.int32)
+    (carry, buffers), out = jax.lax.scan(buffered, (init, buffers), (steps, xs))
+    probe.collect(buffers, period, repeats)
+    return carry, out
 
 
 def weights_call(call):

@@ -203,18 +203,12 @@ def names(model, *args, method: str | None = None, **kwargs) -> dict[str, Seen]:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """What a capture takes: bytes per captured name, their sum, and what the scanned
-    layer stack keeps besides (a name selected at some layers of a scanned segment is kept
-    for every repeat of it inside the compiled program)."""
+    """What a capture takes: bytes per captured name and their sum (``total``), which is
+    what the compiled forward pass holds for it (under the scanned stack too: a name
+    selected at some layers is kept for those layers alone)."""
 
     per_name: dict
-    captured: int
-    scan_extra: int
-
-    @property
-    def total(self) -> int:
-        """Bytes the compiled forward pass holds for the capture."""
-        return self.captured + self.scan_extra
+    total: int
 
 
 @one_line_errors
@@ -223,10 +217,11 @@ def cost(model, *args, capture=(), patches=(), method: str | None = None, **kwar
     shapes alone (``args`` may be ``jax.ShapeDtypeStruct``); raises what ``run`` would.
 
     Attention weights (``attn.weights``) are ``[B, N, T, S]`` float32 per layer, and asking
-    for them runs that layer's reference attention (on the chunked path too), so their cost
-    grows as ``T * S``; ``run`` refuses a capture over its ``max_bytes`` with this figure.
+    for them runs the reference attention (on the chunked path too; under the scanned stack
+    in every layer of the segment, one layer's weights alive at a time), so their cost grows
+    as ``T * S``; ``run`` refuses a capture over its ``max_bytes`` with this figure.
     """
     probe = _traced(model, args, kwargs, _as_names(capture), patches, method)
     probe.check(None)
     per = {n: probe.seen[n].nbytes for n in probe.captured}
-    return Cost(per, int(sum(per.values())), int(probe.scan_bytes))
+    return Cost(per, int(sum(per.values())))

@@ -232,11 +232,12 @@ class Layers:
             if split:  # the scan needs the layers stacked again
                 entries = {n: jnp.concatenate(a) for n, a in entries.items()}
             data = jax.tree.map(jnp.asarray, data)
-            (x_BTD, entries), (*out, kept) = jax.lax.scan(body, (x_BTD, entries), (params,) + data)
-            probe.collect(kept, len(segment.kinds))
+            (x_BTD, entries), out = probe.scan(
+                body, (x_BTD, entries), (params,) + data, len(segment.kinds)
+            )
             if split:
                 entries = {n: kv_cache.layer_arrays(a) for n, a in entries.items()}
-            return x_BTD, entries, tuple(out)
+            return x_BTD, entries, out
         outs = []
         for r in range(segment.repeats):
             xs = jax.tree.map(lambda a, r=r: a[r], data)
