@@ -149,7 +149,7 @@ def patching_sweep(model, clean, corrupted, metric, *, name: str = "resid_pre",
     corrupted = corrupted if isinstance(corrupted, tuple) else (corrupted,)
     full = f"{stack}layers.*.{name}"
     clean_out, acts = run(model, *clean, capture=_as_names(full), **kwargs)
-    corrupt_out, _ = run(model, *corrupted, **kwargs)
+    corrupt_out, _ = run(model, *corrupted, capture=_as_names(full), **kwargs)  # same program
     layers = acts.layers(name, stack)
     clean_L = acts.stack(name, stack)
     axis = 1 if by == "position" else 2
