@@ -50,8 +50,7 @@ class Captured(Mapping):
     @property
     def nbytes(self) -> int:
         """Bytes of the captured arrays."""
-        return int(sum(np.asarray(v).nbytes if not hasattr(v, "nbytes") else v.nbytes
-                       for v in self._values.values()))  # fmt: skip
+        return int(sum(v.nbytes for v in self._values.values()))
 
     def layers(self, name: str, stack: str = "") -> list[int]:
         """The layers at which ``name`` (e.g. ``"attn.z"``) was captured, in order."""

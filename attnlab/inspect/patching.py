@@ -99,7 +99,7 @@ class PatchingTable:
         at ``path`` when given. ``labels``: the columns' labels (e.g. the tokens)."""
         v = self.normalized() if normalized else self.values
         L, X = v.shape
-        fig = Figure(figsize=(max(4.0, 0.35 * X + 2), max(2.5, 0.45 * L + 1.5)))
+        fig = Figure(figsize=(max(5.5, 0.35 * X + 2), max(2.5, 0.45 * L + 1.5)))
         ax = fig.add_subplot(1, 1, 1)
         bound = float(np.max(np.abs(v))) or 1.0
         im = ax.imshow(v, cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
@@ -112,7 +112,7 @@ class PatchingTable:
         ax.set_title(title or f"patching {self.name} (clean -> corrupted)")
         fig.tight_layout()
         if path is not None:
-            fig.savefig(pathlib.Path(path), dpi=100)
+            fig.savefig(pathlib.Path(path), dpi=100, bbox_inches="tight")
         return fig
 
 
