@@ -108,6 +108,8 @@ class PatchingTable:
         ax.set_xlabel(self.columns)
         if labels is not None:
             ax.set_xticks(range(X), [str(t) for t in labels], rotation=90)
+        else:
+            ax.set_xticks(range(X))
         fig.colorbar(im, ax=ax, label="restored share" if normalized else "metric")
         ax.set_title(title or f"patching {self.name} (clean -> corrupted)")
         fig.tight_layout()
