@@ -309,3 +309,24 @@ def test_the_router_choices_are_the_top_k_of_the_captured_router_logits():
     top = np.take_along_axis(probs, np.argsort(-logits, axis=-1)[..., :2], -1)
     gates = np.sort(f64(acts["layers.1.ffn.router.gates"]), -1)
     np.testing.assert_allclose(gates, np.sort(top / top.sum(-1, keepdims=True), -1), **TOL)
+
+
+@pytest.mark.slow(reason="compiles its own program; the decoder test checks causal scores fast")
+def test_scores_are_the_scaled_biased_capped_logits_masked_at_minus_infinity():
+    from attnlab.ops.scores import attention_scores
+
+    rng = np.random.default_rng(7)
+    q, k = rng.normal(size=(2, 5, 4, 3)), rng.normal(size=(2, 6, 2, 3))  # GQA: G = 2
+    bias = rng.normal(size=(1, 4, 5, 6))
+    mask = rng.random((2, 1, 5, 6)) < 0.7
+    both = jax.jit(lambda q, k: (  # one program: eager ops would each compile
+        attention_scores(q, k, mask=mask, bias=bias, scale=0.5, softcap=2.0),
+        jax.nn.softmax(attention_scores(q, k, mask=mask, bias=bias), axis=-1),
+    ))  # fmt: skip
+    got, softmax = both(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32))
+    want = np.einsum("BTNH,BSNH->BNTS", q, np.repeat(k, 2, axis=2)) * 0.5 + bias
+    want = np.where(np.broadcast_to(mask, want.shape), 2.0 * np.tanh(want / 2.0), -np.inf)
+    np.testing.assert_allclose(f64(got), want, rtol=1e-5, atol=1e-6)
+    # Uncapped, their softmax is the reference attention's weights.
+    _, weights = reference.attention(q, k, np.zeros((2, 6, 2, 3)), mask=mask, bias=bias)
+    np.testing.assert_allclose(f64(softmax), weights, atol=1e-6)
