@@ -1,6 +1,7 @@
 """attnlab: transformer attention research in JAX and Flax NNX.
 
 ``attnlab.ops`` holds pure functions, ``attnlab.nn`` the NNX modules and architectures,
+``attnlab.inspect`` captures and patches any named intermediate of a model,
 ``attnlab.config`` the validated ``ModelConfig``, ``attnlab.decode`` generation
 (``attnlab.generate``); ``attnlab.load_run(DIR)`` reopens a trained run as a ``Run``.
 """
@@ -103,6 +104,7 @@ __all__ = [
     "freeze",
     "generate",
     "init_cache",
+    "inspect",
     "kv_cache_bytes",
     "layer_kind_names",
     "layer_mask",

@@ -30,6 +30,7 @@ MOVED = {
     "attnlab.nn.attention": "attnlab.nn.mixers.mha",
     "attnlab.optimizers": "attnlab.contracts.optimizer",
     "attnlab.pretrained.commands": "attnlab.runs.export",
+    "attnlab.probe": "attnlab.nn.probe",
     "attnlab.registry": "attnlab.contracts.registry",
     "attnlab.runs.surgery": "attnlab.runs.surgery_run",
     "attnlab.sample_command": "attnlab.runs.sample_command",

@@ -62,6 +62,11 @@ class DecodeError(AttnlabError, ValueError):
     """Token ids, sampling values or lengths that generation cannot take."""
 
 
+class InspectError(AttnlabError, ValueError):
+    """An intermediate name, capture or patch that a forward pass cannot take (an unknown
+    name, a patch of the wrong shape, a capture larger than allowed)."""
+
+
 class PretrainedError(AttnlabError):
     """A Hugging Face checkpoint that cannot be loaded."""
 

@@ -7,6 +7,11 @@ cross-attention and a feed-forward network (a registered ``attnlab.contracts.ffn
 a residual sub-layer in pre-norm (``x + f(norm(x))``), post-norm (``norm(x + f(x))``),
 sandwich (``x + norm2(f(norm1(x)))``, Gemma 2/3) or output (``x + norm(f(x))``, OLMo 2)
 placement. ``attnlab.nn.stack`` stacks them.
+
+Named intermediates (``attnlab.nn.probe``): ``resid_pre``, ``resid_mid`` (after the mixers),
+``resid_cross`` (after cross-attention), ``resid_post``, and each sub-layer's output
+``attn.out`` (``attn.{m}.out`` with several mixers), ``cross_attn.out``, ``ffn.out``;
+what the mixers and the FFN name sits under ``attn.``, ``cross_attn.`` and ``ffn.``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from attnlab.config import ModelConfig
 from attnlab.config.layer_kinds import LayerKind
 from attnlab.contracts.ffn import get_ffn
 from attnlab.contracts.mixer import MixerCall, get_mixer
+from attnlab.nn import probe
 from attnlab.nn.layers import Norm
 from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.linear import dropout, fold
@@ -78,7 +84,9 @@ class Block(nnx.Module):
         out, new, weights = None, [], []
         for m, (mixer, cache) in enumerate(zip(mixers, caches, strict=True)):
             key = fold(call.key, 0) if m == 0 else fold(call.key, 10 + m)
-            y_BTD, cache, w = mixer(h_BTD, call.replace(key=key, cache=cache))
+            with probe.scope("attn" if len(mixers) == 1 else f"attn.{m}"):
+                y_BTD, cache, w = mixer(h_BTD, call.replace(key=key, cache=cache))
+                y_BTD = probe.tap("out", y_BTD)
             out = y_BTD if out is None else out + y_BTD
             new.append(cache)
             weights.append(w)
@@ -96,6 +104,7 @@ class Block(nnx.Module):
         ``cross_kv`` computed once, under ``cross_mask``.
         """
         key = call.key
+        x_BTD = probe.tap("resid_pre", x_BTD)
         x_BTD, (cache, w_self) = self._residual(
             x_BTD,
             self.attn_norm,
@@ -103,6 +112,7 @@ class Block(nnx.Module):
             fold(key, 1),
             self.attn_post_norm,
         )
+        x_BTD = probe.tap("resid_mid", x_BTD)
         cache = cache if caches is not None else cache[0]
         weights = {"self": w_self} if call.return_weights else None
         if self.cross_attn is not None:
@@ -112,23 +122,29 @@ class Block(nnx.Module):
                 key=fold(key, 2),
                 return_weights=call.return_weights,
             )
-            x_BTD, (w_cross,) = self._residual(
-                x_BTD,
-                self.cross_norm,
-                lambda h: self.cross_attn.cross_attend(h, cross_call, kv_BSD=enc_BSD, kv=cross_kv),
-                fold(key, 3),
-            )
+            with probe.scope("cross_attn"):
+                x_BTD, (w_cross,) = self._residual(
+                    x_BTD, self.cross_norm, lambda h: self._cross(h, cross_call, enc_BSD, cross_kv),
+                    fold(key, 3),
+                )  # fmt: skip
+            x_BTD = probe.tap("resid_cross", x_BTD)
             if call.return_weights:
                 weights["cross"] = w_cross
-        x_BTD, (aux,) = self._residual(
-            x_BTD,
-            self.ffn_norm,
-            lambda h: self._ffn(h, fold(key, 4)),
-            fold(key, 5),
-            self.ffn_post_norm,
-        )
-        return x_BTD, cache, weights, aux
+        with probe.scope("ffn"):
+            x_BTD, (aux,) = self._residual(
+                x_BTD,
+                self.ffn_norm,
+                lambda h: self._ffn(h, fold(key, 4)),
+                fold(key, 5),
+                self.ffn_post_norm,
+            )
+        return probe.tap("resid_post", x_BTD), cache, weights, aux
+
+    def _cross(self, h_BTD, call, enc_BSD, cross_kv):
+        out_BTD, w = self.cross_attn.cross_attend(h_BTD, call, kv_BSD=enc_BSD, kv=cross_kv)
+        return probe.tap("out", out_BTD), w
 
     def _ffn(self, h_BTD, key):
         out = self.ffn(h_BTD, key=key)
-        return out if isinstance(out, tuple) else (out, {})
+        out, aux = out if isinstance(out, tuple) else (out, {})
+        return probe.tap("out", out), aux

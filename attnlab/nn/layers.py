@@ -9,6 +9,7 @@ from flax import nnx
 from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.contracts.ffn import FFN, register_ffn
+from attnlab.nn import probe
 from attnlab.ops.linear import dense
 
 
@@ -127,4 +128,5 @@ class FeedForward(FFN):
             b_out_D=get(self.b_out_D),
             dropout_rate=self.rate,
             key=key,
+            hidden_fn=lambda h_BTF: probe.tap("hidden", h_BTF),  # named ffn.hidden
         )

@@ -28,6 +28,7 @@ from attnlab.config import ModelConfig
 from attnlab.devices.sharding import constrain
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache, check_capacity
+from attnlab.nn import probe
 from attnlab.nn.layers import Embed, Norm, normal
 from attnlab.nn.stack import Stack
 from attnlab.ops.linear import add_bias, dense, fold
@@ -230,13 +231,14 @@ class EncoderDecoder(nnx.Module):
     def encode(self, src_BS, *, src_valid_BS=None, key=None, return_weights=False):
         """Encoder output ``[B, S, D]`` (and per-layer weights when asked)."""
         B, S = src_BS.shape
-        enc_BSD, _, weights, _ = self.encoder(
-            self.embed(src_BS),
-            positions_BT=_default_positions(B, S),
-            valid_BS=src_valid_BS,
-            key=key,
-            return_weights=return_weights,
-        )
+        with probe.scope("encoder"):  # the names of its intermediates: encoder.layers.{i}...
+            enc_BSD, _, weights, _ = self.encoder(
+                self.embed(src_BS),
+                positions_BT=_default_positions(B, S),
+                valid_BS=src_valid_BS,
+                key=key,
+                return_weights=return_weights,
+            )
         return (enc_BSD, weights) if return_weights else enc_BSD
 
     def init_cross_cache(self, cache: KVCache, enc_BSD, src_valid_BS=None) -> KVCache:
@@ -276,17 +278,18 @@ class EncoderDecoder(nnx.Module):
             src_valid_BS = cache.src_valid
         elif enc_BSD is None:
             raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
-        x_BTD, new_cache, weights, aux = _run_decoder(
-            self.decoder,
-            self.embed(tgt_BT),
-            positions_BT,
-            cache,
-            valid_BS=valid_BT,
-            enc_BSD=enc_BSD,
-            enc_valid_BS=src_valid_BS,
-            key=key,
-            return_weights=return_weights,
-        )
+        with probe.scope("decoder"):  # decoder.layers.{i}...
+            x_BTD, new_cache, weights, aux = _run_decoder(
+                self.decoder,
+                self.embed(tgt_BT),
+                positions_BT,
+                cache,
+                valid_BS=valid_BT,
+                enc_BSD=enc_BSD,
+                enc_valid_BS=src_valid_BS,
+                key=key,
+                return_weights=return_weights,
+            )
         logits = self.head(x_BTD, self.embed.tokens)
         return ModelOutput(logits, new_cache, weights, x_BTD, aux)
 

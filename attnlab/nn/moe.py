@@ -22,6 +22,10 @@ Parameters (``E`` experts): ``router_DE`` (``b_router_E``, ``selection_bias_E``)
 ``expert``: on a mesh with an ``expert`` axis the experts are split over it, each device
 runs its experts on the tokens routed there and the outputs are summed over the axis.
 
+Named intermediates (``attnlab.nn.probe``, read-only, under ``ffn.``): ``router.logits``
+``[B, T, E]``, ``router.choices`` (the chosen experts) and ``router.gates`` (their weights),
+``[B, T, top_k]``.
+
 ``aux``: ``loss`` (``load_balance_weight`` x the Switch Transformer load-balancing loss +
 ``z_loss_weight`` x the router z-loss, added to the training objective), the two losses
 unweighted, ``tokens_per_expert`` ``[E]`` and ``dropped`` (always 0: dispatch is dropless).
@@ -40,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from attnlab import ops
 from attnlab.contracts.ffn import FFN, FFNSettings, register_ffn
 from attnlab.devices.sharding import current_rules
+from attnlab.nn import probe
 from attnlab.nn.layers import normal
 from attnlab.ops import moe
 from attnlab.ops.linear import add_bias, dense
@@ -210,6 +215,8 @@ class MoE(FFN):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         expert_TA, weight_TA, scores_TE, logits_TE = self.route(x_TD)
+        for name, v_TX in (("logits", logits_TE), ("choices", expert_TA), ("gates", weight_TA)):
+            probe.record(f"router.{name}", v_TX.reshape(B, T, -1))  # read-only, [B, T, E|A]
         y_TD = self._experts(x_TD, expert_TA, weight_TA)
         if self.shared_in_DF is not None:
             get = lambda p: None if p is None else p[...]

@@ -27,6 +27,7 @@ from attnlab.config.layer_kinds import Segment, StackPlan
 from attnlab.contracts.mixer import MixerCall
 from attnlab.devices.sharding import constrain
 from attnlab.kv_cache import LayerCache
+from attnlab.nn import probe
 from attnlab.nn.blocks import Block
 from attnlab.ops.linear import fold
 
@@ -132,16 +133,18 @@ class Layers:
             module = nnx.merge(graphdef, params)
             blocks = module.blocks if isinstance(module, Period) else (module,)
             weights, aux = [], []
-            for p, block in enumerate(blocks):
-                at = lambda a, p=p: None if a is None else a[p]
-                cross_kv = None if cross_P is None else tuple(c[p] for c in cross_P)
-                x_BTD, entries, w, a = self.layer(
-                    block, x_BTD, entries, names[p], index_P[p], window_P[p], at(theta_P),
-                    cross_kv, ordinal_PM[p],
-                )  # fmt: skip
-                weights.append(w)
-                aux.append(a)
-            return (x_BTD, entries), (stack_layers(weights), stack_aux(aux))
+            with probe.frame() as kept:  # the named intermediates a probe keeps
+                for p, block in enumerate(blocks):
+                    at = lambda a, p=p: None if a is None else a[p]
+                    cross_kv = None if cross_P is None else tuple(c[p] for c in cross_P)
+                    with probe.layer(self.layers_at(segment, r, p), index_P[p]):
+                        x_BTD, entries, w, a = self.layer(
+                            block, x_BTD, entries, names[p], index_P[p], window_P[p],
+                            at(theta_P), cross_kv, ordinal_PM[p],
+                        )  # fmt: skip
+                    weights.append(w)
+                    aux.append(a)
+            return (x_BTD, entries), (stack_layers(weights), stack_aux(aux), kept)
 
         if self.cfg.remat == "none":
             return apply
@@ -151,6 +154,14 @@ class Layers:
             prevent_cse=not self.cfg.scan_layers,
             static_argnums=(0, 1),
         )
+
+    @staticmethod
+    def layers_at(segment: Segment, r, p):
+        """The layers position ``p`` of a unit stands for: repeat ``r``'s, or every repeat's
+        when scanned (``r`` None)."""
+        P = len(segment.kinds)
+        repeats = range(segment.repeats) if r is None else (r,)
+        return tuple(segment.first + i * P + p for i in repeats)
 
     def layer(self, block, x_BTD, entries, names, index, window, theta, cross_kv, ordinals):
         """One layer: its call, its mixers' cache views, the entries they wrote."""
@@ -222,7 +233,9 @@ class Layers:
             if split:  # the scan needs the layers stacked again
                 entries = {n: jnp.concatenate(a) for n, a in entries.items()}
             data = jax.tree.map(jnp.asarray, data)
-            (x_BTD, entries), out = jax.lax.scan(body, (x_BTD, entries), (params,) + data)
+            (x_BTD, entries), out = probe.scan(
+                body, (x_BTD, entries), (params,) + data, len(segment.kinds)
+            )
             if split:
                 entries = {n: kv_cache.layer_arrays(a) for n, a in entries.items()}
             return x_BTD, entries, out
@@ -230,8 +243,9 @@ class Layers:
         for r in range(segment.repeats):
             xs = jax.tree.map(lambda a, r=r: a[r], data)
             p = unit_params[r] if params is None else jax.tree.map(lambda a, r=r: a[r], params)
-            (x_BTD, entries), out = body(graphdef, r, (x_BTD, entries), (p,) + xs)
-            outs.append(out)
+            (x_BTD, entries), (*out, kept) = body(graphdef, r, (x_BTD, entries), (p,) + xs)
+            probe.collect(kept, len(segment.kinds), repeat=r)
+            outs.append(tuple(out))
         return x_BTD, entries, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
 

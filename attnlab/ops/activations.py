@@ -131,9 +131,12 @@ def feed_forward(
     b_out_D=None,
     dropout_rate: float = 0.0,
     key=None,
+    hidden_fn=None,
 ):
     """A position-wise FFN: ``act(x W_in + b_in) W_out + b_out``, or the gated form
-    ``act(x W_gate) * (x W_in + b_in)``; dropout (with ``key``) on the hidden units."""
+    ``act(x W_gate) * (x W_in + b_in)``; dropout (with ``key``) on the hidden units.
+    ``hidden_fn``: a map of the hidden units ``[..., F]`` (after the activation) before the
+    output projection, e.g. to read or replace them; None: none."""
     act = activation(kind)
     h_BTF = dense(x_BTD, w_in_DF)
     if b_in_F is not None:
@@ -144,5 +147,7 @@ def feed_forward(
         h_BTF = act(dense(x_BTD, w_gate_DF)) * h_BTF
     else:
         h_BTF = act(h_BTF)
+    if hidden_fn is not None:
+        h_BTF = hidden_fn(h_BTF)
     out_BTD = dense(dropout(h_BTF, dropout_rate, key), w_out_FD)
     return out_BTD if b_out_D is None else add_bias(out_BTD, b_out_D)

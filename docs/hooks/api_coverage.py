@@ -1,8 +1,8 @@
 """A build hook: every public name has a docstring and an entry in the API reference.
 
-The names are ``attnlab.__all__`` and ``attnlab.ops.__all__``, with the public methods and
-properties of their classes. A name missing from the ``::: path`` entries under
-``docs/api/``, or an object or method without a docstring, is a warning, which
+The names are ``attnlab.__all__``, ``attnlab.ops.__all__`` and ``attnlab.inspect.__all__``,
+with the public methods and properties of their classes. A name missing from the ``::: path``
+entries under ``docs/api/``, or an object or method without a docstring, is a warning, which
 ``mkdocs build --strict`` turns into a failed build.
 """
 
@@ -31,9 +31,11 @@ def _resolve(path):
 
 def _public_names():
     import attnlab
+    import attnlab.inspect
     from attnlab import ops
 
-    for module, prefix in ((attnlab, "attnlab"), (ops, "attnlab.ops")):
+    modules = ((attnlab, "attnlab"), (ops, "attnlab.ops"), (attnlab.inspect, "attnlab.inspect"))
+    for module, prefix in modules:
         for name in module.__all__:
             yield f"{prefix}.{name}", getattr(module, name)
 

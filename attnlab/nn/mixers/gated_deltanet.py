@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from attnlab.contracts.mixer import MixerCall, register_mixer
+from attnlab.nn import probe
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,
@@ -180,6 +181,7 @@ class GatedDeltaNet(RecurrentMixer):
             o_BTNJ, state = deltanet.delta_rule_recurrent(*args)
         else:
             o_BTNJ, state = deltanet.delta_rule_chunked(*args, chunk_size=s.chunk_size)
+        probe.record("state", state)  # the final recurrent state, read-only
         if cache is not None:
             cache = cache.put("state", state)
         o_BTNJ = gated_rms_norm(o_BTNJ, z_BTNJ, self.norm_scale_J[...], eps=self.eps)

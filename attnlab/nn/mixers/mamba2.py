@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnlab.contracts.mixer import MixerCall, register_mixer
+from attnlab.nn import probe
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,
@@ -173,6 +174,7 @@ class Mamba2(RecurrentMixer):
             y_BTNH, state = ssd.ssd_recurrent(*args, state)
         else:
             y_BTNH, state = ssd.ssd_chunked(*args, state, chunk_size=s.chunk_size)
+        probe.record("state", state)  # the final recurrent state, read-only
         if cache is not None:
             cache = cache.put("state", state)
         y_BTNH = y_BTNH + self.D_N[...].astype(jnp.float32)[None, None, :, None] * x_BTNH

@@ -15,6 +15,11 @@ variant that changes the scores passes a ``score_mod`` to ``attend`` (``extra``;
 ``attnlab.ops.score_mods``): every attention path, the chunked one and the fused kernels,
 runs it, so the variant needs no kernel of its own (``mixer="fox"``).
 
+Named intermediates (``attnlab.nn.probe``, under the block's ``attn.`` or ``cross_attn.``):
+``q`` (after QK-norm and RoPE), ``k`` and ``v`` (after what the cache holds), ``z`` (each
+head's output before the output projection), and, read-only, ``scores`` (the scaled,
+biased, capped logits, masked keys at -inf) and ``weights``.
+
 Settings: ``softcap`` caps the self-attention logits at ``c * tanh(s / c)`` (Gemma 2) on
 every implementation, the chunked one included (cross-attention stays uncapped). Variants
 whose settings subclass ``Attention.Settings`` inherit it.
@@ -41,9 +46,11 @@ from attnlab.contracts.mixer import (
 from attnlab.contracts.score_function import get_attention
 from attnlab.devices.sharding import constrain
 from attnlab.errors import ConfigError
+from attnlab.nn import probe
 from attnlab.nn.context_parallel import ContextMask
 from attnlab.nn.layers import Norm, normal
 from attnlab.ops.linear import add_bias, dense
+from attnlab.ops.scores import attention_scores
 
 
 @register_mixer("mha")
@@ -154,6 +161,9 @@ class Attention(Mixer):
         dt = q_BTNH.dtype
         k_BSKH, v_BSKH = k_BSKH.astype(dt), v_BSKH.astype(dt)
         key = call.key if cfg.attention_dropout > 0 else None
+        probe.record("scores", lambda: attention_scores(
+            q_BTNH, k_BSKH, mask=call.mask, bias=call.bias, scale=scale, softcap=self.softcap
+        ))  # fmt: skip
         if self.softcap is not None:
             extra = {"softcap": self.softcap, **extra}
         if isinstance(call.mask, ContextMask):  # the sequence is split over the mesh
@@ -199,15 +209,21 @@ class Attention(Mixer):
         return out_BTD
 
     def __call__(self, x_BTD, call: MixerCall):
-        q_BTNH = self.query(x_BTD, call)
+        q_BTNH = probe.tap("q", self.query(x_BTD, call))
         cache, k_BSKH, v_BSKH = self.keys_values(x_BTD, call)
-        out_BTNH, weights_BNTS = self.attend(q_BTNH, k_BSKH, v_BSKH, call)
-        return self.output(out_BTNH, x_BTD), cache, weights_BNTS
+        out_BTNH, weights_BNTS = self.attend(
+            q_BTNH, probe.tap("k", k_BSKH), probe.tap("v", v_BSKH), probe.weights_call(call)
+        )
+        probe.record("weights", weights_BNTS)
+        return self.output(probe.tap("z", out_BTNH), x_BTD), cache, weights_BNTS
 
     def cross_attend(self, x_BTD, call: MixerCall, *, kv_BSD=None, kv=None):
         """Cross-attention over ``kv_BSD`` (the encoder output), or its keys and values
         ``kv = (k_BSKH, v_BSKH)`` computed once (``project_kv``)."""
-        q_BTNH = self.query(x_BTD, call)
+        q_BTNH = probe.tap("q", self.query(x_BTD, call))
         k_BSKH, v_BSKH = kv if kv is not None else self.project_kv(kv_BSD)
-        out_BTNH, weights_BNTS = self.attend(q_BTNH, k_BSKH, v_BSKH, call)
-        return self.output(out_BTNH, x_BTD), weights_BNTS
+        out_BTNH, weights_BNTS = self.attend(
+            q_BTNH, probe.tap("k", k_BSKH), probe.tap("v", v_BSKH), probe.weights_call(call)
+        )
+        probe.record("weights", weights_BNTS)
+        return self.output(probe.tap("z", out_BTNH), x_BTD), weights_BNTS
