@@ -21,7 +21,7 @@ from attnlab.config import ModelConfig
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
 from attnlab.ops.positions import RopeScaling
-from attnlab.optimizers import OPTIMIZERS, SCHEDULES
+from attnlab.optimizers import OPTIMIZERS, SCHEDULES, with_rule
 from attnlab.variants import attention_variants
 
 ConfigDict = config_dict.ConfigDict
@@ -282,6 +282,14 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         "mlm_text": "encoder",
     }
     want = arch_for.get(d.kind, "decoder")
+    rule = OPTIMIZERS[o.name].rule is not None or mcfg.parametrization == "standard"
+    _require(
+        rule,
+        "optim.name",
+        o.name,
+        f"it has no learning-rate rule for model.parametrization={mcfg.parametrization!r}; "
+        f"use one of {with_rule(mcfg.parametrization)} or --config.model.parametrization=standard",
+    )
     _require(
         mcfg.arch == want,
         "model.arch",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from attnlab import ops
+from attnlab import ops, parametrization
 from attnlab.config import ModelConfig
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache
@@ -67,10 +67,13 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
 
 
 class _LMHead(nnx.Module):
-    """Tied or untied output projection with optional logit bias and hidden scaling."""
+    """Tied or untied output projection with optional logit bias and hidden scaling (times
+    muP's read-out multiplier, ``attnlab.parametrization``)."""
+
+    parameter_roles = {"head_DV": "head"}
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.scale = cfg.logits_scale
+        self.scale = cfg.logits_scale * parametrization.readout_multiplier(cfg)
         self.softcap = cfg.logits_softcap
         self.head_DV = (
             None
@@ -317,15 +320,29 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None
     """
     cls = ARCHITECTURES[cfg.arch]
     if rngs is not None:
-        return cls(cfg, rngs=rngs)
+        model = cls(cfg, rngs=rngs)
+        if not parametrization.is_standard(cfg):
+            params = nnx.state(model, nnx.Param)
+            nnx.update(model, parametrization.scale_tree(params, _init_multipliers(cfg)))
+        return model
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, _init_jit(cfg, np.uint32(seed)))
 
 
 def init_params(cfg: ModelConfig, seed):
     """The parameter state of ``build_model(cfg, seed=seed)``, as a pure function of the
-    (traceable) seed: jit it, with output shardings on a mesh."""
-    return nnx.state(ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+    (traceable) seed: jit it, with output shardings on a mesh. Under muP each parameter
+    is scaled by its initialisation multiplier (``attnlab.parametrization``)."""
+    state = nnx.state(ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+    if parametrization.is_standard(cfg):
+        return state
+    return parametrization.scale_tree(state, _init_multipliers(cfg))
+
+
+def _init_multipliers(cfg: ModelConfig):
+    """The initialisation multipliers as a tree like ``nnx.state(model)`` (Params only,
+    which is all the state the architectures hold)."""
+    return parametrization.init_multipliers(cfg)
 
 
 _init_jit = jax.jit(init_params, static_argnums=0)

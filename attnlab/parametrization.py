@@ -1,0 +1,337 @@
+"""How initialisation, learning rates and a few forward multipliers change with the model's
+width and depth: ``ModelConfig.parametrization``.
+
+* ``"standard"``: every parameter initialised at its module's scale (``init_std``), one
+  learning rate for all, attention logits scaled by ``head_dim ** -0.5``.
+* ``"mup"`` (maximal update parametrisation, Yang et al., Tensor Programs V, 2022), relative
+  to a base width ``ModelConfig.base_width`` (None: ``d_model``, so nothing changes): with
+  ``m`` a parameter's fan-in over its fan-in at the base width, hidden matrices are
+  initialised ``1/sqrt(m)`` times smaller and read-out matrices (from the width to a fixed
+  size: a router, a gate) ``1/m`` times smaller; the optimiser's rule (below) sets each
+  parameter's learning-rate multiplier; the attention logits are scaled by ``1/head_dim``
+  (``head_dim ** -0.5`` times ``sqrt(base head_dim / head_dim)``) and the output logits are
+  multiplied by ``base_width / d_model``. At the base width every multiplier is exactly 1,
+  so the model, its initial parameters and its updates equal the standard ones bitwise.
+* ``"completep"`` (Dey et al., 2025; depth-muP with alpha = 1): muP in width, and every
+  residual branch multiplied by ``base_depth / n_layers`` (``ModelConfig.base_depth``; None:
+  ``n_layers``); learning rates do not change with depth.
+
+Roles. Each parameter's role is read from its shape alone, by comparing the model's
+parameter shapes at the base width with those at twice the base width (as Microsoft's
+``mup`` does with its base shapes): an axis that grows is a width axis. The input axes of a
+weight are its first when its shape suffix starts with ``D`` (``q_DNH``, ``w_in_DF``), else
+all but its last (``o_NHD``, ``w_out_FD``), the reading Muon uses (``attnlab.optimizers``).
+A weight with width axes on both sides is ``hidden``; on its input side only, ``readout``;
+on its output side only (an embedding table), ``input``; a weight of one axis (a norm
+scale, a bias) or of no width axis is ``vector``. A module overrides the reading for its own
+parameter names with a class attribute ``parameter_roles = {"name_SUFFIX": role}`` (the LM
+head is ``head``: a read-out whose multiplier is the forward ``base_width / d_model``,
+Microsoft's ``MuReadout``). Widths derived from ``d_model`` (``head_dim``, ``d_ff``, a
+mixer's inner widths) scale with it; one given explicitly stays, and so its axes do not.
+
+Learning-rate rules (``RULES``; an optimiser names its rule when it is registered):
+
+* ``adam`` (AdamW, Lion, Adafactor without parameter scaling, schedule-free AdamW, ...:
+  updates of order ``lr`` in every entry): hidden and read-out ``1/m_in``; others 1.
+* ``muon``: the matrices Muon orthogonalises take ``sqrt(fan_out / fan_in)`` over the
+  ``sqrt(max(1, fan_out / fan_in))`` optax applies (the spectral condition), relative to the
+  base width, and the head divided by its forward multiplier; the rest follow ``adam``.
+* ``sgd``: hidden ``m_out / m_in``, read-out ``1/m_in``, input, vector and head ``m_out``
+  (or ``m`` of their width axis).
+
+Weight decay is decoupled and multiplied with the learning rate (as in optax's AdamW), so it
+follows the multipliers; Adam's epsilon is not rescaled. The standard initialisation's
+``1/sqrt(2 n_layers)`` on the residual branches' output projections stays under CompleteP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+
+from attnlab.errors import ConfigError
+
+PARAMETRIZATIONS = ("standard", "mup", "completep")
+ROLES = ("hidden", "readout", "input", "vector", "head")
+# Names (their stem) of parameters that act elementwise: a norm's scale, a bias.
+ELEMENTWISE = ("bias", "scale", "norm")
+
+
+def is_standard(cfg) -> bool:
+    return cfg.parametrization == "standard"
+
+
+def width_base(cfg) -> int:
+    """The base width (``d_model`` when unset or standard)."""
+    return cfg.d_model if is_standard(cfg) or cfg.base_width is None else cfg.base_width
+
+
+def depth_base(cfg) -> int:
+    return cfg.n_layers if is_standard(cfg) or cfg.base_depth is None else cfg.base_depth
+
+
+def attention_scale(cfg, head_dim_follows_width: bool) -> float:
+    """The derived ``attn_scale``: ``head_dim ** -0.5``, times ``sqrt(base / head_dim)``
+    under muP when ``head_dim`` follows ``d_model`` (1/d attention), exactly the standard
+    value at the base width."""
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    scale = head_dim**-0.5
+    if is_standard(cfg) or cfg.base_width is None or not head_dim_follows_width:
+        return scale
+    return scale * ((cfg.base_width // cfg.n_heads) / head_dim) ** 0.5
+
+
+def readout_multiplier(cfg) -> float:
+    """The forward multiplier of the output logits: ``base_width / d_model`` under muP."""
+    return width_base(cfg) / cfg.d_model
+
+
+def residual_multiplier(cfg) -> float:
+    """Each residual branch's multiplier: ``residual_scale``, times ``base_depth /
+    n_layers`` under CompleteP."""
+    depth = depth_base(cfg) / cfg.n_layers if cfg.parametrization == "completep" else 1.0
+    return cfg.residual_scale * depth
+
+
+def check(cfg) -> None:
+    """The parametrisation fields' checks, one ``ConfigError`` line each."""
+    if cfg.parametrization not in PARAMETRIZATIONS:
+        raise ConfigError(
+            f"ModelConfig.parametrization={cfg.parametrization!r} is invalid: use one of "
+            f"{list(PARAMETRIZATIONS)}"
+        )
+    for field in ("base_width", "base_depth"):
+        value = getattr(cfg, field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value <= 0):  # fmt: skip
+            raise ConfigError(
+                f"ModelConfig.{field}={value!r} is invalid: a positive integer, or None for "
+                f"the model's own ({'d_model' if field == 'base_width' else 'n_layers'})"
+            )
+    follows = "head_dim" in cfg._derived
+    if cfg.base_width is not None and follows and cfg.base_width % cfg.n_heads:
+        raise ConfigError(
+            f"ModelConfig.base_width={cfg.base_width!r} is invalid: it does not divide into "
+            f"n_heads={cfg.n_heads} heads; use a multiple of {cfg.n_heads}"
+        )
+    scale = cfg.residual_scale
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0:
+        raise ConfigError(
+            f"ModelConfig.residual_scale={scale!r} is invalid: a positive number (1.0: none)"
+        )
+
+
+def standard_equivalent(cfg):
+    """The standard-parametrisation config whose model computes exactly what ``cfg``'s does
+    with the same parameters: the attention scale, the logits multiplier and the residual
+    multiplier written out (``attn_scale``, ``logits_scale``, ``residual_scale``). Loading
+    and exporting Hugging Face checkpoints speak this form."""
+    if is_standard(cfg):
+        return cfg
+    return cfg.replace(
+        parametrization="standard",
+        base_width=None,
+        base_depth=None,
+        attn_scale=cfg.attn_scale,
+        logits_scale=cfg.logits_scale * readout_multiplier(cfg),
+        residual_scale=residual_multiplier(cfg),
+    )
+
+
+# Roles and multipliers ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """One parameter's reading: its role, fan-in and fan-out at this width and at the base
+    width (products of its input and output axes), whether Muon orthogonalises it, and its
+    initialisation multiplier."""
+
+    role: str
+    fan_in: int
+    fan_out: int
+    base_fan_in: int
+    base_fan_out: int
+    muon: bool
+
+    @property
+    def m_in(self) -> float:
+        return self.fan_in / self.base_fan_in
+
+    @property
+    def m_out(self) -> float:
+        return self.fan_out / self.base_fan_out
+
+    @property
+    def init(self) -> float:
+        if self.role == "hidden":
+            return (self.base_fan_in / self.fan_in) ** 0.5
+        if self.role == "readout":
+            return self.base_fan_in / self.fan_in
+        return 1.0
+
+
+def _adam(s: Scale) -> float:
+    return s.base_fan_in / s.fan_in if s.role in ("hidden", "readout") else 1.0
+
+
+def _muon(s: Scale) -> float:
+    if not s.muon:
+        return _adam(s)
+
+    def spectral(fan_in, fan_out):
+        return (fan_out / fan_in) ** 0.5 / max(1.0, fan_out / fan_in) ** 0.5
+
+    ratio = spectral(s.fan_in, s.fan_out) / spectral(s.base_fan_in, s.base_fan_out)
+    return ratio * s.m_in if s.role == "head" else ratio  # the head's forward is 1/m_in
+
+
+def _sgd(s: Scale) -> float:
+    if s.role == "hidden":
+        return s.m_out / s.m_in
+    if s.role == "readout":
+        return 1 / s.m_in
+    if s.role == "head":
+        return s.m_in
+    return max(s.m_out, s.m_in)  # input and vectors: their width axis
+
+
+# The learning-rate rules an optimiser may name (``register_optimizer(..., rule=)``).
+RULES = {"adam": _adam, "muon": _muon, "sgd": _sgd}
+
+
+def _suffix(path) -> tuple[str, str]:
+    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    name = next(k for k in reversed(keys) if k not in ("value", "raw_value"))
+    return name, name.rsplit("_", 1)[-1] if "_" in name else ""
+
+
+def _axes(path, shape, stacked: bool):
+    """(input axes, output axes) of a weight, after its stack's leading layer axis."""
+    name, suffix = _suffix(path)
+    axes = tuple(range(int(stacked), len(shape)))
+    if len(axes) < 2:
+        return axes, ()
+    if suffix.startswith("D"):
+        return axes[:1], axes[1:]
+    return axes[:-1], axes[-1:]
+
+
+def _abstract(cfg):
+    """The parameter shapes of ``cfg``'s model and the roles its modules declare."""
+    from flax import nnx
+
+    from attnlab.nn.models import ARCHITECTURES
+
+    model = nnx.eval_shape(lambda: ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(0)))
+    declared = {}
+    for _, node in nnx.iter_graph(model):
+        declared.update(getattr(type(node), "parameter_roles", {}) or {})
+    return nnx.state(model, nnx.Param), declared
+
+
+def _at_width(cfg, width: int):
+    return cfg.replace(parametrization="standard", base_width=None, base_depth=None,
+                       d_model=width)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=32)
+def scales(cfg):
+    """A tree like the model's parameters (``nnx.State``) of their ``Scale``s."""
+    from attnlab.optimizers import muon_dimensions
+    from attnlab.sharding import stacked_path
+
+    base_w = width_base(cfg)
+    try:
+        base_cfg, probe_cfg = _at_width(cfg, base_w), _at_width(cfg, 2 * base_w)
+    except ConfigError as e:
+        raise ConfigError(
+            f"ModelConfig.base_width={base_w} is invalid: the model at that width is not: {e}"
+        ) from None
+    params, declared = _abstract(cfg)
+    base, _ = _abstract(base_cfg)
+    probe, _ = _abstract(probe_cfg)
+    muon = muon_dimensions(params)
+
+    def read(path, x, b, p, mu):
+        if x.ndim != b.ndim:
+            raise ConfigError(
+                f"ModelConfig.base_width={base_w}: {jax.tree_util.keystr(path)} has another "
+                f"number of axes at the base width ({b.shape} against {x.shape})"
+            )
+        name, _ = _suffix(path)
+        ins, outs = _axes(path, x.shape, stacked_path(path))
+        grows = lambda axes: any(p.shape[a] != b.shape[a] for a in axes)
+        size = lambda shape, axes: math.prod(shape[a] for a in axes)
+        role = declared.get(name)
+        if role is None:
+            if not outs or any(w in name.rsplit("_", 1)[0] for w in ELEMENTWISE):
+                role = "vector"
+            elif grows(ins) and grows(outs):
+                role = "hidden"
+            elif grows(ins):
+                role = "readout"
+            elif grows(outs):
+                role = "input"
+            else:
+                role = "vector"
+        if role not in ROLES:
+            raise ConfigError(f"parameter_roles[{name!r}]={role!r}: use one of {list(ROLES)}")
+        if not outs:  # a vector: its one axis counts as its output
+            ins, outs = (), ins
+        return Scale(
+            role, size(x.shape, ins), size(x.shape, outs), size(b.shape, ins),
+            size(b.shape, outs), mu is not None,
+        )  # fmt: skip
+
+    return jax.tree_util.tree_map_with_path(read, params, base, probe, muon)
+
+
+def _leaves(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, Scale))
+
+
+def init_multipliers(cfg):
+    """A tree of floats like the parameters: each one's initialisation multiplier (all 1.0
+    for the standard parametrisation)."""
+    table = scales(cfg)
+    return jax.tree.map(lambda s: s.init, table, is_leaf=lambda v: isinstance(v, Scale))
+
+
+def lr_multipliers(cfg, rule: str):
+    """A tree of floats like the parameters: each one's learning-rate multiplier under
+    ``RULES[rule]``."""
+    table = scales(cfg)
+    return jax.tree.map(RULES[rule], table, is_leaf=lambda v: isinstance(v, Scale))
+
+
+def scale_tree(tree, multipliers):
+    """``tree`` times ``multipliers`` leaf by leaf; leaves whose multiplier is 1.0 are left
+    as they are (so the base width is the standard model bitwise)."""
+    return jax.tree.map(lambda x, m: x if m == 1.0 else (x * m).astype(x.dtype), tree, multipliers)
+
+
+def scale_updates(multipliers):
+    """An optax transformation that multiplies each parameter's update by its multiplier."""
+    import optax
+
+    return optax.stateless(lambda updates, params=None: scale_tree(updates, multipliers))
+
+
+def table(cfg, rule: str | None = None) -> list[dict]:
+    """Each parameter's path, role, fans and multipliers, for reading and for reports."""
+    rows = []
+    lrs = _leaves(lr_multipliers(cfg, rule)) if rule else None
+    flat = jax.tree_util.tree_flatten_with_path(
+        scales(cfg), is_leaf=lambda v: isinstance(v, Scale)
+    )[0]
+    for i, (path, s) in enumerate(flat):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        path = ".".join(k for k in keys if k not in ("value", "raw_value"))
+        row = {"path": path, "role": s.role, "fan_in": s.fan_in, "fan_out": s.fan_out}
+        row["init"] = s.init
+        if lrs is not None:
+            row["lr"] = lrs[i]
+        rows.append(row)
+    return rows
