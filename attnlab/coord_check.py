@@ -53,7 +53,7 @@ def _truncated(cfg):
         out = []
         for n, (graph, abstract) in enumerate(graphs, 1):
             pure = jax.tree_util.tree_map_with_path(
-                lambda path, x, n=n: x[:n] if _in_layers(path) else x, params.to_pure_dict()
+                lambda path, x, n=n: x[:n] if _in_layers(path) else x, nnx.to_pure_dict(params)
             )
             for stack in pure.values():
                 if isinstance(stack, dict):
@@ -162,8 +162,9 @@ def plot(result: dict):
         for j, name in enumerate(names):
             ax = axes[i][j]
             for t in steps:
+                key = (p, name, t)
                 rows = [r for r in result["records"]
-                        if (r["parametrization"], r["name"], r["step"]) == (p, name, t)]  # fmt: skip
+                        if (r["parametrization"], r["name"], r["step"]) == key]  # fmt: skip
                 ax.plot([r["width"] for r in rows], [r["l1"] for r in rows], marker="o",
                         ms=3, label=f"step {t}")  # fmt: skip
             ax.set_xscale("log", base=2)

@@ -335,3 +335,41 @@ def table(cfg, rule: str | None = None) -> list[dict]:
             row["lr"] = lrs[i]
         rows.append(row)
     return rows
+
+
+def to_standard(model):
+    """``model`` (any architecture) as a standard-parametrisation model computing the same
+    function, the form Hugging Face checkpoints take: the read-out multiplier folded into
+    an untied head (``head_DV``), the 1/d attention's extra factor folded into the query
+    projections of plain ``mha`` layers without QK-norm, the rest written out as fields
+    (``standard_equivalent``). Folding is exact when the factors are powers of two (widths
+    a power-of-four multiple of the base); otherwise it rounds once per weight."""
+    from flax import nnx
+
+    from attnlab.nn.models import build_model
+
+    cfg = model.cfg
+    if is_standard(cfg):
+        return model
+    changes = {}
+    readout = readout_multiplier(cfg)
+    params = nnx.state(model, nnx.Param)
+    pure = nnx.to_pure_dict(params)
+    if not cfg.tie_embeddings and readout != 1.0:
+        pure["head"]["head_DV"] = pure["head"]["head_DV"] * readout
+        changes["logits_scale"] = cfg.logits_scale
+    head_dim_scale = cfg.head_dim**-0.5
+    plain = cfg.mixer == "mha" and cfg.block_pattern is None and not cfg.qk_norm
+    if plain and cfg.attn_scale != head_dim_scale and cfg.arch == "decoder":
+        ratio = cfg.attn_scale / head_dim_scale
+        attn = pure["decoder"]["layers"]["attn"]
+        for name in ("q_DNH", "q_bias_NH"):
+            if name in attn:
+                attn[name] = attn[name] * ratio
+        changes["attn_scale"] = None
+    std = standard_equivalent(cfg).replace(**changes)
+    out = nnx.eval_shape(lambda: build_model(std, rngs=nnx.Rngs(0)))
+    state = nnx.state(out, nnx.Param)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(out, state)
+    return out

@@ -34,6 +34,9 @@ OPTIMIZER_RATES = {
     "muon": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2, 8e-2),
 }
 OPTIMIZERS = ("adafactor", "schedule_free_adamw", "adabelief", "lion", "muon", "sgd")
+VARIANTS = ("tiny", "standard", "mup", "depth_standard", "depth_completep") + tuple(
+    f"opt_{name}" for name in OPTIMIZERS
+)
 
 
 def get_config(variant=None):
@@ -69,7 +72,7 @@ def get_config(variant=None):
     elif variant == "depth_completep":
         c.model.parametrization = "completep"
     elif variant.startswith("opt_"):
-        c.optim.name = variant[len("opt_"):]
+        c.optim.name = variant[len("opt_") :]
         c.optim.schedule = "constant" if c.optim.name == "schedule_free_adamw" else "cosine"
     if variant.startswith("depth_"):
         c.model.update(d_model=64, base_width=64, n_layers=DEPTHS[0], base_depth=DEPTHS[0])
@@ -92,7 +95,7 @@ def sweep(variant=None):
         return grid({"model.n_layers": list(DEPTHS), "optim.learning_rate": list(LEARNING_RATES),
                      "train.seed": list(SEEDS)})  # fmt: skip
     if variant.startswith("opt_"):
-        name = variant[len("opt_"):]
+        name = variant[len("opt_") :]
         rates = OPTIMIZER_RATES.get(name, LEARNING_RATES[1:])
         return grid({"model.d_model": [WIDTHS[0], WIDTHS[-1]], "optim.learning_rate": list(rates),
                      "train.seed": [0]})  # fmt: skip
