@@ -138,14 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="output PNG (default: FIRST_DIR/loss.png)")
     pl.set_defaults(fn=_plot)
 
+    from attnlab.coord_check import add_parser as add_coord_check_parser
     from attnlab.data.commands import add_parser as add_data_parser
     from attnlab.pretrained.commands import add_parser as add_export_parser
     from attnlab.sample_command import add_parser as add_sample_parser
     from attnlab.sweep.command_line import add_parser as add_sweep_parser
+    from attnlab.sweep.report import add_parser as add_report_parser
 
     add_sample_parser(sub, [debug, step])
     add_export_parser(sub, [debug, step])
     add_sweep_parser(sub, [debug])
+    add_report_parser(sub, [debug])
+    add_coord_check_parser(sub, [debug])
     add_data_parser(sub)
     return p
 

@@ -176,3 +176,46 @@ def plot(result: dict):
                 ax.set_ylabel("mean |coordinate|")
     axes[0][-1].legend(fontsize="x-small")
     return fig
+
+
+def add_parser(sub, parents):
+    c = sub.add_parser(
+        "coord-check", parents=parents,
+        help="activation sizes over widths after a few steps, standard against muP (a PNG)",
+    )  # fmt: skip
+    c.add_argument("--config", required=True, help="experiments/NAME.py[:variant]")
+    c.add_argument("--widths", default="64,128,256,512,1024")
+    c.add_argument("--parametrizations", default="standard,mup")
+    c.add_argument("--base-width", type=int, default=None, help="default: the smallest width")
+    c.add_argument("--steps", type=int, default=4)
+    c.add_argument("--learning-rate", type=float, default=1e-2)
+    c.add_argument("--optimizer", default="adamw")
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--seq-len", type=int, default=32)
+    c.add_argument("--out", required=True, help="a folder for coord_check.{json,png}")
+    c.set_defaults(fn=_command, overrides=True)
+
+
+def _command(args, overrides):
+    import json
+    import pathlib
+
+    from attnlab import experiment
+
+    mcfg = experiment.validate(experiment.load_config(args.config, overrides))
+    result = coordinate_check(
+        mcfg, [int(w) for w in args.widths.split(",")],
+        parametrizations=tuple(args.parametrizations.split(",")), base_width=args.base_width,
+        steps=args.steps, learning_rate=args.learning_rate, optimizer=args.optimizer,
+        batch_size=args.batch_size, seq_len=args.seq_len,
+    )  # fmt: skip
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "coord_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result).savefig(out / "coord_check.png", dpi=110)
+    last = max(r["step"] for r in result["records"])
+    print(f"slope of log mean|x| against log width after {last} steps (0: flat):")
+    for (p, name, step), slope in sorted(slopes(result).items()):
+        if step == last:
+            print(f"  {p:10s} {name:8s} {slope:+.3f}")
+    print(out / "coord_check.png")

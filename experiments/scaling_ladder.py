@@ -1,6 +1,9 @@
 """A scaling ladder on tiny Shakespeare: three compute budgets, IsoFLOP curves, Chinchilla's
 fits, a prediction for a budget 3x the largest, and the run that checks it, for two
-variants side by side (RoPE against learned positions).
+variants side by side: two peak learning rates (1e-2, the best at the base width, and 2.5e-3).
+Variants that differ only in values the train state holds train as one stacked program per
+rung, which halves the programs this CPU compiles; any overrides work as variants
+(``{"model.position": "learned"}``...), each then its own program.
 
 The size dial is the width (``model.d_model``, two layers); the models are in muP relative
 to ``base_width`` 32, so one learning rate serves every size. ``LADDER`` holds the budgets
@@ -19,7 +22,10 @@ LADDER = {
     "budgets": (2e9, 6e9, 1.8e10),
     "target": 5.4e10,
     "sizes": tuple({"model.d_model": d} for d in (16, 24, 32, 48, 64, 96)),
-    "variants": {"rope": {"model.position": "rope"}, "learned": {"model.position": "learned"}},
+    "variants": {
+        "lr_1e-2": {"optim.learning_rate": 1e-2},
+        "lr_2.5e-3": {"optim.learning_rate": 2.5e-3},
+    },  # fmt: skip
     "min_steps": 40,
     "max_steps": 600,
 }
