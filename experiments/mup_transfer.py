@@ -29,9 +29,9 @@ SEEDS = (0, 1, 2)
 LEARNING_RATES = (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2, 8e-2)
 # Per optimiser: its grid (Lion's steps are larger than Adam's; SGD's far smaller).
 OPTIMIZER_RATES = {
-    "lion": (3.125e-4, 6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2),
-    "sgd": (0.05, 0.1, 0.2, 0.4, 0.8, 1.6),
-    "muon": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2, 8e-2),
+    "lion": (3.125e-4, 6.25e-4, 1.25e-3, 2.5e-3, 5e-3),
+    "sgd": (0.1, 0.2, 0.4, 0.8, 1.6),
+    "muon": (5e-3, 1e-2, 2e-2, 4e-2, 8e-2),
 }
 OPTIMIZERS = ("adafactor", "schedule_free_adamw", "adabelief", "lion", "muon", "sgd")
 VARIANTS = ("tiny", "standard", "mup", "depth_standard", "depth_completep") + tuple(
@@ -96,7 +96,7 @@ def sweep(variant=None):
                      "train.seed": list(SEEDS)})  # fmt: skip
     if variant.startswith("opt_"):
         name = variant[len("opt_") :]
-        rates = OPTIMIZER_RATES.get(name, LEARNING_RATES[1:])
+        rates = OPTIMIZER_RATES.get(name, LEARNING_RATES[1:-1])
         return grid({"model.d_model": [WIDTHS[0], WIDTHS[-1]], "optim.learning_rate": list(rates),
                      "train.seed": [0]})  # fmt: skip
     return grid({"model.d_model": list(WIDTHS), "optim.learning_rate": list(LEARNING_RATES),

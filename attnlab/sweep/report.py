@@ -20,6 +20,9 @@ from attnlab.sweep.spec import format_value
 
 # Keys whose values are model sizes: the report draws a line per value rather than an axis.
 SIZE_KEYS = ("model.d_model", "model.n_layers")
+# Keys a sweep sets along with others (a ladder's cadence at its steps): no panel, no table.
+CADENCE_KEYS = ("train.seed", "eval.every_steps", "checkpoint.every_steps",
+                "train.log_every_steps")  # fmt: skip
 OBJECTIVE = "final_eval_loss"
 
 
@@ -70,7 +73,7 @@ def plot_objective(results: dict, keys=None, title: str = ""):
     from attnlab.sweep.results import LOG_X_LEAVES
 
     by = size_key(results)
-    keys = keys or [k for k in results["keys"] if k not in ("train.seed", by)] or [by]
+    keys = keys or [k for k in results["keys"] if k not in (*CADENCE_KEYS, by)] or [by]
     rows = finished(results)
     fig = Figure(figsize=(4.2 * len(keys), 3.4), layout="constrained")
     axes = fig.subplots(1, len(keys), squeeze=False)[0]
@@ -124,7 +127,7 @@ def importances(root: pathlib.Path) -> dict | None:
 def report_lines(root: pathlib.Path, results: dict) -> list[str]:
     rows = finished(results)
     by = size_key(results)
-    keys = [k for k in results["keys"] if k not in ("train.seed", by)]
+    keys = [k for k in results["keys"] if k not in (*CADENCE_KEYS, by)]
     lines = [f"# Sweep report: {root.name}", ""]
     lines.append(f"{len(results['trials'])} trial(s), {len(rows)} finished; objective: the "
                  "final eval loss (mean +- std over seeds). ![objective](report.png)")  # fmt: skip

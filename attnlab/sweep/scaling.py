@@ -103,7 +103,8 @@ def plan_ladder(
 # Approach 2 ---------------------------------------------------------------------------------
 def isoflop_minima(points) -> list[tuple[float, float, float]]:
     """``[(C, N_opt, L_min)]``: each budget's parabola in ``log N`` and its minimum (budgets
-    whose parabola opens downwards or has fewer than 3 distinct sizes are left out)."""
+    whose parabola opens downwards, whose minimum lies outside the sizes trained, or with
+    fewer than 3 distinct sizes are left out: the curve does not bracket its optimum)."""
     out = []
     for budget, group in itertools.groupby(sorted(points), key=lambda p: p[0]):
         group = list(group)
@@ -115,6 +116,8 @@ def isoflop_minima(points) -> list[tuple[float, float, float]]:
         if a <= 0:
             continue
         x = -b / (2 * a)
+        if not logn.min() <= x <= logn.max():
+            continue
         out.append((budget, float(math.exp(x)), float(a * x * x + b * x + c)))
     return out
 
