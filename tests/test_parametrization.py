@@ -187,3 +187,25 @@ def test_the_coordinate_check_is_flat_under_mup_and_grows_under_standard():
     slopes = coord_check.slopes(result)
     assert abs(slopes[("mup", "layer0", 3)]) < 0.15
     assert slopes[("standard", "layer0", 3)] > 0.6
+
+
+@pytest.mark.slow(reason="eager optax steps of eight optimisers: many small dispatches")
+def test_every_registered_optimizer_keeps_its_rates_in_the_state_and_steps():
+    """Each optimiser a sweep may name holds its peak rate in the state (so its trials stack)
+    and takes a finite step on a weight matrix, a norm scale and an embedding."""
+    from attnlab.optimizers import OPTIMIZERS
+    from attnlab.train.optim import injected_hyperparams, set_optim_values
+
+    params = {"w_in_DF": np.ones((4, 6), np.float32), "scale_D": np.ones((4,), np.float32),
+              "embedding_VD": np.ones((5, 4), np.float32)}  # fmt: skip
+    grads = jax.tree.map(lambda x: np.full_like(x, 0.5), params)
+    for name in OPTIMIZERS:
+        o = _optim(name)
+        tx = make_optimizer(o, 10, params)
+        state = tx.init(params)
+        o.learning_rate = 3e-3
+        set_optim_values(state, o)
+        assert float(injected_hyperparams(state)["learning_rate"]) == pytest.approx(3e-3), name
+        updates, _ = tx.update(grads, state, params)
+        assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates)), name
+        assert any(np.any(u != 0) for u in jax.tree.leaves(updates)), name
