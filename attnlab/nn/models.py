@@ -359,7 +359,7 @@ def count_params(cfg: ModelConfig, *, active: bool = False) -> int:
             f"count_params takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
             "Face config with attnlab.pretrained.model_config_from_hf"
         )
-    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: ARCHITECTURES[cfg.arch](cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
     if not active or not hasattr(cfg.ffn_settings, "top_k"):
         return int(sum(x.size for x in jax.tree.leaves(params)))

@@ -44,11 +44,13 @@ def ladder_trials(experiment_file, ladder: dict, variant=None, cli_overrides=())
     spec = f"{experiment_file}:{variant}" if variant else str(experiment_file)
     base = experiment.load_config(spec, list(cli_overrides))
     tokens_per_step = int(base.train.batch_size) * int(base.data.seq_len)
-    budgets = ladder["budgets"]
-    if variant == "tiny":  # the CPU twin: the smallest budgets the tiny model can take
+    budgets, variants = ladder["budgets"], ladder["variants"]
+    if variant == "tiny":  # the CPU twin: one budget, the first variant, three sizes
         budgets = [6 * 2e4 * tokens_per_step * ladder["min_steps"]]
+        variants = dict(list(variants.items())[:1])
+        ladder = {**ladder, "sizes": ladder["sizes"][:3]}
     trials, rungs = [], []
-    for name, extra in ladder["variants"].items():
+    for name, extra in variants.items():
         counts = _sizes(base, ladder, extra)
         planned = plan_ladder(
             budgets, ladder["sizes"], counts, tokens_per_step, min_steps=ladder["min_steps"],

@@ -54,9 +54,9 @@ def scaling_params(mcfg) -> int:
     import jax
     from flax import nnx
 
-    from attnlab.nn.models import build_model
+    from attnlab.nn.models import ARCHITECTURES
 
-    abstract = nnx.eval_shape(lambda: build_model(mcfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: ARCHITECTURES[mcfg.arch](mcfg, rngs=nnx.Rngs(0)))
     total = 0
     for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(abstract, nnx.Param))[0]:
         name = jax.tree_util.keystr(path)
