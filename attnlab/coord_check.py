@@ -103,18 +103,18 @@ def coordinate_check(
             c = cfg.replace(d_model=width, parametrization=p, base_width=base)
             params = init_params(c, np.uint32(seed))
             tx = make_optimizer(_optim(optimizer, learning_rate), steps, params, c)
-            step, sizes = _step(c, tx), jax.jit(_truncated(c))
+            step = _step(c, tx, _truncated(c))  # one program: the sizes, then the update
             state = tx.init(params)
-            for t in range(steps + 1):
-                if t:
-                    params, state = step(params, state, tokens)
-                for name, l1 in zip(names, np.asarray(sizes(params, tokens[:, :-1])), strict=True):
+            for t in range(steps + 1):  # the last update is not measured
+                params, state, sizes = step(params, state, tokens)
+                for name, l1 in zip(names, np.asarray(sizes), strict=True):
                     records.append({"parametrization": p, "width": width, "step": t,
                                     "name": name, "l1": float(l1)})  # fmt: skip
     return {"widths": widths, "names": names, "base_width": base, "records": records}
 
 
-def _step(cfg, tx):
+def _step(cfg, tx, sizes):
+    """``(params, state, tokens) -> (params, state, sizes before the update)``, jitted."""
     from flax import nnx
 
     from attnlab.nn.models import ARCHITECTURES
@@ -127,9 +127,10 @@ def _step(cfg, tx):
 
     @jax.jit
     def step(params, state, tokens_BT):
+        measured = sizes(params, tokens_BT[:, :-1])
         grads = jax.grad(loss)(params, tokens_BT)
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        return optax.apply_updates(params, updates), state, measured
 
     return step
 

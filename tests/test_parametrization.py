@@ -111,25 +111,24 @@ def test_forward_multipliers_are_one_over_d_attention_and_the_readout():
     assert P.residual_multiplier(deep) == 2 / 8
 
 
-@pytest.mark.slow(reason="initialises, runs and updates three tiny models per optimiser")
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_at_the_base_width_and_depth_mup_and_completep_are_standard_bitwise(optimizer):
+@pytest.mark.slow(reason="initialises, runs and updates three tiny models, two optimisers")
+def test_at_the_base_width_and_depth_mup_and_completep_are_standard_bitwise():
     sp = _cfg(width=32, parametrization="standard")
     tokens = np.arange(24).reshape(2, 12) % 32
     p_sp = init_params(sp, np.uint32(1))
+    logits_sp = np.asarray(build_model(sp, seed=1)(tokens).logits)
     rng = np.random.default_rng(1)
     grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), p_sp)
-    u_sp = _one_update(sp, optimizer, p_sp, grads)
     for name in ("mup", "completep"):
         cfg = _cfg(width=32, parametrization=name, base_depth=2)
         assert cfg.attn_scale == sp.attn_scale
         p = init_params(cfg, np.uint32(1))
         for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(p_sp), strict=True):
             assert np.array_equal(x, y)
-        same = np.asarray(build_model(cfg, seed=1)(tokens).logits)
-        assert np.array_equal(same, np.asarray(build_model(sp, seed=1)(tokens).logits))
-        u = _one_update(cfg, optimizer, p_sp, grads)
-        assert all(np.array_equal(u[k], u_sp[k]) for k in u_sp)
+        assert np.array_equal(np.asarray(build_model(cfg, seed=1)(tokens).logits), logits_sp)
+        for optimizer in ("adamw", "muon"):
+            u, u_sp = (_one_update(c, optimizer, p_sp, grads) for c in (cfg, sp))
+            assert all(np.array_equal(u[k], u_sp[k]) for k in u_sp), (name, optimizer)
 
 
 @pytest.mark.slow(reason="builds a model, its standard form and an export")
@@ -178,7 +177,7 @@ def test_bad_inputs_are_one_line_each():
         make_optimizer(_optim("lamb"), 10, shapes, _cfg())
 
 
-@pytest.mark.slow(reason="trains 6 tiny models for 3 steps each and compiles 12 programs")
+@pytest.mark.slow(reason="trains 6 tiny models for 3 steps each, one program each")
 def test_the_coordinate_check_is_flat_under_mup_and_grows_under_standard():
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, max_len=16,
                       position="rope", norm="rmsnorm", norm_bias=False)  # fmt: skip
