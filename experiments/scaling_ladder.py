@@ -19,15 +19,15 @@ import sys
 from attnlab.experiment import base_config
 
 LADDER = {
-    "budgets": (2e9, 6e9, 1.8e10),
-    "target": 5.4e10,
-    "sizes": tuple({"model.d_model": d} for d in (16, 24, 32, 48, 64, 96)),
+    "budgets": (1e9, 3e9, 9e9),
+    "target": 2.7e10,
+    "sizes": tuple({"model.d_model": d} for d in (8, 12, 16, 24, 32, 48, 64)),
     "variants": {
         "lr_1e-2": {"optim.learning_rate": 1e-2},
         "lr_2.5e-3": {"optim.learning_rate": 2.5e-3},
     },  # fmt: skip
     "min_steps": 40,
-    "max_steps": 600,
+    "max_steps": 1000,
 }
 VARIANTS = ("tiny",)
 

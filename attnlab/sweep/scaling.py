@@ -286,6 +286,7 @@ def plot_ladder(ladder: dict, results: dict):
     parabolas' minima starred). Right: each variant's compute-optimal loss against C with the
     approach-3 curve extended to the target, and the check runs."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     points = ladder_points(ladder, results)
     fig = Figure(figsize=(10, 3.8), layout="constrained")
@@ -325,6 +326,7 @@ def plot_ladder(ladder: dict, results: dict):
     left.set_title("IsoFLOP curves", fontsize="medium")
     left.legend(fontsize="xx-small", ncol=2)
     right.set_xscale("log")
+    right.xaxis.set_minor_formatter(NullFormatter())  # the minor labels overlap
     right.set_xlabel("compute C = 6ND (FLOPs)")
     right.set_ylabel("compute-optimal loss")
     right.set_title("scaling and its check", fontsize="medium")
