@@ -92,3 +92,24 @@ def test_the_report_page_lists_the_best_values_per_width_and_the_fits(tmp_path):
     page = (tmp_path / "report.md").read_text()
     assert "| 32 | 0.01 |" in page and "| 64 | 0.01 |" in page  # best rate per width
     assert all(p.exists() for p in paths)
+
+
+@pytest.mark.slow(reason="Optuna's fANOVA fits a random forest")
+def test_optuna_importances_rank_the_parameter_the_objective_follows():
+    import optuna
+
+    from attnlab.sweep.report import study_importances
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study()
+    rate = optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)
+    noise = optuna.distributions.FloatDistribution(0.0, 1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # the objective follows the rate alone
+        lr, other = float(np.exp(rng.uniform(-6.9, -2.3))), float(rng.uniform())
+        study.add_trial(optuna.trial.create_trial(
+            params={"lr": lr, "other": other}, distributions={"lr": rate, "other": noise},
+            value=abs(math.log(lr / 0.01)),
+        ))  # fmt: skip
+    importances = study_importances(study)
+    assert importances["lr"] > importances["other"]

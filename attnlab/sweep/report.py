@@ -117,7 +117,14 @@ def importances(root: pathlib.Path) -> dict | None:
     names = optuna.study.get_all_study_names(storage)
     if not names:
         return None
-    study = optuna.load_study(study_name=names[0], storage=storage)
+    return study_importances(optuna.load_study(study_name=names[0], storage=storage))
+
+
+def study_importances(study) -> dict | None:
+    """``optuna.importance.get_param_importances`` (fANOVA) of a study with two or more
+    finished trials, else None."""
+    import optuna
+
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(done) < 2 or not done[0].params:
         return None
@@ -130,7 +137,7 @@ def report_lines(root: pathlib.Path, results: dict) -> list[str]:
     keys = [k for k in results["keys"] if k not in (*CADENCE_KEYS, by)]
     lines = [f"# Sweep report: {root.name}", ""]
     lines.append(f"{len(results['trials'])} trial(s), {len(rows)} finished; objective: the "
-                 "final eval loss (mean +- std over seeds). ![objective](report.png)")  # fmt: skip
+                 "final eval loss (mean ± std over seeds). ![objective](report.png)")  # fmt: skip
     lines.append("")
     best = sorted(rows, key=lambda r: r[OBJECTIVE])[:5]
     lines += ["## Best trials", ""]
