@@ -79,8 +79,9 @@ def attention_scale(cfg, head_dim_follows_width: bool) -> float:
     value at the base width."""
     head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
     scale = head_dim**-0.5
-    if is_standard(cfg) or cfg.base_width is None or not head_dim_follows_width:
-        return scale
+    base = cfg.base_width
+    if is_standard(cfg) or not isinstance(base, int) or base <= 0 or not head_dim_follows_width:
+        return scale  # (a bad base width fails in ``check``, which runs after derivation)
     return scale * ((cfg.base_width // cfg.n_heads) / head_dim) ** 0.5
 
 
