@@ -157,10 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     from attnlab.runs.export import add_parser as add_export_parser
     from attnlab.runs.sample_command import add_parser as add_sample_parser
     from attnlab.sweep.command_line import add_parser as add_sweep_parser
+    from attnlab.sweep.coord_check import add_parser as add_coord_check_parser
+    from attnlab.sweep.report import add_parser as add_report_parser
 
     add_sample_parser(sub, [debug, step])
     add_export_parser(sub, [debug, step])
     add_sweep_parser(sub, [debug])
+    add_report_parser(sub, [debug])
+    add_coord_check_parser(sub, [debug])
     add_data_parser(sub)
     return p
 

@@ -45,7 +45,10 @@ def test_a_registered_optimiser_and_schedule_update_by_their_own_rule(plain_sgd)
 
 @pytest.mark.parametrize(
     "field, value, listed",
-    [("name", "adamax_typo", "'adamw', 'muon'"), ("schedule", "cosinus", "'constant', 'cosine'")],
+    [
+        ("name", "adamax_typo", "'adamw', 'lamb', 'lion', 'muon'"),
+        ("schedule", "cosinus", "'constant', 'cosine'"),
+    ],
 )
 def test_names_not_registered_are_refused_naming_the_field(field, value, listed):
     cfg = experiment.base_config()

@@ -178,6 +178,14 @@ class ModelConfig:
     init_std: float = 0.02
     pad_id: int = 0
 
+    # How initialisation, learning rates and the forward multipliers follow width and depth
+    # (attnlab.nn.parametrization): "standard", "mup" or "completep", relative to the base
+    # width (None: d_model) and base depth (None: n_layers) where they equal the standard.
+    parametrization: str = "standard"
+    base_width: int | None = None
+    base_depth: int | None = None
+    residual_scale: float = 1.0  # multiplies every residual branch (CompleteP sets it)
+
     # Names of the fields that were None and got derived values (not part of equality).
     _derived: frozenset = dataclasses.field(
         default=frozenset(), init=False, repr=False, compare=False

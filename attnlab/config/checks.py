@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from attnlab.config import parametrization
 from attnlab.config.architectures import ARCHITECTURES, architecture
 from attnlab.contracts.ffn import get_ffn
 from attnlab.contracts.mixer import get_mixer
@@ -38,6 +39,7 @@ def _choice(cfg, field, options):
 
 def _derivations(cfg):
     """(field, value) for every field that None derives, in dependency order."""
+    head_dim_follows_width = cfg.head_dim is None  # read before it is derived
     yield "n_kv_heads", cfg.n_heads
     if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
         _fail(
@@ -49,7 +51,7 @@ def _derivations(cfg):
     yield "d_ff", 4 * cfg.d_model
     yield "n_decoder_layers", cfg.n_layers
     yield "final_norm", cfg.norm_placement != "post"
-    yield "attn_scale", (cfg.head_dim or cfg.d_model // cfg.n_heads) ** -0.5
+    yield "attn_scale", parametrization.attention_scale(cfg, head_dim_follows_width)
 
 
 def validate_raw(cfg) -> None:
@@ -139,6 +141,7 @@ def _check_rope(cfg) -> None:
 def validate(cfg) -> None:
     """Raises ``ConfigError`` naming the offending field and the fix."""
     validate_raw(cfg)
+    parametrization.check(cfg)
     _check_choices(cfg)
     _check_rope(cfg)
     _check_attention(cfg)

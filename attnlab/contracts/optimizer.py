@@ -1,10 +1,16 @@
 """The optimisers and learning-rate schedules a config may name: two registries.
 
-``@register_optimizer(name, state_names=...)`` adds a builder ``(o, params, mask) ->
-optax.GradientTransformation`` (``o``: the ``optim`` config, ``mask``: which parameters take
-weight decay); its hyperparameters should be injected (``optax.inject_hyperparams``) so a
-resumed run and a sweep's trials can set them in the state. ``state_names`` maps an
-``optim`` field to the name the optimiser's state keeps it under, where they differ.
+``@register_optimizer(name, state_names=..., rule=...)`` adds a builder ``(o, params, mask)
+-> optax.GradientTransformation`` (``o``: the ``optim`` config, ``mask``: which parameters
+take weight decay); its hyperparameters should be injected (``optax.inject_hyperparams``) so
+a resumed run and a sweep's trials can set them in the state (a value that is not injected
+is baked into a stacked group's shared program). ``state_names`` maps an ``optim`` field to
+the name the optimiser's state keeps it under, where they differ. ``rule`` names how the
+per-parameter learning rates follow width under muP (``attnlab.nn.parametrization.RULES``:
+"adam", "muon", "sgd"); None: the optimiser has no such rule and trains only the standard
+parametrisation. The multipliers scale the builder's updates; a builder whose update is no
+multiple of its learning rate (schedule-free) takes them as ``scale=`` (an optax
+transformation) and applies them inside (``scale_inside=True``).
 ``@register_schedule(name)`` adds the decay of the peak learning rate after warmup, a
 function of the fraction of the decay phase done.
 """
@@ -35,17 +41,22 @@ class Optimizer:
     name: str
     build: Callable
     state_names: dict
+    rule: str | None = None
+    scale_inside: bool = False
 
 
 OPTIMIZERS: dict[str, Optimizer] = {}
 SCHEDULES: dict[str, Callable] = {}
 
 
-def register_optimizer(name: str, *, state_names: dict | None = None):
+def register_optimizer(
+    name: str, *, state_names: dict | None = None, rule: str | None = None,
+    scale_inside: bool = False,
+):  # fmt: skip
     """Registers ``build(o, params, mask)`` as ``optim.name=name``."""
 
     def add(build):
-        OPTIMIZERS[name] = Optimizer(name, build, dict(state_names or {}))
+        OPTIMIZERS[name] = Optimizer(name, build, dict(state_names or {}), rule, scale_inside)
         return build
 
     return add
@@ -69,7 +80,7 @@ def get_optimizer(name: str) -> Optimizer:
     return OPTIMIZERS[name]
 
 
-@register_optimizer("adamw")
+@register_optimizer("adamw", rule="adam")
 def adamw(o, params, mask):
     """AdamW, decoupled weight decay on ``mask``."""
     return optax.inject_hyperparams(optax.adamw)(
@@ -78,7 +89,9 @@ def adamw(o, params, mask):
     )  # fmt: skip
 
 
-@register_optimizer("muon", state_names={"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"})
+@register_optimizer(
+    "muon", state_names={"b1": "adam_b1", "b2": "adam_b2", "muon_beta": "beta"}, rule="muon"
+)
 def muon(o, params, mask):
     """Muon on the matrices (``muon_dimensions``), Adam at ``adam_learning_rate`` on the rest.
     ``muon_ns_steps`` Newton-Schulz iterations, a static count (a loop the compiler sees
@@ -95,6 +108,104 @@ def muon(o, params, mask):
         adam_learning_rate=o.get("adam_learning_rate", 3e-3),
         muon_weight_dimension_numbers=muon_dimensions(params),
     )
+
+
+@register_optimizer("lion", rule="adam")
+def lion(o, params, mask):
+    """Lion (Chen et al., 2023): the sign of an interpolated momentum, ``b1``/``b2`` its two
+    betas, decoupled weight decay on ``mask``. Its updates are larger than Adam's: sweep
+    ``learning_rate`` 3-10x lower."""
+    return optax.inject_hyperparams(optax.lion)(
+        learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask
+    )
+
+
+@register_optimizer("adafactor", rule="adam")
+def adafactor(o, params, mask):
+    """Adafactor (Shazeer and Stern, 2018) with a factored second moment (``b2`` its decay),
+    update clipping at 1, momentum ``b1`` and weight decay on ``mask``; without its relative
+    step (updates are not multiplied by the parameter's scale), so it takes a learning rate
+    as Adam does and follows Adam's muP rule."""
+
+    def make(learning_rate, b1, b2, weight_decay):
+        return optax.adafactor(
+            learning_rate, multiply_by_parameter_scale=False, momentum=b1, decay_rate=b2,
+            weight_decay_rate=weight_decay, weight_decay_mask=mask,
+        )  # fmt: skip
+
+    return optax.inject_hyperparams(make)(
+        learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay
+    )
+
+
+@register_optimizer("schedule_free_adamw", rule="adam", scale_inside=True)
+def schedule_free_adamw(o, params, mask, scale=None):
+    """Schedule-free AdamW (Defazio et al., 2024): Adam's second moment, interpolation ``b1``
+    between the averaged and the latest iterate; pair it with ``optim.schedule="constant"``
+    (warmup still applies). The parameters it trains and evaluates are the interpolated
+    point (``optax.contrib.schedule_free_eval_params`` gives the average)."""
+
+    def make(learning_rate, b1, b2, eps, weight_decay):
+        base = optax.chain(
+            optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False, bias_correction=True),
+            optax.add_decayed_weights(weight_decay, mask),
+            *([scale] if scale is not None else []),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+        return optax.contrib.schedule_free(base, learning_rate=learning_rate, b1=b1)
+
+    return optax.inject_hyperparams(make)(
+        learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay
+    )
+
+
+@register_optimizer("adabelief", rule="adam")
+def adabelief(o, params, mask):
+    """AdaBelief (Zhuang et al., 2020): Adam with the gradient's variance around its mean as
+    the second moment; decoupled weight decay on ``mask``."""
+
+    def make(learning_rate, b1, b2, eps, weight_decay):
+        return optax.chain(
+            optax.scale_by_belief(b1=b1, b2=b2, eps=eps),
+            optax.add_decayed_weights(weight_decay, mask),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+
+    return optax.inject_hyperparams(make)(
+        learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay
+    )
+
+
+@register_optimizer("sgd", rule="sgd")
+def sgd(o, params, mask):
+    """SGD with heavy-ball momentum ``b1`` and decoupled weight decay on ``mask``."""
+
+    def make(learning_rate, b1, weight_decay):
+        return optax.chain(
+            optax.add_decayed_weights(weight_decay, mask),
+            optax.trace(decay=b1),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+
+    return optax.inject_hyperparams(make)(
+        learning_rate=o.learning_rate, b1=o.b1, weight_decay=o.weight_decay
+    )
+
+
+@register_optimizer("lamb")
+def lamb(o, params, mask):
+    """LAMB (You et al., 2019): Adam whose update each layer rescales to its weights' norm
+    (the trust ratio). No muP rule: the trust ratio already ties the step to the weights'
+    scale, so it trains the standard parametrisation only."""
+    return optax.inject_hyperparams(optax.lamb)(
+        learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
+        weight_decay=o.weight_decay, mask=mask,
+    )  # fmt: skip
+
+
+def with_rule(parametrization: str) -> list[str]:
+    """The optimisers that can train ``parametrization`` (all of them for "standard")."""
+    return sorted(n for n, o in OPTIMIZERS.items() if parametrization == "standard" or o.rule)
 
 
 def muon_dimensions(params):

@@ -18,7 +18,7 @@ import typing
 from ml_collections import config_dict
 
 from attnlab.config import ModelConfig
-from attnlab.contracts.optimizer import OPTIMIZERS, SCHEDULES
+from attnlab.contracts.optimizer import OPTIMIZERS, SCHEDULES, with_rule
 from attnlab.contracts.score_function import attention_variants
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
@@ -285,6 +285,14 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         "mlm_text": "encoder",
     }
     want = arch_for.get(d.kind, "decoder")
+    rule = OPTIMIZERS[o.name].rule is not None or mcfg.parametrization == "standard"
+    _require(
+        rule,
+        "optim.name",
+        o.name,
+        f"it has no learning-rate rule for model.parametrization={mcfg.parametrization!r}; "
+        f"use one of {with_rule(mcfg.parametrization)} or --config.model.parametrization=standard",
+    )
     _require(
         mcfg.arch == want,
         "model.arch",

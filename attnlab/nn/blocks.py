@@ -26,6 +26,7 @@ from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.nn import probe
 from attnlab.nn.layers import Norm
 from attnlab.nn.mixers.mha import Attention
+from attnlab.nn.parametrization import residual_multiplier
 from attnlab.ops.linear import dropout, fold
 
 
@@ -46,6 +47,8 @@ class Block(nnx.Module):
         D = cfg.d_model
         self.placement = cfg.norm_placement
         self.rate = cfg.dropout
+        # each residual branch's multiplier (CompleteP's base_depth / n_layers; 1.0: none)
+        self.branch_scale = residual_multiplier(cfg)
         self.attn_norm = Norm(cfg, D, rngs=rngs)
         sandwich = cfg.norm_placement == "sandwich"
         self.attn_post_norm = Norm(cfg, D, rngs=rngs) if sandwich else None
@@ -59,17 +62,19 @@ class Block(nnx.Module):
 
     def _residual(self, x, norm, fn, key, post_norm=None):
         """One residual sub-layer in the configured placement (``ModelConfig.norm_placement``:
-        pre, post, sandwich with ``post_norm`` on the output, or output)."""
+        pre, post, sandwich with ``post_norm`` on the output, or output), the branch times
+        ``branch_scale``."""
+        scaled = lambda y: y if self.branch_scale == 1.0 else y * self.branch_scale
         if self.placement == "post":
             y, *rest = fn(x)
-            return norm(x + dropout(y, self.rate, key)), rest
+            return norm(x + dropout(scaled(y), self.rate, key)), rest
         if self.placement == "output":
             y, *rest = fn(x)
-            return x + dropout(norm(y), self.rate, key), rest
+            return x + dropout(scaled(norm(y)), self.rate, key), rest
         y, *rest = fn(norm(x))
         if post_norm is not None:
             y = post_norm(y)
-        return x + dropout(y, self.rate, key), rest
+        return x + dropout(scaled(y), self.rate, key), rest
 
     @property
     def mixers(self) -> tuple:

@@ -28,7 +28,7 @@ from attnlab.config import ModelConfig
 from attnlab.devices.sharding import constrain
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache, check_capacity
-from attnlab.nn import probe
+from attnlab.nn import parametrization, probe
 from attnlab.nn.layers import Embed, Norm, normal
 from attnlab.nn.stack import Stack
 from attnlab.ops.linear import add_bias, dense, fold
@@ -71,10 +71,13 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
 
 
 class _LMHead(nnx.Module):
-    """Tied or untied output projection with optional logit bias and hidden scaling."""
+    """Tied or untied output projection with optional logit bias and hidden scaling (times
+    muP's read-out multiplier, ``attnlab.nn.parametrization``)."""
+
+    parameter_roles = {"head_DV": "head"}
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.scale = cfg.logits_scale
+        self.scale = cfg.logits_scale * parametrization.readout_multiplier(cfg)
         self.softcap = cfg.logits_softcap
         self.head_DV = (
             None
@@ -323,15 +326,29 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None
     """
     cls = MODEL_CLASSES[cfg.arch]
     if rngs is not None:
-        return cls(cfg, rngs=rngs)
+        model = cls(cfg, rngs=rngs)
+        if not parametrization.is_standard(cfg):
+            params = nnx.state(model, nnx.Param)
+            nnx.update(model, parametrization.scale_tree(params, _init_multipliers(cfg)))
+        return model
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, _init_jit(cfg, np.uint32(seed)))
 
 
 def init_params(cfg: ModelConfig, seed):
     """The parameter state of ``build_model(cfg, seed=seed)``, as a pure function of the
-    (traceable) seed: jit it, with output shardings on a mesh."""
-    return nnx.state(MODEL_CLASSES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+    (traceable) seed: jit it, with output shardings on a mesh. Under muP each parameter
+    is scaled by its initialisation multiplier (``attnlab.nn.parametrization``)."""
+    state = nnx.state(MODEL_CLASSES[cfg.arch](cfg, rngs=nnx.Rngs(jax.random.key(seed))))
+    if parametrization.is_standard(cfg):
+        return state
+    return parametrization.scale_tree(state, _init_multipliers(cfg))
+
+
+def _init_multipliers(cfg: ModelConfig):
+    """The initialisation multipliers as a tree like ``nnx.state(model)`` (Params only,
+    which is all the state the architectures hold)."""
+    return parametrization.init_multipliers(cfg)
 
 
 _init_jit = jax.jit(init_params, static_argnums=0)
@@ -348,7 +365,7 @@ def count_params(cfg: ModelConfig, *, active: bool = False) -> int:
             f"count_params takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
             "Face config with attnlab.pretrained.model_config_from_hf"
         )
-    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: MODEL_CLASSES[cfg.arch](cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
     if not active or not hasattr(cfg.ffn_settings, "top_k"):
         return int(sum(x.size for x in jax.tree.leaves(params)))

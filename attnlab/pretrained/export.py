@@ -27,6 +27,7 @@ from attnlab.config.layer_kinds import stack_plan
 from attnlab.contracts.mixer import get_mixer
 from attnlab.errors import PretrainedError
 from attnlab.nn.mixers.recurrent import RecurrentMixer, RecurrentSettings
+from attnlab.nn.parametrization import to_standard
 from attnlab.pretrained.configs import model_config_from_hf
 from attnlab.pretrained.export_configs import WRITERS
 from attnlab.pretrained.loader import layer_groups
@@ -242,6 +243,7 @@ def hf_tensors(model, family: str) -> dict[str, np.ndarray]:
 def export_model(model, out) -> str:
     """Writes ``model`` to the folder ``out`` (config.json, model.safetensors); returns the
     family. ``out`` must be new or empty."""
+    model = to_standard(model)  # Hugging Face checkpoints are in the standard form
     family, hf = hf_config_of(model.cfg)
     tensors = hf_tensors(model, family)
     out = os.fspath(out)

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from attnlab.contracts.optimizer import NO_DECAY_NAMES, SCHEDULES, get_optimizer
+from attnlab.contracts.optimizer import NO_DECAY_NAMES, SCHEDULES, get_optimizer, with_rule
 from attnlab.devices import sharding
+from attnlab.errors import ConfigError
+from attnlab.nn import parametrization
 
 # Schedules whose value at a step does not depend on the total step count before the decay:
 # a finished run trained on to more steps continues exactly (WSD places its decay by the new
@@ -77,14 +79,36 @@ def decay_mask(params, decay_embeddings: bool = False):
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
-def make_optimizer(o, total_steps: int, params):
+def make_optimizer(o, total_steps: int, params, model=None):
     """The registered optimiser ``optim.name`` (hyperparameters injected into the state),
-    after global-norm clipping, times the schedule."""
-    core = get_optimizer(o.get("name", "adamw")).build(
-        o, params, decay_mask(params, o.decay_embeddings)
-    )
+    after global-norm clipping, times the schedule; each parameter's update times its
+    learning-rate multiplier when ``model`` (its ``ModelConfig``) is not in the standard
+    parametrisation (``attnlab.nn.parametrization``)."""
+    opt = get_optimizer(o.get("name", "adamw"))
+    mask = decay_mask(params, o.decay_embeddings)
+    if model is None or parametrization.is_standard(model):
+        core = opt.build(o, params, mask)
+    else:
+        check_rule(o, model)
+        scale = parametrization.scale_updates(parametrization.lr_multipliers(model, opt.rule))
+        if opt.scale_inside:
+            core = opt.build(o, params, mask, scale=scale)
+        else:
+            core = optax.chain(opt.build(o, params, mask), scale)
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
     return optax.chain(*parts, core, optax.scale_by_schedule(lr_multiplier(o, total_steps)))
+
+
+def check_rule(o, model) -> None:
+    """A ``ConfigError`` when ``model.parametrization`` needs a learning-rate rule that the
+    optimiser ``optim.name`` does not have."""
+    name = o.get("name", "adamw")
+    if not parametrization.is_standard(model) and get_optimizer(name).rule is None:
+        raise ConfigError(
+            f"optim.name={name!r} has no learning-rate rule for model.parametrization="
+            f"{model.parametrization!r}: use one of {with_rule(model.parametrization)}, or "
+            "model.parametrization='standard'"
+        )
 
 
 def layers_over_batch_devices(tree):

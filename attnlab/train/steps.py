@@ -114,7 +114,7 @@ class Trainer:
         abstract_model = nnx.eval_shape(lambda: build_model(self.mcfg, rngs=nnx.Rngs(0)))
         self.graphdef = nnx.graphdef(abstract_model)
         abstract_params = jax.eval_shape(lambda: init_params(self.mcfg, jnp.uint32(0)))
-        self.tx = make_optimizer(cfg.optim, self.total_steps, abstract_params)
+        self.tx = make_optimizer(cfg.optim, self.total_steps, abstract_params, self.mcfg)
         # ``freeze``: updates zeroed on the selected parameters (the state stays the tx's)
         self.frozen = surgery.freeze_mask(self.mcfg, cfg.get("freeze", {}), abstract_params)
         if self.frozen is not None:

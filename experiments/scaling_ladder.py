@@ -1,0 +1,70 @@
+"""A scaling ladder on tiny Shakespeare: three compute budgets, IsoFLOP curves, Chinchilla's
+fits, a prediction for a budget 3x the largest, and the run that checks it, for two
+variants side by side: two peak learning rates (1e-2, the best at the base width, and 2.5e-3).
+Variants that differ only in values the train state holds train as one stacked program per
+rung, which halves the programs this CPU compiles; any overrides work as variants
+(``{"model.position": "learned"}``...), each then its own program.
+
+The size dial is the width (``model.d_model``, two layers); the models are in muP relative
+to ``base_width`` 32, so one learning rate serves every size. ``LADDER`` holds the budgets
+(FLOPs, ``C = 6 N D``), the sizes, the variants and the target budget; ``sweep()`` is the
+ladder's trials (``attnlab.sweep.scaling.plan_ladder``), so ``attnlab sweep`` trains it too.
+
+``python experiments/scaling_ladder.py --workdir runs/ladder`` trains the ladder, fits it,
+trains the check runs and writes ``report.md``, ``report.png`` and ``isoflop.png``.
+"""
+
+import sys
+
+from attnlab.experiment import base_config
+
+LADDER = {
+    "budgets": (1e9, 3e9, 9e9),
+    "target": 2.7e10,
+    "sizes": tuple({"model.d_model": d} for d in (8, 12, 16, 24, 32, 48, 64)),
+    "variants": {
+        "lr_1e-2": {"optim.learning_rate": 1e-2},
+        "lr_2.5e-3": {"optim.learning_rate": 2.5e-3},
+    },  # fmt: skip
+    "min_steps": 40,
+    "max_steps": 1000,
+}
+VARIANTS = ("tiny",)
+
+
+def get_config(variant=None):
+    c = base_config()
+    c.name = "scaling_ladder"
+    c.model.update(
+        arch="decoder", vocab_size=65, d_model=32, n_layers=2, n_heads=2, max_len=32,
+        position="rope", norm="rmsnorm", norm_bias=False, ffn="gelu", tie_embeddings=False,
+        parametrization="mup", base_width=32, scan_layers=False,
+    )  # fmt: skip
+    c.data.update(kind="text", path="cache:shakespeare", tokenizer="char", seq_len=32,
+                  max_chars=0)  # fmt: skip
+    c.optim.update(learning_rate=1e-2, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1,
+                   b2=0.99, weight_decay=0.0)  # fmt: skip
+    c.train.update(steps=100, batch_size=8, seed=0, log_every_steps=100)
+    c.eval.update(every_steps=100, batches=16, batch_size=16, sample_tokens=0)
+    c.checkpoint.update(every_steps=100, max_to_keep=1)
+    if variant == "tiny":
+        c.model.update(d_model=16, base_width=16, n_layers=1, max_len=16)
+        c.data.update(seq_len=16, max_chars=20_000)
+        c.train.update(steps=3, batch_size=4, log_every_steps=1)
+        c.eval.update(every_steps=3, batches=1, batch_size=4)
+        c.checkpoint.update(every_steps=3)
+    return c
+
+
+def sweep(variant=None):
+    """The ladder's trials (sizes x budgets x variants)."""
+    from attnlab.sweep.ladder import ladder_trials
+
+    trials, _ = ladder_trials(__file__, LADDER, variant)
+    return trials
+
+
+if __name__ == "__main__":
+    from attnlab.sweep.ladder import main
+
+    sys.exit(main(__file__, LADDER, sys.argv[1:]))
