@@ -334,7 +334,13 @@ def initialize_distributed(d) -> bool:
         kwargs["num_processes"] = int(d.num_processes)
     if int(d.process_id) >= 0:
         kwargs["process_id"] = int(d.process_id)
-    jax.distributed.initialize(**kwargs)
+    from attnlab import processes  # stops with one line when a process is lost
+
+    processes.initialize(
+        kwargs,
+        initialization_timeout=int(d.get("initialization_timeout_s", 300)),
+        heartbeat_timeout=int(d.get("heartbeat_timeout_s", 100)),
+    )
     return True
 
 

@@ -21,22 +21,30 @@ compiled program unchanged) while the others train on. A finished trial's value 
 
 The study lives in Optuna storage: ``sqlite:///DIR/study.db`` by default, or any database
 URL (``storage=``, ``--storage``), so several ``attnlab sweep`` processes (SLURM jobs through
-``--launcher slurm --workers N``) share one study. A killed search run again resumes the same
-study: its unfinished trials continue from their checkpoints in ``DIR/trial-NNNN/`` and new
-ones are asked only until ``num_trials`` exist. Results: ``DIR/results.*`` as for any sweep,
-``DIR/best.json`` (the best trial, its value, parameters and config), and Optuna's
-``param_importances.png`` and ``parallel_coordinate.png``.
+``--launcher slurm --workers N``) share one study. In a database server (PostgreSQL, MySQL)
+each worker records a heartbeat for the trials it trains; a trial whose worker died (its
+heartbeat older than ``grace_period`` seconds) is failed and asked again with the same values
+and directory, so it resumes from its checkpoint and counts once towards ``num_trials``;
+each worker ends once every trial is complete, pruned or failed. A killed search run again
+resumes the same study: its unfinished trials continue from their checkpoints in
+``DIR/trial-NNNN/`` and new ones are asked only until ``num_trials`` exist. Results:
+``DIR/results.*`` as for any sweep, ``DIR/best.json`` (the best trial, its value, parameters
+and config), and Optuna's ``param_importances.png`` and ``parallel_coordinate.png``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
+import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,6 +89,10 @@ class Search:
     sampler_options: dict = dataclasses.field(default_factory=dict)
     pruner_options: dict = dataclasses.field(default_factory=dict)
     method: str = "optuna"
+    # A study in a database server: each worker marks its trials alive this often (seconds);
+    # a trial silent for grace_period is failed and asked again (from its checkpoint).
+    heartbeat_interval: int = 10
+    grace_period: int = 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +136,10 @@ def as_search(spec) -> Search:
         raise ExperimentError(f"sweep: sampler={s.sampler!r}: use one of {list(SAMPLERS)}")
     if s.pruner not in PRUNERS and not hasattr(s.pruner, "prune"):
         raise ExperimentError(f"sweep: pruner={s.pruner!r}: use one of {list(PRUNERS)}")
+    for name in ("heartbeat_interval", "grace_period"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ExperimentError(f"sweep: {name}={v!r} must be a positive number of seconds")
     if s.direction not in ("minimize", "maximize"):
         raise ExperimentError(f"sweep: direction={s.direction!r}: use 'minimize' or 'maximize'")
     if not isinstance(s.space, Mapping) or not s.space:
@@ -203,12 +219,62 @@ def default_storage(root) -> str:
     return f"sqlite:///{pathlib.Path(root).resolve() / STUDY_FILE}"
 
 
+CONNECT_TIMEOUT_S = 10  # a database server that does not answer in this time is unreachable
+DRIVERS = {"postgresql": "psycopg2", "mysql": "MySQLdb"}  # SQLAlchemy's default per database
+
+
+def redact(url: str) -> str:
+    """``url`` with its password hidden, for log lines and errors."""
+    return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", str(url))
+
+
+def with_heartbeat(url: str) -> bool:
+    """Whether a study in ``url`` tracks its workers' heartbeats: a database server's (many
+    workers, some of which may die); SQLite's file stays the one-machine default."""
+    return not str(url).startswith("sqlite")
+
+
+def make_storage(url: str, search: Search):
+    """Optuna's storage at ``url``. In a database server, each trial's worker records a
+    heartbeat; a trial whose worker died is failed once its heartbeat is ``grace_period``
+    old, and asked again as a new trial with the same values and directory
+    (``RetryHeartbeatStaleTrialCallback``), which resumes from its checkpoint."""
+    optuna = _optuna()
+    if not with_heartbeat(url):
+        return url
+    scheme = str(url).split(":", 1)[0].split("+")[0]
+    engine = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}} if scheme in DRIVERS else {}
+    retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    options = {"heartbeat_interval": search.heartbeat_interval}
+    options["grace_period"] = search.grace_period
+    if retry is None:  # Optuna before 4.9
+        options["failed_trial_callback"] = optuna.storages.RetryFailedTrialCallback(
+            inherit_intermediate_values=True
+        )
+    else:
+        options["heartbeat_stale_trial_callback"] = retry(inherit_intermediate_values=True)
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine, **options)
+    except ModuleNotFoundError as e:
+        extra = "postgres" if scheme == "postgresql" else "optuna"
+        raise ExperimentError(
+            f"--storage {redact(url)}: the database driver is not installed ({e.name}); "
+            f"pip install 'attnlab[{extra}]'"
+        ) from None
+    except Exception as e:  # SQLAlchemy's errors: the server is down, the name is wrong
+        why = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+        raise ExperimentError(
+            f"--storage {redact(url)}: the study database cannot be reached ({why}); start "
+            "the database server, or check the URL's host, port, name and user"
+        ) from None
+
+
 def open_study(plan: SearchPlan, root, storage=None, study_name=None):
     """The study of the search in ``root`` (created, or loaded to resume it)."""
     optuna = _optuna()
     search = plan.search
     return optuna.create_study(
-        storage=storage or default_storage(root),
+        storage=make_storage(storage or default_storage(root), search),
         study_name=study_name or pathlib.Path(root).resolve().name,
         sampler=make_sampler(search),
         pruner=make_pruner(search, int(plan.base.train.steps)),
@@ -272,21 +338,33 @@ def run_search(
     search = plan.search
     tally = dict.fromkeys(OUTCOMES, 0)
     running = optuna.trial.TrialState.RUNNING
+    url = storage or default_storage(root)
+    heartbeat = with_heartbeat(url)
     log(
         f"search: {search.num_trials} trial(s), sampler {search.sampler}, pruner "
         f"{search.pruner if isinstance(search.pruner, str) else type(search.pruner).__name__}, "
-        f"{search.stack} at a time; study {study.study_name} in {storage or default_storage(root)}"
+        f"{search.stack} at a time; study {study.study_name} in {redact(url)}"
     )
     while True:
-        batch = [
-            optuna.trial.Trial(study, f._trial_id)
-            for f in study.get_trials(deepcopy=False, states=(running,))
-            if _orphaned(f, root)
-        ][: search.stack]
+        if heartbeat:  # the trials of dead workers fail, and come back as waiting trials
+            optuna.storages.fail_stale_trials(study)
+            batch = []
+        else:  # one machine: a trial whose process is gone is resumed here
+            batch = [
+                optuna.trial.Trial(study, f._trial_id)
+                for f in study.get_trials(deepcopy=False, states=(running,))
+                if _orphaned(f, root)
+            ][: search.stack]
         if batch:
             log(f"search: resuming trial(s) {', '.join(str(t.number) for t in batch)}")
-        while len(batch) < search.stack and len(study.trials) < search.num_trials:
+        while len(batch) < search.stack and (
+            counted(study) < search.num_trials
+            or study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        ):
             batch.append(study.ask())
+        if not batch and heartbeat and study.get_trials(deepcopy=False, states=(running,)):
+            time.sleep(search.heartbeat_interval)  # other workers' trials: done or failed soon
+            continue
         if not batch:
             break
         trials, by_dir = [], {}
@@ -305,9 +383,10 @@ def run_search(
             trials.append(Trial(name, values, cfg))
             by_dir[name] = t
         write_manifest(plan, root, study)
-        preempted = _train_batch(
-            trials, by_dir, study, root, search, parallel, progress, stop_after, tally, log
-        )
+        with Heartbeat(study, batch if heartbeat else [], search.heartbeat_interval):
+            preempted = _train_batch(
+                trials, by_dir, study, root, search, parallel, progress, stop_after, tally, log
+            )
         if preempted:
             log("search: stopped by a signal; run the same command again to resume the study")
             break
@@ -318,6 +397,43 @@ def run_search(
     write_plots(study, root, log)
     log(summary_line(tally))
     return results
+
+
+def counted(study) -> int:
+    """The study's trials that count towards ``num_trials``: all but the failed ones that a
+    later trial retries (a dead worker's trial and its retry are one trial)."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", ())}
+    return sum(t.number not in retried for t in trials)
+
+
+class Heartbeat:
+    """Records the heartbeat of ``trials`` every ``interval`` seconds while training them
+    (``Study.optimize`` does this for its own trials; an ask-and-tell loop does it itself)."""
+
+    def __init__(self, study, trials, interval: float):
+        self._storage, self._ids = study._storage, [t._trial_id for t in trials]
+        self._interval, self._stop = float(interval), threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self):
+        while True:
+            for trial_id in self._ids:
+                # a trial told meanwhile refuses the beat; the others go on
+                with contextlib.suppress(Exception):
+                    self._storage.record_heartbeat(trial_id)
+            if self._stop.wait(self._interval):
+                return
+
+    def __enter__(self):
+        if self._ids:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _train_batch(

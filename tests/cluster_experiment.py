@@ -1,0 +1,33 @@
+"""The cluster tier's experiment: the tiny character model, a grid of four trials and an
+Optuna search that stacks its trials two at a time (tests/test_cluster.py)."""
+
+import pathlib
+
+from attnlab import experiment
+from attnlab.sweep import grid, log_uniform, optuna_search
+
+CHAR_LM = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "char_lm.py"
+
+
+def get_config(variant=None):
+    c = experiment.import_experiment(CHAR_LM).get_config("tiny")
+    c.train.update(steps=6, log_every_steps=1)
+    c.eval.update(every_steps=3, batches=1, sample_tokens=0)
+    c.checkpoint.update(every_steps=3)
+    c.track.tensorboard = False
+    c.data.pipeline = "index"  # the same global batches for any number of processes
+    return c
+
+
+def sweep(variant=None):
+    if variant == "search":
+        return optuna_search(
+            {"optim.learning_rate": log_uniform(1e-4, 1e-2)},
+            num_trials=4,
+            sampler="random",
+            pruner="none",
+            stack=2,
+            heartbeat_interval=1,
+            grace_period=3,
+        )
+    return grid({"optim.learning_rate": [1e-3, 2e-3, 3e-3, 4e-3]})
