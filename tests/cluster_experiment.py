@@ -1,11 +1,15 @@
-"""The cluster tier's experiment: the tiny character model, a grid of four trials and an
-Optuna search that stacks its trials two at a time (tests/test_cluster.py)."""
+"""The cluster tier's experiment (tests/test_cluster.py): the tiny character model, a grid
+of four trials, and an Optuna search that stacks its trials two at a time.
+
+Variants: None (6 steps), ``long`` (200 steps: long enough to preempt or kill a process
+mid-run), ``search`` (``long`` searched by Optuna with heartbeats every second)."""
 
 import pathlib
 
 from attnlab import experiment
 from attnlab.sweep import grid, log_uniform, optuna_search
 
+VARIANTS = ("long", "search")
 CHAR_LM = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "char_lm.py"
 
 
@@ -16,6 +20,10 @@ def get_config(variant=None):
     c.checkpoint.update(every_steps=3)
     c.track.tensorboard = False
     c.data.pipeline = "index"  # the same global batches for any number of processes
+    if variant in ("long", "search"):
+        c.train.update(steps=200, log_every_steps=5)
+        c.eval.every_steps = 200
+        c.checkpoint.update(every_steps=50 if variant == "search" else 1000)
     return c
 
 

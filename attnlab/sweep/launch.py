@@ -79,8 +79,11 @@ def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
     experiment.register_variants(cfg)
     trial_dir = pathlib.Path(root) / name
     trial_dir.mkdir(parents=True, exist_ok=True)
+    from attnlab.sweep import slurm
+
     where = {"pid": os.getpid(), "host": socket.gethostname()}
-    where["job_id"] = os.environ.get("SUBMITIT_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    where["job_id"] = slurm.job_id() or os.environ.get("SUBMITIT_JOB_ID")
+    where["restarts"] = int(os.environ.get("SLURM_RESTART_COUNT", 0))  # requeued runs
     (trial_dir / JOB_FILE).write_text(json.dumps(where) + "\n")
     trial = Trial(name, overrides, cfg)
     # the submitting process refused what cannot run; here the trial trains or extends
@@ -94,8 +97,6 @@ def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
         actions={name: action},
     )
     if stopped:  # a signal (a preemption): the checkpoint is written; run again from it
-        from attnlab.sweep import slurm
-
         slurm.requeue()
     return where
 

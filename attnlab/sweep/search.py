@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import json
 import os
@@ -184,20 +185,25 @@ def _optuna():
         ) from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # the ask-and-tell loop records its trials' heartbeats itself (``Heartbeat``)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
     return optuna
 
 
-def make_sampler(search: Search):
+def make_sampler(search: Search, worker: int = 0):
+    """The sampler; ``worker`` tells the workers of one study apart (the same seed in each
+    would suggest the same values in each)."""
     optuna = _optuna()
     opts = dict(search.sampler_options)
+    seed = search.seed + 1_000_003 * int(worker)
     if search.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=search.seed, **opts)
+        return optuna.samplers.TPESampler(seed=seed, **opts)
     if search.sampler == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=search.seed, **opts)
+        return optuna.samplers.CmaEsSampler(seed=seed, **opts)
     if search.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=search.seed, **opts)
+        return optuna.samplers.RandomSampler(seed=seed, **opts)
     grid = {k: list(d.options) for k, d in search.space.items() if isinstance(d, Choice)}
-    return optuna.samplers.GridSampler(grid, seed=search.seed, **opts)
+    return optuna.samplers.GridSampler(grid, seed=seed, **opts)
 
 
 def make_pruner(search: Search, total_steps: int):
@@ -220,7 +226,7 @@ def default_storage(root) -> str:
 
 
 CONNECT_TIMEOUT_S = 10  # a database server that does not answer in this time is unreachable
-DRIVERS = {"postgresql": "psycopg2", "mysql": "MySQLdb"}  # SQLAlchemy's default per database
+DRIVERS = ("postgresql", "mysql")  # servers whose drivers take a connect_timeout
 
 
 def redact(url: str) -> str:
@@ -244,6 +250,13 @@ def make_storage(url: str, search: Search):
         return url
     scheme = str(url).split(":", 1)[0].split("+")[0]
     engine = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}} if scheme in DRIVERS else {}
+    given = url
+    if (
+        url.startswith("postgresql://")
+        and importlib.util.find_spec("psycopg") is None  # SQLAlchemy 2.1's default driver
+        and importlib.util.find_spec("psycopg2") is not None
+    ):
+        url = "postgresql+psycopg2://" + url.removeprefix("postgresql://")
     retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
     options = {"heartbeat_interval": search.heartbeat_interval}
     options["grace_period"] = search.grace_period
@@ -254,29 +267,49 @@ def make_storage(url: str, search: Search):
     else:
         options["heartbeat_stale_trial_callback"] = retry(inherit_intermediate_values=True)
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine, **options)
-    except ModuleNotFoundError as e:
-        extra = "postgres" if scheme == "postgresql" else "optuna"
+        return _rdb_storage(url, engine, options)
+    except ImportError:  # Optuna's words for a missing driver
+        extra = "'attnlab[postgres]'" if scheme == "postgresql" else f"a {scheme} driver"
         raise ExperimentError(
-            f"--storage {redact(url)}: the database driver is not installed ({e.name}); "
-            f"pip install 'attnlab[{extra}]'"
+            f"--storage {redact(given)}: no database driver for {scheme} is installed; pip "
+            f"install {extra}"
         ) from None
     except Exception as e:  # SQLAlchemy's errors: the server is down, the name is wrong
         why = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         raise ExperimentError(
-            f"--storage {redact(url)}: the study database cannot be reached ({why}); start "
+            f"--storage {redact(given)}: the study database cannot be reached ({why}); start "
             "the database server, or check the URL's host, port, name and user"
         ) from None
+
+
+def _rdb_storage(url, engine, options, attempts: int = 5):
+    """``RDBStorage``; workers that start together on an empty database race to create its
+    tables, and the losers' second attempt finds them made."""
+    import sqlalchemy.exc
+
+    optuna = _optuna()
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine, **options)
+        except sqlalchemy.exc.OperationalError:  # no server there: no use trying again
+            raise
+        except sqlalchemy.exc.DBAPIError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 def open_study(plan: SearchPlan, root, storage=None, study_name=None):
     """The study of the search in ``root`` (created, or loaded to resume it)."""
     optuna = _optuna()
     search = plan.search
+    url = storage or default_storage(root)
+    # workers sharing a database server: each its own stream of suggestions
+    worker = os.getpid() % 100_003 if with_heartbeat(url) else 0
     return optuna.create_study(
-        storage=make_storage(storage or default_storage(root), search),
+        storage=make_storage(url, search),
         study_name=study_name or pathlib.Path(root).resolve().name,
-        sampler=make_sampler(search),
+        sampler=make_sampler(search, worker),
         pruner=make_pruner(search, int(plan.base.train.steps)),
         direction=search.direction,
         load_if_exists=True,

@@ -4,10 +4,12 @@
 others (``scontrol show job`` where the cluster keeps no accounting: it remembers a job for
 ``MinJobAge`` seconds after its end), each state in one word of ``WORDS``: queued, running,
 finished or failed. ``wait`` polls them, prints each change in one line, and returns when
-every job has ended. ``check_partition`` refuses a partition the cluster does not have
-before anything is submitted. A trial stopped by a signal inside a SLURM job (SIGTERM from
-``scancel --signal=TERM`` or a preemption) has written its checkpoint; ``requeue`` puts the
-job back in the queue, and the next start resumes the trial from that checkpoint.
+every job has ended; a job seen running and then queued again was requeued, and ``wait``
+lets it start again at once rather than after SLURM's two-minute hold. ``check_partition``
+refuses a partition the cluster does not have before anything is submitted. A trial
+stopped by a signal inside a SLURM job (SIGTERM from ``scancel --signal=TERM`` or a
+preemption) has written its checkpoint; ``requeue`` puts the job back in the queue, and the
+next start resumes the trial from that checkpoint.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def states(ids) -> dict[str, str]:
     return {i: found[i] for i in ids if i in found}
 
 
-def wait(jobs, names, log=print, poll_s: float = 2.0) -> None:
+def wait(jobs, names, log=print, poll_s: float = 1.0) -> None:
     """Polls ``jobs`` (submitit jobs, one per name) until each has ended, printing
     ``NAME: queued|running|finished|failed (job ID)`` whenever a job's word changes."""
     said: dict[str, str] = {}
@@ -115,11 +117,19 @@ def wait(jobs, names, log=print, poll_s: float = 2.0) -> None:
             w = word(now[job.job_id]) if job.job_id in now else None
             if w is not None and said.get(name) != w:
                 log(f"{name}: {w} (job {job.job_id})")
+                if w == "queued" and said.get(name) == "running":
+                    release(job.job_id)
                 said[name] = w
             if w in ("finished", "failed") or (w is None and job.done()):
                 del pending[name]
         if pending:
             time.sleep(poll_s)
+
+
+def release(job: str) -> None:
+    """Lets a requeued job start as soon as there is room: SLURM holds a requeued job back
+    for two minutes (its begin time), which a preempted trial need not wait."""
+    _run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
 
 def job_id() -> str | None:
