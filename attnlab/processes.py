@@ -155,8 +155,23 @@ def _watch(me: int, n: int, timeout: float, address: str, done: threading.Event)
             elif now - max(last[1], start) >= timeout:
                 lost.append(i)
         if lost and not done.is_set():
+            lost = _still_silent(client, lost, beats, min(timeout, 5.0))
+        if lost and not done.is_set():
             _halt(client, me, n, lost_line(lost, n, timeout, address), beats)
         done.wait(BEAT_S)
+
+
+def _still_silent(client, lost, beats, grace):
+    """The processes of ``lost`` that stay silent ``grace`` seconds more: one whose thread
+    was only starved of the CPU for a while (a loaded machine) beats again and is spared."""
+    time.sleep(grace)
+    try:
+        now = dict(client.key_value_dir_get(PREFIX))
+    except Exception:
+        return lost
+    if f"{PREFIX}stop" in now:
+        return lost
+    return [i for i in lost if now.get(f"{PREFIX}{i}") == beats.get(f"{PREFIX}{i}")]
 
 
 def start_watchdog(timeout: float, address: str = "") -> None:

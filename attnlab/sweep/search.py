@@ -195,7 +195,7 @@ def make_sampler(search: Search, worker: int = 0):
     would suggest the same values in each)."""
     optuna = _optuna()
     opts = dict(search.sampler_options)
-    seed = search.seed + 1_000_003 * int(worker)
+    seed = (search.seed + 7919 * int(worker)) % 2**32
     if search.sampler == "tpe":
         return optuna.samplers.TPESampler(seed=seed, **opts)
     if search.sampler == "cmaes":
@@ -394,7 +394,10 @@ def run_search(
             counted(study) < search.num_trials
             or study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
         ):
-            batch.append(study.ask())
+            trial = study.ask()
+            if heartbeat and surplus(study, trial, search.num_trials):
+                break  # another worker asked the last trials at the same moment
+            batch.append(trial)
         if not batch and heartbeat and study.get_trials(deepcopy=False, states=(running,)):
             time.sleep(search.heartbeat_interval)  # other workers' trials: done or failed soon
             continue
@@ -432,12 +435,33 @@ def run_search(
     return results
 
 
-def counted(study) -> int:
-    """The study's trials that count towards ``num_trials``: all but the failed ones that a
-    later trial retries (a dead worker's trial and its retry are one trial)."""
-    trials = study.get_trials(deepcopy=False)
+SURPLUS = "surplus"  # the user attribute of a trial asked beyond num_trials, given back
+
+
+def _counting(trials) -> list:
+    """The trials that count towards ``num_trials``: all but the failed ones that a later
+    trial retries (a dead worker's trial and its retry are one trial) and the surplus."""
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", ())}
-    return sum(t.number not in retried for t in trials)
+    return [t for t in trials if t.number not in retried and not t.user_attrs.get(SURPLUS)]
+
+
+def counted(study) -> int:
+    return len(_counting(study.get_trials(deepcopy=False)))
+
+
+def surplus(study, trial, num_trials: int) -> bool:
+    """Whether ``trial``, just asked, lies beyond the first ``num_trials`` (workers that ask
+    at once may together ask too many); if so it is marked and failed, counting for none.
+    Trials rank by the number of the trial they retry, else their own."""
+    ranked = sorted(
+        _counting(study.get_trials(deepcopy=False)),
+        key=lambda t: (t.system_attrs.get("failed_trial", t.number), t.number),
+    )
+    if trial.number in {t.number for t in ranked[:num_trials]}:
+        return False
+    trial.set_user_attr(SURPLUS, True)
+    study.tell(trial, state=_optuna().trial.TrialState.FAIL)
+    return True
 
 
 class Heartbeat:
