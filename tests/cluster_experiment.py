@@ -1,7 +1,7 @@
 """The cluster tier's experiment (tests/test_cluster.py): the tiny character model, a grid
 of four trials, and an Optuna search that stacks its trials two at a time.
 
-Variants: None (6 steps), ``long`` (200 steps: long enough to preempt or kill a process
+Variants: None (6 steps), ``long`` (120 steps: long enough to preempt or kill a process
 mid-run), ``search`` (``long`` searched by Optuna with heartbeats every second)."""
 
 import pathlib
@@ -20,10 +20,11 @@ def get_config(variant=None):
     c.checkpoint.update(every_steps=3)
     c.track.tensorboard = False
     c.data.pipeline = "index"  # the same global batches for any number of processes
-    if variant in ("long", "search"):
-        c.train.update(steps=200, log_every_steps=5)
-        c.eval.every_steps = 200
-        c.checkpoint.update(every_steps=50 if variant == "search" else 1000)
+    if variant in ("long", "search"):  # batches of 8 split over 8 devices
+        c.train.update(steps=120, batch_size=8, log_every_steps=5)
+        c.optim.learning_rate = 1e-3
+        c.eval.every_steps = 120
+        c.checkpoint.update(every_steps=20 if variant == "search" else 1000)
     return c
 
 
