@@ -33,6 +33,7 @@ MOVED = {
     "attnlab.parametrization": "attnlab.nn.parametrization",
     "attnlab.pretrained.commands": "attnlab.runs.export",
     "attnlab.probe": "attnlab.nn.probe",
+    "attnlab.processes": "attnlab.devices.processes",
     "attnlab.registry": "attnlab.contracts.registry",
     "attnlab.runs.surgery": "attnlab.runs.surgery_run",
     "attnlab.sample_command": "attnlab.runs.sample_command",

@@ -55,14 +55,21 @@ def _train(args, overrides):
     cfg = experiment.load_config(args.config, overrides, imports=args.imports or ())
     devices.apply(devices.choose(cfg))  # before anything else uses JAX
     sharding.initialize_distributed(cfg.distributed)
-    record = runs.train(  # logs its records itself
-        cfg,
-        args.workdir,
-        progress=not args.no_progress,
-        step=args.step,
-        allow_changes=args.allow_changes,
-        verbose=args.verbose,
-    )
+    from attnlab.devices import processes
+
+    try:
+        record = runs.train(  # logs its records itself
+            cfg,
+            args.workdir,
+            progress=not args.no_progress,
+            step=args.step,
+            allow_changes=args.allow_changes,
+            verbose=args.verbose,
+        )
+    except AttnlabError:  # every process meets it alike: no one waits for this one
+        processes.finished()
+        raise
+    processes.finished()
     raise_if_stopped(f"at step {record.get('step')}; its checkpoint is written in {args.workdir}")
 
 

@@ -161,6 +161,33 @@ def mesh_from_config(cfg) -> jax.sharding.Mesh:
     return make_mesh({axis: int(cfg.mesh.get(axis, 1)) for axis in MESH_AXES})
 
 
+def mesh_for_loading(cfg) -> jax.sharding.Mesh:
+    """The mesh of the config where it fits this process's devices and splits
+    ``train.batch_size``; otherwise a ``data`` mesh over as many devices as divide the batch
+    (a run saved on 8 devices opens on 1, 3 or 16). The mesh changes where values live, not
+    what they are, so a checkpoint restores onto any of them."""
+    rules = resolve_rules(cfg.mesh.get("rules"))
+    batch = int(cfg.train.batch_size)
+    try:
+        mesh = mesh_from_config(cfg)
+        if batch % axis_size(mesh, rules.get("batch")) == 0:
+            return mesh
+    except MeshError:
+        pass
+    devices = jax.devices()
+    n = max(k for k in range(1, len(devices) + 1) if batch % k == 0)
+    return make_mesh({"data": n}, devices[:n])
+
+
+def layout(mesh) -> str:
+    """Where a run trains, in words: ``8 devices in 4 processes, mesh data=4 x tensor=2``."""
+    n = 1 if mesh is None else mesh.size
+    procs = 1 if mesh is None else len({d.process_index for d in mesh.devices.flat})
+    axes = {} if mesh is None else {a: s for a, s in mesh.shape.items() if s > 1}
+    shape = " x ".join(f"{a}={s}" for a, s in axes.items()) or "none"
+    return f"{n} device{'s' * (n != 1)} in {procs} process{'es' * (procs != 1)}, mesh {shape}"
+
+
 def axis_size(mesh, axes) -> int:
     if axes is None:
         return 1
@@ -307,7 +334,13 @@ def initialize_distributed(d) -> bool:
         kwargs["num_processes"] = int(d.num_processes)
     if int(d.process_id) >= 0:
         kwargs["process_id"] = int(d.process_id)
-    jax.distributed.initialize(**kwargs)
+    from attnlab.devices import processes  # stops with one line when a process is lost
+
+    processes.initialize(
+        kwargs,
+        initialization_timeout=int(d.get("initialization_timeout_s", 300)),
+        heartbeat_timeout=int(d.get("heartbeat_timeout_s", 100)),
+    )
     return True
 
 

@@ -141,8 +141,17 @@ def base_config() -> ConfigDict:
     c.mesh.rules = ConfigDict()  # logical axis -> mesh axis overrides of sharding.RULES
     # Many hosts: jax.distributed.initialize before anything else. "auto" initialises when
     # a coordinator is given or a multi-task SLURM job is detected; "on" always; "off" never.
+    # A coordinator silent for initialization_timeout_s, or a process silent for
+    # heartbeat_timeout_s, stops every process with one line (attnlab.devices.processes).
     c.distributed = ConfigDict(
-        dict(initialize="auto", coordinator_address="", num_processes=0, process_id=-1)
+        dict(
+            initialize="auto",
+            coordinator_address="",
+            num_processes=0,
+            process_id=-1,
+            initialization_timeout_s=300,
+            heartbeat_timeout_s=100,
+        )
     )
     # Metrics also go to TensorBoard (DIR/tb) and, with a project, to Weights & Biases.
     c.track = ConfigDict(

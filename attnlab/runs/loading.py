@@ -114,12 +114,14 @@ def load_run(workdir, step: int | None = None) -> Run:
     """The ``Run`` of checkpoint ``step`` in ``workdir``.
 
     The default is the newest checkpoint that can be read (unreadable newer ones are reported
-    on stderr); parameters that are not finite are refused with a ``CheckpointError``.
+    on stderr); parameters that are not finite are refused with a ``CheckpointError``. It
+    opens with any number of devices: the saved mesh where it fits them, else a ``data``
+    mesh that splits the batch (``sharding.mesh_for_loading``).
     """
     workdir = pathlib.Path(workdir)
     cfg = saved_config(workdir)
     task = make_task(cfg.data, workdir)
-    trainer = Trainer(cfg, kind=task.kind, mesh=sharding.mesh_from_config(cfg))
+    trainer = Trainer(cfg, kind=task.kind, mesh=sharding.mesh_for_loading(cfg))
     if not (workdir / CHECKPOINTS).is_dir():
         raise CheckpointError(f"no checkpoint in {workdir / CHECKPOINTS}; train the run first")
     with Checkpointer(workdir / CHECKPOINTS) as ckpt:

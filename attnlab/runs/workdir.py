@@ -35,6 +35,7 @@ from attnlab.config import ModelConfig
 from attnlab.data import make_task
 from attnlab.data.grain_pipeline import load_process_state, save_process_state
 from attnlab.data.tasks import TOKENIZER_FILE
+from attnlab.devices import sharding
 from attnlab.errors import CheckpointError, WorkdirError, one_line
 from attnlab.runs import surgery_run as surgery
 from attnlab.runs.checkpoint import Checkpointer, stop_signal
@@ -58,6 +59,9 @@ FREE_ON_RESUME += ("train.on_nonfinite",)
 # How a launch finds its peers (coordinator, process count and this process's index): each
 # process of one run has its own, and a resumed run may start on other hosts.
 FREE_ON_RESUME += ("distributed.",)
+# Where the run's values live (the mesh, hence the devices and processes): restoring onto
+# another mesh moves them and changes none; the resumed run says what changed in one line.
+FREE_ON_RESUME += ("mesh.",)
 
 
 def atomic_write(path: pathlib.Path, text: str):
@@ -200,6 +204,7 @@ class Run:
         self.made: list[pathlib.Path] = []
         self.held: set[str] = set()
         self.saved_config: bytes | None = None  # config.json as begin found it
+        self.layout: str | None = None  # where it trains (``sharding.layout``), once known
 
     def begin(self):
         """Locks the directory and writes the config and tokenizer: the run starts."""
@@ -276,6 +281,7 @@ class Run:
         steps = self.ckpt.all_steps()
         if self.requested is not None:
             steps = [int(self.requested)]
+        self.layout = sharding.layout(trainer.mesh)
         if not steps:
             self.start = 0
             if surgery.active(self.cfg):  # the source's parameters, with the surgery applied
@@ -306,6 +312,9 @@ class Run:
             )
         else:
             print(f"resuming from step {self.start} in {self.workdir}", flush=True)
+        saved = metadata.get("layout")
+        if saved and saved != self.layout and host[0] == 0:
+            print(f"resuming on {self.layout} (saved on {saved})", flush=True)
         return state
 
     def save(self, step, state):
@@ -314,6 +323,7 @@ class Run:
         if step in self.ckpt.all_steps():
             self.ckpt.delete(step)
         meta = {"elapsed_sec": self.elapsed, "step": step, "interrupted": stop_signal()}
+        meta["layout"] = self.layout
         host = _host()
         if host[1] == 1:  # one process: its input pipeline's position too
             meta["data_state"] = self.task.data_state()

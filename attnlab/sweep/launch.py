@@ -79,13 +79,16 @@ def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
     experiment.register_variants(cfg)
     trial_dir = pathlib.Path(root) / name
     trial_dir.mkdir(parents=True, exist_ok=True)
+    from attnlab.sweep import slurm
+
     where = {"pid": os.getpid(), "host": socket.gethostname()}
-    where["job_id"] = os.environ.get("SUBMITIT_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    where["job_id"] = slurm.job_id() or os.environ.get("SUBMITIT_JOB_ID")
+    where["restarts"] = int(os.environ.get("SLURM_RESTART_COUNT", 0))  # requeued runs
     (trial_dir / JOB_FILE).write_text(json.dumps(where) + "\n")
     trial = Trial(name, overrides, cfg)
     # the submitting process refused what cannot run; here the trial trains or extends
     action = trial_action(trial, trial_dir, retry_failed=True, allow_changes=True)
-    run_one_by_one(
+    stopped = run_one_by_one(
         [trial],
         pathlib.Path(root),
         progress=False,
@@ -93,7 +96,42 @@ def train_trial(cfg_json: str, root: str, name: str, overrides: dict) -> dict:
         log=print,
         actions={name: action},
     )
+    if stopped:  # a signal (a preemption): the checkpoint is written; run again from it
+        slurm.requeue()
     return where
+
+
+def _submit(executor, launcher, resources, fn, *columns):
+    """``executor.map_array`` with SLURM's refusal (a partition, a resource) in one line."""
+    import submitit
+
+    if launcher == "slurm":
+        from attnlab.sweep import slurm
+
+        slurm.check_partition((resources or {}).get("slurm_partition"))
+    try:
+        return executor.map_array(fn, *columns)
+    except submitit.core.utils.FailedJobError as e:
+        lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or [str(e)]
+        why = lines[-1].strip()
+        raise ExperimentError(f"--launcher {launcher}: the submission failed: {why}") from None
+
+
+def _wait(jobs, names, launcher, log):
+    """Waits for the jobs (SLURM's: saying when each is queued, running, finished); logs
+    each job that failed."""
+    if launcher == "slurm":
+        from attnlab.sweep import slurm
+
+        slurm.wait(jobs, names, log)
+    for name, job in zip(names, jobs, strict=True):
+        if launcher == "slurm" and not job.paths.result_pickle.exists():
+            log(f"{name}: job {job.job_id} ended without a result; see {job.paths.stderr}")
+            continue
+        try:
+            job.result()
+        except Exception as e:  # the job itself died: its log says why
+            log(f"{name}: job {job.job_id} failed: {str(e).splitlines()[0]}")
 
 
 def search_worker(cfg_path: str, overrides: list, root: str, storage, study_name) -> dict:
@@ -122,7 +160,7 @@ def launch_search(
     or MySQL URL); the default SQLite file suits workers on one machine."""
     import submitit
 
-    from attnlab.sweep.search import default_storage, open_study
+    from attnlab.sweep.search import default_storage, open_study, redact
     from attnlab.sweep.search_report import write_best, write_plots
 
     if launcher not in ("local", "slurm"):
@@ -134,7 +172,10 @@ def launch_search(
     executor = submitit.AutoExecutor(folder=root / "submitit", cluster=launcher)
     executor.update_parameters(name=pathlib.Path(plan.config).stem, **(resources or {}))
     n = max(int(workers), 1)
-    jobs = executor.map_array(
+    jobs = _submit(
+        executor,
+        launcher,
+        resources,
         search_worker,
         [plan.config] * n,
         [list(plan.base_overrides)] * n,
@@ -142,12 +183,8 @@ def launch_search(
         [storage] * n,
         [study.study_name] * n,
     )
-    log(f"search: {n} worker(s) submitted ({launcher}) on {storage}")
-    for job in jobs:
-        try:
-            job.result()
-        except Exception as e:  # the job itself died: its log says why
-            log(f"worker {job.job_id} failed: {str(e).splitlines()[0]}")
+    log(f"search: {n} worker(s) submitted ({launcher}) on {redact(storage)}")
+    _wait(jobs, [f"worker {i}" for i in range(n)], launcher, log)
     results = collect(root)
     write_results(root, results)
     results["best"] = write_best(study, plan, root, log)
@@ -183,7 +220,10 @@ def launch_sweep(
     if todo:
         executor = submitit.AutoExecutor(folder=root / "submitit", cluster=launcher)
         executor.update_parameters(name=pathlib.Path(plan.config).stem, **(resources or {}))
-        jobs = executor.map_array(
+        jobs = _submit(
+            executor,
+            launcher,
+            resources,
             train_trial,
             [experiment.to_json(t.cfg) for t in todo],
             [str(root)] * len(todo),
@@ -191,11 +231,7 @@ def launch_sweep(
             [t.overrides for t in todo],
         )
         log(f"sweep: {len(jobs)} trial(s) submitted ({launcher}): {jobs[0].job_id.split('_')[0]}")
-        for t, job in zip(todo, jobs, strict=True):
-            try:
-                job.result()
-            except Exception as e:  # the job itself died: its log says why
-                log(f"{t.name}: job {job.job_id} failed: {str(e).splitlines()[0]}")
+        _wait(jobs, [t.name for t in todo], launcher, log)
     results = collect(root)
     write_results(root, results)
     rows = {r["trial"]: r["status"] for r in results["trials"]}

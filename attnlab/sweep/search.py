@@ -21,22 +21,31 @@ compiled program unchanged) while the others train on. A finished trial's value 
 
 The study lives in Optuna storage: ``sqlite:///DIR/study.db`` by default, or any database
 URL (``storage=``, ``--storage``), so several ``attnlab sweep`` processes (SLURM jobs through
-``--launcher slurm --workers N``) share one study. A killed search run again resumes the same
-study: its unfinished trials continue from their checkpoints in ``DIR/trial-NNNN/`` and new
-ones are asked only until ``num_trials`` exist. Results: ``DIR/results.*`` as for any sweep,
-``DIR/best.json`` (the best trial, its value, parameters and config), and Optuna's
-``param_importances.png`` and ``parallel_coordinate.png``.
+``--launcher slurm --workers N``) share one study. In a database server (PostgreSQL, MySQL)
+each worker records a heartbeat for the trials it trains; a trial whose worker died (its
+heartbeat older than ``grace_period`` seconds) is failed and asked again with the same values
+and directory, so it resumes from its checkpoint and counts once towards ``num_trials``;
+each worker ends once every trial is complete, pruned or failed. A killed search run again
+resumes the same study: its unfinished trials continue from their checkpoints in
+``DIR/trial-NNNN/`` and new ones are asked only until ``num_trials`` exist. Results:
+``DIR/results.*`` as for any sweep, ``DIR/best.json`` (the best trial, its value, parameters
+and config), and Optuna's ``param_importances.png`` and ``parallel_coordinate.png``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
+import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -82,6 +91,10 @@ class Search:
     sampler_options: dict = dataclasses.field(default_factory=dict)
     pruner_options: dict = dataclasses.field(default_factory=dict)
     method: str = "optuna"
+    # A study in a database server: each worker marks its trials alive this often (seconds);
+    # a trial silent for grace_period is failed and asked again (from its checkpoint).
+    heartbeat_interval: int = 10
+    grace_period: int = 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +138,10 @@ def as_search(spec) -> Search:
         raise ExperimentError(f"sweep: sampler={s.sampler!r}: use one of {list(SAMPLERS)}")
     if s.pruner not in PRUNERS and not hasattr(s.pruner, "prune"):
         raise ExperimentError(f"sweep: pruner={s.pruner!r}: use one of {list(PRUNERS)}")
+    for name in ("heartbeat_interval", "grace_period"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ExperimentError(f"sweep: {name}={v!r} must be a positive number of seconds")
     if s.direction not in ("minimize", "maximize"):
         raise ExperimentError(f"sweep: direction={s.direction!r}: use 'minimize' or 'maximize'")
     if not isinstance(s.space, Mapping) or not s.space:
@@ -164,20 +181,25 @@ def _optuna():
     optuna = optional_import("optuna", "optuna", "sweep: method='optuna'")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # the ask-and-tell loop records its trials' heartbeats itself (``Heartbeat``)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
     return optuna
 
 
-def make_sampler(search: Search):
+def make_sampler(search: Search, worker: int = 0):
+    """The sampler; ``worker`` tells the workers of one study apart (the same seed in each
+    would suggest the same values in each)."""
     optuna = _optuna()
     opts = dict(search.sampler_options)
+    seed = (search.seed + 7919 * int(worker)) % 2**32
     if search.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=search.seed, **opts)
+        return optuna.samplers.TPESampler(seed=seed, **opts)
     if search.sampler == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=search.seed, **opts)
+        return optuna.samplers.CmaEsSampler(seed=seed, **opts)
     if search.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=search.seed, **opts)
+        return optuna.samplers.RandomSampler(seed=seed, **opts)
     grid = {k: list(d.options) for k, d in search.space.items() if isinstance(d, Choice)}
-    return optuna.samplers.GridSampler(grid, seed=search.seed, **opts)
+    return optuna.samplers.GridSampler(grid, seed=seed, **opts)
 
 
 def make_pruner(search: Search, total_steps: int):
@@ -199,14 +221,91 @@ def default_storage(root) -> str:
     return f"sqlite:///{pathlib.Path(root).resolve() / STUDY_FILE}"
 
 
+CONNECT_TIMEOUT_S = 10  # a database server that does not answer in this time is unreachable
+DRIVERS = ("postgresql", "mysql")  # servers whose drivers take a connect_timeout
+
+
+def redact(url: str) -> str:
+    """``url`` with its password hidden, for log lines and errors."""
+    return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", str(url))
+
+
+def with_heartbeat(url: str) -> bool:
+    """Whether a study in ``url`` tracks its workers' heartbeats: a database server's (many
+    workers, some of which may die); SQLite's file stays the one-machine default."""
+    return not str(url).startswith("sqlite")
+
+
+def make_storage(url: str, search: Search):
+    """Optuna's storage at ``url``. In a database server, each trial's worker records a
+    heartbeat; a trial whose worker died is failed once its heartbeat is ``grace_period``
+    old, and asked again as a new trial with the same values and directory
+    (``RetryHeartbeatStaleTrialCallback``), which resumes from its checkpoint."""
+    optuna = _optuna()
+    if not with_heartbeat(url):
+        return url
+    scheme = str(url).split(":", 1)[0].split("+")[0]
+    engine = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}} if scheme in DRIVERS else {}
+    given = url
+    if (
+        url.startswith("postgresql://")
+        and importlib.util.find_spec("psycopg") is None  # SQLAlchemy 2.1's default driver
+        and importlib.util.find_spec("psycopg2") is not None
+    ):
+        url = "postgresql+psycopg2://" + url.removeprefix("postgresql://")
+    retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    options = {"heartbeat_interval": search.heartbeat_interval}
+    options["grace_period"] = search.grace_period
+    if retry is None:  # Optuna before 4.9
+        options["failed_trial_callback"] = optuna.storages.RetryFailedTrialCallback(
+            inherit_intermediate_values=True
+        )
+    else:
+        options["heartbeat_stale_trial_callback"] = retry(inherit_intermediate_values=True)
+    try:
+        return _rdb_storage(url, engine, options)
+    except ImportError:  # Optuna's words for a missing driver
+        extra = "'attnlab[postgres]'" if scheme == "postgresql" else f"a {scheme} driver"
+        raise ExperimentError(
+            f"--storage {redact(given)}: no database driver for {scheme} is installed; pip "
+            f"install {extra}"
+        ) from None
+    except Exception as e:  # SQLAlchemy's errors: the server is down, the name is wrong
+        why = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+        raise ExperimentError(
+            f"--storage {redact(given)}: the study database cannot be reached ({why}); start "
+            "the database server, or check the URL's host, port, name and user"
+        ) from None
+
+
+def _rdb_storage(url, engine, options, attempts: int = 5):
+    """``RDBStorage``; workers that start together on an empty database race to create its
+    tables, and the losers' second attempt finds them made."""
+    import sqlalchemy.exc
+
+    optuna = _optuna()
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine, **options)
+        except sqlalchemy.exc.OperationalError:  # no server there: no use trying again
+            raise
+        except sqlalchemy.exc.DBAPIError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+
+
 def open_study(plan: SearchPlan, root, storage=None, study_name=None):
     """The study of the search in ``root`` (created, or loaded to resume it)."""
     optuna = _optuna()
     search = plan.search
+    url = storage or default_storage(root)
+    # workers sharing a database server: each its own stream of suggestions
+    worker = os.getpid() % 100_003 if with_heartbeat(url) else 0
     return optuna.create_study(
-        storage=storage or default_storage(root),
+        storage=make_storage(url, search),
         study_name=study_name or pathlib.Path(root).resolve().name,
-        sampler=make_sampler(search),
+        sampler=make_sampler(search, worker),
         pruner=make_pruner(search, int(plan.base.train.steps)),
         direction=search.direction,
         load_if_exists=True,
@@ -268,21 +367,36 @@ def run_search(
     search = plan.search
     tally = dict.fromkeys(OUTCOMES, 0)
     running = optuna.trial.TrialState.RUNNING
+    url = storage or default_storage(root)
+    heartbeat = with_heartbeat(url)
     log(
         f"search: {search.num_trials} trial(s), sampler {search.sampler}, pruner "
         f"{search.pruner if isinstance(search.pruner, str) else type(search.pruner).__name__}, "
-        f"{search.stack} at a time; study {study.study_name} in {storage or default_storage(root)}"
+        f"{search.stack} at a time; study {study.study_name} in {redact(url)}"
     )
     while True:
-        batch = [
-            optuna.trial.Trial(study, f._trial_id)
-            for f in study.get_trials(deepcopy=False, states=(running,))
-            if _orphaned(f, root)
-        ][: search.stack]
+        if heartbeat:  # the trials of dead workers fail, and come back as waiting trials
+            optuna.storages.fail_stale_trials(study)
+            batch = []
+        else:  # one machine: a trial whose process is gone is resumed here
+            batch = [
+                optuna.trial.Trial(study, f._trial_id)
+                for f in study.get_trials(deepcopy=False, states=(running,))
+                if _orphaned(f, root)
+            ][: search.stack]
         if batch:
             log(f"search: resuming trial(s) {', '.join(str(t.number) for t in batch)}")
-        while len(batch) < search.stack and len(study.trials) < search.num_trials:
-            batch.append(study.ask())
+        while len(batch) < search.stack and (
+            counted(study) < search.num_trials
+            or study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        ):
+            trial = study.ask()
+            if heartbeat and surplus(study, trial, search.num_trials):
+                break  # another worker asked the last trials at the same moment
+            batch.append(trial)
+        if not batch and heartbeat and study.get_trials(deepcopy=False, states=(running,)):
+            time.sleep(search.heartbeat_interval)  # other workers' trials: done or failed soon
+            continue
         if not batch:
             break
         trials, by_dir = [], {}
@@ -301,9 +415,10 @@ def run_search(
             trials.append(Trial(name, values, cfg))
             by_dir[name] = t
         write_manifest(plan, root, study)
-        preempted = _train_batch(
-            trials, by_dir, study, root, search, parallel, progress, stop_after, tally, log
-        )
+        with Heartbeat(study, batch if heartbeat else [], search.heartbeat_interval):
+            preempted = _train_batch(
+                trials, by_dir, study, root, search, parallel, progress, stop_after, tally, log
+            )
         if preempted:
             log("search: stopped by a signal; run the same command again to resume the study")
             break
@@ -314,6 +429,64 @@ def run_search(
     write_plots(study, root, log)
     log(summary_line(tally))
     return results
+
+
+SURPLUS = "surplus"  # the user attribute of a trial asked beyond num_trials, given back
+
+
+def _counting(trials) -> list:
+    """The trials that count towards ``num_trials``: all but the failed ones that a later
+    trial retries (a dead worker's trial and its retry are one trial) and the surplus."""
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", ())}
+    return [t for t in trials if t.number not in retried and not t.user_attrs.get(SURPLUS)]
+
+
+def counted(study) -> int:
+    return len(_counting(study.get_trials(deepcopy=False)))
+
+
+def surplus(study, trial, num_trials: int) -> bool:
+    """Whether ``trial``, just asked, lies beyond the first ``num_trials`` (workers that ask
+    at once may together ask too many); if so it is marked and failed, counting for none.
+    Trials rank by the number of the trial they retry, else their own."""
+    ranked = sorted(
+        _counting(study.get_trials(deepcopy=False)),
+        key=lambda t: (t.system_attrs.get("failed_trial", t.number), t.number),
+    )
+    if trial.number in {t.number for t in ranked[:num_trials]}:
+        return False
+    trial.set_user_attr(SURPLUS, True)
+    study.tell(trial, state=_optuna().trial.TrialState.FAIL)
+    return True
+
+
+class Heartbeat:
+    """Records the heartbeat of ``trials`` every ``interval`` seconds while training them
+    (``Study.optimize`` does this for its own trials; an ask-and-tell loop does it itself)."""
+
+    def __init__(self, study, trials, interval: float):
+        self._storage, self._ids = study._storage, [t._trial_id for t in trials]
+        self._interval, self._stop = float(interval), threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self):
+        while True:
+            for trial_id in self._ids:
+                # a trial told meanwhile refuses the beat; the others go on
+                with contextlib.suppress(Exception):
+                    self._storage.record_heartbeat(trial_id)
+            if self._stop.wait(self._interval):
+                return
+
+    def __enter__(self):
+        if self._ids:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _train_batch(

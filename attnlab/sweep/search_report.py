@@ -21,11 +21,12 @@ def final_value(trial_dir, metric):
 
 
 def write_manifest(plan, root, study):
-    trials = [
-        {"name": f.user_attrs["dir"], "overrides": f.user_attrs["overrides"]}
-        for f in study.get_trials(deepcopy=False)
-        if "dir" in f.user_attrs and (root / f.user_attrs["dir"]).parent == root
-    ]
+    trials, named = [], set()
+    for f in study.get_trials(deepcopy=False):  # a retried trial shares its directory
+        name = f.user_attrs.get("dir")
+        if name is not None and (root / name).parent == root and name not in named:
+            named.add(name)
+            trials.append({"name": name, "overrides": f.user_attrs["overrides"]})
     manifest = {"config": plan.config, "overrides": list(plan.base_overrides), "trials": trials}
     runs.atomic_write(root / SWEEP_FILE, json.dumps(manifest, indent=2) + "\n")
 
