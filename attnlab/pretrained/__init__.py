@@ -1,22 +1,27 @@
 """Hugging Face checkpoints (config.json + model.safetensors) as attnlab models.
 
-``load_pretrained(path)`` returns a ``Pretrained`` handle. Families: gpt2, llama, mistral,
-qwen2, qwen3, olmo2, phi3, gemma, gemma2, gemma3_text, mixtral, qwen3_moe, gpt_oss,
-deepseek_v3, mamba2, qwen3_next, bamba, falcon_h1, nemotron_h, bert, bart, marian and t5
-(docs/pretrained.md).
-``configs`` translates config.json into a ``ModelConfig`` (one ``hf_*`` module per family
-group), ``mappings`` and ``mappings_open`` hold one tensor-name table per family,
+``load_pretrained(path)`` returns a ``Pretrained`` handle. Each family (a ``model_type``) is
+one file under ``families/`` that registers a ``Family`` (``family``): its config.json
+translator, its tensor-name table (``mappings``), its config.json writer for export and any
+rewrite of the stored tensors. ``configs`` translates config.json into a ``ModelConfig``,
 ``loader`` reads and converts, ``handle`` runs the model with Hugging Face-like arguments;
-``export`` writes a model back as a Hugging Face folder (``attnlab export-hf``).
+``export`` writes a model back as a Hugging Face folder (``attnlab export-hf``); all three
+look the family up in the registry (docs/pretrained.md lists the built-ins).
 """
 
 from attnlab.pretrained.configs import (
-    FAMILIES,
     UnsupportedCheckpointError,
     family_of,
     model_config_from_hf,
 )
 from attnlab.pretrained.export import ExportError, export_model, export_run
+from attnlab.pretrained.family import (
+    Family,
+    get_family,
+    register_family,
+    registered_families,
+    unregister_family,
+)
 from attnlab.pretrained.handle import Pretrained
 from attnlab.pretrained.loader import (
     CheckpointError,
@@ -32,6 +37,7 @@ __all__ = [
     "FAMILIES",
     "CheckpointError",
     "ExportError",
+    "Family",
     "MissingTensorError",
     "Pretrained",
     "TensorShapeError",
@@ -41,7 +47,17 @@ __all__ = [
     "export_model",
     "export_run",
     "family_of",
+    "get_family",
     "load_pretrained",
     "model_config_from_hf",
     "read_tensors",
+    "register_family",
+    "registered_families",
+    "unregister_family",
 ]
+
+
+def __getattr__(name):
+    if name == "FAMILIES":  # every registered family by model_type, the built-ins included
+        return registered_families()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
