@@ -209,6 +209,14 @@ def _check_attention(cfg) -> None:
                 _fail("layer_pattern", spec, "a window must be a positive integer or None")
             if spec.rope_theta is not None and spec.rope_theta <= 0:
                 _fail("layer_pattern", spec, "a rope_theta must be positive or None")
+            if not isinstance(spec.rope, bool):
+                _fail("layer_pattern", spec, "rope must be True or False (False: a NoPE layer)")
+            if not spec.rope and cfg.position != "rope":
+                _fail(
+                    "layer_pattern",
+                    spec,
+                    "rope=False turns RoPE off in a layer: set position='rope'",
+                )
         if not architecture(cfg).generates and any(s.window is not None for s in cfg.layer_pattern):
             _fail("layer_pattern", cfg.layer_pattern, "sliding windows are causal: decoders only")
 

@@ -178,6 +178,10 @@ def differences(ours: ModelConfig, read: ModelConfig) -> list[str]:
     thetas, read_thetas = ours.layer_rope_thetas(L), read.layer_rope_thetas(L)
     if ours.position == "rope" and not np.allclose(thetas, read_thetas, rtol=1e-9):
         out.append(f"RoPE bases {thetas} (read back {read_thetas})")
+    nope = [theta is None for theta, _ in ours.layer_ropes(L)]
+    read_nope = [theta is None for theta, _ in read.layer_ropes(L)]
+    if ours.position == "rope" and nope != read_nope:
+        out.append(f"NoPE layers {nope} (read back {read_nope})")
     return out
 
 

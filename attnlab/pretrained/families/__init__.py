@@ -26,6 +26,8 @@ BUILTINS = (
     "bert",
     "bart",
     "t5",
+    "smollm3",
+    "olmo3",
 )
 
 for _name in BUILTINS:
