@@ -10,6 +10,7 @@ from attnlab.errors import ConfigError
 from attnlab.ffns import get_ffn
 from attnlab.mixers import get_mixer
 from attnlab.ops.activations import FFN_KINDS
+from attnlab.ops.activations import PARAMETERS as ACTIVATION_PARAMETERS
 from attnlab.ops.attention import IMPLEMENTATIONS
 from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
 from attnlab.ops.positions import ROPE_SCALINGS, RopeScaling
@@ -162,6 +163,13 @@ def _check_choices(cfg) -> None:
     if cap is not None and not (isinstance(cap, int | float) and 0 < cap < float("inf")):
         _fail("logits_softcap", cap, "a positive number (Gemma 2 uses 30.0), or None")
     _choice(cfg, "ffn", FFN_KINDS)
+    if cfg.ffn in ACTIVATION_PARAMETERS and cfg.ffn_variant != "dense":
+        _fail(
+            "ffn",
+            cfg.ffn,
+            f"its learned scalars live in the dense FFN: set ffn_variant='dense' "
+            f"(is {cfg.ffn_variant!r}) or choose another activation",
+        )
     _choice(cfg, "attention_impl", IMPLEMENTATIONS)
     _choice(cfg, "dtype", DTYPES)
     _choice(cfg, "param_dtype", DTYPES)

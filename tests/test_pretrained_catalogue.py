@@ -1,12 +1,13 @@
 """Families of 2025 built on attnlab's existing mixers: SmolLM3 (NoPE layers), OLMo 3
-(sliding-window and full layers with a RoPE base each).
+(sliding-window and full layers with a RoPE base each), Apertus (xIELU) and GLM-4.5
+(partial RoPE, q/k/v biases, QK-norm, grouped sigmoid routing after a dense first layer).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 layers, d_model 32), every weight moved off its init. Logits equal transformers'
 to 1e-4 at the real positions of a left-padded batch; the same tensors under a config.json
-with the family's feature switched off move them by more than 1e-3; 16 greedy tokens through
-attnlab's cache equal ``generate``; ``export_model`` writes a folder transformers reads with the
-same logits. Parameter and cache sizes of the published configurations are computed from
+with each of the family's features switched off move them by more than 1e-3; 16 greedy tokens
+through attnlab's cache equal ``generate``; ``export_model`` writes a folder transformers reads
+with the same logits. Parameter and cache sizes of the published configurations are computed from
 their config.json numbers alone and checked against the model cards' totals.
 """
 
@@ -49,7 +50,8 @@ _BASE = dict(
     eos_token_id=2,
 )
 
-# name -> (config class, model class, kwargs, config.json changes that drop the feature)
+# name -> (config class, model class, kwargs, [config.json changes that drop one feature]);
+# a change's "drop" lists stored names of tensors the plainer config has no place for.
 SPECS = {
     # A sliding layer with RoPE, then a full layer without (NoPE).
     "smollm3": (
@@ -63,7 +65,7 @@ SPECS = {
             layer_types=["sliding_attention", "full_attention"],
             tie_word_embeddings=False,
         ),
-        {"no_rope_layers": [1, 1]},
+        [{"no_rope_layers": [1, 1]}],
     ),
     # A sliding layer on a base of its own, then a full one.
     "olmo3": (
@@ -78,7 +80,41 @@ SPECS = {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
             },
         ),
-        {"layer_types": ["full_attention", "full_attention"]},
+        [{"layer_types": ["full_attention", "full_attention"]}],
+    ),
+    # xIELU against the squared ReLU its positive branch generalises.
+    "apertus": (
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        dict(_BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        [{"hidden_act": "relu2", "drop": ("act_fn.",)}],
+    ),
+    # 8 experts in 4 groups, 2 chosen from the best group; half of each head rotated.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _BASE,
+            moe_intermediate_size=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=1,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+        [
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+            {"n_group": 1, "topk_group": 1},
+        ],
     ),
 }
 NAMES = list(SPECS)
@@ -99,7 +135,12 @@ def checkpoints(tmp_path_factory):
             model = getattr(transformers, model_cls)._from_config(
                 config, attn_implementation="eager", dtype=torch.float32
             )
-            perturb(model, torch.Generator().manual_seed(100 + seed))
+            gen = torch.Generator().manual_seed(100 + seed)
+            perturb(model, gen)
+            with torch.no_grad():  # the selection bias and xIELU's scalars off their init
+                for n, p in [*model.named_parameters(), *model.named_buffers()]:
+                    if n.endswith(("e_score_correction_bias", "alpha_p", "alpha_n")):
+                        p.add_(0.5 * torch.randn(p.shape, generator=gen))
             model.eval()
             model.generation_config.eos_token_id = None
             folder = tmp_path_factory.mktemp(name)
@@ -110,7 +151,7 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", cases(NAMES, slow={"olmo3": SLOW}))
+@pytest.mark.parametrize("name", cases(NAMES, slow={n: SLOW for n in NAMES if n != "smollm3"}))
 def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = left_padded(np.random.default_rng(0))
@@ -120,10 +161,13 @@ def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
     assert handle.family == name
     real = mask.astype(bool)
     assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL
-    # The same tensors under a config.json without the feature compute something else.
-    off = {**handle.hf_config, **SPECS[name][3]}
-    other = convert(off, read_tensors(folder), model_config_from_hf(off))
-    assert max_diff(other(ids, valid_BT=real).logits[real], expected[real]) > 1e-3
+    # The same tensors under a config.json without a feature compute something else.
+    for change in SPECS[name][3]:
+        drop = change.get("drop", ())
+        off = {**handle.hf_config, **{k: v for k, v in change.items() if k != "drop"}}
+        kept = {n: x for n, x in read_tensors(folder).items() if not any(d in n for d in drop)}
+        other = convert(off, kept, model_config_from_hf(off))
+        assert max_diff(other(ids, valid_BT=real).logits[real], expected[real]) > 1e-3, change
 
 
 @pytest.mark.slow(reason="16 cached greedy tokens compiled, against transformers' generate")
@@ -144,66 +188,98 @@ def test_export_round_trips(checkpoints, tmp_path, name):
 PUBLISHED = {
     # HuggingFaceTB/SmolLM3-3B: 3.08B parameters (tied embeddings); every layer full
     # attention, every fourth without RoPE.
-    "smollm3": (
-        dict(
-            model_type="smollm3",
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_hidden_layers=36,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            max_position_embeddings=65536,
-            rope_theta=5000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            use_sliding_window=False,
-            no_rope_layer_interval=4,
-        ),
-        3.08e9,
+    "smollm3": dict(
+        model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+        num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+        max_position_embeddings=65536, rope_theta=5000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, use_sliding_window=False, no_rope_layer_interval=4,
     ),
     # allenai/Olmo-3-1025-7B: 7.30B parameters; three sliding layers (4096) then one full.
-    "olmo3": (
-        dict(
-            model_type="olmo3",
-            vocab_size=100278,
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            max_position_embeddings=65536,
-            sliding_window=4096,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
-        7.30e9,
+    "olmo3": dict(
+        model_type="olmo3", vocab_size=100278, hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=65536, sliding_window=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     ),
-}
+    # swiss-ai/Apertus-8B-2509: 8.05B parameters; xIELU FFN, QK-norm, Llama 3 RoPE scaling.
+    "apertus": dict(
+        model_type="apertus", vocab_size=131072, hidden_size=4096, intermediate_size=21504,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=65536, hidden_act="xielu", rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    ),
+    # zai-org/GLM-4.5: 355B parameters, 32B active (the card's active count leaves out the
+    # embeddings; its total counts the multi-token-prediction layer, which attnlab does not
+    # load: 3.9B of a MoE layer and its projections).
+    "glm4_moe": dict(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=5120, intermediate_size=12288,
+        moe_intermediate_size=1536, num_hidden_layers=92, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, n_routed_experts=160, n_shared_experts=1,
+        num_experts_per_tok=8, first_k_dense_replace=3, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+        max_position_embeddings=131072, tie_word_embeddings=False, num_nextn_predict_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "partial_rotary_factor": 0.5},
+    ),
+}  # fmt: skip
+
+
+def published_counts(name, c) -> tuple[int, int, int]:
+    """``(parameters, active parameters, embedding parameters)`` of config.json ``c``, by
+    hand: embeddings and head, attention (q, k, v, o; biases, QK-norm), FFNs, norms."""
+    D, L, F, V_ = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    N, K = c["num_attention_heads"], c["num_key_value_heads"]
+    H = c.get("head_dim") or D // N
+    embed = V_ * D * (1 if c["tie_word_embeddings"] else 2)
+    attention = D * (N + 2 * K) * H + N * H * D
+    attention += {
+        "olmo3": N * H + K * H,
+        "apertus": 2 * H,
+        "glm4_moe": (N + 2 * K) * H + 2 * H,
+    }.get(name, 0)
+    norms = 2 * D
+    if name == "glm4_moe":
+        E, k = c["n_routed_experts"], c["num_experts_per_tok"]
+        Fe, dense = c["moe_intermediate_size"], c["first_k_dense_replace"]
+        shared = 3 * D * Fe * c["n_shared_experts"]
+        router = E * D + E  # and the selection bias
+        moe = router + shared + E * 3 * D * Fe
+        moe_active = router + shared + k * 3 * D * Fe
+        total = embed + L * (attention + norms) + dense * 3 * D * F + (L - dense) * moe + D
+        active = total - (L - dense) * (moe - moe_active)
+        return total, active, embed
+    ffn = 2 * D * F + 2 if name == "apertus" else 3 * D * F  # xIELU: up, down, two scalars
+    total = embed + L * (attention + ffn + norms) + D
+    return total, total, embed
+
+
+CARDS = {"smollm3": (3.08e9, None), "olmo3": (7.30e9, None), "apertus": (8.05e9, None),
+         "glm4_moe": (355e9, 32e9)}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_published_sizes_from_the_config_alone(name):
-    c, card = PUBLISHED[name]
+    c = PUBLISHED[name]
     cfg = model_config_from_hf(c)
-    D, L, F, Vc = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    N, K = c["num_attention_heads"], c["num_key_value_heads"]
-    H = D // N
-    # Embedding (and an untied head), q k v o, SwiGLU, two norms per layer (OLMo: QK-norm
-    # over the whole projections too), the final norm.
-    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D
-    if name == "olmo3":
-        per_layer += N * H + K * H
-    total = Vc * D * (1 if c["tie_word_embeddings"] else 2) + L * per_layer + D
+    total, active, embed = published_counts(name, c)
     assert count_params(cfg) == total
-    assert abs(total - card) < 0.005e9  # the card's rounding
+    assert count_params(cfg, active=True) == active
+    card_total, card_active = CARDS[name]
+    if card_active is None:
+        assert abs(total - card_total) < 0.005e9  # the card's rounding
+    else:  # GLM-4.5: the MTP layer (about 3.9B) is the difference to the card's total
+        assert 2e9 < card_total - total < 4.5e9
+        assert abs(active - embed - card_active) < 0.5e9
     # Keys and values of every layer in bfloat16 (3 in 4 OLMo 3 layers slide, but the
     # cache is linear while any layer attends to everything).
+    L, K = c["num_hidden_layers"], c["num_key_value_heads"]
+    H = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     assert kv_cache_bytes(cfg, 1, 1000) == 1000 * L * 2 * K * H * 2
-    layers = cfg.layer_pattern
     if name == "smollm3":
-        assert [spec.rope for spec in layers] == [(i + 1) % 4 != 0 for i in range(L)]
-    else:
-        assert [spec.window for spec in layers] == [
-            None if (i + 1) % 4 == 0 else 4096 for i in range(L)
-        ]
+        assert [spec.rope for spec in cfg.layer_pattern] == [(i + 1) % 4 != 0 for i in range(L)]
+    if name == "olmo3":
+        windows = [spec.window for spec in cfg.layer_pattern]
+        assert windows == [None if (i + 1) % 4 == 0 else 4096 for i in range(L)]

@@ -250,6 +250,9 @@ def export_model(model, out) -> str:
     family. ``out`` must be new or empty."""
     family, hf = hf_config_of(model.cfg)
     tensors = hf_tensors(model, family)
+    finish = get_family(family).finish
+    if finish is not None:
+        tensors = finish(tensors, hf)
     out = os.fspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ExportError(f"--out {out} exists and is not an empty folder: choose a new one")

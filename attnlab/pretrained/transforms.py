@@ -146,6 +146,8 @@ TRANSFORMS = {
         lambda x, t: (x, np.ones(t[1], x.dtype)),
         lambda xs, t: xs[0],
     ),
+    # A scalar stored as a one-entry vector [1] (xIELU's alpha_p, alpha_n).
+    "scalar": Transform(lambda t: (1,), lambda x, t: (x.reshape(()),), lambda xs, t: xs[0][None]),
     # A Gemma RMSNorm weight w, whose scale is 1 + w.
     "plus_one": Transform(
         lambda t: t[0], lambda x, t: (x.astype(np.float32) + 1,), lambda xs, t: xs[0] - 1

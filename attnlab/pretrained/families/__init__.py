@@ -28,6 +28,8 @@ BUILTINS = (
     "t5",
     "smollm3",
     "olmo3",
+    "apertus",
+    "glm4_moe",
 )
 
 for _name in BUILTINS:
