@@ -23,7 +23,6 @@ from test_export_hf import export_round_trips  # noqa: E402
 from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
-from tiers import cases  # noqa: E402
 
 from attnlab import count_params  # noqa: E402
 from attnlab.kv_cache import kv_cache_bytes  # noqa: E402
@@ -118,7 +117,7 @@ SPECS = {
     ),
 }
 NAMES = list(SPECS)
-SLOW = "one more family's checkpoint built by transformers and compiled (2-6 s)"
+SLOW = "a family's checkpoint built by transformers, loaded twice and compiled (2-6 s)"
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +150,8 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", cases(NAMES, slow={n: SLOW for n in NAMES if n != "smollm3"}))
+@pytest.mark.slow(reason=SLOW)
+@pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = left_padded(np.random.default_rng(0))
