@@ -1,6 +1,7 @@
 """Families of 2025 built on attnlab's existing mixers: SmolLM3 (NoPE layers), OLMo 3
-(sliding-window and full layers with a RoPE base each), Apertus (xIELU) and GLM-4.5
-(partial RoPE, q/k/v biases, QK-norm, grouped sigmoid routing after a dense first layer).
+(sliding-window and full layers with a RoPE base each), Apertus (xIELU), GLM-4.5
+(partial RoPE, q/k/v biases, QK-norm, grouped sigmoid routing after a dense first layer)
+and LFM2 (gated short convolutions beside attention).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 layers, d_model 32), every weight moved off its init. Logits equal transformers'
@@ -50,7 +51,8 @@ _BASE = dict(
 )
 
 # name -> (config class, model class, kwargs, [config.json changes that drop one feature]);
-# a change's "drop" lists stored names of tensors the plainer config has no place for.
+# a change's "drop" lists stored names of tensors the plainer config has no place for, its
+# "tensors" rewrites the stored tensors instead.
 SPECS = {
     # A sliding layer with RoPE, then a full layer without (NoPE).
     "smollm3": (
@@ -115,7 +117,31 @@ SPECS = {
             {"n_group": 1, "topk_group": 1},
         ],
     ),
-}
+    # A convolution layer, then attention; the FFN width derived (two thirds of 72, to 16s).
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            _BASE,
+            intermediate_size=72,
+            block_multiple_of=16,
+            initializer_range=0.3,  # at 0.125 its greedy tokens repeat one token
+            layer_types=["conv", "full_attention"],
+            tie_word_embeddings=False,
+        ),
+        [{"tensors": lambda t: {n: one_tap(x) if n.endswith("conv.conv.weight") else x
+                                for n, x in t.items()}}],
+    ),
+}  # fmt: skip
+
+
+def one_tap(w):
+    """A depthwise filter [Z, 1, W] reduced to its current-token tap, 1: no convolution."""
+    out = np.zeros_like(w)
+    out[..., -1] = 1
+    return out
+
+
 NAMES = list(SPECS)
 SLOW = "a family's checkpoint built by transformers, loaded twice and compiled (2-6 s)"
 
@@ -163,9 +189,13 @@ def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
     assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL
     # The same tensors under a config.json without a feature compute something else.
     for change in SPECS[name][3]:
-        drop = change.get("drop", ())
-        off = {**handle.hf_config, **{k: v for k, v in change.items() if k != "drop"}}
+        drop, rewrite = change.get("drop", ()), change.get("tensors", lambda t: t)
+        off = {
+            **handle.hf_config,
+            **{k: v for k, v in change.items() if k not in ("drop", "tensors")},
+        }
         kept = {n: x for n, x in read_tensors(folder).items() if not any(d in n for d in drop)}
+        kept = rewrite(kept)
         other = convert(off, kept, model_config_from_hf(off))
         assert max_diff(other(ids, valid_BT=real).logits[real], expected[real]) > 1e-3, change
 
@@ -224,6 +254,16 @@ PUBLISHED = {
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                          "partial_rotary_factor": 0.5},
     ),
+    # LiquidAI/LFM2-1.2B: 1.17B parameters (tied embeddings); 10 convolution layers, attention
+    # at 2, 5, 8, 10, 12 and 14; the FFN 8192 wide (two thirds of 12288).
+    "lfm2": dict(
+        model_type="lfm2", vocab_size=65536, hidden_size=2048, intermediate_size=12288,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=128000, norm_eps=1e-5, conv_L_cache=3, conv_bias=False,
+        block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14], tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
 }  # fmt: skip
 
 
@@ -251,13 +291,19 @@ def published_counts(name, c) -> tuple[int, int, int]:
         total = embed + L * (attention + norms) + dense * 3 * D * F + (L - dense) * moe + D
         active = total - (L - dense) * (moe - moe_active)
         return total, active, embed
+    if name == "lfm2":  # attention (QK-norm) or the convolution; the FFN 8192 wide
+        n_attention = len(c["full_attn_idxs"])
+        conv = 3 * D * D + 3 * D + D * D  # in_proj (b, c, h), 3 taps, out_proj
+        mixers = n_attention * (attention + 2 * H) + (L - n_attention) * conv
+        total = embed + mixers + L * (3 * D * 8192 + norms) + D
+        return total, total, embed
     ffn = 2 * D * F + 2 if name == "apertus" else 3 * D * F  # xIELU: up, down, two scalars
     total = embed + L * (attention + ffn + norms) + D
     return total, total, embed
 
 
 CARDS = {"smollm3": (3.08e9, None), "olmo3": (7.30e9, None), "apertus": (8.05e9, None),
-         "glm4_moe": (355e9, 32e9)}  # fmt: skip
+         "glm4_moe": (355e9, 32e9), "lfm2": (1.17e9, None)}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -277,7 +323,10 @@ def test_published_sizes_from_the_config_alone(name):
     # cache is linear while any layer attends to everything).
     L, K = c["num_hidden_layers"], c["num_key_value_heads"]
     H = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    assert kv_cache_bytes(cfg, 1, 1000) == 1000 * L * 2 * K * H * 2
+    if name == "lfm2":  # keys and values of 6 layers; 10 layers' conv state (2 inputs, float32)
+        assert kv_cache_bytes(cfg, 1, 1000) == 1000 * 6 * 2 * K * H * 2 + 10 * 2 * 2048 * 4
+    else:
+        assert kv_cache_bytes(cfg, 1, 1000) == 1000 * L * 2 * K * H * 2
     if name == "smollm3":
         assert [spec.rope for spec in cfg.layer_pattern] == [(i + 1) % 4 != 0 for i in range(L)]
     if name == "olmo3":

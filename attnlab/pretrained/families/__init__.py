@@ -30,6 +30,7 @@ BUILTINS = (
     "olmo3",
     "apertus",
     "glm4_moe",
+    "lfm2",
 )
 
 for _name in BUILTINS:
