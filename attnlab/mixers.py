@@ -148,6 +148,7 @@ _MIXERS = Registry(
         "mamba2": "attnlab.nn.mixers.mamba2",
         "base_conv": "attnlab.nn.mixers.base_conv",
         "short_conv": "attnlab.nn.mixers.short_conv",
+        "mamba": "attnlab.nn.mixers.mamba",
     },
 )
 
