@@ -31,6 +31,7 @@ BUILTINS = (
     "apertus",
     "glm4_moe",
     "lfm2",
+    "mamba",
 )
 
 for _name in BUILTINS:
