@@ -1,7 +1,8 @@
 """Families of 2025 built on attnlab's existing mixers: SmolLM3 (NoPE layers), OLMo 3
 (sliding-window and full layers with a RoPE base each), Apertus (xIELU), GLM-4.5
 (partial RoPE, q/k/v biases, QK-norm, grouped sigmoid routing after a dense first layer)
-LFM2 (gated short convolutions beside attention) and Mamba (Mamba-1's selective scan).
+LFM2 (gated short convolutions beside attention), Mamba (Mamba-1's selective scan) and
+Jamba (Mamba-1 with inner norms, attention without positions, experts every other layer).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 layers, d_model 32), every weight moved off its init. Logits equal transformers'
@@ -145,6 +146,19 @@ SPECS = {
         ),
         [{"tensors": lambda t: {n: x + 30 if n.endswith("A_log") else x for n, x in t.items()}}],
     ),
+    # Mamba, attention, Mamba, attention; experts in the attention layers (2 of 4 per token).
+    # Off: the inner norms' learned scales set to one.
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            _BASE, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, mamba_d_state=4, use_mamba_kernels=False,
+        ),
+        [{"tensors": lambda t: {n: np.ones_like(x) if "layernorm" in n and ".mamba." in n
+                                else x for n, x in t.items()}}],
+    ),
 }  # fmt: skip
 
 
@@ -283,19 +297,62 @@ PUBLISHED = {
         num_hidden_layers=24, expand=2, conv_kernel=4, time_step_rank=48, use_bias=False,
         use_conv_bias=True, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
     ),
+    # ai21labs/Jamba-v0.1: 52B parameters, 12B active; attention in 4 of 32 layers, experts
+    # (2 of 16 per token) in every other layer.
+    "jamba": dict(
+        model_type="jamba", vocab_size=65536, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_experts=16,
+        num_experts_per_tok=2, attn_layer_period=8, attn_layer_offset=4,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=256, mamba_conv_bias=True, mamba_proj_bias=False,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
+
+
+def mamba_layer(D, J, R, conv=4, inner_norms=False) -> int:
+    """One Mamba-1 mixer: in_proj, conv and its bias, x_proj, dt_proj and its bias, A, D,
+    out_proj (and Jamba's norms on dt, B, C)."""
+    Z = 2 * D
+    return (
+        D * 2 * Z
+        + conv * Z
+        + Z
+        + Z * (R + 2 * J)
+        + R * Z
+        + Z
+        + Z * J
+        + Z
+        + Z * D
+        + (R + 2 * J if inner_norms else 0)
+    )
 
 
 def published_counts(name, c) -> tuple[int, int, int]:
     """``(parameters, active parameters, embedding parameters)`` of config.json ``c``, by
     hand: embeddings and head, attention (q, k, v, o; biases, QK-norm), FFNs, norms."""
-    if name == "mamba":  # in_proj, conv (and bias), x_proj, dt_proj (and bias), A, D, out_proj
-        D, L, J, R, Vm = (c[k] for k in ("hidden_size", "num_hidden_layers", "state_size",
-                                         "time_step_rank", "vocab_size"))  # fmt: skip
-        Z = 2 * D
-        layer = D * 2 * Z + 5 * Z + Z * (R + 2 * J) + R * Z + Z + Z * J + Z + Z * D + D
-        total = Vm * D + L * layer + D
+    if name == "mamba":
+        D, L, Vm = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+        total = Vm * D + L * (mamba_layer(D, c["state_size"], c["time_step_rank"]) + D) + D
         return total, total, Vm * D
+    if name == "jamba":  # 28 Mamba and 4 attention layers; 16 SwiGLU and 16 expert FFNs
+        D, L, F, Vj = (
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            c["intermediate_size"],
+            c["vocab_size"],
+        )
+        N, K, E, k = c["num_attention_heads"], c["num_key_value_heads"], c["num_experts"], 2
+        H = D // N
+        attention = D * (N + 2 * K) * H + N * H * D
+        mamba = mamba_layer(D, c["mamba_d_state"], c["mamba_dt_rank"], inner_norms=True)
+        ffn = 3 * D * F
+        embed = 2 * Vj * D
+        total = (
+            embed + 4 * attention + 28 * mamba + 16 * ffn + 16 * (E * ffn + E * D) + L * 2 * D + D
+        )
+        active = total - 16 * (E - k) * ffn
+        return total, active, embed
     D, L, F, V_ = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     N, K = c["num_attention_heads"], c["num_key_value_heads"]
     H = c.get("head_dim") or D // N
@@ -329,7 +386,8 @@ def published_counts(name, c) -> tuple[int, int, int]:
 
 
 CARDS = {"smollm3": (3.08e9, None), "olmo3": (7.30e9, None), "apertus": (8.05e9, None),
-         "glm4_moe": (355e9, 32e9), "lfm2": (1.17e9, None), "mamba": (0.129e9, None)}  # fmt: skip
+         "glm4_moe": (355e9, 32e9), "lfm2": (1.17e9, None), "mamba": (0.129e9, None),
+         "jamba": (52e9, 12e9)}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -344,6 +402,8 @@ def test_published_sizes_from_the_config_alone(name):
     card_total, card_active = CARDS[name]
     if card_active is None:
         assert abs(total - card_total) < 0.005 * 10 ** math.floor(math.log10(card_total))
+    elif name == "jamba":  # the card's whole billions
+        assert abs(total - card_total) < 0.5e9 and abs(active - card_active) < 0.5e9
     else:  # GLM-4.5: the MTP layer (about 3.9B) is the difference to the card's total
         assert 2e9 < card_total - total < 4.5e9
         assert abs(active - embed - card_active) < 0.5e9
@@ -352,6 +412,10 @@ def test_published_sizes_from_the_config_alone(name):
     if name == "mamba":  # a fixed-size state and conv state per sequence, float32
         per_layer = 2 * 768 * 16 + 3 * 2 * 768
         assert kv_cache_bytes(cfg, 1, 1000) == kv_cache_bytes(cfg, 1, 10) == 24 * per_layer * 4
+        return
+    if name == "jamba":  # keys and values of 4 layers (bfloat16), 28 Mamba states (float32)
+        mamba_state = 2 * 4096 * 16 + 3 * 2 * 4096
+        assert kv_cache_bytes(cfg, 1, 1000) == 1000 * 4 * 2 * 8 * 128 * 2 + 28 * mamba_state * 4
         return
     L, K = c["num_hidden_layers"], c["num_key_value_heads"]
     H = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]

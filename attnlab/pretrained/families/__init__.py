@@ -32,6 +32,7 @@ BUILTINS = (
     "glm4_moe",
     "lfm2",
     "mamba",
+    "jamba",
 )
 
 for _name in BUILTINS:
