@@ -2,7 +2,8 @@
 (sliding-window and full layers with a RoPE base each), Apertus (xIELU), GLM-4.5
 (partial RoPE, q/k/v biases, QK-norm, grouped sigmoid routing after a dense first layer)
 LFM2 (gated short convolutions beside attention), Mamba (Mamba-1's selective scan) and
-Jamba (Mamba-1 with inner norms, attention without positions, experts every other layer).
+Jamba (Mamba-1 with inner norms, attention without positions, experts every other layer)
+and Granite 4 (Mamba-2 and attention, experts beside a shared SwiGLU, muP multipliers).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 layers, d_model 32), every weight moved off its init. Logits equal transformers'
@@ -158,6 +159,20 @@ SPECS = {
         ),
         [{"tensors": lambda t: {n: np.ones_like(x) if "layernorm" in n and ".mamba." in n
                                 else x for n, x in t.items()}}],
+    ),
+    # Mamba-2 then attention with RoPE; 4 experts (2 per token) beside the shared SwiGLU;
+    # every multiplier away from 1. Off: the residual multiplier back at 1.
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            _BASE, intermediate_size=16, shared_intermediate_size=24, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["mamba", "attention"], mamba_n_heads=4,
+            mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4,
+            position_embedding_type="rope", embedding_multiplier=3.0, logits_scaling=2.0,
+            residual_multiplier=0.5, attention_multiplier=0.3,
+        ),
+        [{"residual_multiplier": 1.0}, {"attention_multiplier": 0.25}],
     ),
 }  # fmt: skip
 

@@ -33,6 +33,7 @@ BUILTINS = (
     "lfm2",
     "mamba",
     "jamba",
+    "granitemoehybrid",
 )
 
 for _name in BUILTINS:
