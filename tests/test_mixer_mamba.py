@@ -53,7 +53,9 @@ def mamba_float64(x_BTD, layer, eps):
     return y @ f(layer.out_proj_ZD)
 
 
-@pytest.mark.parametrize("inner_norms", [False, True])
+@pytest.mark.parametrize(
+    "inner_norms", [False, pytest.param(True, marks=pytest.mark.slow(reason="one more layer"))]
+)
 def test_the_layer_is_the_papers_recurrence_in_float64(inner_norms):
     cfg = ModelConfig(**mixer_checks.TINY, mixer="mamba")
     cls = get_mixer("mamba")

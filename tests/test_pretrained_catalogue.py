@@ -28,6 +28,7 @@ from test_export_hf import export_round_trips  # noqa: E402
 from test_pretrained import max_diff  # noqa: E402
 from test_pretrained_hf import hf, perturb  # noqa: E402
 from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
+from tiers import cases  # noqa: E402
 
 from attnlab import count_params  # noqa: E402
 from attnlab.kv_cache import kv_cache_bytes  # noqa: E402
@@ -405,7 +406,12 @@ CARDS = {"smollm3": (3.08e9, None), "olmo3": (7.30e9, None), "apertus": (8.05e9,
          "jamba": (52e9, 12e9)}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(PUBLISHED))
+HYBRID_SIZES = "traces a hybrid stack's parameter shapes (about 2 s)"
+
+
+@pytest.mark.parametrize(
+    "name", cases(list(PUBLISHED), slow={"lfm2": HYBRID_SIZES, "jamba": HYBRID_SIZES})
+)
 def test_published_sizes_from_the_config_alone(name):
     c = PUBLISHED[name]
     cfg = model_config_from_hf(c)
