@@ -38,19 +38,25 @@ UNSTACKED_DECODE_MAX_LAYERS = 12
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """What one layer of ``ModelConfig.layer_pattern`` changes: its sliding window (None:
-    global attention) and its RoPE base (None: ``ModelConfig.rope_theta``)."""
+    global attention), its RoPE base (None: ``ModelConfig.rope_theta``) and whether it
+    rotates at all (``rope=False``: a NoPE layer, no positions in its attention)."""
 
     window: int | None = None
     rope_theta: float | None = None
+    rope: bool = True
 
     @classmethod
     def of(cls, value) -> LayerSpec:
         if isinstance(value, LayerSpec):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {"window", "rope_theta"})
+            unknown = sorted(set(value) - {"window", "rope_theta", "rope"})
             if unknown:
-                _fail("layer_pattern", value, f"unknown key(s) {unknown}: use window, rope_theta")
+                _fail(
+                    "layer_pattern",
+                    value,
+                    f"unknown key(s) {unknown}: use window, rope_theta, rope",
+                )
             return cls(**value)
         if value in ("global", None):
             return cls()
@@ -253,11 +259,16 @@ class ModelConfig:
     def layer_ropes(self, n_layers: int) -> tuple[tuple, ...]:
         """Each layer's ``(rope_theta, rope_scaling)``: ``rope_scaling`` scales the layers
         on the model's base; a layer with a base of its own (``layer_pattern``) rotates
-        unscaled (Gemma 3's local layers)."""
+        unscaled (Gemma 3's local layers); a NoPE layer (``rope=False``) is ``(None, None)``."""
         p = self.layer_pattern
-        own = lambda i: p is not None and p[i % len(p)].rope_theta is not None
+        spec = lambda i: p[i % len(p)] if p is not None else LayerSpec()
         thetas = self.layer_rope_thetas(n_layers)
-        return tuple((thetas[i], None if own(i) else self.rope_scaling) for i in range(n_layers))
+        return tuple(
+            (None, None)
+            if not spec(i).rope
+            else (thetas[i], None if spec(i).rope_theta is not None else self.rope_scaling)
+            for i in range(n_layers)
+        )
 
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes``; fields that were derived are derived again (and a new

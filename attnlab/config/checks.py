@@ -12,6 +12,7 @@ from attnlab.contracts.mixer import get_mixer
 from attnlab.contracts.score_function import attention_variants
 from attnlab.errors import ConfigError
 from attnlab.ops.activations import FFN_KINDS
+from attnlab.ops.activations import PARAMETERS as ACTIVATION_PARAMETERS
 from attnlab.ops.attention import BLOCKWISE, IMPLEMENTATIONS
 from attnlab.ops.context_parallel import METHODS as CONTEXT_PARALLEL
 from attnlab.ops.positions import ROPE_SCALINGS, RopeScaling
@@ -165,6 +166,13 @@ def _check_choices(cfg) -> None:
     if cap is not None and not (isinstance(cap, int | float) and 0 < cap < float("inf")):
         _fail("logits_softcap", cap, "a positive number (Gemma 2 uses 30.0), or None")
     _choice(cfg, "ffn", FFN_KINDS)
+    if cfg.ffn in ACTIVATION_PARAMETERS and cfg.ffn_variant != "dense":
+        _fail(
+            "ffn",
+            cfg.ffn,
+            f"its learned scalars live in the dense FFN: set ffn_variant='dense' "
+            f"(is {cfg.ffn_variant!r}) or choose another activation",
+        )
     _choice(cfg, "attention_impl", IMPLEMENTATIONS)
     _choice(cfg, "dtype", DTYPES)
     _choice(cfg, "param_dtype", DTYPES)
@@ -215,6 +223,14 @@ def _check_attention(cfg) -> None:
                 _fail("layer_pattern", spec, "a window must be a positive integer or None")
             if spec.rope_theta is not None and spec.rope_theta <= 0:
                 _fail("layer_pattern", spec, "a rope_theta must be positive or None")
+            if not isinstance(spec.rope, bool):
+                _fail("layer_pattern", spec, "rope must be True or False (False: a NoPE layer)")
+            if not spec.rope and cfg.position != "rope":
+                _fail(
+                    "layer_pattern",
+                    spec,
+                    "rope=False turns RoPE off in a layer: set position='rope'",
+                )
         if not architecture(cfg).generates and any(s.window is not None for s in cfg.layer_pattern):
             _fail("layer_pattern", cfg.layer_pattern, "sliding windows are causal: decoders only")
 

@@ -148,6 +148,8 @@ _MIXERS = Registry(
         "gated_deltanet": "attnlab.nn.mixers.gated_deltanet",
         "mamba2": "attnlab.nn.mixers.mamba2",
         "base_conv": "attnlab.nn.mixers.base_conv",
+        "short_conv": "attnlab.nn.mixers.short_conv",
+        "mamba": "attnlab.nn.mixers.mamba",
     },
 )
 

@@ -115,9 +115,15 @@ class FeedForward(FFN):
         zeros = lambda n: nnx.Param(jnp.zeros((n,), jnp.dtype(cfg.param_dtype)))
         self.b_in_F = zeros(F) if cfg.ffn_bias else None
         self.b_out_D = zeros(D) if cfg.ffn_bias else None
+        # The activation's learned scalars (xIELU's), as act_<name>.
+        self.act_names = tuple(ops.activations.PARAMETERS.get(cfg.ffn, {}))
+        for name, init in ops.activations.PARAMETERS.get(cfg.ffn, {}).items():
+            value = jnp.asarray(init, jnp.dtype(cfg.param_dtype))
+            setattr(self, f"act_{name}", nnx.Param(value))
 
     def __call__(self, x_BTD, *, key=None):
         get = lambda p: None if p is None else p[...]
+        act = {name: getattr(self, f"act_{name}")[...] for name in self.act_names}
         return ops.feed_forward(
             x_BTD,
             self.w_in_DF[...],
@@ -129,4 +135,5 @@ class FeedForward(FFN):
             dropout_rate=self.rate,
             key=key,
             hidden_fn=lambda h_BTF: probe.tap("hidden", h_BTF),  # named ffn.hidden
+            act_params=act or None,
         )

@@ -102,9 +102,10 @@ class Layers:
 
     @property
     def rope_options(self) -> tuple | None:
-        """With a scaling on some layer, the distinct ``(base, scaling)`` pairs each layer
-        picks from by index (``ops.RopeChoice``); None when every layer is unscaled."""
-        if all(scaling is None for _, scaling in self.ropes):
+        """With a scaling or a NoPE layer, the distinct ``(base, scaling)`` pairs each layer
+        picks from by index (``ops.RopeChoice``; NoPE ``(None, None)``); None when every
+        layer rotates unscaled."""
+        if all(theta is not None and scaling is None for theta, scaling in self.ropes):
             return None
         return tuple(dict.fromkeys(self.ropes))
 

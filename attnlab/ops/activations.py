@@ -6,6 +6,7 @@ Gated units (GLU family) take the gate and the linear branch separately:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -102,9 +103,35 @@ def geglu_tanh(gate, up):
     return gelu_tanh(gate) * up
 
 
-ACTIVATIONS = {"relu": relu, "relu2": relu2, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu}
+def xielu(x, alpha_p, alpha_n, *, beta=0.5, eps=-1e-6):
+    """xIELU (Huang and Schlag 2024, Apertus): ``a_p x^2 + beta x`` for ``x > 0``, else
+    ``a_n (expm1(min(x, eps)) - x) + beta x``, with ``a_p = softplus(alpha_p)`` and ``a_n =
+    beta + softplus(alpha_n)`` from the learned scalars; computed in float32."""
+    x32 = x.astype(jnp.float32)
+    a_p = jax.nn.softplus(jnp.asarray(alpha_p, jnp.float32))
+    a_n = beta + jax.nn.softplus(jnp.asarray(alpha_n, jnp.float32))
+    negative = a_n * (jnp.expm1(jnp.minimum(x32, eps)) - x32)
+    return (jnp.where(x32 > 0, a_p * x32 * x32, negative) + beta * x32).astype(x.dtype)
+
+
+def _inverse_softplus(y: float) -> float:
+    return math.log(math.expm1(y))
+
+
+ACTIVATIONS = {
+    "relu": relu,
+    "relu2": relu2,
+    "gelu": gelu,
+    "gelu_tanh": gelu_tanh,
+    "silu": silu,
+    "xielu": xielu,
+}
 GATED = {"swiglu": silu, "geglu": gelu, "geglu_tanh": gelu_tanh}
 FFN_KINDS = tuple(ACTIVATIONS) + tuple(GATED)
+# Activations with learned scalars, one of each per FFN: name -> initial value (xIELU's
+# a_p = 0.8 and a_n = 0.8, before the softplus). The FFN holds them as ``act_<name>`` and
+# passes them by name.
+PARAMETERS = {"xielu": {"alpha_p": _inverse_softplus(0.8), "alpha_n": _inverse_softplus(0.3)}}
 
 
 def is_gated(kind):
@@ -132,12 +159,18 @@ def feed_forward(
     dropout_rate: float = 0.0,
     key=None,
     hidden_fn=None,
+    act_params: dict | None = None,
 ):
     """A position-wise FFN: ``act(x W_in + b_in) W_out + b_out``, or the gated form
     ``act(x W_gate) * (x W_in + b_in)``; dropout (with ``key``) on the hidden units.
     ``hidden_fn``: a map of the hidden units ``[..., F]`` (after the activation) before the
-    output projection, e.g. to read or replace them; None: none."""
+    output projection, e.g. to read or replace them; None: none. ``act_params``: the learned
+    scalars of an activation that has them (``PARAMETERS``)."""
     act = activation(kind)
+    if kind in PARAMETERS:
+        if set(act_params or {}) != set(PARAMETERS[kind]):
+            raise ValueError(f"FFN kind {kind!r} needs act_params {sorted(PARAMETERS[kind])}")
+        act = functools.partial(act, **act_params)
     h_BTF = dense(x_BTD, w_in_DF)
     if b_in_F is not None:
         h_BTF = add_bias(h_BTF, b_in_F)

@@ -185,8 +185,9 @@ def _rope_angles(H, positions_BT, theta, scaling):
 @dataclasses.dataclass(frozen=True)
 class RopeChoice:
     """One layer's RoPE among a stack's few kinds: ``options[index]``, a ``(theta,
-    scaling)`` pair. ``index`` may be traced (the scan over layers); the options are static,
-    so each kind's frequencies are computed from a concrete base (``jax.lax.switch``)."""
+    scaling)`` pair (``(None, None)``: a NoPE layer, which leaves x as it is). ``index`` may
+    be traced (the scan over layers); the options are static, so each kind's frequencies are
+    computed from a concrete base (``jax.lax.switch``)."""
 
     index: Any
     options: tuple = dataclasses.field(metadata=dict(static=True))
@@ -194,7 +195,9 @@ class RopeChoice:
     def __call__(self, x_BTNH, positions_BT, *, rotary_dim=None):
         """``apply_rope`` with this layer's base and scaling."""
         branches = [
-            functools.partial(apply_rope, theta=theta, scaling=scaling, rotary_dim=rotary_dim)
+            (lambda x, p: x)
+            if theta is None
+            else functools.partial(apply_rope, theta=theta, scaling=scaling, rotary_dim=rotary_dim)
             for theta, scaling in self.options
         ]
         if len(branches) == 1:

@@ -1,13 +1,14 @@
 """attnlab models written as Hugging Face checkpoint folders (config.json + model.safetensors).
 
-``hf_config_of(cfg)`` finds the supported family whose config.json describes the model: each
-family's writer turns the ``ModelConfig`` into a config.json dict, which is read back with
-``model_config_from_hf`` and kept only when the architecture read back is the model's own
-(every field that changes the computation; per-layer windows, RoPE bases, mixers and FFNs
-compared layer by layer, so a hybrid stack matches whatever block its config.json reads
-back as). The tensors are the family's loading table (``attnlab.pretrained.mappings``) run
-backwards, each rule's ``store``; a parameter no rule writes stops the export. So whatever
-``export_model`` writes, ``load_pretrained`` and transformers read as the same model.
+``hf_config_of(cfg)`` finds the registered family whose config.json describes the model
+(``attnlab.pretrained.family``, tried in registration order): each family's writer turns
+the ``ModelConfig`` into a config.json dict, which is read back with ``model_config_from_hf``
+and kept only when the architecture read back is the model's own (every field that changes
+the computation; per-layer windows, RoPE bases, mixers and FFNs compared layer by layer, so
+a hybrid stack matches whatever block its config.json reads back as). The tensors are the
+family's loading table (``Family.mapping``) run backwards, each rule's ``store``; a parameter
+no rule writes stops the export. So whatever ``export_model`` writes, ``load_pretrained`` and
+transformers read as the same model.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from attnlab.errors import PretrainedError
 from attnlab.nn.mixers.recurrent import RecurrentMixer, RecurrentSettings
 from attnlab.nn.parametrization import to_standard
 from attnlab.pretrained.configs import model_config_from_hf
-from attnlab.pretrained.export_configs import WRITERS
+from attnlab.pretrained.family import get_family, registered_families
 from attnlab.pretrained.loader import layer_groups
-from attnlab.pretrained.mappings_open import MAPPINGS
 from attnlab.pretrained.transforms import TRANSFORMS, split_experts
 
 
@@ -179,13 +179,18 @@ def differences(ours: ModelConfig, read: ModelConfig) -> list[str]:
     thetas, read_thetas = ours.layer_rope_thetas(L), read.layer_rope_thetas(L)
     if ours.position == "rope" and not np.allclose(thetas, read_thetas, rtol=1e-9):
         out.append(f"RoPE bases {thetas} (read back {read_thetas})")
+    nope = [theta is None for theta, _ in ours.layer_ropes(L)]
+    read_nope = [theta is None for theta, _ in read.layer_ropes(L)]
+    if ours.position == "rope" and nope != read_nope:
+        out.append(f"NoPE layers {nope} (read back {read_nope})")
     return out
 
 
 def hf_config_of(cfg: ModelConfig) -> tuple[str, dict]:
     """``(family, config.json dict)`` of the first supported family that describes ``cfg``."""
     misses = {}
-    for family, write in WRITERS.items():
+    writers = {name: f.write for name, f in registered_families().items() if f.write is not None}
+    for family, write in writers.items():
         try:
             hf = write(cfg)
             diff = differences(cfg, model_config_from_hf(hf))
@@ -197,7 +202,7 @@ def hf_config_of(cfg: ModelConfig) -> tuple[str, dict]:
     detail = "; ".join(f"{f}: {', '.join(d)}" for f, d in misses.items())
     raise ExportError(
         f"the model's architecture matches no family export-hf writes (supported: "
-        f"{sorted(WRITERS)}); closest differences: {detail}"
+        f"{sorted(writers)}); closest differences: {detail}"
     )
 
 
@@ -225,7 +230,8 @@ def hf_tensors(model, family: str) -> dict[str, np.ndarray]:
     values = _per_layer_values(model)
     n_layers = max((int(m) for m in re.findall(r"\.layers\.(\d+)\.", " ".join(values))), default=-1)
     tensors, written = {}, set()
-    for rule in MAPPINGS[family].rules:
+    mapping = get_family(family).mapping
+    for rule in mapping.rules:
         for i in range(n_layers + 1 if any("{i}" in t for t in rule.to) else 1):
             targets = [t.format(i=i) for t in rule.to]
             if not all(t in values for t in targets):
@@ -237,7 +243,7 @@ def hf_tensors(model, family: str) -> dict[str, np.ndarray]:
     left = sorted(set(values) - written)
     if left:
         raise ExportError(f"no {family} tensor name holds attnlab parameter(s) {left[:5]}")
-    return split_experts(tensors) if MAPPINGS[family].per_expert else tensors
+    return split_experts(tensors) if mapping.per_expert else tensors
 
 
 def export_model(model, out) -> str:
@@ -246,6 +252,9 @@ def export_model(model, out) -> str:
     model = to_standard(model)  # Hugging Face checkpoints are in the standard form
     family, hf = hf_config_of(model.cfg)
     tensors = hf_tensors(model, family)
+    finish = get_family(family).finish
+    if finish is not None:
+        tensors = finish(tensors, hf)
     out = os.fspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ExportError(f"--out {out} exists and is not an empty folder: choose a new one")

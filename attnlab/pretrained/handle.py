@@ -23,7 +23,7 @@ from flax import nnx
 
 from attnlab.config import ModelConfig
 from attnlab.decode import checks
-from attnlab.pretrained.configs import family_of
+from attnlab.pretrained.family import family_of
 
 # name -> jitted function of (graphdef, state, *arrays); shared by every handle.
 _COMPILED = {}

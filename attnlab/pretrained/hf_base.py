@@ -20,6 +20,7 @@ _ACTIVATIONS = {
     "gelu_fast": ("gelu_tanh", "geglu_tanh"),
     "silu": ("silu", "swiglu"),
     "swish": ("silu", "swiglu"),
+    "xielu": ("xielu", None),
 }
 
 
@@ -183,7 +184,7 @@ def rope_decoder_fields(c: dict, *, rotary: dict | None = None, **fields) -> dic
         norm="rmsnorm",
         norm_eps=c.get("rms_norm_eps", 1e-6),
         norm_placement="pre",
-        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
+        ffn=fields["ffn"] if "ffn" in fields else ffn_kind(c, "hidden_act", "silu", gated=True),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
     return common_fields(c, **{**read, **fields})

@@ -5,8 +5,8 @@ A folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
 with ``safetensors`` as NumPy arrays (bfloat16 through ``ml_dtypes``); neither torch nor
 transformers is needed. The config is translated by ``attnlab.pretrained.configs``, the
 model is built abstractly (no random init), and every parameter is filled through the
-family's table in ``attnlab.pretrained.mappings``. Any missing, unexpected or mis-shaped
-tensor stops the load with an error that names it.
+family's table (its ``Family.mapping``, after its ``prepare``). Any missing, unexpected or
+mis-shaped tensor stops the load with an error that names it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from flax import nnx
 from attnlab.config import ModelConfig
 from attnlab.errors import PretrainedError, PretrainedFileError, one_line
 from attnlab.nn.models import build_model
-from attnlab.pretrained.configs import family_of, model_config_from_hf
+from attnlab.pretrained.configs import model_config_from_hf
+from attnlab.pretrained.family import family_of, get_family
 from attnlab.pretrained.mappings import Mapping
-from attnlab.pretrained.mappings_open import MAPPINGS, PREPARE
 from attnlab.pretrained.transforms import TRANSFORMS, stack_experts
 
 
@@ -258,11 +258,11 @@ def _stack_layers(values: dict, flat: dict) -> dict:
 
 def convert(hf_config: dict, tensors: dict[str, np.ndarray], cfg: ModelConfig):
     """The NNX model of ``cfg`` with every parameter taken from ``tensors``."""
-    family = family_of(hf_config)
-    mapping = MAPPINGS[family]
+    family = get_family(family_of(hf_config))
+    mapping = family.mapping
     tensors = stack_experts(_with_prefix(tensors, mapping))
-    if family in PREPARE:
-        tensors = PREPARE[family](tensors, hf_config)
+    if family.prepare is not None:
+        tensors = family.prepare(tensors, hf_config)
     abstract = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_dotted(path): leaf for path, leaf in nnx.to_flat_state(params)}

@@ -124,6 +124,13 @@ TRANSFORMS = {
         ),
         lambda xs, t: np.concatenate([x.transpose(1, 2, 0) for x in xs], 1).reshape(-1, t[0][0]),
     ),
+    # Experts stored stacked with gate | up along their rows, [E, 2F, D] -> 2 x [E, D, F]
+    # (Granite 4's input_linear).
+    "experts_fused_linear": Transform(
+        lambda t: (t[0][0], t[0][2] + t[1][2], t[0][1]),
+        lambda x, t: tuple(p.transpose(0, 2, 1) for p in np.split(x, [t[0][2]], axis=1)),
+        lambda xs, t: np.concatenate([x.transpose(0, 2, 1) for x in xs], 1),
+    ),
     # A depthwise nn.Conv1d weight [Z, 1, W] -> taps by channel [W, Z] (Mamba-2's conv1d).
     "depthwise_conv": Transform(
         lambda t: (t[0][1], 1, t[0][0]),
@@ -146,6 +153,8 @@ TRANSFORMS = {
         lambda x, t: (x, np.ones(t[1], x.dtype)),
         lambda xs, t: xs[0],
     ),
+    # A scalar stored as a one-entry vector [1] (xIELU's alpha_p, alpha_n).
+    "scalar": Transform(lambda t: (1,), lambda x, t: (x.reshape(()),), lambda xs, t: xs[0][None]),
     # A Gemma RMSNorm weight w, whose scale is 1 + w.
     "plus_one": Transform(
         lambda t: t[0], lambda x, t: (x.astype(np.float32) + 1,), lambda xs, t: xs[0] - 1

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 
+from attnlab.config.layer_kinds import stack_plan
+from attnlab.pretrained.export_configs import mamba2_keys, single_mixers
+from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import common_fields, reject, require
-from attnlab.pretrained.mappings import Mapping, _table
+from attnlab.pretrained.mappings import Mapping, table
 
 # Mamba-2 keeps no positions; a cache of a recurrent layer does not grow with it either.
 MAMBA2_MAX_LEN = 1 << 20
@@ -119,7 +122,7 @@ _L = "backbone.layers.{i}"
 _M = "decoder.layers.{i}.attn"
 MAMBA2 = Mapping(
     prefix="backbone.",
-    rules=_table(
+    rules=table(
         ("backbone.embeddings.weight", "embed.tokens.embedding_VD"),
         ("backbone.norm_f.weight", "decoder.final_norm.scale_D"),
         ("lm_head.weight", "head.head_DV", "linear"),
@@ -131,4 +134,42 @@ MAMBA2 = Mapping(
         mamba2_rows(f"{_L}.mixer", _M),
     ),
     ignore=("lm_head.weight",),
+)
+
+
+def mamba2_writer(cfg):
+    """Every layer one ``mamba2`` mixer with no FFN (``ffn_variant="none"``)."""
+    mixers = single_mixers(cfg, "Mamba-2", {"mamba2": None})
+    if any(k.ffn_variant != "none" for k in stack_plan(cfg, cfg.n_layers).kinds):
+        raise ValueError("ffn_variant: Mamba-2's layers have no FFN ('none')")
+    if cfg.arch != "decoder":
+        raise ValueError(f"arch={cfg.arch!r}: export-hf writes decoder-only models")
+    s = mixers[0].mixer_settings.resolved(cfg)
+    return {
+        "model_type": "mamba2",
+        "architectures": ["Mamba2ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        **mamba2_keys(s, MAMBA2_KEYS),
+        "time_step_min": s.time_step_min,
+        "time_step_max": s.time_step_max,
+        "time_step_floor": s.time_step_floor,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "hidden_act": "silu",
+        "rms_norm": True,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "pad_token_id": cfg.pad_id,
+        "dtype": "float32",
+    }
+
+
+register_family(
+    Family(
+        "mamba2",
+        config=mamba2,
+        mapping=MAMBA2,
+        write=mamba2_writer,
+        architectures=("Mamba2",),
+    )
 )

@@ -17,13 +17,15 @@ block's repeats; the loader reads them as the checkpoint's layers ``p, p + P, ..
 
 from __future__ import annotations
 
+from attnlab.pretrained.export_configs import base_config, single_mixers
+from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
     reject,
     require,
     rope_decoder_fields,
 )
-from attnlab.pretrained.mappings import Mapping, _table
+from attnlab.pretrained.mappings import Mapping, table
 
 _KINDS = ("linear_attention", "full_attention")
 
@@ -101,7 +103,7 @@ _LA, _GA = f"{_L}.linear_attn", f"{_A}.attn"
 _SA, _X = f"{_L}.self_attn", f"{_L}.mlp"
 QWEN3_NEXT = Mapping(
     prefix="model.",
-    rules=_table(
+    rules=table(
         ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
         ("model.norm.weight", "decoder.final_norm.scale_D", "plus_one"),
         ("lm_head.weight", "head.head_DV", "linear"),
@@ -134,4 +136,54 @@ QWEN3_NEXT = Mapping(
     ),
     # The tied head's copy; the multi-token-prediction head, which attnlab does not run.
     ignore=("lm_head.weight", "mtp.*"),
+)
+
+
+# attnlab mixers -> Qwen3-Next's layer types (the gate must be elementwise: read back).
+_QWEN3_NEXT_TYPES = {"gated_deltanet": "linear_attention", "gated": "full_attention"}
+
+
+def qwen3_next_writer(cfg):
+    """Gated DeltaNet and gated attention layers (``layer_types`` per layer, the DeltaNet
+    settings of the first such layer), every FFN experts with one gated shared expert."""
+    mixers = single_mixers(cfg, "Qwen3-Next", _QWEN3_NEXT_TYPES)
+    s = cfg.ffn_settings
+    if getattr(cfg, "ffn_variant", None) != "moe" or s.n_shared != 1 or not s.shared_gate:
+        raise ValueError("ffn_settings: Qwen3-Next's FFN is experts with one gated shared expert")
+    out = base_config(cfg, "qwen3_next", "Qwen3NextForCausalLM")
+    if cfg.rotary_dim is not None:
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    out["layer_types"] = [_QWEN3_NEXT_TYPES[m.mixer] for m in mixers]
+    linear = [m.mixer_settings.resolved(cfg) for m in mixers if m.mixer == "gated_deltanet"]
+    if linear:
+        g = linear[0]
+        out.update(
+            linear_num_value_heads=g.num_v_heads,
+            linear_num_key_heads=g.num_k_heads,
+            linear_key_head_dim=g.head_k_dim,
+            linear_value_head_dim=g.head_v_dim,
+            linear_conv_kernel_dim=g.conv_kernel,
+        )
+    d_expert = s.d_expert or cfg.d_ff
+    out.update(
+        num_experts=s.n_experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=d_expert,
+        shared_expert_intermediate_size=s.d_shared or d_expert,
+        norm_topk_prob=s.renormalize,
+        router_aux_loss_coef=s.load_balance_weight,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return out
+
+
+register_family(
+    Family(
+        "qwen3_next",
+        config=qwen3_next,
+        mapping=QWEN3_NEXT,
+        write=qwen3_next_writer,
+        architectures=("Qwen3Next",),
+    )
 )

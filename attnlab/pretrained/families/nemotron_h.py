@@ -4,14 +4,17 @@ translator, the renaming of its layers into attnlab blocks and the tensor-name t
 Nemotron-H's layers hold one sub-layer each (Mamba-2, attention without positions, or a
 squared-ReLU MLP); a mixer layer and the MLP layer after it are one attnlab block, a mixer
 without one a block with ``ffn_variant="none"``, and the blocks' kinds become a
-``block_pattern`` as Bamba's (``hf_base.prefix_and_block``). ``nemotron_h_units`` renames the
-stored layers to those blocks before the table applies.
+``block_pattern`` as Bamba's (``hf_base.prefix_and_block``). ``nemotron_h_units`` (the family's
+``prepare``) renames the stored layers to those blocks before the table applies.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from attnlab.pretrained.families.bamba import HYBRID_DEFAULTS, with_defaults
+from attnlab.pretrained.families.mamba2 import MAMBA2_KEYS, mamba2_rows, mamba2_settings
+from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
     common_fields,
@@ -20,13 +23,11 @@ from attnlab.pretrained.hf_base import (
     reject,
     require,
 )
-from attnlab.pretrained.hf_hybrid import _HYBRID_DEFAULTS, _with_defaults
-from attnlab.pretrained.hf_ssm import MAMBA2_KEYS, mamba2_rows, mamba2_settings
-from attnlab.pretrained.mappings import Mapping, _linear_attention, _table
+from attnlab.pretrained.mappings import Mapping, linear_attention, table
 
 # transformers' defaults of the keys a config.json may leave out (where attnlab's differ).
 _NEMOTRON_H_DEFAULTS = {
-    **_HYBRID_DEFAULTS, "head_dim": 128, "mamba_num_heads": 128, "n_groups": 8,
+    **HYBRID_DEFAULTS, "head_dim": 128, "mamba_num_heads": 128, "n_groups": 8,
     "chunk_size": 128, "mlp_hidden_act": "relu2",
 }  # fmt: skip
 # NemotronHConfig's older key -> the one it reads now.
@@ -79,7 +80,7 @@ def nemotron_h(c: dict) -> dict:
     """``NemotronHConfig`` -> a decoder of Mamba-2 and attention layers without positions,
     each Mamba-2 or attention layer and the ``mlp`` layer after it (squared-ReLU FFN) one
     attnlab block; a mixer with no ``mlp`` after it has no FFN (``ffn_variant="none"``)."""
-    c = _with_defaults(c, _NEMOTRON_H_DEFAULTS, _NEMOTRON_H_RENAMED)
+    c = with_defaults(c, _NEMOTRON_H_DEFAULTS, _NEMOTRON_H_RENAMED)
     reject(c, "mamba_hidden_act", lambda v: v not in (None, "silu"), "Mamba-2 gates with silu")
     reject(c, "mlp_bias", (True,), "attnlab's Nemotron-H MLP has no biases")
     reject(c, "sliding_window", lambda v: v is not None, "Nemotron-H attends to every token")
@@ -147,16 +148,27 @@ def nemotron_h_units(tensors: dict, c: dict) -> dict:
 _U = "backbone.units.{i}"
 _A = "decoder.layers.{i}"
 NEMOTRON_H = Mapping(
-    rules=_table(
+    rules=table(
         ("backbone.embeddings.weight", "embed.tokens.embedding_VD"),
         ("backbone.norm_f.weight", "decoder.final_norm.scale_D"),
         ("lm_head.weight", "head.head_DV", "linear"),
         (f"{_U}.attn_norm.weight", f"{_A}.attn_norm.scale_D"),
         (f"{_U}.ffn_norm.weight", f"{_A}.ffn_norm.scale_D"),
         mamba2_rows(f"{_U}.mixer", f"{_A}.attn"),
-        _linear_attention(f"{_U}.mixer", f"{_A}.attn", bias=False),
+        linear_attention(f"{_U}.mixer", f"{_A}.attn", bias=False),
         (f"{_U}.mlp.up_proj.weight", f"{_A}.ffn.w_in_DF", "linear"),
         (f"{_U}.mlp.down_proj.weight", f"{_A}.ffn.w_out_FD", "linear"),
     ),
     ignore=("lm_head.weight",),
+)
+
+
+register_family(
+    Family(
+        "nemotron_h",
+        config=nemotron_h,
+        mapping=NEMOTRON_H,
+        prepare=nemotron_h_units,
+        architectures=("NemotronH",),
+    )
 )

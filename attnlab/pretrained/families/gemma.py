@@ -11,6 +11,8 @@ output logits (``logits_softcap``).
 
 from __future__ import annotations
 
+from attnlab.pretrained.export_configs import base_config, rope_parameters, window_fields
+from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
     common_fields,
@@ -19,6 +21,17 @@ from attnlab.pretrained.hf_base import (
     require,
     rope_scaling_of,
     rope_theta_of,
+)
+from attnlab.pretrained.mappings import (
+    IGNORE,
+    A,
+    L,
+    Mapping,
+    ends,
+    gated_ffn,
+    linear_attention,
+    norm_row,
+    table,
 )
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -100,3 +113,98 @@ def gemma(c: dict, family: str) -> dict:
             float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None
         ),
     )
+
+
+# Every RMSNorm stores w for a scale of 1 + w; Gemma 2 and 3 add the sandwich's post-norms,
+# 3 QK-norm.
+GEMMA = Mapping(
+    prefix="model.",
+    rules=table(
+        ends("plus_one"),
+        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm", "plus_one"),
+        linear_attention(f"{L}.self_attn", f"{A}.attn", bias=False),
+        norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm", "plus_one"),
+        norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm", "plus_one"),
+        norm_row(f"{L}.post_attention_layernorm", f"{A}.attn_post_norm", "plus_one"),
+        norm_row(f"{L}.pre_feedforward_layernorm", f"{A}.ffn_norm", "plus_one"),
+        norm_row(f"{L}.post_feedforward_layernorm", f"{A}.ffn_post_norm", "plus_one"),
+        gated_ffn(),
+    ),
+    ignore=IGNORE,
+)
+# Gemma 1 is pre-norm: its post_attention_layernorm is the FFN's input norm.
+GEMMA1 = Mapping(
+    prefix="model.",
+    rules=table(
+        ends("plus_one"),
+        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm", "plus_one"),
+        linear_attention(f"{L}.self_attn", f"{A}.attn", bias=False),
+        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm", "plus_one"),
+        gated_ffn(),
+    ),
+    ignore=IGNORE,
+)
+
+
+def _gemma(cfg, model_type, architecture):
+    out = base_config(cfg, model_type, architecture)
+    out["hidden_activation"] = out.pop("hidden_act")
+    scale = cfg.attn_scale**-2
+    out["query_pre_attn_scalar"] = round(scale) if abs(scale - round(scale)) < 1e-6 else scale
+    return out
+
+
+def gemma_writer(cfg):
+    return _gemma(cfg, "gemma", "GemmaForCausalLM")
+
+
+def gemma2_writer(cfg):
+    out = {**_gemma(cfg, "gemma2", "Gemma2ForCausalLM"), **window_fields(cfg)}
+    out["attn_logit_softcapping"] = getattr(cfg.mixer_settings, "softcap", None)
+    out["final_logit_softcapping"] = cfg.logits_softcap
+    return out
+
+
+def gemma3_text_writer(cfg):
+    out = {**_gemma(cfg, "gemma3_text", "Gemma3ForCausalLM"), **window_fields(cfg)}
+    thetas = cfg.layer_rope_thetas(cfg.n_layers)
+    kinds = out["layer_types"]
+    by_kind = {k: {t for t, kk in zip(thetas, kinds, strict=True) if kk == k} for k in set(kinds)}
+    if any(len(v) > 1 for v in by_kind.values()):
+        raise ValueError("Gemma 3 has one RoPE base per layer type")
+    full = by_kind.get("full_attention", {cfg.rope_theta}).pop()
+    local = by_kind.get("sliding_attention", {cfg.rope_theta}).pop()
+    out["rope_parameters"] = {
+        "full_attention": {**rope_parameters(cfg), "rope_theta": full},
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+    }
+    return out
+
+
+register_family(
+    Family(
+        "gemma",
+        config=lambda c: gemma(c, "gemma"),
+        mapping=GEMMA1,
+        write=gemma_writer,
+        architectures=("Gemma",),
+    )
+)
+register_family(
+    Family(
+        "gemma2",
+        config=lambda c: gemma(c, "gemma2"),
+        mapping=GEMMA,
+        write=gemma2_writer,
+        architectures=("Gemma2",),
+    )
+)
+register_family(
+    Family(
+        "gemma3_text",
+        config=lambda c: gemma(c, "gemma3_text"),
+        mapping=GEMMA,
+        write=gemma3_text_writer,
+        architectures=("Gemma3",),
+    )
+)

@@ -1,0 +1,105 @@
+"""GLM-4.5 (``glm4_moe``): grouped-query attention with q/k/v biases (``attention_bias``), no
+output bias, QK-norm per head when ``use_qk_norm``, RoPE on ``partial_rotary_factor`` of each
+head (half-split); dense first layers (``first_k_dense_replace``), then DeepSeek-V3's experts
+(sigmoid scores, a selection bias, grouped routing, routed scaling, shared experts). The
+multi-token-prediction layers stored after the last layer are not loaded."""
+
+from __future__ import annotations
+
+import re
+
+from attnlab.pretrained.export_configs import base_config
+from attnlab.pretrained.families.deepseek_v3 import deepseek_moe_settings
+from attnlab.pretrained.families.llama import llama_like
+from attnlab.pretrained.family import Family, register_family
+from attnlab.pretrained.hf_base import require
+from attnlab.pretrained.mappings import (
+    IGNORE,
+    A,
+    L,
+    Mapping,
+    ends,
+    gated_ffn,
+    linear_attention,
+    norm_row,
+    table,
+)
+
+
+def glm4_moe(c: dict) -> dict:
+    fields = llama_like(
+        c, o_bias=False, partial_rotary=True, qk_norm=bool(c.get("use_qk_norm", False))
+    )
+    return {**fields, "ffn_variant": "moe", "ffn_settings": deepseek_moe_settings(c)}
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def without_mtp_layers(tensors: dict, c: dict) -> dict:
+    """The tensors of the layers the model runs (``num_nextn_predict_layers`` more follow)."""
+    n = require(c, "num_hidden_layers")
+    keep = lambda name: (m := _LAYER.match(name)) is None or int(m[1]) < n
+    return {name: x for name, x in tensors.items() if keep(name)}
+
+
+_X = f"{L}.mlp"
+GLM4_MOE = Mapping(
+    prefix="model.",
+    rules=table(
+        ends(),
+        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
+        linear_attention(f"{L}.self_attn", f"{A}.attn"),
+        norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm"),
+        norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm"),
+        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
+        gated_ffn(),
+        (f"{_X}.gate.weight", f"{A}.ffn.router_DE", "linear"),
+        (f"{_X}.gate.e_score_correction_bias", f"{A}.ffn.selection_bias_E"),
+        (f"{_X}.experts.gate_proj.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
+        (f"{_X}.experts.up_proj.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
+        (f"{_X}.experts.down_proj.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
+        (f"{_X}.shared_experts.gate_proj.weight", f"{A}.ffn.shared_gate_DF", "linear"),
+        (f"{_X}.shared_experts.up_proj.weight", f"{A}.ffn.shared_in_DF", "linear"),
+        (f"{_X}.shared_experts.down_proj.weight", f"{A}.ffn.shared_out_FD", "linear"),
+    ),
+    ignore=IGNORE,
+)
+
+
+def glm4_moe_writer(cfg):
+    s = cfg.ffn_settings
+    if getattr(cfg, "ffn_variant", None) != "moe" or s.score != "sigmoid":
+        raise ValueError("ffn_settings: GLM-4.5's FFN is experts with sigmoid scores")
+    if cfg.out_bias:
+        raise ValueError("out_bias: GLM-4.5's output projection has no bias")
+    out = base_config(cfg, "glm4_moe", "Glm4MoeForCausalLM")
+    out["rope_parameters"]["partial_rotary_factor"] = (
+        cfg.rotary_dim or cfg.head_dim
+    ) / cfg.head_dim
+    out.update(
+        use_qk_norm=cfg.qk_norm,
+        n_routed_experts=s.n_experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.d_expert or cfg.d_ff,
+        n_group=s.n_group,
+        topk_group=s.topk_group,
+        n_shared_experts=s.n_shared,
+        first_k_dense_replace=s.dense_layers,
+        routed_scaling_factor=s.routed_scaling,
+        norm_topk_prob=s.renormalize,
+        num_nextn_predict_layers=0,
+    )
+    return out
+
+
+register_family(
+    Family(
+        "glm4_moe",
+        config=glm4_moe,
+        mapping=GLM4_MOE,
+        write=glm4_moe_writer,
+        prepare=without_mtp_layers,
+        architectures=("Glm4Moe",),
+    )
+)

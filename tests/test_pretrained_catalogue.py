@@ -1,0 +1,251 @@
+"""The catalogue's families against transformers: SmolLM3 (NoPE layers), OLMo 3 (sliding and
+full layers with a RoPE base each), Apertus (xIELU), GLM-4.5 (partial RoPE, q/k/v biases,
+QK-norm, grouped sigmoid routing after a dense first layer), LFM2 (gated short convolutions
+beside attention), Mamba (Mamba-1's selective scan), Jamba (Mamba-1 with inner norms,
+attention without positions, experts every other layer) and Granite 4 (Mamba-2 and
+attention, experts beside a shared SwiGLU, muP multipliers).
+
+As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
+test time (2 or 4 layers, d_model 32), every weight moved off its init. Logits equal transformers'
+to 1e-4 at the real positions of a left-padded batch; the same tensors under a config.json
+with each of the family's features switched off move them by more than 1e-3; 16 greedy tokens
+through attnlab's cache equal ``generate``; ``export_model`` writes a folder transformers reads
+with the same logits. Their published sizes: ``test_pretrained_catalogue_sizes``.
+"""
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
+)
+torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
+
+from test_export_hf import export_round_trips  # noqa: E402
+from test_pretrained import max_diff  # noqa: E402
+from test_pretrained_hf import hf, perturb  # noqa: E402
+from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
+
+from attnlab.pretrained import (  # noqa: E402
+    convert,
+    load_pretrained,
+    model_config_from_hf,
+    read_tensors,
+)
+
+TOL = 1e-4
+V = 96
+_BASE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.125,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (config class, model class, kwargs, [config.json changes that drop one feature]);
+# a change's "drop" lists stored names of tensors the plainer config has no place for, its
+# "tensors" rewrites the stored tensors instead.
+SPECS = {
+    # A sliding layer with RoPE, then a full layer without (NoPE).
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            _BASE,
+            no_rope_layers=[1, 0],
+            use_sliding_window=True,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=False,
+        ),
+        [{"no_rope_layers": [1, 1]}],
+    ),
+    # A sliding layer on a base of its own, then a full one.
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            _BASE,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            },
+        ),
+        [{"layer_types": ["full_attention", "full_attention"]}],
+    ),
+    # xIELU against the squared ReLU its positive branch generalises.
+    "apertus": (
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        dict(_BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        [{"hidden_act": "relu2", "drop": ("act_fn.",)}],
+    ),
+    # 8 experts in 4 groups, 2 chosen from the best group; half of each head rotated.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _BASE,
+            moe_intermediate_size=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=1,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+        [
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+            {"n_group": 1, "topk_group": 1},
+        ],
+    ),
+    # A convolution layer, then attention; the FFN width derived (two thirds of 72, to 16s).
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            _BASE,
+            intermediate_size=72,
+            block_multiple_of=16,
+            initializer_range=0.3,  # at 0.125 its greedy tokens repeat one token
+            layer_types=["conv", "full_attention"],
+            tie_word_embeddings=False,
+        ),
+        [{"tensors": lambda t: {n: one_tap(x) if n.endswith("conv.conv.weight") else x
+                                for n, x in t.items()}}],
+    ),
+    # Mamba-1 without FFNs; no memory across tokens when A's decay is made total.
+    "mamba": (
+        "MambaConfig",
+        "MambaForCausalLM",
+        dict(
+            vocab_size=V, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
+            conv_kernel=4, initializer_range=0.125, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False,
+        ),
+        [{"tensors": lambda t: {n: x + 30 if n.endswith("A_log") else x for n, x in t.items()}}],
+    ),
+    # Mamba, attention, Mamba, attention; experts in the attention layers (2 of 4 per token).
+    # Off: the inner norms' learned scales set to one.
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            _BASE, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, mamba_d_state=4, use_mamba_kernels=False,
+        ),
+        [{"tensors": lambda t: {n: np.ones_like(x) if "layernorm" in n and ".mamba." in n
+                                else x for n, x in t.items()}}],
+    ),
+    # Mamba-2 then attention with RoPE; 4 experts (2 per token) beside the shared SwiGLU;
+    # every multiplier away from 1. Off: the residual multiplier back at 1.
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            _BASE, intermediate_size=16, shared_intermediate_size=24, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["mamba", "attention"], mamba_n_heads=4,
+            mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4,
+            position_embedding_type="rope", embedding_multiplier=3.0, logits_scaling=2.0,
+            residual_multiplier=0.5, attention_multiplier=0.3,
+        ),
+        [{"residual_multiplier": 1.0}, {"attention_multiplier": 0.25}],
+    ),
+}  # fmt: skip
+
+
+def one_tap(w):
+    """A depthwise filter [Z, 1, W] reduced to its current-token tap, 1: no convolution."""
+    out = np.zeros_like(w)
+    out[..., -1] = 1
+    return out
+
+
+NAMES = list(SPECS)
+SLOW = "a family's checkpoint built by transformers, loaded twice and compiled (2-6 s)"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (transformers model, folder), built lazily once per module."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            config_cls, model_cls, kwargs, _ = SPECS[name]
+            config = getattr(transformers, config_cls)(**kwargs)
+            seed = 31 + NAMES.index(name)
+            torch.manual_seed(seed)
+            model = getattr(transformers, model_cls)._from_config(
+                config, attn_implementation="eager", dtype=torch.float32
+            )
+            gen = torch.Generator().manual_seed(100 + seed)
+            perturb(model, gen)
+            with torch.no_grad():  # the selection bias and xIELU's scalars off their init
+                for n, p in [*model.named_parameters(), *model.named_buffers()]:
+                    if n.endswith(("e_score_correction_bias", "alpha_p", "alpha_n")):
+                        p.add_(0.5 * torch.randn(p.shape, generator=gen))
+            model.eval()
+            model.generation_config.eos_token_id = None
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(folder)
+            built[name] = model, folder
+        return built[name]
+
+    return get
+
+
+@pytest.mark.slow(reason=SLOW)
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
+    model, folder = checkpoints(name)
+    ids, mask = left_padded(np.random.default_rng(0))
+    with torch.no_grad():
+        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    handle = load_pretrained(folder)
+    assert handle.family == name
+    real = mask.astype(bool)
+    assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL
+    # The same tensors under a config.json without a feature compute something else.
+    for change in SPECS[name][3]:
+        drop, rewrite = change.get("drop", ()), change.get("tensors", lambda t: t)
+        off = {
+            **handle.hf_config,
+            **{k: v for k, v in change.items() if k not in ("drop", "tensors")},
+        }
+        kept = {n: x for n, x in read_tensors(folder).items() if not any(d in n for d in drop)}
+        kept = rewrite(kept)
+        other = convert(off, kept, model_config_from_hf(off))
+        assert max_diff(other(ids, valid_BT=real).logits[real], expected[real]) > 1e-3, change
+
+
+@pytest.mark.slow(reason="16 cached greedy tokens compiled, against transformers' generate")
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_with_cache_matches_transformers(checkpoints, name):
+    model, folder = checkpoints(name)
+    greedy_matches_transformers(model, folder)
+
+
+@pytest.mark.slow(reason="exports the loaded checkpoint and reads it back with transformers")
+@pytest.mark.parametrize("name", NAMES)
+def test_export_round_trips(checkpoints, tmp_path, name):
+    model, folder = checkpoints(name)
+    export_round_trips(model, folder, tmp_path / "out")
