@@ -187,6 +187,19 @@ class Checkpointer:
         """All finalised steps, oldest first."""
         return sorted(self._manager.all_steps())
 
+    def stored_leaves(self, step: int | None = None) -> dict[tuple, Any]:
+        """``{path: metadata with .shape and .dtype}`` of the state saved as ``step``."""
+        step = self._resolve(step)
+        try:
+            stored = self._manager.metadata(step).item_metadata[_STATE]
+            return ocp.tree.to_flat_dict(stored.tree)
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"cannot read the tree metadata of {self._where(step)}: {_short(e)}"
+                f"{self._hint(step)}",
+                _short(e, 120),
+            ) from e
+
     def restore(self, target: Any, step: int | None = None) -> Any:
         """Restores ``step`` (default: the latest) into the structure of ``target``.
 

@@ -11,6 +11,7 @@ import jax
 
 from attnlab.checkpoint import Checkpointer, CorruptCheckpointError
 from attnlab.errors import CheckpointError, WorkdirError
+from attnlab.train.state import reconcile_acc
 
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
 LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
@@ -31,18 +32,24 @@ def check_workdir(workdir: pathlib.Path):
             )
 
 
-def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite, *, move_aside=False):
+def restore_newest(
+    ckpt: Checkpointer, abstract, steps, all_finite, *, move_aside=False, empty_acc=None
+):
     """``(state, step)`` of the newest of ``steps`` that restores with finite parameters.
 
     Unreadable checkpoints are skipped and reported in one line on stderr that names the
     step restored instead; with ``move_aside`` (a training run, which holds the directory's
     lock and would later write those steps again) they are moved to ``step_N.corrupt/``,
     otherwise they stay where they are. When ``steps`` is one step, its error is raised.
+
+    With ``empty_acc`` (this run's empty accumulators), a train state's ``acc`` is read as
+    the checkpoint holds it and fitted to ``empty_acc`` (``train.state.reconcile_acc``): a
+    run whose set of metrics changed since the checkpoint resumes, new metrics from empty.
     """
     errors, reasons = [], []
     for step in sorted(steps, reverse=True):
         try:
-            state = ckpt.restore(abstract, step)
+            state = _restore_fitting_acc(ckpt, abstract, step, empty_acc)
         except CorruptCheckpointError as e:
             if len(steps) == 1:
                 raise
@@ -62,6 +69,24 @@ def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite, *, move_asid
         f"no checkpoint in {ckpt.directory} can be restored (steps {errors} are unreadable: "
         f"{reasons[0] if reasons else ''}); train again in a new --workdir"
     )
+
+
+def _restore_fitting_acc(ckpt: Checkpointer, abstract, step, empty_acc):
+    """``ckpt.restore(abstract, step)``; with ``empty_acc``, ``abstract["acc"]`` is taken
+    from the checkpoint's own tree and the result fitted to ``empty_acc``."""
+    if empty_acc is None:
+        return ckpt.restore(abstract, step)
+    sharding = getattr(jax.tree.leaves(abstract["acc"])[0], "sharding", None)
+    stored = {}
+    for path, meta in ckpt.stored_leaves(step).items():
+        if path[0] != "acc":
+            continue
+        node = stored
+        for name in path[1:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
+    state = ckpt.restore({**abstract, "acc": stored}, step)
+    return {**state, "acc": reconcile_acc(state["acc"], empty_acc)}
 
 
 def _report_unreadable(ckpt, errors, reasons, step, move_aside):

@@ -234,8 +234,9 @@ class Run:
                 return surgery.initial_state(self.cfg, trainer)
             return trainer.init_state()
         state, self.start = restore_newest(
-            self.ckpt, abstract, steps, trainer.all_finite, move_aside=True
-        )
+            self.ckpt, abstract, steps, trainer.all_finite, move_aside=True,
+            empty_acc=trainer.empty_acc(),
+        )  # fmt: skip
         metadata = self.ckpt.restore_metadata(self.start)
         self.elapsed = float(metadata.get("elapsed_sec", 0.0))
         host = _host()
