@@ -187,12 +187,12 @@ class Checkpointer:
         """All finalised steps, oldest first."""
         return sorted(self._manager.all_steps())
 
-    def stored_leaves(self, step: int | None = None) -> dict[tuple, Any]:
-        """``{path: metadata with .shape and .dtype}`` of the state saved as ``step``."""
+    def stored_tree(self, step: int | None = None) -> Any:
+        """The tree of the state saved as ``step``, each leaf's metadata (``.shape``,
+        ``.dtype``) where its array lies."""
         step = self._resolve(step)
         try:
-            stored = self._manager.metadata(step).item_metadata[_STATE]
-            return ocp.tree.to_flat_dict(stored.tree)
+            return self._manager.metadata(step).item_metadata[_STATE].tree
         except Exception as e:
             raise CorruptCheckpointError(
                 f"cannot read the tree metadata of {self._where(step)}: {_short(e)}"

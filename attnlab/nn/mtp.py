@@ -57,7 +57,7 @@ class MTP(nnx.Module):
     """The ``mtp_depth`` modules of a decoder, applied in sequence."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.modules = nnx.List([MTPModule(cfg, rngs=rngs) for _ in range(cfg.mtp_depth)])
+        self.depths = nnx.List([MTPModule(cfg, rngs=rngs) for _ in range(cfg.mtp_depth)])
 
     def hidden(self, stack, embed, h_BTD, tokens_BT, *, positions_BT=None, segment_ids_BT=None,
                key=None, depths=None):  # fmt: skip
@@ -68,7 +68,7 @@ class MTP(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
         mask, bias, _, _ = stack._self_attention(T, positions_BT, None, segment_ids_BT, None, None)
         out = []
-        for k, module in enumerate(self.modules[: depths or len(self.modules)], start=1):
+        for k, module in enumerate(self.depths[: depths or len(self.depths)], start=1):
             call = MixerCall(positions_BT=positions_BT, mask=mask, bias=bias,
                              key=fold(key, 2_000_000 + k))  # fmt: skip
             e_BTD = embed(shifted(tokens_BT, k))
@@ -80,5 +80,5 @@ class MTP(nnx.Module):
         """Each depth's logits ``[B, T, V]`` from its hidden state (``hidden``)."""
         return [
             head(module.out_norm(h_BTD), embed.tokens)
-            for module, h_BTD in zip(self.modules, hidden, strict=False)
+            for module, h_BTD in zip(self.depths, hidden, strict=False)
         ]

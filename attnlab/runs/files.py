@@ -77,14 +77,10 @@ def _restore_fitting_acc(ckpt: Checkpointer, abstract, step, empty_acc):
     if empty_acc is None:
         return ckpt.restore(abstract, step)
     sharding = getattr(jax.tree.leaves(abstract["acc"])[0], "sharding", None)
-    stored = {}
-    for path, meta in ckpt.stored_leaves(step).items():
-        if path[0] != "acc":
-            continue
-        node = stored
-        for name in path[1:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=sharding)
+    stored = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding),
+        dict(ckpt.stored_tree(step)).get("acc", {}),
+    )
     state = ckpt.restore({**abstract, "acc": stored}, step)
     return {**state, "acc": reconcile_acc(state["acc"], empty_acc)}
 

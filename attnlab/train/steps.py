@@ -298,25 +298,28 @@ class Trainer:
     def model(self, params):
         return nnx.merge(self.graphdef, params)
 
+    def objective(self, params, batch, key=None):
+        """``(objective, (ce_sum, tokens, readings))`` of one micro-batch: the summed
+        cross-entropy plus, per counted token, each weighted forward metric's loss
+        (``objective / tokens`` is the mean loss the step descends); ``readings`` holds
+        every forward metric's ``value``."""
+        model = self.model(params)
+        out, targets, mask = model_output(model, batch, self.kind, key, self.collect)
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(out.logits, targets)
+        mask = mask.astype(jnp.float32)
+        s, n = (ce_BT * mask).sum(), mask.sum()
+        view = StepView(self.mcfg, model=model, batch=batch, kind=self.kind, out=out,
+                        targets=targets, mask=mask, tokens=n, key=key)  # fmt: skip
+        readings, objective = {}, s
+        for m in self.forward_metrics:
+            readings[m.name] = m.normalise(m.value(view))
+            if m.joins_loss:  # per counted token, as the cross-entropy
+                objective = objective + n * m.weight * m.as_loss(m.finish(readings[m.name]))
+        return objective, (s, n, readings)
+
     def _grads(self, params, batch, key):
-        """One micro-batch: ``(ce_sum, tokens, grads, readings)``, the readings of the
-        forward metrics (``Metric.value``), the weighted ones joining the objective."""
-
-        def f(p):
-            model = self.model(p)
-            out, targets, mask = model_output(model, batch, self.kind, key, self.collect)
-            ce_BT = optax.softmax_cross_entropy_with_integer_labels(out.logits, targets)
-            mask = mask.astype(jnp.float32)
-            s, n = (ce_BT * mask).sum(), mask.sum()
-            view = StepView(self.mcfg, model=model, batch=batch, kind=self.kind, out=out,
-                            targets=targets, mask=mask, tokens=n, key=key)  # fmt: skip
-            readings, objective = {}, s
-            for m in self.forward_metrics:
-                readings[m.name] = m.normalise(m.value(view))
-                if m.joins_loss:  # per counted token, as the cross-entropy
-                    objective = objective + n * m.weight * m.as_loss(m.finish(readings[m.name]))
-            return objective, (s, n, readings)
-
+        """One micro-batch: ``(ce_sum, tokens, grads, readings)``."""
+        f = lambda p: self.objective(p, batch, key)
         (_, (s, n, readings)), g = jax.value_and_grad(f, has_aux=True)(params)
         return s, n, g, readings
 
