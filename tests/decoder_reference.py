@@ -17,7 +17,9 @@ def block(x_BTD, p, *, eps, theta, kind, positions_BT=None):
     """One pre-norm block ``p`` (one layer's parameters): ``(out_BTD, trace)`` with the
     layer's q (after RoPE), k, the scaled logits, the causal mask and the weights."""
     B, T, _ = x_BTD.shape
-    positions_BT = np.broadcast_to(np.arange(T)[None], (B, T)) if positions_BT is None else positions_BT
+    positions_BT = (
+        np.broadcast_to(np.arange(T)[None], (B, T)) if positions_BT is None else positions_BT
+    )
     a = p["attn"]
     h = ref.rms_norm(x_BTD, a_norm(p, "attn_norm"), eps=eps)
     q = ref.apply_rope(np.einsum("BTD,DNH->BTNH", h, _f64(a["q_DNH"])), positions_BT, theta=theta)

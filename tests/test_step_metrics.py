@@ -19,7 +19,7 @@ from flax import nnx
 
 from attnlab import experiment, sharding
 from attnlab.errors import ConfigError
-from attnlab.train import Trainer, loss_sums, metrics
+from attnlab.train import Trainer, loss_sums
 from attnlab.train.state import reconcile_acc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -132,8 +132,7 @@ def test_each_metric_equals_numpy_from_the_parameters(stepped, name):
         q, k = np.asarray(a["q_DNH"], np.float64), np.asarray(a["k_DKH"], np.float64)
         H = q.shape[-1]
         want = [
-            max(np.linalg.norm(q[i][:, n]) * np.linalg.norm(k[i][:, n]) for n in range(2))
-            * H**-0.5
+            max(np.linalg.norm(q[i][:, n]) * np.linalg.norm(k[i][:, n]) for n in range(2)) * H**-0.5
             for i in range(2)
         ]
     elif name in ("grad_norms", "update_norms"):

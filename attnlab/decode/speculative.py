@@ -107,9 +107,7 @@ def _speculate(graphdef, params, prompt_BP, n_new, depth):
 
     n0 = jnp.int32(P + 1)
     state = (tokens_BL, hidden_BLD, out.cache, n0, jnp.int32(0), jnp.int32(1))
-    tokens_BL, _, _, _, steps, added = jax.lax.while_loop(
-        lambda s: s[3] < P + n_new, body, state
-    )
+    tokens_BL, _, _, _, steps, added = jax.lax.while_loop(lambda s: s[3] < P + n_new, body, state)
     return tokens_BL[:, P : P + n_new], steps, added
 
 

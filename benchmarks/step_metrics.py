@@ -1,0 +1,117 @@
+"""The train-step cost of each built-in step metric and of multi-token prediction, against the
+plain step, at the 6 x 384 shape (6 layers, 6 heads, d_model 384, SwiGLU 1536, RoPE,
+RMSNorm, a 256-symbol vocabulary).
+
+Variants: ``plain`` (no metric), each built-in metric of ``attnlab.train.metrics`` alone
+(``--config.train.metrics=(name,)``), ``all`` of them together, and ``mtp1``/``mtp2``
+(``model.mtp_depth`` 1 and 2, the MTP loss joining the objective). Each variant is a
+``Trainer`` step (forward, backward, AdamW update, the metrics' accumulation), timed with
+``machine.best_seconds`` after a compiling call.
+
+Prints one JSON object: the config, the machine, per variant ms per step, the ratio to
+``plain`` and the compile seconds; ``--out FILE`` writes it too.
+
+    python benchmarks/step_metrics.py [--batch 16] [--seq 256] [--repeats 3] [--quick]
+                                      [--variants plain,attn_entropy,mtp1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+import machine  # benchmarks/machine.py: the machine, measured in this run
+import numpy as np
+
+from attnlab import experiment
+from attnlab.train import Trainer
+from attnlab.train.metrics import LOSS_METRICS, registered_metrics
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHAPE = dict(n_layers=6, n_heads=6, d_model=384, d_ff=1536, vocab_size=256)
+
+
+def observed_metrics() -> list[str]:
+    """The built-in metrics a config may select (those a model implies are left out)."""
+    return [n for n in registered_metrics() if n not in LOSS_METRICS and n != "moe_router"]
+
+
+def config(variant: str, batch: int, seq: int):
+    cfg = experiment.load_config(f"{REPO / 'experiments' / 'char_lm.py'}")
+    cfg.model.update(SHAPE | dict(max_len=seq + 8, ffn="swiglu"))
+    cfg.data.seq_len = seq
+    cfg.train.batch_size = batch
+    if variant == "all":
+        cfg.train.metrics = tuple(observed_metrics())
+    elif variant.startswith("mtp"):
+        cfg.model.mtp_depth = int(variant[3:])
+    elif variant != "plain":
+        cfg.train.metrics = (variant,)
+    return cfg
+
+
+def measure(variant: str, batch: int, seq: int, repeats: int) -> dict:
+    cfg = config(variant, batch, seq)
+    trainer = Trainer(cfg, kind="lm")
+    rng = np.random.default_rng(0)
+    V = SHAPE["vocab_size"]
+    data = {
+        "inputs": rng.integers(0, V, (batch, seq), dtype=np.int32),
+        "targets": rng.integers(0, V, (batch, seq), dtype=np.int32),
+        "loss_mask": np.ones((batch, seq), np.float32),
+    }
+    holder = {"state": trainer.init_state()}
+
+    def step():
+        holder["state"], out = trainer.train_step(holder["state"], data)
+        jax.block_until_ready(out["loss"])
+
+    start = time.perf_counter()
+    step()  # compiles
+    compile_s = time.perf_counter() - start
+    seconds = machine.best_seconds(step, repeats)
+    return dict(ms_per_step=seconds * 1e3, compile_s=round(compile_s, 2))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default="", help="comma-separated; default: every variant")
+    p.add_argument("--quick", action="store_true", help="batch 2, context 64, 1 repeat")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batch, a.seq, a.repeats = 2, 64, 1
+    variants = ["plain", *observed_metrics(), "all", "mtp1", "mtp2"]
+    if a.variants:
+        variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+        if "plain" not in variants:
+            variants.insert(0, "plain")
+    about = machine.describe()
+    results = {}
+    for v in variants:
+        results[v] = measure(v, a.batch, a.seq, a.repeats)
+        print(f"{v}: {results[v]['ms_per_step']:.1f} ms", flush=True)
+    plain = results["plain"]["ms_per_step"]
+    for r in results.values():
+        r["vs_plain"] = round(r["ms_per_step"] / plain, 3)
+        r["ms_per_step"] = round(r["ms_per_step"], 2)
+    out = dict(
+        benchmark="step_metrics",
+        config=dict(SHAPE, batch=a.batch, seq_len=a.seq, repeats=a.repeats, optimizer="adamw"),
+        machine=about,
+        results=results,
+    )
+    text = json.dumps(out, indent=2)
+    print(text)
+    if a.out:
+        pathlib.Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
