@@ -39,11 +39,14 @@ __all__ = [
     "GenerateOptions",
     "GenerationResult",
     "KVCache",
+    "Metric",
     "Mixer",
     "MixerCall",
     "MixerSettings",
     "ModelConfig",
     "Run",
+    "SpeculativeResult",
+    "StepView",
     "architecture",
     "attention_variants",
     "build_model",
@@ -60,13 +63,16 @@ __all__ = [
     "ops",
     "register_attention",
     "register_ffn",
+    "register_metric",
     "register_mixer",
     "register_optimizer",
     "register_schedule",
     "registered_ffns",
+    "registered_metrics",
     "registered_mixers",
     "replace_mixer",
     "select_layers",
+    "speculative_generate",
 ]
 __version__ = "0.1.0"
 
@@ -81,6 +87,14 @@ def __getattr__(name):
         from attnlab.runs import loading
 
         return getattr(loading, name)
+    if name in ("Metric", "StepView", "register_metric", "registered_metrics"):
+        from attnlab.train import metrics  # the step metrics load with the training stack
+
+        return getattr(metrics, name)
+    if name in ("speculative_generate", "SpeculativeResult"):
+        from attnlab.decode import speculative
+
+        return getattr(speculative, name)
     if name == "pretrained":
         import attnlab.pretrained
 

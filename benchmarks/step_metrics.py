@@ -11,8 +11,13 @@ Variants: ``plain`` (no metric), each built-in metric of ``attnlab.train.metrics
 Prints one JSON object: the config, the machine, per variant ms per step, the ratio to
 ``plain`` and the compile seconds; ``--out FILE`` writes it too.
 
+``--speculative STEPS`` also trains ``char_lm`` (4 x 128) with ``model.mtp_depth=2`` for
+STEPS steps and decodes 4 prompts of its validation text with
+``attnlab.speculative_generate`` at depth 1 and 2: the tokens each verification pass added,
+whether the tokens equal greedy ``generate``'s, and the wall time of both.
+
     python benchmarks/step_metrics.py [--batch 16] [--seq 256] [--repeats 3] [--quick]
-                                      [--variants plain,attn_entropy,mtp1]
+                                      [--variants plain,attn_entropy,mtp1] [--speculative 300]
 """
 
 from __future__ import annotations
@@ -76,6 +81,40 @@ def measure(variant: str, batch: int, seq: int, repeats: int) -> dict:
     return dict(ms_per_step=seconds * 1e3, compile_s=round(compile_s, 2))
 
 
+def speculative(steps: int, new_tokens: int = 96) -> dict:
+    """Tokens per verification pass of a char model trained with two MTP modules."""
+    import tempfile
+
+    from attnlab import generate, speculative_generate
+    from attnlab.runs import load_run, train
+
+    cfg = experiment.load_config(f"{REPO / 'experiments' / 'char_lm.py'}")
+    cfg.model.mtp_depth = 2
+    cfg.train.update(steps=steps, log_every_steps=steps)
+    cfg.eval.update(every_steps=steps, sample_tokens=0)
+    cfg.checkpoint.update(every_steps=steps)
+    cfg.track.update(tensorboard=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        record = train(cfg, pathlib.Path(tmp) / "run", progress=False)
+        run = load_run(pathlib.Path(tmp) / "run")
+    val = np.asarray(run.task.val_ids)
+    prompts = np.stack([val[i * 997 : i * 997 + 16] for i in range(4)]).astype(np.int32)
+    greedy = lambda: np.asarray(generate(run.model, prompts, new_tokens, temperature=0.0).tokens)
+    want = greedy()
+    out = {"train_steps": steps, "train_loss": record.get("train_loss"),
+           "mtp_losses": [record.get(f"mtp_loss_{k}") for k in (1, 2)],
+           "greedy_ms": machine.best_seconds(greedy, 1) * 1e3}  # fmt: skip
+    for depth in (1, 2):
+        r = speculative_generate(run.model, prompts, new_tokens, depth=depth)
+        call = lambda d=depth: speculative_generate(run.model, prompts, new_tokens, depth=d)
+        out[f"depth{depth}"] = dict(
+            tokens_per_step=round(r.tokens_per_step, 3),
+            equals_greedy=bool((r.tokens == want).all()),
+            ms=machine.best_seconds(call, 1) * 1e3,
+        )
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=16)
@@ -83,6 +122,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="", help="comma-separated; default: every variant")
     p.add_argument("--quick", action="store_true", help="batch 2, context 64, 1 repeat")
+    p.add_argument("--speculative", type=int, default=0, help="train steps (0: skip)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     if a.quick:
@@ -107,6 +147,8 @@ def main(argv=None):
         machine=about,
         results=results,
     )
+    if a.speculative:
+        out["speculative"] = speculative(a.speculative)
     text = json.dumps(out, indent=2)
     print(text)
     if a.out:

@@ -147,6 +147,7 @@ def plot(t, path):
             y, e = np.asarray(r[key]), np.nan_to_num(np.asarray(r[key + "_std"]))
             x = np.arange(len(y))
             ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=arm)
+        ax.set_xticks(range(len(t[next(iter(t))][key])))
         ax.set_xlabel("layer")
         ax.set_title(title)
         ax.legend()
@@ -158,9 +159,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", required=True, help="the directory of the runs and results")
     p.add_argument("--quick", action="store_true", help="60 steps, one seed")
+    p.add_argument("--replot", action="store_true", help="the table and plot from DIR's JSON")
     a = p.parse_args(argv)
     seeds, steps = ((0,), 60) if a.quick else (SEEDS, None)
-    runs = run(a.run, seeds=seeds, steps=steps)
+    if a.replot:
+        runs = json.loads((pathlib.Path(a.run) / "gated.json").read_text())["runs"]
+        seeds = range(len(next(iter(runs.values()))))
+    else:
+        runs = run(a.run, seeds=seeds, steps=steps)
     t = table(runs)
     root = pathlib.Path(a.run)
     (root / "gated.json").write_text(json.dumps({"runs": runs, "table": t}, indent=2))

@@ -33,6 +33,8 @@ from attnlab.nn.mtp import shifted
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeResult:
+    """What ``speculative_generate`` returns: the tokens and how many each pass added."""
+
     tokens: np.ndarray  # [B, max_new_tokens] the generated ids
     steps: int  # main-model verification passes
     accepted: int  # tokens added over those steps (>= max_new_tokens)

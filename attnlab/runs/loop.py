@@ -205,7 +205,8 @@ class _Loop:
         acc = zeros_acc(self.trainer.mcfg, self.trainer.metrics)
         if not self.stacked:
             return acc
-        return jax.tree.map(lambda z: jnp.zeros((len(self.runs),) + z.shape, z.dtype), acc)
+        # One copy per run of each empty accumulator (a largest value's starts at -inf).
+        return jax.tree.map(lambda z: jnp.repeat(z[None], len(self.runs), axis=0), acc)
 
     def log(self, state, step, do_eval) -> list:
         """Each active run's record (and evaluation, sample, pruning); the accumulators

@@ -5,7 +5,8 @@ run resumed from a checkpoint logs exactly what the uninterrupted run logs; its
 ``"metrics"`` holds each registered metric's accumulator (``attnlab.train.metrics``), by
 name, so a checkpoint written with another set of metrics still restores
 (``reconcile_acc``); ``key`` holds the seed's key data, from which each step's dropout key
-is ``fold_in(key, step)``, so stacked trials can each carry their own. ``Trainer`` (``attnlab.train.steps``) builds and steps it.
+is ``fold_in(key, step)``, so stacked trials can each carry their own. ``Trainer``
+(``attnlab.train.steps``) builds and steps it.
 """
 
 from __future__ import annotations

@@ -95,10 +95,12 @@ class Metric:
 
     @classmethod
     def default_weight(cls, mcfg) -> float | None:
+        """The weight without ``train.loss_weights.<name>`` (None: observed only)."""
         return cls.loss_weight
 
     @property
     def joins_loss(self) -> bool:
+        """Whether this metric adds to the objective (a weight other than None or 0)."""
         return bool(self.weight)
 
     def shape(self, mcfg):
@@ -106,6 +108,8 @@ class Metric:
         return ()
 
     def value(self, view: StepView):
+        """This step's (or micro-batch's) value from ``view``: ``(sums, counts)`` for a
+        mean, the value itself for a sum or a max; arrays of ``shape``."""
         raise NotImplementedError
 
     def as_loss(self, value):
