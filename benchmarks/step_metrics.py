@@ -5,8 +5,9 @@ RMSNorm, a 256-symbol vocabulary).
 Variants: ``plain`` (no metric), each built-in metric of ``attnlab.train.metrics`` alone
 (``--config.train.metrics=(name,)``), ``all`` of them together, and ``mtp1``/``mtp2``
 (``model.mtp_depth`` 1 and 2, the MTP loss joining the objective). Each variant is a
-``Trainer`` step (forward, backward, AdamW update, the metrics' accumulation), timed with
-``machine.best_seconds`` after a compiling call.
+``Trainer`` step (forward, backward, AdamW update, the metrics' accumulation); all are
+compiled first, then timed in ``--repeats`` rounds that step every variant once in turn,
+and each keeps its best step, so a change in a shared machine's load reaches all alike.
 
 Prints one JSON object: the config, the machine, per variant ms per step, the ratio to
 ``plain`` and the compile seconds; ``--out FILE`` writes it too.
@@ -58,27 +59,44 @@ def config(variant: str, batch: int, seq: int):
     return cfg
 
 
-def measure(variant: str, batch: int, seq: int, repeats: int) -> dict:
-    cfg = config(variant, batch, seq)
-    trainer = Trainer(cfg, kind="lm")
-    rng = np.random.default_rng(0)
-    V = SHAPE["vocab_size"]
-    data = {
-        "inputs": rng.integers(0, V, (batch, seq), dtype=np.int32),
-        "targets": rng.integers(0, V, (batch, seq), dtype=np.int32),
-        "loss_mask": np.ones((batch, seq), np.float32),
-    }
-    holder = {"state": trainer.init_state()}
+class Variant:
+    """One variant's trainer, state and batch, compiled on creation."""
 
-    def step():
-        holder["state"], out = trainer.train_step(holder["state"], data)
+    def __init__(self, variant: str, batch: int, seq: int):
+        self.trainer = Trainer(config(variant, batch, seq), kind="lm")
+        rng = np.random.default_rng(0)
+        V = SHAPE["vocab_size"]
+        self.data = {
+            "inputs": rng.integers(0, V, (batch, seq), dtype=np.int32),
+            "targets": rng.integers(0, V, (batch, seq), dtype=np.int32),
+            "loss_mask": np.ones((batch, seq), np.float32),
+        }
+        self.state = self.trainer.init_state()
+        start = time.perf_counter()
+        self.step()  # compiles
+        self.compile_s = time.perf_counter() - start
+
+    def step(self):
+        self.state, out = self.trainer.train_step(self.state, self.data)
         jax.block_until_ready(out["loss"])
 
-    start = time.perf_counter()
-    step()  # compiles
-    compile_s = time.perf_counter() - start
-    seconds = machine.best_seconds(step, repeats)
-    return dict(ms_per_step=seconds * 1e3, compile_s=round(compile_s, 2))
+    def seconds(self) -> float:
+        start = time.perf_counter()
+        self.step()
+        return time.perf_counter() - start
+
+
+def measure(variants, batch: int, seq: int, repeats: int) -> dict:
+    """Best ms per step of each variant over ``repeats`` rounds, the variants interleaved in
+    each round, so a change in the machine's load reaches them all alike."""
+    built = {v: Variant(v, batch, seq) for v in variants}
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(repeats):
+        for v, b in built.items():
+            best[v] = min(best[v], b.seconds())
+    return {
+        v: dict(ms_per_step=best[v] * 1e3, compile_s=round(built[v].compile_s, 2)) for v in variants
+    }
 
 
 def speculative(steps: int, new_tokens: int = 96) -> dict:
@@ -133,10 +151,7 @@ def main(argv=None):
         if "plain" not in variants:
             variants.insert(0, "plain")
     about = machine.describe()
-    results = {}
-    for v in variants:
-        results[v] = measure(v, a.batch, a.seq, a.repeats)
-        print(f"{v}: {results[v]['ms_per_step']:.1f} ms", flush=True)
+    results = measure(variants, a.batch, a.seq, a.repeats)
     plain = results["plain"]["ms_per_step"]
     for r in results.values():
         r["vs_plain"] = round(r["ms_per_step"] / plain, 3)

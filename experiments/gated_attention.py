@@ -16,8 +16,14 @@ value), with ``attn_max_logit`` and ``eval_loss`` beside them::
     attnlab sweep --config experiments/gated_attention.py --workdir runs/gated_sweep
 
 ``--run`` trains each arm x seed in ``DIR/<arm>_s<seed>``, writes ``DIR/gated.json`` and
-``DIR/gated.md`` (mean ± sample std over seeds) and ``docs/images/gated_attention.png``.
-Results: docs/experiments.md.
+``DIR/gated.md`` (mean ± sample std over seeds) and ``docs/images/gated_attention.png``
+(``--replot`` redraws them from ``DIR/gated.json``).
+
+Measured (3 seeds, 2 shared CPU cores under load 12, 20 min for the 6 runs; mean ± std):
+the largest residual activation 3.06 ± 0.43 gated against 4.14 ± 0.32 (lower in every
+layer and seed: the direction holds); the share of attention on the first token 0.027 for
+both, no attention sink having formed at this scale (no test of that half of the claim);
+eval loss 1.515 ± 0.048 against 1.487 ± 0.026. Details: docs/experiments.md.
 """
 
 from __future__ import annotations

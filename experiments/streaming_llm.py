@@ -27,7 +27,14 @@ The training runs also log ``attn_first_share`` (``attnlab.train.metrics``)::
     python experiments/streaming_llm.py --run runs/streaming --quick
 
 ``--run`` writes ``DIR/streaming.json``, ``DIR/streaming.md`` (mean ± sample std over
-seeds) and ``docs/images/streaming_llm.png``. Results: docs/experiments.md.
+seeds) and ``docs/images/streaming_llm.png``.
+
+Measured (3 seeds, 500 steps, 11 min for the 6 runs on 2 loaded CPU cores): the direction
+does not hold at this scale. Window eviction costs ``mha`` 0.12 nats at 4T against the
+full context (2.109 against 1.989), no collapse; keeping the 4 initial tokens recovers
+none of it (2.163), and the learned sink loses as much (2.164 against 2.052). Attention on
+the first token in training: 0.065 (``mha``) and 0.040 (``sinks``), below an even spread:
+no sink formed for eviction to break. Details: docs/experiments.md.
 """
 
 from __future__ import annotations
