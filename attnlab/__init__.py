@@ -51,6 +51,13 @@ _HOMES = {
     "load_pretrained": "attnlab.pretrained",
     "pretrained": "attnlab.pretrained",
     "load_run": "attnlab.runs.loading",
+    # The step metrics load with the training stack; speculative decoding with decode.
+    "Metric": "attnlab.metrics",
+    "StepView": "attnlab.metrics",
+    "register_metric": "attnlab.metrics",
+    "registered_metrics": "attnlab.metrics",
+    "speculative_generate": "attnlab.decode.speculative",
+    "SpeculativeResult": "attnlab.decode.speculative",
     "Run": "attnlab.runs.loading",
 }
 
@@ -71,7 +78,9 @@ if TYPE_CHECKING:  # what readers and type checkers see
     from attnlab.contracts.optimizer import register_optimizer, register_schedule
     from attnlab.contracts.score_function import attention_variants, register_attention
     from attnlab.decode import GenerateOptions, GenerationResult, generate
+    from attnlab.decode.speculative import SpeculativeResult, speculative_generate
     from attnlab.kv_cache import KVCache, init_cache, kv_cache_bytes
+    from attnlab.metrics import Metric, StepView, register_metric, registered_metrics
     from attnlab.nn import build_model, count_params
     from attnlab.nn.surgery import (
         freeze,
@@ -91,11 +100,14 @@ __all__ = [
     "GenerateOptions",
     "GenerationResult",
     "KVCache",
+    "Metric",
     "Mixer",
     "MixerCall",
     "MixerSettings",
     "ModelConfig",
     "Run",
+    "SpeculativeResult",
+    "StepView",
     "architecture",
     "attention_variants",
     "build_model",
@@ -113,13 +125,16 @@ __all__ = [
     "ops",
     "register_attention",
     "register_ffn",
+    "register_metric",
     "register_mixer",
     "register_optimizer",
     "register_schedule",
     "registered_ffns",
+    "registered_metrics",
     "registered_mixers",
     "replace_mixer",
     "select_layers",
+    "speculative_generate",
 ]
 __version__ = "0.1.0"
 

@@ -27,7 +27,7 @@ LAYERS = [
     {"config"},
     {"kv_cache"},
     {"nn"},
-    {"decode"},
+    {"decode", "metrics"},
     {"data", "pretrained"},
     {"compilation", "experiment"},
     {"train"},

@@ -70,8 +70,8 @@ def test_experts_over_four_devices_train_like_one_device():
     np.testing.assert_allclose(losses8, losses1, rtol=1e-4)
     # The same routing: every expert received the same assignments over the six steps.
     np.testing.assert_array_equal(
-        np.asarray(state8["acc"]["moe_tokens_per_expert"]),
-        np.asarray(state1["acc"]["moe_tokens_per_expert"]),
+        np.asarray(state8["acc"]["metrics"]["moe_router"]["tokens_per_expert"]),
+        np.asarray(state1["acc"]["metrics"]["moe_router"]["tokens_per_expert"]),
     )
     w_in = state8["params"]["decoder"]["layers"]["ffn"]["w_in_EDF"]
     assert w_in.sharding.spec[1] == "expert"  # [layers, experts, D, F]

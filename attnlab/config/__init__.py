@@ -175,6 +175,10 @@ class ModelConfig:
     context_parallel: str = "ring"  # self-attention over mesh.context > 1: or "all_gather"
     context_load_balance: bool = True  # zigzag layout for causal stacks under the ring
 
+    # Multi-token prediction (DeepSeek-V3): this many sequential modules after a decoder,
+    # module k predicting the token k + 1 ahead (attnlab.nn.mtp); 0: none.
+    mtp_depth: int = 0
+
     scan_layers: bool = True
     remat: str = "none"
     decode_layers: str = "auto"  # how generation loops run the decoder's layers

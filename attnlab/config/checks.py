@@ -204,6 +204,11 @@ def _check_attention(cfg) -> None:
         _fail("context_load_balance", cfg.context_load_balance, "must be True or False")
     if not isinstance(cfg.scan_layers, bool):
         _fail("scan_layers", cfg.scan_layers, "must be True (lax.scan) or False (unrolled)")
+    mtp = cfg.mtp_depth
+    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+        _fail("mtp_depth", mtp, "must be an integer >= 0 (0: no multi-token prediction)")
+    if mtp and (cfg.arch != "decoder" or not cfg.causal):
+        _fail("mtp_depth", mtp, "predicts ahead with a causal decoder: use arch='decoder', or 0")
     chosen = cfg.sliding_window_layers
     if chosen is not None:
         if cfg.sliding_window is None:

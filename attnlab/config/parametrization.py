@@ -199,6 +199,7 @@ def _sgd(s: Scale) -> float:
 # The learning-rate rules an optimiser may name (``register_optimizer(..., rule=)``).
 RULES = {"adam": _adam, "muon": _muon, "sgd": _sgd}
 
+
 def scale_tree(tree, multipliers):
     """``tree`` times ``multipliers`` leaf by leaf; leaves whose multiplier is 1.0 are left
     as they are (so the base width is the standard model bitwise)."""

@@ -96,6 +96,9 @@ class MixerCall:
     key: jax.Array | None = None  # dropout key (None: no dropout)
     layer: Any = None  # the layer's index in its stack (int32, traced inside the scan)
     return_weights: bool = struct.field(pytree_node=False, default=False)
+    # Named per-layer statistics the caller asks for (``Stack``'s ``collect``): a mixer that
+    # computes one sows it (``nnx.Intermediate``), reduced to scalars inside the layer.
+    collect: tuple = struct.field(pytree_node=False, default=())
 
     @property
     def decoding(self) -> bool:

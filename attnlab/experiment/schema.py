@@ -22,6 +22,7 @@ from attnlab.contracts.optimizer import OPTIMIZERS, SCHEDULES, with_rule
 from attnlab.contracts.score_function import attention_variants
 from attnlab.data.tasks import TASK_KINDS
 from attnlab.errors import ConfigError
+from attnlab.metrics import LOSS_METRICS
 from attnlab.ops.positions import RopeScaling
 
 ConfigDict = config_dict.ConfigDict
@@ -123,7 +124,15 @@ def base_config() -> ConfigDict:
             log_every_steps=10,
             profile_steps="",
             on_nonfinite="stop",
+            # Registered step metrics to compute and log (attnlab.metrics), e.g.
+            # ("attn_max_logit", "residual_rms"); those the model implies are always on.
+            metrics=(),
         )
+    )
+    # The weight of each metric that may join the objective (None: its default; 0: observed
+    # only): main loss + sum of weight x metric.
+    c.train.loss_weights = ConfigDict(
+        {name: config_dict.placeholder(float) for name in LOSS_METRICS}
     )
     c.eval = ConfigDict(
         dict(
@@ -314,6 +323,9 @@ def validate(cfg: ConfigDict) -> ModelConfig:
         d.seq_len,
         f"exceeds model.max_len={mcfg.max_len}; raise model.max_len or shorten data.seq_len",
     )
+    from attnlab import metrics
+
+    metrics.check(cfg, mcfg)  # train.metrics and train.loss_weights, against the model
     if "freeze" in cfg:  # its mode, part and selection, on the model (before any run starts)
         from attnlab.nn import surgery
 

@@ -30,6 +30,7 @@ from attnlab.errors import DecodeError
 from attnlab.kv_cache import KVCache, check_capacity
 from attnlab.nn import parametrization, probe
 from attnlab.nn.layers import Embed, Norm, normal
+from attnlab.nn.mtp import MTP
 from attnlab.nn.stack import Stack
 from attnlab.ops.linear import add_bias, dense, fold
 
@@ -43,6 +44,9 @@ class ModelOutput:
     # What the FFN variant reports (attnlab.contracts.ffn), per layer; "loss" summed over the layers
     # joins the training objective. None for the plain FFN.
     aux: dict | None = None
+    # Named per-layer statistics asked for with ``collect`` (attnlab.nn.segments): e.g.
+    # {"attention": {"max_logit": [L], ...}, "residual": {...}}; None when none were.
+    stats: dict | None = None
 
 
 def _default_positions(B, T):
@@ -138,6 +142,18 @@ class DecoderLM(nnx.Module):
         self.embed = _Embedder(cfg, rngs=rngs)
         self.decoder = Stack(cfg, cfg.n_layers, causal=cfg.causal, cross=False, rngs=rngs)
         self.head = _LMHead(cfg, rngs=rngs)
+        self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_depth else None
+
+    def mtp_logits(self, hidden_BTD, tokens_BT, *, positions_BT=None, segment_ids_BT=None,
+                   key=None, depths=None):  # fmt: skip
+        """The multi-token-prediction modules' logits (``attnlab.nn.mtp``), one ``[B, T,
+        V]`` per depth: depth ``k`` at position ``i`` predicts token ``i + k + 1`` from the
+        decoder's last hidden state ``hidden_BTD`` and the inputs ``tokens_BT``."""
+        hidden = self.mtp.hidden(
+            self.decoder, self.embed, hidden_BTD, tokens_BT, positions_BT=positions_BT,
+            segment_ids_BT=segment_ids_BT, key=key, depths=depths,
+        )  # fmt: skip
+        return self.mtp.logits(self.head, self.embed, hidden)
 
     def __call__(
         self,
@@ -149,14 +165,16 @@ class DecoderLM(nnx.Module):
         cache: KVCache | None = None,
         key=None,
         return_weights=False,
+        collect=(),
     ) -> ModelOutput:
         """Logits for ``tokens``; with ``cache``, the tokens follow what the cache holds.
 
         ``valid_BT`` marks real tokens (keys elsewhere are masked; with a cache, each row's
         real new tokens, right-padded: the cache keeps only those); ``segment_ids_BT`` packs
-        several documents into one row (attention stays within a segment).
+        several documents into one row (attention stays within a segment). ``collect``
+        names per-layer statistics to return in ``stats`` (``attnlab.nn.segments``).
         """
-        x_BTD, new_cache, weights, aux = _run_decoder(
+        x_BTD, new_cache, weights, aux, stats = _run_decoder(
             self.decoder,
             self.embed(tokens_BT),
             positions_BT,
@@ -165,9 +183,10 @@ class DecoderLM(nnx.Module):
             segment_ids_BT=segment_ids_BT,
             key=key,
             return_weights=return_weights,
+            collect=collect,
         )
         logits = self.head(x_BTD, self.embed.tokens)
-        return ModelOutput(logits, new_cache, weights, x_BTD, aux)
+        return ModelOutput(logits, new_cache, weights, x_BTD, aux, stats)
 
 
 class EncoderMLM(nnx.Module):
@@ -199,6 +218,7 @@ class EncoderMLM(nnx.Module):
         positions_BT=None,
         key=None,
         return_weights=False,
+        collect=(),
     ) -> ModelOutput:
         """MLM logits and the encoder's last hidden state (``hidden``)."""
         B, T = tokens_BT.shape
@@ -207,12 +227,13 @@ class EncoderMLM(nnx.Module):
             types_BT = jnp.zeros_like(tokens_BT) if token_types_BT is None else token_types_BT
             x_BTD = x_BTD + jnp.take(self.token_types_YD[...], types_BT, axis=0).astype(x_BTD.dtype)
         positions_BT = _default_positions(B, T) if positions_BT is None else positions_BT
-        hidden_BTD, _, weights, aux = self.encoder(
+        hidden_BTD, _, weights, aux, stats = self.encoder(
             x_BTD,
             positions_BT=positions_BT,
             valid_BS=valid_BT,
             key=key,
             return_weights=return_weights,
+            collect=collect,
         )
         h_BTD = hidden_BTD
         if self.transform_DD is not None:
@@ -220,7 +241,8 @@ class EncoderMLM(nnx.Module):
             h_BTD = dense(h_BTD, self.transform_DD[...])
             h_BTD = ops.activations.activation(kind)(add_bias(h_BTD, self.transform_bias_D[...]))
             h_BTD = self.transform_norm(h_BTD)
-        return ModelOutput(self.head(h_BTD, self.embed.tokens), None, weights, hidden_BTD, aux)
+        logits = self.head(h_BTD, self.embed.tokens)
+        return ModelOutput(logits, None, weights, hidden_BTD, aux, stats)
 
 
 class EncoderDecoder(nnx.Module):
@@ -231,17 +253,21 @@ class EncoderDecoder(nnx.Module):
         self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True, rngs=rngs)
         self.head = _LMHead(cfg, rngs=rngs)
 
-    def encode(self, src_BS, *, src_valid_BS=None, key=None, return_weights=False):
-        """Encoder output ``[B, S, D]`` (and per-layer weights when asked)."""
+    def encode(self, src_BS, *, src_valid_BS=None, key=None, return_weights=False, collect=()):
+        """Encoder output ``[B, S, D]`` (and per-layer weights when asked; with
+        ``collect``, the pair ``(enc_BSD, stats)``)."""
         B, S = src_BS.shape
         with probe.scope("encoder"):  # the names of its intermediates: encoder.layers.{i}...
-            enc_BSD, _, weights, _ = self.encoder(
+            enc_BSD, _, weights, _, stats = self.encoder(
                 self.embed(src_BS),
                 positions_BT=_default_positions(B, S),
                 valid_BS=src_valid_BS,
                 key=key,
                 return_weights=return_weights,
+                collect=collect,
             )
+        if collect:
+            return enc_BSD, stats
         return (enc_BSD, weights) if return_weights else enc_BSD
 
     def init_cross_cache(self, cache: KVCache, enc_BSD, src_valid_BS=None) -> KVCache:
@@ -274,6 +300,7 @@ class EncoderDecoder(nnx.Module):
         cache: KVCache | None = None,
         key=None,
         return_weights=False,
+        collect=(),
     ) -> ModelOutput:
         """Decoder logits. With a cache from ``init_cross_cache``, ``enc_BSD`` is not needed.
         ``valid_BT`` marks real target tokens, as for ``DecoderLM``."""
@@ -282,7 +309,7 @@ class EncoderDecoder(nnx.Module):
         elif enc_BSD is None:
             raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
         with probe.scope("decoder"):  # decoder.layers.{i}...
-            x_BTD, new_cache, weights, aux = _run_decoder(
+            x_BTD, new_cache, weights, aux, stats = _run_decoder(
                 self.decoder,
                 self.embed(tgt_BT),
                 positions_BT,
@@ -292,24 +319,35 @@ class EncoderDecoder(nnx.Module):
                 enc_valid_BS=src_valid_BS,
                 key=key,
                 return_weights=return_weights,
+                collect=collect,
             )
         logits = self.head(x_BTD, self.embed.tokens)
-        return ModelOutput(logits, new_cache, weights, x_BTD, aux)
+        return ModelOutput(logits, new_cache, weights, x_BTD, aux, stats)
 
     def __call__(
-        self, src_BS, tgt_BT, *, src_valid_BS=None, key=None, return_weights=False
+        self, src_BS, tgt_BT, *, src_valid_BS=None, key=None, return_weights=False, collect=()
     ) -> ModelOutput:
+        """Decoder logits for ``tgt_BT`` over the encoded source; the ``stats`` asked for
+        in ``collect`` hold the encoder's layers, then the decoder's, on one layer axis."""
+        if collect and return_weights:
+            raise ValueError("collect and return_weights: ask for one at a time")
         enc = self.encode(
-            src_BS, src_valid_BS=src_valid_BS, key=fold(key, 0), return_weights=return_weights
-        )
-        enc_BSD, enc_weights = enc if return_weights else (enc, None)
+            src_BS, src_valid_BS=src_valid_BS, key=fold(key, 0), return_weights=return_weights,
+            collect=collect,
+        )  # fmt: skip
+        enc_BSD, enc_extra = enc if (return_weights or collect) else (enc, None)
         out = self.decode(
             tgt_BT,
             enc_BSD=enc_BSD,
             src_valid_BS=src_valid_BS,
             key=fold(key, 1),
             return_weights=return_weights,
+            collect=collect,
         )
+        if collect:
+            joined = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), enc_extra, out.stats)
+            out = out.replace(stats=joined)
+        enc_weights = enc_extra
         if return_weights:
             out = out.replace(weights={"encoder": enc_weights, "decoder": out.weights})
         return out

@@ -137,10 +137,6 @@ def lr_multipliers(cfg, rule: str):
     return jax.tree.map(RULES[rule], table, is_leaf=lambda v: isinstance(v, Scale))
 
 
-
-
-
-
 def table(cfg, rule: str | None = None) -> list[dict]:
     """Each parameter's path, role, fans and multipliers, for reading and for reports."""
     rows = []

@@ -73,6 +73,7 @@ class Layers:
     enc_BSD: Any
     key: Any
     return_weights: bool
+    collect: tuple = ()  # named per-layer statistics to return (``layer_statistics``)
 
     def data(self, segment: Segment, cache):
         """The scan's data beside the parameters, ``[R, P, ...]``: index, window, RoPE
@@ -133,19 +134,21 @@ class Layers:
                 ordinal_PM = ordinal_RPM[r]
             module = nnx.merge(graphdef, params)
             blocks = module.blocks if isinstance(module, Period) else (module,)
-            weights, aux = [], []
+            weights, aux, stats = [], [], []
             with probe.frame() as kept:  # the named intermediates a probe keeps
                 for p, block in enumerate(blocks):
                     at = lambda a, p=p: None if a is None else a[p]
                     cross_kv = None if cross_P is None else tuple(c[p] for c in cross_P)
                     with probe.layer(self.layers_at(segment, r, p), index_P[p]):
-                        x_BTD, entries, w, a = self.layer(
+                        x_BTD, entries, w, a, s = self.layer(
                             block, x_BTD, entries, names[p], index_P[p], window_P[p],
                             at(theta_P), cross_kv, ordinal_PM[p],
                         )  # fmt: skip
                     weights.append(w)
                     aux.append(a)
-            return (x_BTD, entries), (stack_layers(weights), stack_aux(aux), kept)
+                    stats.append(s)
+            out = (stack_layers(weights), stack_aux(aux), stack_layers(stats), kept)
+            return (x_BTD, entries), out
 
         if self.cfg.remat == "none":
             return apply
@@ -181,20 +184,26 @@ class Layers:
             key=fold(self.key, index),
             layer=index,
             return_weights=self.return_weights,
+            collect=self.collect,
         )
         if cross_kv is not None:
             cross_kv = tuple(jnp.swapaxes(c, 1, 2) for c in cross_kv)  # [B, S, K, H]
-        x_BTD, views, weights, aux = block(
-            x_BTD, call, caches=views, enc_BSD=self.enc_BSD, cross_mask=s.cross_mask,
+        apply = lambda blk, *a, **k: blk(*a, **k)
+        if self.collect:  # what the block's mixers sow (``nnx.Intermediate``)
+            apply = nnx.capture(apply, nnx.Intermediate)
+        out = apply(
+            block, x_BTD, call, caches=views, enc_BSD=self.enc_BSD, cross_mask=s.cross_mask,
             cross_kv=cross_kv,
         )  # fmt: skip
+        (x_BTD, views, weights, aux), sown = out if self.collect else (out, None)
         x_BTD = constrain(x_BTD, "batch", "length", "act_embed")  # the residual stream
+        stats = layer_statistics(self.collect, sown, x_BTD) if self.collect else None
         if entries is not None:
             entries = dict(entries)
             for m, view in enumerate(views):
                 for role, name in names[m].items():
                     entries[name] = self.written(entries[name], view.layers[role], ordinals[m])
-        return x_BTD, entries, weights, aux
+        return x_BTD, entries, weights, aux, stats
 
     def view(self, entries, names, ordinal):
         """A mixer's ``LayerCache``: its entries by role, at its ordinal (a split cache:
@@ -248,6 +257,34 @@ class Layers:
             probe.collect(kept, len(segment.kinds), repeat=r)
             outs.append(tuple(out))
         return x_BTD, entries, jax.tree.map(lambda *o: jnp.stack(o), *outs)
+
+
+ATTENTION_STATISTICS = ("max_logit", "entropy_sum", "first_sum", "rows")
+COLLECTABLE = ("attention", "residual")  # the names ``Stack(..., collect=...)`` accepts
+
+
+def layer_statistics(collect, sown, x_BTD) -> dict:
+    """One layer's named statistics, scalars reduced inside the layer: ``"attention"``, its
+    first mixer's score statistics (``ops.attention_statistics``; NaN for a layer whose
+    mixers compute none), and ``"residual"``, the stream after the layer (the sum of
+    squares, the element count and the largest absolute value, float32)."""
+    out = {}
+    if "attention" in collect:
+        found = [
+            v.get_value()[0]
+            for path, v in nnx.to_flat_state(sown)
+            if path and path[-1] == "attention"
+        ]
+        nan = jnp.full((), jnp.nan, jnp.float32)
+        out["attention"] = found[0] if found else dict.fromkeys(ATTENTION_STATISTICS, nan)
+    if "residual" in collect:
+        x = x_BTD.astype(jnp.float32)
+        out["residual"] = {
+            "sq_sum": jnp.sum(x * x),
+            "count": jnp.asarray(x.size, jnp.float32),
+            "max_abs": jnp.max(jnp.abs(x)),
+        }
+    return out
 
 
 def stack_layers(per_layer):

@@ -188,15 +188,19 @@ class Stack(nnx.Module):
         cache: KVCache | None = None,
         key=None,
         return_weights=False,
+        collect=(),
     ):
         """Runs the stack over ``x``.
 
         ``cache``: a ``KVCache`` whose entries this call's tokens are appended to, after
         each row's ``lengths`` (``valid_BS`` then marks each row's real new tokens, a
         right-padded prefix); its ``cross`` entries are the encoder output's keys and values
-        (or pass ``enc_BSD``). Returns ``(x_BTD, cache | None, weights, aux)``: the cache
+        (or pass ``enc_BSD``). Returns ``(x_BTD, cache | None, weights, aux, stats)``: the cache
         with the written entries and the lengths advanced, the weights a tuple of per-layer
-        dicts when asked for, the FFN's report (``aux``) or None.
+        dicts when asked for, the FFN's report (``aux``) or None, and the named per-layer
+        statistics asked for in ``collect`` (``segments.COLLECTABLE``: ``{"attention":
+        {"max_logit": [L], ...}, "residual": {...}}``, each layer's reduced inside it) or
+        None.
         """
         T = x_BTD.shape[1]
         x_BTD = dropout(
@@ -212,15 +216,17 @@ class Stack(nnx.Module):
         shared = self._shared(T, positions_BT, valid_BS, segment_ids_BT, enc_valid_BS, cache,
                               context)  # fmt: skip
         run = segments.Layers(self.cfg, self.plan, shared, self.rope_thetas, self.ropes,
-                              self.windows, enc_BSD, key, return_weights)  # fmt: skip
+                              self.windows, enc_BSD, key, return_weights,
+                              tuple(collect))  # fmt: skip
         entries = None if cache is None else cache.layers
-        weights = aux = None
+        weights = aux = stats = None
         for segment in self.plan.segments:
-            x_BTD, entries, (w, a) = run.run(
+            x_BTD, entries, (w, a, s) = run.run(
                 segment, getattr(self, segment.attr), x_BTD, entries, cache
             )
             weights = segments.join(weights, segments.flat_layers(w))
             aux = segments.join(aux, segments.flat_layers(a))
+            stats = segments.join(stats, segments.flat_layers(s))
         if context is not None:
             x_BTD = context.leave(x_BTD)
         if self.final_norm is not None:
@@ -230,7 +236,7 @@ class Stack(nnx.Module):
             weights = tuple(unstack(i) for i in range(self.n_layers))
         if cache is not None:
             cache = cache.replace(layers=entries, lengths=cache.lengths + shared.count_B)
-        return x_BTD, cache, weights, _total_aux(aux)
+        return x_BTD, cache, weights, _total_aux(aux), stats
 
     def _shared(self, T, positions_BT, valid_BS, segment_ids_BT, enc_valid_BS, cache, context):
         """What every layer of one call shares: the masks, the bias, the cache's view."""

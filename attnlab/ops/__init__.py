@@ -14,6 +14,7 @@ from attnlab.ops.activations import (
     swiglu,
 )
 from attnlab.ops.attention import IMPLEMENTATIONS, dot_product_attention, reference_attention
+from attnlab.ops.attention_stats import attention_statistics
 from attnlab.ops.chunked import chunked_attention
 from attnlab.ops.flex import flex_attention
 from attnlab.ops.linear import Transposed, add_bias, dense, dropout, fold
@@ -54,6 +55,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
+    "attention_statistics",
     "causal",
     "chunked",
     "chunked_attention",

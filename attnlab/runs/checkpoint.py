@@ -300,6 +300,19 @@ class Checkpointer:
         """All finalised steps, oldest first."""
         return sorted(self._manager.all_steps())
 
+    def stored_tree(self, step: int | None = None) -> Any:
+        """The tree of the state saved as ``step``, each leaf's metadata (``.shape``,
+        ``.dtype``) where its array lies."""
+        step = self._resolve(step)
+        try:
+            return self._manager.metadata(step).item_metadata[_STATE].tree
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"cannot read the tree metadata of {self._where(step)}: {_short(e)}"
+                f"{self._hint(step)}",
+                _short(e, 120),
+            ) from e
+
     def restore(self, target: Any, step: int | None = None) -> Any:
         """Restores ``step`` (default: the latest) into the structure of ``target``.
 

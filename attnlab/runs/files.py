@@ -11,6 +11,7 @@ import jax
 
 from attnlab.errors import CheckpointError, WorkdirError
 from attnlab.runs.checkpoint import Checkpointer, CorruptCheckpointError
+from attnlab.train.state import reconcile_acc
 
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
 LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
@@ -31,18 +32,24 @@ def check_workdir(workdir: pathlib.Path):
             )
 
 
-def restore_newest(ckpt: Checkpointer, abstract, steps, all_finite, *, move_aside=False):
+def restore_newest(
+    ckpt: Checkpointer, abstract, steps, all_finite, *, move_aside=False, empty_acc=None
+):
     """``(state, step)`` of the newest of ``steps`` that restores with finite parameters.
 
     Unreadable checkpoints are skipped and reported in one line on stderr that names the
     step restored instead; with ``move_aside`` (a training run, which holds the directory's
     lock and would later write those steps again) they are moved to ``step_N.corrupt/``,
     otherwise they stay where they are. When ``steps`` is one step, its error is raised.
+
+    With ``empty_acc`` (this run's empty accumulators), a train state's ``acc`` is read as
+    the checkpoint holds it and fitted to ``empty_acc`` (``train.state.reconcile_acc``): a
+    run whose set of metrics changed since the checkpoint resumes, new metrics from empty.
     """
     errors, reasons = [], []
     for step in sorted(steps, reverse=True):
         try:
-            state = ckpt.restore(abstract, step)
+            state = _restore_fitting_acc(ckpt, abstract, step, empty_acc)
         except CorruptCheckpointError as e:
             if len(steps) == 1:
                 raise
@@ -76,6 +83,20 @@ def set_aside_corrupt(ckpt: Checkpointer, step: int):
             reasons.append(e.reason)
     if errors:
         _report_unreadable(ckpt, errors, reasons, step, move_aside=True, chosen=True)
+
+
+def _restore_fitting_acc(ckpt: Checkpointer, abstract, step, empty_acc):
+    """``ckpt.restore(abstract, step)``; with ``empty_acc``, ``abstract["acc"]`` is taken
+    from the checkpoint's own tree and the result fitted to ``empty_acc``."""
+    if empty_acc is None:
+        return ckpt.restore(abstract, step)
+    sharding = getattr(jax.tree.leaves(abstract["acc"])[0], "sharding", None)
+    stored = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding),
+        dict(ckpt.stored_tree(step)).get("acc", {}),
+    )
+    state = ckpt.restore({**abstract, "acc": stored}, step)
+    return {**state, "acc": reconcile_acc(state["acc"], empty_acc)}
 
 
 def _report_unreadable(ckpt, errors, reasons, step, move_aside, chosen=False):

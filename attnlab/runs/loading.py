@@ -133,7 +133,10 @@ def load_run(workdir, step: int | None = None) -> Run:
                 f"--step {step}: no such checkpoint in {ckpt.directory} (available: {steps})"
             )
         chosen = steps if step is None else [int(step)]
-        state, step = restore_newest(ckpt, trainer.abstract_state(), chosen, trainer.all_finite)
+        state, step = restore_newest(
+            ckpt, trainer.abstract_state(), chosen, trainer.all_finite,
+            empty_acc=trainer.empty_acc(),
+        )  # fmt: skip
     path = workdir / METRICS_FILE
     lines = path.read_text().splitlines() if path.is_file() else []
     rows = [json.loads(line) for line in lines if line.strip()]

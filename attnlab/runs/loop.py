@@ -33,7 +33,6 @@ from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
 from attnlab.runs.tracking import Profiler, Tracker, describe, summary
 from attnlab.train import injected_hyperparams, lr_multiplier, zeros_acc
-from attnlab.train.router_metrics import router_record
 
 # Metrics of the evaluation that mean nothing for a task: not printed (still logged).
 NOT_PRINTED = {"text": ("eval_exact_match",)}
@@ -207,10 +206,11 @@ class _Loop:
         return jax.tree.map(lambda *xs: np.stack([self._local(x) for x in xs]), *parts)
 
     def _empty_acc(self):
-        acc = zeros_acc(self.trainer.mcfg)
+        acc = zeros_acc(self.trainer.mcfg, self.trainer.metrics)
         if not self.stacked:
             return acc
-        return jax.tree.map(lambda z: jnp.zeros((len(self.runs),) + z.shape, z.dtype), acc)
+        # One copy per run of each empty accumulator (a largest value's starts at -inf).
+        return jax.tree.map(lambda z: jnp.repeat(z[None], len(self.runs), axis=0), acc)
 
     def log(self, state, step, do_eval) -> list:
         """Each active run's record (and evaluation, sample, pruning); the accumulators
@@ -246,7 +246,7 @@ class _Loop:
                 continue
             if self.trainer.skip_nonfinite:
                 record["skipped_steps"] = int(a["nonfinite"])
-            record.update(router_record(a))
+            record.update(self.trainer.metric_records(a))  # the registered metrics
             if do_eval:
                 record.update(evals[i])
                 self._sample(state, i, r, step)

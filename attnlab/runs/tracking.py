@@ -83,8 +83,14 @@ class Tracker:
             )
 
     def metrics(self, record: dict):
+        """The record's numbers as scalars; a list of numbers (a metric per layer, per
+        expert) as one scalar per index, ``name/i``."""
         step = int(record["step"])
-        values = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
+        number = lambda v: isinstance(v, int | float)
+        values = {k: v for k, v in record.items() if k != "step" and number(v)}
+        for k, v in record.items():
+            if isinstance(v, list) and v and all(number(x) for x in v):
+                values.update({f"{k}/{i}": x for i, x in enumerate(v)})
         if self.tb is not None:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)

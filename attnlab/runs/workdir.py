@@ -288,8 +288,9 @@ class Run:
                 return surgery.initial_state(self.cfg, trainer)
             return trainer.init_state()
         state, self.start = restore_newest(
-            self.ckpt, abstract, steps, trainer.all_finite, move_aside=True
-        )
+            self.ckpt, abstract, steps, trainer.all_finite, move_aside=True,
+            empty_acc=trainer.empty_acc(),
+        )  # fmt: skip
         if self.requested is not None:  # the newer steps this run will write again
             set_aside_corrupt(self.ckpt, self.start)
         metadata = self.ckpt.restore_metadata(self.start)

@@ -98,6 +98,18 @@ def _trial_row(root: pathlib.Path, name: str, overrides: dict) -> dict:
         "mode": status.get("mode"),
         "reason": reason,
         "overrides": overrides,
+        "final_metrics": _step_metrics(cfg, last),
+    }
+
+
+def _step_metrics(cfg, last: dict) -> dict:
+    """The last record's values of the step metrics the trial selected (``train.metrics``,
+    ``attnlab.metrics``): ``name`` or ``name/...`` keys, as logged."""
+    names = tuple((cfg or {}).get("train", {}).get("metrics") or ())
+    return {
+        k: v
+        for k, v in last.items()
+        if any(k == n or k.startswith(n + "/") or k.startswith(n + "_") for n in names)
     }
 
 

@@ -4,6 +4,7 @@ The loop that drives them (work directories, checkpoints, logs, stacked trials) 
 ``attnlab.runs``.
 """
 
+from attnlab import _moved
 from attnlab.train.objectives import loss_sums, model_logits
 from attnlab.train.optim import (
     NO_DECAY_NAMES,
@@ -30,3 +31,7 @@ __all__ = [
     "set_optim_values",
     "zeros_acc",
 ]
+
+
+def __getattr__(name):  # the previous release's names (attnlab._moved), deprecated
+    return _moved.moved_name(__name__, name)

@@ -5,10 +5,10 @@ Batches are dicts of arrays. ``lm``: ``inputs``, ``targets``, ``loss_mask`` ``[B
 ``tgt_out``, ``loss_mask`` ``[B, T]``. Losses are sums over counted tokens, so micro-batches
 and trials can be added before normalising once.
 
-A model whose FFN reports an auxiliary loss (``ModelOutput.aux``, a mixture of experts'
-load-balancing and router z-losses, already weighted) adds it per counted token to the
-objective (``objective_sums``), so the normalised objective is the mean cross-entropy
-plus that loss; the reported loss stays the cross-entropy.
+The train step's other terms (a mixture of experts' load-balancing and router z-losses,
+multi-token prediction) are registered metrics with a loss weight
+(``attnlab.metrics``), added per counted token; the reported loss stays the
+cross-entropy. ``objective_sums`` returns the FFN's report (``aux``) beside the sums.
 """
 
 from __future__ import annotations
@@ -17,17 +17,20 @@ import jax.numpy as jnp
 import optax
 
 
-def model_output(model, batch, kind, key=None):
-    """The ``ModelOutput`` and the matching (targets, loss mask) for a batch of ``kind``."""
+def model_output(model, batch, kind, key=None, collect=()):
+    """The ``ModelOutput`` and the matching (targets, loss mask) for a batch of ``kind``;
+    ``collect`` names the per-layer statistics the model returns in ``stats``."""
+    asked = {"collect": tuple(collect)} if collect else {}
     if kind == "lm":
         packed = {f"{k}_BT": batch[k] for k in ("segment_ids", "positions") if k in batch}
-        out = model(batch["inputs"], key=key, **packed)  # packed rows: documents kept apart
+        out = model(batch["inputs"], key=key, **packed, **asked)  # packed rows: kept apart
         return out, batch["targets"], batch["loss_mask"]
     if kind == "mlm":
-        out = model(batch["inputs"], valid_BT=batch["valid"], key=key)
+        out = model(batch["inputs"], valid_BT=batch["valid"], key=key, **asked)
         return out, batch["targets"], batch["loss_mask"]
     if kind == "seq2seq":
-        out = model(batch["src"], batch["tgt_in"], src_valid_BS=batch["src_valid"], key=key)
+        src, valid = batch["src"], batch["src_valid"]
+        out = model(src, batch["tgt_in"], src_valid_BS=valid, key=key, **asked)
         return out, batch["tgt_out"], batch["loss_mask"]
     raise ValueError(f"unknown task kind {kind!r}")
 

@@ -1,9 +1,12 @@
 """The train state: a dict ``{"params", "opt_state", "step", "acc", "key"}``, pure pytrees.
 
 ``acc`` accumulates the loss and gradient norm between log lines *inside* the state, so a
-run resumed from a checkpoint logs exactly what the uninterrupted run logs; ``key`` holds the
-seed's key data, from which each step's dropout key is ``fold_in(key, step)``, so stacked
-trials can each carry their own. ``Trainer`` (``attnlab.train.steps``) builds and steps it.
+run resumed from a checkpoint logs exactly what the uninterrupted run logs; its
+``"metrics"`` holds each registered metric's accumulator (``attnlab.metrics``), by
+name, so a checkpoint written with another set of metrics still restores
+(``reconcile_acc``); ``key`` holds the seed's key data, from which each step's dropout key
+is ``fold_in(key, step)``, so stacked trials can each carry their own. ``Trainer``
+(``attnlab.train.steps``) builds and steps it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import jax.numpy as jnp
 
 from attnlab.nn.models import init_params
 from attnlab.train.optim import INJECTED
-from attnlab.train.router_metrics import zeros_router
 
 
 def init_compiler_options() -> dict:
@@ -25,23 +27,23 @@ def init_compiler_options() -> dict:
     return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
 
 
-def init_program(mcfg, tx):
-    """The train state as a function of the seed: a closure over the model config and the
-    optimiser alone, so the cache of shared programs keeps no trainer alive."""
+def init_program(mcfg, tx, metrics=()):
+    """The train state as a function of the seed: a closure over the model config, the
+    optimiser and the metrics alone, so the cache of shared programs keeps no trainer alive."""
 
     def init(seed):
-        return state_around(mcfg, tx, init_params(mcfg, seed), seed)
+        return state_around(mcfg, tx, init_params(mcfg, seed), seed, metrics)
 
     return init
 
 
-def state_around(mcfg, tx, params, seed):
+def state_around(mcfg, tx, params, seed, metrics=()):
     """The train state at step 0 around ``params``."""
     return {
         "params": params,
         "opt_state": tx.init(params),
         "step": jnp.zeros((), jnp.int32),
-        "acc": zeros_acc(mcfg),
+        "acc": zeros_acc(mcfg, metrics),
         "key": jax.random.key_data(jax.random.key(seed)),
     }
 
@@ -52,9 +54,10 @@ def optim_structure(o) -> str:
     return json.dumps(values, sort_keys=True, default=str)
 
 
-def zeros_acc(mcfg=None):
-    """The empty accumulator of the train state (cleared after each log line); a
-    mixture-of-experts ``mcfg`` adds its router statistics (``router_metrics``)."""
+def zeros_acc(mcfg=None, metrics=()):
+    """The empty accumulator of the train state (cleared after each log line), with one
+    entry per metric of ``metrics`` (``attnlab.metrics``) under ``"metrics"``."""
+    del mcfg  # the metrics know the model
     return {
         "loss_sum": jnp.zeros((), jnp.float32),
         "tokens": jnp.zeros((), jnp.float32),
@@ -62,8 +65,25 @@ def zeros_acc(mcfg=None):
         "steps": jnp.zeros((), jnp.int32),
         "nonfinite": jnp.zeros((), jnp.int32),
         "first_nonfinite": jnp.zeros((), jnp.int32),
-        **zeros_router(mcfg),
+        "metrics": {m.name: m.zeros() for m in metrics},
     }
+
+
+def reconcile_acc(restored: dict, empty: dict) -> dict:
+    """``empty`` (this run's accumulator) with the values of ``restored`` (a checkpoint's)
+    wherever a leaf has the same path, shape and dtype: a metric added since the checkpoint
+    starts from its empty accumulator, one removed is dropped."""
+    have = {
+        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]
+    }
+
+    def pick(path, z):
+        x = have.get(jax.tree_util.keystr(path))
+        if x is not None and x.shape == z.shape and x.dtype == z.dtype:
+            return x
+        return z
+
+    return jax.tree_util.tree_map_with_path(pick, empty)
 
 
 def all_finite(tree) -> jax.Array:

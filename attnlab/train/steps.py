@@ -16,6 +16,14 @@ Their gradients are zeroed first, so the logged ``grad_norm`` and the clipping's
 are the trained parameters' alone.
 ``state_around(params)`` is the state at step 0 around given parameters (a surgery run's).
 
+What a step computes besides the loss comes from the metric registry
+(``attnlab.metrics``): the config's ``train.metrics`` and those the model implies
+(a mixture of experts' router losses, multi-token prediction). Forward metrics read each
+micro-batch's forward pass (the model collects the per-layer statistics they need), join
+the objective when weighted and combine over micro-batches by their reduction; update
+metrics read the gradients and updates. Each step returns their values beside ``loss`` and
+``grad_norm`` and adds them to ``acc["metrics"]``.
+
 The stacked variants take every state leaf with a leading trial axis (``stack_by``: "vmap" of
 the same step, the default off CPU, or "map", the trials one after another inside one
 program, the default on CPU); evaluation batches are shared by the trials.
@@ -31,19 +39,21 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from attnlab import experiment
+from attnlab import metrics as metrics_lib
 from attnlab.config import ModelConfig
 from attnlab.devices import sharding
+from attnlab.metrics import StepView
 from attnlab.nn import build_model, surgery
 from attnlab.nn.models import init_params
-from attnlab.train.objectives import loss_sums, objective_sums
+from attnlab.train.objectives import loss_sums, model_output
 from attnlab.train.optim import layers_over_batch_devices, make_optimizer, set_optim_values
-from attnlab.train.router_metrics import router_sums, zeros_router
 from attnlab.train.state import (
     all_finite,
     init_compiler_options,
     init_program,
     optim_structure,
     state_around,
+    zeros_acc,
 )
 
 _SEED = jax.ShapeDtypeStruct((), jnp.uint32)
@@ -125,7 +135,12 @@ class Trainer:
         self.all_finite = jax.jit(all_finite)
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.rules = sharding.resolve_rules(cfg.get("mesh", {}).get("rules"))
-        self._init_state = init_program(self.mcfg, self.tx)
+        self.metrics = metrics_lib.build(cfg, self.mcfg, abstract_params)
+        self.forward_metrics = [m for m in self.metrics if m.phase == "forward"]
+        self.update_metrics = [m for m in self.metrics if m.phase == "update"]
+        needs = {n for m in self.forward_metrics for n in m.needs}
+        self.collect = tuple(sorted(needs))
+        self._init_state = init_program(self.mcfg, self.tx, tuple(self.metrics))
         init_out, step_out = {}, {}
         if self.mesh is not None:
             self.check_batch(int(cfg.train.batch_size), "train.batch_size")
@@ -138,6 +153,7 @@ class Trainer:
         # argument) and optimiser values (set afterwards): a sweep's trials compile it once.
         shared = (repr(self.mcfg), optim_structure(cfg.optim), self.total_steps, kind)
         shared += (self.mesh, repr(sorted(self.rules.items())))
+        shared += (tuple(m.name for m in self.metrics),)
         if shared not in _INIT_PROGRAMS:
             if len(_INIT_PROGRAMS) >= 16:
                 _INIT_PROGRAMS.clear()
@@ -262,12 +278,19 @@ class Trainer:
     def state_around(self, params):
         """The initial train state with ``params`` (a surgery run's) for the model's own:
         the optimiser's state initialised around them, sharded as ``init_state``'s."""
-        init = lambda p, seed: state_around(self.mcfg, self.tx, p, seed)
+        init = lambda p, seed: state_around(self.mcfg, self.tx, p, seed, tuple(self.metrics))
         if self.mesh is None:
             return jax.jit(init)(params, np.uint32(self.seed))
         with sharding.activate(self.mesh, self.rules):
             out = jax.jit(init, out_shardings=self.state_shardings)
             return out(params, np.uint32(self.seed))
+
+    def empty_acc(self):
+        """The empty accumulators of the state (``acc``), placed as the state's are."""
+        acc = zeros_acc(self.mcfg, self.metrics)
+        if self.mesh is None:
+            return acc
+        return jax.tree.map(jax.device_put, acc, self.state_shardings["acc"])
 
     def abstract_state(self):
         """Shapes, dtypes and shardings of the state: a restore target."""
@@ -276,36 +299,55 @@ class Trainer:
     def model(self, params):
         return nnx.merge(self.graphdef, params)
 
-    def _grads(self, params, batch, key):
-        def f(p):
-            s, n, _, aux = objective_sums(self.model(p), batch, self.kind, key)
-            extra = 0.0 if aux is None else n * aux["loss"]  # the FFN's auxiliary loss
-            return s + extra, (s, n, router_sums(aux))
+    def objective(self, params, batch, key=None):
+        """``(objective, (ce_sum, tokens, readings))`` of one micro-batch: the summed
+        cross-entropy plus, per counted token, each weighted forward metric's loss
+        (``objective / tokens`` is the mean loss the step descends); ``readings`` holds
+        every forward metric's ``value``."""
+        model = self.model(params)
+        out, targets, mask = model_output(model, batch, self.kind, key, self.collect)
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(out.logits, targets)
+        mask = mask.astype(jnp.float32)
+        s, n = (ce_BT * mask).sum(), mask.sum()
+        view = StepView(self.mcfg, model=model, batch=batch, kind=self.kind, out=out,
+                        targets=targets, mask=mask, tokens=n, key=key)  # fmt: skip
+        readings, objective = {}, s
+        for m in self.forward_metrics:
+            readings[m.name] = m.normalise(m.value(view))
+            if m.joins_loss:  # per counted token, as the cross-entropy
+                objective = objective + n * m.weight * m.as_loss(m.finish(readings[m.name]))
+        return objective, (s, n, readings)
 
-        (_, (s, n, router)), g = jax.value_and_grad(f, has_aux=True)(params)
-        return s, n, g, router
+    def _grads(self, params, batch, key):
+        """One micro-batch: ``(ce_sum, tokens, grads, readings)``."""
+        f = lambda p: self.objective(p, batch, key)
+        (_, (s, n, readings)), g = jax.value_and_grad(f, has_aux=True)(params)
+        return s, n, g, readings
 
     def _train_step(self, state, batch):
         params, step = state["params"], state["step"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), step)
         if self.accum == 1:
-            loss_sum, tokens, grads, router = self._grads(params, batch, key)
+            loss_sum, tokens, grads, readings = self._grads(params, batch, key)
         else:  # accumulate summed gradients over micro-batches, then normalise once
             micro = jax.tree.map(
                 lambda x: x.reshape((self.accum, x.shape[0] // self.accum) + x.shape[1:]), batch
             )
+            combine = {m.name: m.combine for m in self.forward_metrics}
 
             def body(carry, inputs):
                 i, mb = inputs
-                g = self._grads(params, mb, jax.random.fold_in(key, i))
-                return jax.tree.map(jnp.add, carry, g), None
+                s, n, g, r = self._grads(params, mb, jax.random.fold_in(key, i))
+                s0, n0, g0, r0 = carry
+                r = {k: combine[k](r0[k], r[k]) for k in r}
+                return (s0 + s, n0 + n, jax.tree.map(jnp.add, g0, g), r), None
 
             zero = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            zero += (zeros_router(self.mcfg),)
-            (loss_sum, tokens, grads, router), _ = jax.lax.scan(
+            zero += ({m.name: m.reading_zeros() for m in self.forward_metrics},)
+            (loss_sum, tokens, grads, readings), _ = jax.lax.scan(
                 body, zero, (jnp.arange(self.accum), micro)
             )
-            router = {k: v / self.accum if v.ndim == 0 else v for k, v in router.items()}
+        values = {m.name: m.finish(readings[m.name]) for m in self.forward_metrics}
         grads = jax.tree.map(lambda g: g / jnp.maximum(tokens, 1.0), grads)
         if self.frozen is not None:  # frozen parameters have no gradient, in the norm too
             grads = surgery.zero_frozen(grads, self.frozen)
@@ -315,6 +357,10 @@ class Trainer:
         updates, opt_state = self.tx.update(grads, state["opt_state"], params)
         if self.muon:
             updates = layers_over_batch_devices(updates)
+        if self.update_metrics:
+            view = StepView(self.mcfg, params=params, grads=grads, updates=updates)
+            for m in self.update_metrics:
+                values[m.name] = m.finish(m.normalise(m.value(view)))
         new_params = optax.apply_updates(params, updates)
         ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
         if self.skip_nonfinite:  # a non-finite step changes nothing but the counters
@@ -333,9 +379,15 @@ class Trainer:
             "first_nonfinite": jnp.where(
                 (acc["first_nonfinite"] == 0) & ~ok, step + 1, acc["first_nonfinite"]
             ),
+            "metrics": {
+                m.name: jax.tree.map(
+                    lambda a, c: jnp.where(ok, c, a),
+                    acc["metrics"][m.name],
+                    m.combine(acc["metrics"][m.name], values[m.name]),
+                )
+                for m in self.metrics
+            },
         }
-        for k, v in router.items():  # router statistics of a mixture of experts
-            acc[k] = state["acc"][k] + jnp.where(ok, v, jnp.zeros_like(v))
         new = {
             "params": params,
             "opt_state": opt_state,
@@ -343,7 +395,12 @@ class Trainer:
             "acc": acc,
             "key": state["key"],
         }
-        return new, {"loss": loss_sum / jnp.maximum(tokens, 1.0), "grad_norm": grad_norm}
+        out = {"loss": loss_sum / jnp.maximum(tokens, 1.0), "grad_norm": grad_norm}
+        return new, {**out, "metrics": values}
+
+    def metric_records(self, acc) -> dict:
+        """The log line's entries of the metrics from a host copy of ``acc``."""
+        return metrics_lib.records(self.metrics, acc.get("metrics", {}), int(acc["steps"]))
 
     def _eval_step(self, params, batch):
         s, n, (logits, targets, mask) = loss_sums(self.model(params), batch, self.kind)

@@ -208,9 +208,18 @@ class Attention(Mixer):
             out_BTD = add_bias(out_BTD, self.o_bias_D[...])
         return out_BTD
 
+    def statistics(self, q_BTNH, k_BSKH, call: MixerCall, **extra):
+        """This layer's score statistics (``ops.attention_statistics``): scalars."""
+        return ops.attention_statistics(
+            q_BTNH, k_BSKH, mask=call.mask, bias=call.bias, scale=self.cfg.attn_scale,
+            softcap=self.softcap, **extra,
+        )  # fmt: skip
+
     def __call__(self, x_BTD, call: MixerCall):
         q_BTNH = probe.tap("q", self.query(x_BTD, call))
         cache, k_BSKH, v_BSKH = self.keys_values(x_BTD, call)
+        if "attention" in call.collect and not isinstance(call.mask, ContextMask):
+            self.sow(nnx.Intermediate, "attention", self.statistics(q_BTNH, k_BSKH, call))
         out_BTNH, weights_BNTS = self.attend(
             q_BTNH, probe.tap("k", k_BSKH), probe.tap("v", v_BSKH), probe.weights_call(call)
         )

@@ -44,5 +44,8 @@ class Sinks(Attention):
             jnp.full((cfg.n_heads,), settings.init, jnp.dtype(cfg.param_dtype))
         )
 
+    def statistics(self, q_BTNH, k_BSKH, call: MixerCall, **extra):
+        return super().statistics(q_BTNH, k_BSKH, call, sinks_N=self.sinks_N[...], **extra)
+
     def attend(self, q_BTNH, k_BSKH, v_BSKH, call: MixerCall, **extra):
         return super().attend(q_BTNH, k_BSKH, v_BSKH, call, sinks=self.sinks_N[...], **extra)

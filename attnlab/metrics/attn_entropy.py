@@ -1,0 +1,19 @@
+"""``attn_entropy``: per layer, the mean softmax entropy (nats) over rows, heads and queries
+that attend to something; a sink's share counts as one more outcome. Entropy collapse
+(Zhai et al. 2023) shows as this figure falling towards 0."""
+
+from attnlab.metrics import register_metric
+from attnlab.metrics.base import Metric, stack_depth
+
+
+@register_metric("attn_entropy")
+class AttnEntropy(Metric):
+    needs = ("attention",)
+    reduce = "mean"
+
+    def shape(self, mcfg):
+        return (stack_depth(mcfg),)
+
+    def value(self, view):
+        a = view.out.stats["attention"]
+        return a["entropy_sum"], a["rows"]

@@ -1,0 +1,19 @@
+"""``attn_max_logit``: per layer, the largest pre-softmax logit (scaled ``q . k``, before any
+cap or bias) over the batch, heads and allowed pairs; the largest over micro-batches and
+steps. Logits that grow without bound precede attention-entropy collapse (Wortsman et al.
+2024; levanter's attention-instability callback logs the same figure)."""
+
+from attnlab.metrics import register_metric
+from attnlab.metrics.base import Metric, stack_depth
+
+
+@register_metric("attn_max_logit")
+class AttnMaxLogit(Metric):
+    needs = ("attention",)
+    reduce = "max"
+
+    def shape(self, mcfg):
+        return (stack_depth(mcfg),)
+
+    def value(self, view):
+        return view.out.stats["attention"]["max_logit"]
