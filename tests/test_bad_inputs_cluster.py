@@ -34,6 +34,7 @@ def one_line_error(capsys, argv, code=2, within_s=20.0) -> str:
     return lines[0]
 
 
+@pytest.mark.slow(reason="imports Optuna, SQLAlchemy and the PostgreSQL driver: seconds")
 def test_an_unreachable_study_database_is_one_line_without_its_password(capsys, tmp_path):
     url = f"postgresql://someone:secret@127.0.0.1:{closed_port()}/study"
     line = one_line_error(

@@ -403,8 +403,8 @@ def run_search(
         for t in batch:
             if "dir" not in t.user_attrs:
                 values = _suggest(t, search)
-                t.set_user_attr("dir", trial_dir_name(t.number))
                 t.set_user_attr("overrides", values)
+                t.set_user_attr("dir", trial_dir_name(t.number))
             t.set_user_attr("host", socket.gethostname())
             t.set_user_attr("pid", os.getpid())
             values, name = dict(t.user_attrs["overrides"]), t.user_attrs["dir"]

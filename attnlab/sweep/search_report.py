@@ -23,10 +23,10 @@ def final_value(trial_dir, metric):
 def write_manifest(plan, root, study):
     trials, named = [], set()
     for f in study.get_trials(deepcopy=False):  # a retried trial shares its directory
-        name = f.user_attrs.get("dir")
-        if name is not None and (root / name).parent == root and name not in named:
-            named.add(name)
-            trials.append({"name": name, "overrides": f.user_attrs["overrides"]})
+        name, values = f.user_attrs.get("dir"), f.user_attrs.get("overrides")
+        if None not in (name, values) and (root / name).parent == root and name not in named:
+            named.add(name)  # (another worker may be between setting one and the other)
+            trials.append({"name": name, "overrides": values})
     manifest = {"config": plan.config, "overrides": list(plan.base_overrides), "trials": trials}
     runs.atomic_write(root / SWEEP_FILE, json.dumps(manifest, indent=2) + "\n")
 
