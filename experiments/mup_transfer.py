@@ -29,9 +29,9 @@ SEEDS = (0, 1, 2)
 LEARNING_RATES = (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2, 8e-2)
 # Per optimiser: its grid (Lion's steps are larger than Adam's; SGD's far smaller).
 OPTIMIZER_RATES = {
-    "lion": (3.125e-4, 6.25e-4, 1.25e-3, 2.5e-3, 5e-3),
+    "lion": (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2),
     "sgd": (0.1, 0.2, 0.4, 0.8, 1.6),
-    "muon": (5e-3, 1e-2, 2e-2, 4e-2, 8e-2),
+    "muon": (1e-2, 2e-2, 4e-2, 8e-2, 1.6e-1),
 }
 OPTIMIZERS = ("adafactor", "schedule_free_adamw", "adabelief", "lion", "muon", "sgd")
 VARIANTS = ("tiny", "standard", "mup", "depth_standard", "depth_completep") + tuple(

@@ -149,7 +149,8 @@ def report_lines(root: pathlib.Path, results: dict) -> list[str]:
         table = []
         for line, pts in curve(rows, key, by).items():
             for v, m, s, n in pts:
-                table.append([line if by else "", format_value(v), f"{m:.4f} ± {s:.4f}", n])
+                spread = f"{m:.4f} ± {s:.4f}" if n > 1 else f"{m:.4f}"
+                table.append([line if by else "", format_value(v), spread, n])
         lines += _table([by or "", key, "final eval loss", "seeds"], table)
         if by:
             lines += [f"Best {key} per {by}:", ""]
