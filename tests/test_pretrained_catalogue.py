@@ -169,6 +169,19 @@ SPECS = {
         ),
         [{"residual_multiplier": 1.0}, {"attention_multiplier": 0.25}],
     ),
+    # Gated DeltaNet (2 key heads, 2 value heads each) then gated attention; a quarter of
+    # each head rotated by default. Off: the whole head rotated.
+    "qwen3_5_text": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            _BASE, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+        [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 1.0}}],
+    ),
 }  # fmt: skip
 
 
