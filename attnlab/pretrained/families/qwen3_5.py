@@ -1,5 +1,8 @@
-"""Qwen3.5 (text, ``Qwen3_5ForCausalLM``, ``model_type`` ``qwen3_5_text``): Qwen3-Next's
-hybrid of Gated DeltaNet and gated attention layers with a dense SwiGLU FFN in every layer.
+"""Qwen3.5 (text): ``Qwen3_5ForCausalLM`` (``model_type`` ``qwen3_5_text``), Qwen3-Next's
+hybrid of Gated DeltaNet and gated attention layers with a dense SwiGLU FFN in every layer,
+and ``Qwen3_5MoeForCausalLM`` (``qwen3_5_moe_text``), with Qwen3-Next's experts and gated
+shared expert (the router's top-k weights always renormalised): the same computation as
+Qwen3-Next, so export writes it as ``qwen3_next``.
 Its Gated DeltaNet stores the projections apart (``in_proj_qkv``: every query head, then every
 key head, then every value head; ``in_proj_z``; ``in_proj_b``; ``in_proj_a``); the family's
 ``prepare`` regroups them per key head into Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``
@@ -17,6 +20,7 @@ from attnlab.pretrained.families.qwen3_next import (
     _QWEN3_NEXT_TYPES,
     QWEN3_NEXT,
     _block_pattern,
+    qwen3_next,
 )
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import reject, require, rope_decoder_fields
@@ -119,5 +123,18 @@ register_family(
         prepare=fused_projections,
         finish=separate_projections,
         architectures=("Qwen3_5",),
+    )
+)
+
+
+# Qwen3.5-MoE computes as Qwen3-Next: export writes its models as that family.
+register_family(
+    Family(
+        "qwen3_5_moe_text",
+        config=lambda c: qwen3_next(_with_rotary_default(c)),
+        mapping=QWEN3_NEXT,
+        prepare=fused_projections,
+        finish=separate_projections,
+        architectures=("Qwen3_5Moe",),
     )
 )
