@@ -265,8 +265,13 @@ def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
         assert max_diff(other(ids, valid_BT=real).logits[real], expected[real]) > 1e-3, change
 
 
+# Qwen3.5-MoE decodes with Qwen3.5's mixers and Qwen3-Next's experts, both decoded here and
+# in test_pretrained_qwen3_next.
+GREEDY = [n for n in NAMES if n != "qwen3_5_moe_text"]
+
+
 @pytest.mark.slow(reason="16 cached greedy tokens compiled, against transformers' generate")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", GREEDY)
 def test_greedy_with_cache_matches_transformers(checkpoints, name):
     model, folder = checkpoints(name)
     greedy_matches_transformers(model, folder)
