@@ -95,15 +95,11 @@ def test_the_chunked_scan_equals_the_recurrent_one_and_the_steps():
 
 
 @pytest.mark.slow(reason="compiles a decoder's prefill and steps; the fast tier checks the layer")
-@pytest.mark.parametrize("form", ["chunked", "recurrent"])
-def test_a_decoder_with_it_decodes_ragged_prompts_like_its_forward_pass(form):
+def test_a_decoder_with_it_decodes_ragged_prompts_like_its_forward_pass():
     """Ragged prefills (3 and 6 tokens) then steps equal one forward pass, so a prefill split
-    at any point and continued equals one prefill (chunks of 4 cross the split)."""
-    block = {
-        "block": ({"mixer": "mamba", "mixer_settings": {"chunk_size": 4, "form": form}}, "mha")
-    }
-    cfg = ModelConfig(**{**mixer_checks.TINY, "block_pattern": block, "position": "rope"})
-    mixer_checks.prefill_then_steps(cfg, atol=1e-5)
+    at any point and continued equals one prefill (chunks of 4 cross the split; the recurrent
+    scan equals the chunked one in the fast tier)."""
+    mixer_checks.prefill_then_steps(tiny(position="rope"), atol=1e-5)
 
 
 @pytest.mark.slow(reason="compiles a decoder's backward pass")

@@ -1,9 +1,8 @@
 """LFM2's gated short convolution (``mixer="short_conv"``): the layer against its float64
 formula, a hybrid decoder of it and attention decoding ragged prompts through the cache like
 its forward pass (prefills split anywhere), finite gradients with masked rows, its one cache
-entry and its settings' errors."""
+entry and its settings' errors. Left padding: LFM2's logits in ``test_pretrained_catalogue``."""
 
-import jax
 import jax.numpy as jnp
 import mixer_checks
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 import reference
 from flax import nnx
 
-from attnlab import ModelConfig, build_model, kv_cache_bytes
+from attnlab import ModelConfig, kv_cache_bytes
 from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
 
@@ -57,18 +56,6 @@ def test_a_decoder_with_it_decodes_ragged_prompts_like_its_forward_pass():
 @pytest.mark.slow(reason="compiles a decoder's backward pass")
 def test_gradients_are_finite_with_masked_rows():
     mixer_checks.grads_finite_with_masked_rows(tiny(position="rope"))
-
-
-@pytest.mark.slow(reason="compiles two forward passes of a decoder")
-def test_padding_puts_nothing_into_the_convolution():
-    """A left-padded row's real tokens compute as the row without its padding."""
-    cfg = ModelConfig(**mixer_checks.TINY, mixer="short_conv", position="none")
-    model = build_model(cfg, seed=0)
-    ids = jax.random.randint(jax.random.key(0), (1, 6), 1, cfg.vocab_size)
-    padded = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), ids], 1)
-    valid = jnp.arange(9)[None, :] >= 3
-    got = model(padded, valid_BT=valid).logits[:, 3:]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(model(ids).logits), atol=1e-5)
 
 
 def test_its_cache_is_one_fixed_size_conv_entry():

@@ -10,7 +10,7 @@ built-ins, or anywhere else)::
         mapping=LLAMA,                # stored tensor names -> attnlab parameters
         write=llama_writer,           # ModelConfig -> config.json dict (export), optional
         prepare=None,                 # a rewrite of the stored tensors before the table
-        finish=None,                  # export: what the table does not write (fixed buffers)
+        finish=None,                  # export: prepare's inverse (fixed buffers, split tensors)
         architectures=("Llama",),     # class-name prefixes for config.json without model_type
     ))
 
@@ -50,7 +50,7 @@ class Family:
     mapping: Mapping  # the tensor-name table (attnlab.pretrained.mappings)
     write: Callable | None = None  # ModelConfig -> config.json (export-hf); None: load only
     prepare: Callable[[dict, dict], dict] | None = None  # (tensors, config.json) -> tensors
-    finish: Callable[[dict, dict], dict] | None = None  # export: (tensors, config.json) -> all
+    finish: Callable[[dict, dict], dict] | None = None  # export: (tensors, config.json) -> stored
     architectures: tuple[str, ...] = ()  # ``architectures`` class-name prefixes
 
 

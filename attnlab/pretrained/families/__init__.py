@@ -34,6 +34,7 @@ BUILTINS = (
     "mamba",
     "jamba",
     "granitemoehybrid",
+    "qwen3_5",
 )
 
 for _name in BUILTINS:

@@ -147,6 +147,8 @@ def granite_writer(cfg):
     out["logits_scaling"] = 1.0 / cfg.logits_scale
     if all(k.ffn_variant == "dense" for k in kinds):
         out.update(num_local_experts=0, shared_intermediate_size=cfg.d_ff)
+    elif any(k.ffn_variant != "moe" for k in kinds):
+        raise ValueError("ffn_variant: Granite 4's layers all hold experts or all a SwiGLU")
     else:
         s = cfg.ffn_settings
         if not hasattr(s, "n_experts"):
