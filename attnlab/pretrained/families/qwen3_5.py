@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnlab.layer_kinds import stack_plan
+from attnlab.config.layer_kinds import stack_plan
 from attnlab.pretrained.export_configs import base_config, single_mixers
 from attnlab.pretrained.families.qwen3_next import (
     _QWEN3_NEXT_TYPES,
