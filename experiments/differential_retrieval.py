@@ -25,7 +25,15 @@ report none: their maps are not one softmax)::
     python experiments/differential_retrieval.py --run runs/diff --rescore   # score again
 
 ``--run`` writes ``DIR/differential.json``, ``DIR/differential.md`` (mean ± sample std over
-seeds) and ``docs/images/differential_retrieval.png``. Results: docs/experiments.md.
+seeds) and ``docs/images/differential_retrieval.png``.
+
+Measured (3 seeds, 2 loaded CPU cores): at 800 steps (11 min) and at 2,500 (``--steps
+2500``, 34 min) differential attention is more accurate at every pair count (2,500 steps:
+0.553 ± 0.119 against 0.423 ± 0.028 at 2 pairs, 0.154 ± 0.017 against 0.141 ± 0.005 at
+12), but the gap shrinks as the distractors grow, and neither model learns the task. Its
+raw attention on distractors is lower (0.60 against 0.90 at 12 pairs), yet the share of the
+pairs' mass on distractors is the same for both and equals an even spread: the effective
+map's smaller total, not a sharper one. Details: docs/experiments.md.
 """
 
 from __future__ import annotations
