@@ -176,7 +176,7 @@ def test_a_run_resumes_with_a_metric_its_checkpoint_was_written_without(tmp_path
     cfg.model.vocab_size = 256
     cfg.train.update(steps=4, log_every_steps=1, metrics=())
     cfg.checkpoint.update(every_steps=2)
-    cfg.eval.update(every_steps=100, batches=0)
+    cfg.eval.update(every_steps=100, batches=0, sample_tokens=0)  # the corpus lacks "def "
     train(cfg, tmp_path / "run", progress=False, stop_after=2)
     cfg.train.metrics = ("attn_max_logit", "grad_norms")
     record = train(cfg, tmp_path / "run", progress=False, allow_changes=True)

@@ -291,7 +291,12 @@ def test_stacked_steps_mapped_or_vmapped_equal_each_trial_alone():
                 strict=True,
             ):
                 np.testing.assert_allclose(np.asarray(b)[i], a, rtol=1e-5, atol=1e-6, err_msg=how)
-            for k, v in w_metrics.items():
-                np.testing.assert_allclose(np.asarray(got_metrics[k])[i], v, rtol=1e-5, err_msg=k)
+            # The metrics nest (the registered step metrics sit under "metrics"): leaf by leaf.
+            w_flat = jax.tree_util.tree_flatten_with_path(w_metrics)[0]
+            g_flat = jax.tree_util.tree_flatten_with_path(got_metrics)[0]
+            assert [p for p, _ in w_flat] == [p for p, _ in g_flat], how
+            for (path, v), (_, g) in zip(w_flat, g_flat, strict=True):
+                key = jax.tree_util.keystr(path)
+                np.testing.assert_allclose(np.asarray(g)[i], v, rtol=1e-5, err_msg=key)
     with pytest.raises(ValueError, match="stack_by"):
         train.Trainer(cfgs[0], stack_by="pmap")
