@@ -13,12 +13,14 @@ indexed part of the ref and continues with ordinary values, so the result is alw
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-from attnlab.ops.pallas import _common as cm
+if TYPE_CHECKING:  # for the annotation alone: _common imports this module when it runs
+    from attnlab.ops.pallas import _common as cm
 
 
 @dataclasses.dataclass(frozen=True)
