@@ -1,6 +1,6 @@
 """The Forgetting Transformer (``mixer="fox"``) against its float64 formula, with gradients;
-cached decoding equals recomputation; a mesh run equals one device (fully masked rows: the
-op's own tests, ``test_ops_flex.py``).
+cached decoding equals recomputation (fully masked rows: the op's own tests,
+``test_ops_flex.py``; a mesh run against one device: ``test_mixer_mesh.py``).
 
 ``reference.forgetting_attention`` writes the paper's decay as the explicit sum of the log
 forget gates between key and query; the layer is checked against it on the chunked path
@@ -14,7 +14,6 @@ import mixer_checks
 import numpy as np
 import pytest
 import reference as ref
-import xla_flags
 from flax import nnx
 
 from attnlab import ModelConfig, ops
@@ -99,34 +98,3 @@ def test_fox_settings_are_validated():
 def test_fox_cached_decoding_equals_recompute():
     cfg = ModelConfig(**TINY, mixer_settings={"bias_init": 1.0})
     mixer_checks.prefill_then_steps(cfg, atol=2e-5)  # ragged prefill, then token by token
-
-
-CHILD = __import__("os").environ.get("ATTNLAB_MESH_CHILD") == "1"
-
-
-@pytest.mark.slow(reason="a second pytest process on 4 CPU devices")
-def test_fox_mesh_tests_pass_on_four_cpu_devices():
-    if CHILD:
-        pytest.skip("this is the child process")
-    xla_flags.run_on_devices(__file__, "-k", "on_a_mesh", n=4)
-
-
-@pytest.mark.skipif(not CHILD, reason="runs in the child process with 4 CPU devices")
-def test_fox_training_on_a_mesh_equals_one_device():
-    """Two training steps of a FoX model on the chunked path, on one device and on a
-    (data 2, tensor 2) mesh: the same losses and parameters."""
-    from test_sharding import batches, host, run_steps, tiny
-
-    from attnlab.devices import sharding
-    from attnlab.train import Trainer
-
-    cfg = tiny(mixer="fox", position="none", dropout=0.0, attention_dropout=0.0, **CHUNKED)
-    data = batches(2)
-    one = Trainer(cfg, kind="lm")
-    state1, losses1 = run_steps(one, one.init_state(), data)
-    many = Trainer(cfg, kind="lm", mesh=sharding.make_mesh({"data": 2, "tensor": 2}))
-    state4, losses4 = run_steps(many, many.init_state(), data)
-    np.testing.assert_allclose(losses4, losses1, rtol=1e-5)
-    got, want = jax.tree.leaves(host(state4["params"])), jax.tree.leaves(host(state1["params"]))
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

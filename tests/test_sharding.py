@@ -382,11 +382,17 @@ def test_muon_orthogonalising_layers_on_separate_devices_equals_one_device(one_d
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+# mixer -> the model fields it runs with, besides ``mixer`` (RoPE unless they say otherwise)
 BUILT_IN_VARIANTS = {
     "sinks": {},
-    "gated": {"kind": "elementwise"},
+    "gated": {"mixer_settings": {"kind": "elementwise"}},
     "differential": {},
-    "mla": {"q_lora_rank": 16},
+    "mla": {"mixer_settings": {"q_lora_rank": 16}},
+    "fox": dict(
+        position="none", attention_impl="chunked", attention_block_q=4, attention_block_k=8
+    ),
+    "short_conv": {},
+    "mamba": {},
 }
 
 
@@ -397,9 +403,11 @@ def test_every_built_in_variant_trains_and_decodes_on_a_mesh_like_one_device(mix
     steps on a data x fsdp x tensor mesh and cached decoding equal one device."""
     from attnlab import ModelConfig, build_model, generate
 
-    cfg = tiny(position="rope", mixer=mixer, dropout=0.0, attention_dropout=0.0)
+    fields = dict(position="rope", dropout=0.0, attention_dropout=0.0) | BUILT_IN_VARIANTS[mixer]
+    settings = fields.pop("mixer_settings", {})
+    cfg = tiny(mixer=mixer, **fields)
     with cfg.unlocked():
-        cfg.model.mixer_settings = BUILT_IN_VARIANTS[mixer]
+        cfg.model.mixer_settings = settings
     data = batches(3)
     _, want = run_steps(Trainer(cfg, kind="lm"), Trainer(cfg, kind="lm").init_state(), data)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
