@@ -1,10 +1,13 @@
 """Recurrent-state layers against attention on this machine: decode speed and cache bytes per
 sequence against context length, and prefill time of the chunked forms.
 
-Four decoders of one width and depth at matched parameter count (the FFN width of each is
-set so that every model has the largest one's parameters, within one FFN column): ``mha``
-(RoPE, a KV cache that grows with the context), ``gated_deltanet`` and ``mamba2`` (their
-default chunked form; a fixed-size recurrent and conv state per layer), and the 3:1 hybrid
+Decoders of one width and depth at matched parameter count (the FFN width of each is set so
+that every model has the largest one's parameters, within one FFN column), one per ``MODELS``
+row: ``mha`` (RoPE, a KV cache that grows with the context); the fixed-state layers
+``gated_deltanet``, ``mamba2``, ``mamba`` (Mamba-1's selective scan) and ``short_conv`` (a
+gated short convolution, LFM2's form; a conv state only); ``fox`` (softmax attention with a
+forget gate: a KV cache like ``mha`` plus a cumulative gate per token); the sparse-attention
+mixers (a KV cache, reading only the selected keys' blocks); and the 3:1 hybrid
 (``ModelConfig.block_pattern``: three Gated DeltaNet layers, then one attention layer,
 repeated; ``--n-layers`` a multiple of 4), whose cache grows with the context at a quarter
 of attention's rate.
@@ -65,6 +68,9 @@ MODELS = {
     "attention": {"mixer": "mha"},
     "gated_deltanet": {"mixer": "gated_deltanet"},
     "mamba2": {"mixer": "mamba2"},
+    "mamba": {"mixer": "mamba"},
+    "short_conv": {"mixer": "short_conv"},
+    "fox": {"mixer": "fox", "position": "none"},
     "hybrid_3to1": {"block_pattern": {"block": ["gated_deltanet"] * 3 + ["mha"]}},
 }
 
@@ -111,7 +117,7 @@ def configs(args) -> dict[str, ModelConfig]:
     max_len = max(args.lengths + args.prefill_lengths) + args.long + 8
     common = dict(BASE, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads)
     cfgs = {
-        name: ModelConfig(**common, max_len=max_len, **fields) for name, fields in MODELS.items()
+        name: ModelConfig(**(common | fields), max_len=max_len) for name, fields in MODELS.items()
     }
     target = max(count_params(c) for c in cfgs.values())
     per_column = 3 * args.d_model * args.n_layers  # a SwiGLU column: gate, in, out
