@@ -127,11 +127,19 @@ register_family(
 )
 
 
+def qwen3_5_moe_text(c: dict) -> dict:
+    """Qwen3-Next's fields. Every Qwen3.5-MoE layer has experts, so its config.json has no
+    dense FFN width (``intermediate_size``): the experts' width stands in for the one no
+    layer reads."""
+    c = {"intermediate_size": c.get("moe_intermediate_size"), **_with_rotary_default(c)}
+    return qwen3_next(c)
+
+
 # Qwen3.5-MoE computes as Qwen3-Next: export writes its models as that family.
 register_family(
     Family(
         "qwen3_5_moe_text",
-        config=lambda c: qwen3_next(_with_rotary_default(c)),
+        config=qwen3_5_moe_text,
         mapping=QWEN3_NEXT,
         prepare=fused_projections,
         finish=separate_projections,
