@@ -21,6 +21,7 @@ config's size, then the FFN width that brings it within one FFN column of it
     attnlab sweep --config experiments/attention_zoo.py:small --workdir runs/zoo_small
     attnlab sweep --config experiments/attention_zoo.py:zoology --workdir runs/zoology
     attnlab sweep --config experiments/attention_zoo.py:zoology_long --workdir runs/zoology_long
+    attnlab sweep --config experiments/attention_zoo.py:catalogue --workdir runs/zoo_catalogue
     python experiments/attention_zoo.py --report runs/zoo     # extrapolation, table, plots
     python experiments/attention_zoo.py --sizes [--variant zoology]
 
@@ -76,7 +77,7 @@ import typing
 
 from attnlab.experiment import ExperimentError, base_config
 
-VARIANTS = ("small", "tiny", "zoology", "zoology_long")
+VARIANTS = ("small", "tiny", "zoology", "zoology_long", "catalogue")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
 EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training length
 EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
@@ -113,6 +114,7 @@ class Grid(typing.NamedTuple):
 
 
 RECURRENT = ("mha", "gated_deltanet", "mamba2", "hybrid_3to1", "hybrid_1to1")
+CATALOGUE = ("mha", "short_conv", "mamba", "fox")
 SWEEPS = {
     None: Grid(((64, 4, 4), (64, 8, 8), (128, 4, 4), (128, 8, 8)), (0, 1, 2)),
     "small": Grid(((64, 4, 4),), (0, 1, 2)),  # one point of the full grid, 600 steps
@@ -124,6 +126,8 @@ SWEEPS = {
     # Zoology's longest point: T = 256, 4 to 64 pairs (128 symbols), attention against the
     # two recurrent layers, 2 seeds (what the CPU time allowed).
     "zoology_long": Grid(((256, 4, 64),), (0, 1), ("mha", "gated_deltanet", "mamba2")),
+    # The 2025-26 mixers at ``:zoology``'s point, beside mha, one seed (the CPU time).
+    "catalogue": Grid(((64, 4, 16),), (0,), CATALOGUE),
 }
 
 
@@ -153,7 +157,7 @@ def get_config(variant=None):
         c.train.update(steps=600, batch_size=32)
         c.eval.update(every_steps=300, batch_size=32)
         c.checkpoint.update(every_steps=600)
-    if variant in ("zoology", "zoology_long"):
+    if variant in ("zoology", "zoology_long", "catalogue"):
         # What lets attention leave the copy-a-value plateau within the CPU's budget: untied
         # embeddings read at unit scale (init_std d_model^-1/2, times sqrt(d_model)), Adam at
         # a constant 1e-3 after 50 warm-up steps, no weight decay.
