@@ -4,7 +4,8 @@ QK-norm, grouped sigmoid routing after a dense first layer), LFM2 (gated short c
 beside attention), Mamba (Mamba-1's selective scan), Jamba (Mamba-1 with inner norms,
 attention without positions, experts every other layer) and Granite 4 (Mamba-2 and
 attention, experts beside a shared SwiGLU, muP multipliers) and Qwen3.5 (dense and
-MoE: Qwen3-Next's hybrid with separately stored Gated DeltaNet projections).
+MoE: Qwen3-Next's hybrid with separately stored Gated DeltaNet projections) and MiniMax
+(lightning and softmax attention layers, experts in every layer, scaled normed residuals).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 or 4 layers, d_model 32), every weight moved off its init. Logits equal transformers'
@@ -214,8 +215,8 @@ SPECS = {
         ),
         [
             {"layer_types": ["full_attention"] * 4, "tensors": lambda t: lightning_as_softmax(t)},
-            {"full_attn_alpha_factor": 1, "linear_attn_alpha_factor": 1, "mlp_alpha_factor": 1},
-            {"full_attn_beta_factor": 1, "linear_attn_beta_factor": 1, "mlp_beta_factor": 1},
+            {"full_attn_alpha_factor": 1, "linear_attn_alpha_factor": 1, "mlp_alpha_factor": 1,
+             "full_attn_beta_factor": 1, "linear_attn_beta_factor": 1, "mlp_beta_factor": 1},
             {"model": lambda cfg: without_decay(cfg)},
         ],
     ),
