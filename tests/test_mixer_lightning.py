@@ -123,6 +123,25 @@ def test_its_cache_is_one_fixed_size_state():
     assert kv_cache_bytes(tiny(), 1, 8, "float32") == 8 * 2 * 32 * 4 + 4 * 8 * 8 * 4
 
 
+def test_surgery_from_softmax_attention_keeps_its_q_k_v_and_output():
+    """``init="matching"``: head n's q is attention's head n, its k and v those of its
+    key-value head (n // G); the output projection is attention's."""
+    cfg = ModelConfig(**{**mixer_checks.TINY, "n_kv_heads": 2}, mixer="lightning")
+    rng = np.random.default_rng(4)
+    D, N, K, H = 32, 4, 2, 8
+    old = {"q_DNH": rng.normal(size=(D, N, H)), "k_DKH": rng.normal(size=(D, K, H)),
+           "v_DKH": rng.normal(size=(D, K, H)), "o_NHD": rng.normal(size=(N, H, D))}  # fmt: skip
+    cls = get_mixer("lightning")
+    got = cls.inherit(cfg, cls.Settings(), old, {})
+    assert set(got) == {"qkv_DNH", "out_NHD"}
+    for n in range(N):
+        np.testing.assert_array_equal(got["qkv_DNH"][:, n, :H], old["q_DNH"][:, n])
+        np.testing.assert_array_equal(got["qkv_DNH"][:, n, H : 2 * H], old["k_DKH"][:, n // 2])
+        np.testing.assert_array_equal(got["qkv_DNH"][:, n, 2 * H :], old["v_DKH"][:, n // 2])
+    np.testing.assert_array_equal(got["out_NHD"], old["o_NHD"])
+    assert cls.inherit(cfg, cls.Settings(), {"q_DNH": old["q_DNH"]}, {}) == {}
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [

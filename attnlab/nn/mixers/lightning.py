@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from attnlab.contracts.mixer import CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
@@ -78,6 +79,23 @@ class Lightning(Mixer):
         self.gate_DNH = normal(rngs, (D, N, H), std, pd)
         self.norm_scale_NH = nnx.Param(jnp.ones((N, H), jnp.dtype(pd)))
         self.out_NHD = normal(rngs, (N, H, D), std / (2 * cfg.n_layers) ** 0.5, pd)
+
+    @classmethod
+    def inherit(cls, cfg, settings, old, new):
+        """From softmax attention's projections (``q_DNH``, ``k_DKH``, ``v_DKH``, ``o_NHD``)
+        of the same heads and width: each head's q, its key-value head's k and v, and the
+        output projection. The gate and the norm stay fresh."""
+        if not {"q_DNH", "k_DKH", "v_DKH", "o_NHD"} <= set(old):
+            return {}
+        q_DNH, k_DKH, v_DKH, o_NHD = (
+            np.asarray(old[k]) for k in ("q_DNH", "k_DKH", "v_DKH", "o_NHD")
+        )
+        if q_DNH.shape[1:] != (cfg.n_heads, cfg.head_dim):
+            return {}
+        G = q_DNH.shape[1] // k_DKH.shape[1]
+        kv = lambda w: np.repeat(w, G, axis=1)  # query head n: its key-value head's
+        qkv_DNH = np.concatenate([q_DNH, kv(k_DKH), kv(v_DKH)], axis=-1)
+        return {"qkv_DNH": qkv_DNH, "out_NHD": o_NHD}
 
     @classmethod
     def cache_entries(cls, cfg, settings):
