@@ -51,11 +51,14 @@ def lightning_float64(x_BTD, layer, layer_index, n_layers, decay=True):
     return np.einsum("btnh,nhd->btd", o.reshape(Bsz, T, N, H) * gate, f(layer.out_NHD))
 
 
-@pytest.mark.parametrize("decay, layer_index", [(True, 1), (True, 3), (False, 1)])
-def test_the_layer_is_minimax_lightning_attention_in_float64(decay, layer_index):
+@pytest.mark.parametrize(
+    "decay, layer_index, form",
+    [(True, 1, "chunked"), (True, 3, "chunked"), (False, 1, "chunked"), (True, 2, "recurrent")],
+)
+def test_the_layer_is_minimax_lightning_attention_in_float64(decay, layer_index, form):
     cfg = ModelConfig(**{**mixer_checks.TINY, "n_layers": 4}, mixer="lightning")
     cls = get_mixer("lightning")
-    layer = cls(cfg, cls.Settings(block_size=4, decay=decay), rngs=nnx.Rngs(0))
+    layer = cls(cfg, cls.Settings(block_size=4, decay=decay, form=form), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(1)
     layer.norm_scale_NH[...] = jnp.asarray(1 + 0.3 * rng.normal(size=(4, 8)), jnp.float32)
     x = rng.normal(size=(2, 7, cfg.d_model)).astype(np.float32)  # 2 blocks, the last partial
