@@ -4,7 +4,8 @@ QK-norm, grouped sigmoid routing after a dense first layer), LFM2 (gated short c
 beside attention), Mamba (Mamba-1's selective scan), Jamba (Mamba-1 with inner norms,
 attention without positions, experts every other layer) and Granite 4 (Mamba-2 and
 attention, experts beside a shared SwiGLU, muP multipliers) and Qwen3.5 (dense and
-MoE: Qwen3-Next's hybrid with separately stored Gated DeltaNet projections).
+MoE: Qwen3-Next's hybrid with separately stored Gated DeltaNet projections) and MiniMax
+(lightning and softmax attention layers, experts in every layer, scaled normed residuals).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 or 4 layers, d_model 32), every weight moved off its init. Logits equal transformers'
@@ -53,7 +54,7 @@ _BASE = dict(
 
 # name -> (config class, model class, kwargs, [config.json changes that drop one feature]);
 # a change's "drop" lists stored names of tensors the plainer config has no place for, its
-# "tensors" rewrites the stored tensors instead.
+# "tensors" rewrites the stored tensors instead, its "model" the translated ModelConfig.
 SPECS = {
     # A sliding layer with RoPE, then a full layer without (NoPE).
     "smollm3": (
@@ -197,7 +198,62 @@ SPECS = {
         [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                               "partial_rotary_factor": 1.0}}],
     ),
+    # Lightning, lightning, softmax attention, lightning (blocks of 4 tokens); 4 experts (2 per
+    # token) in every layer; each residual factor away from 1. Off: every layer softmax
+    # attention on the lightning layers' q, k, v and output projections; the factors at 1;
+    # no decay (a switch config.json lacks, made on the translated config).
+    "minimax": (
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(
+            _BASE, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+            block_size=4, layer_types=["linear_attention", "linear_attention",
+                                       "full_attention", "linear_attention"],
+            full_attn_alpha_factor=1.5, full_attn_beta_factor=0.7,
+            linear_attn_alpha_factor=2.0, linear_attn_beta_factor=0.6,
+            mlp_alpha_factor=1.3, mlp_beta_factor=0.8,
+        ),
+        [
+            {"layer_types": ["full_attention"] * 4, "tensors": lambda t: lightning_as_softmax(t)},
+            {"full_attn_alpha_factor": 1, "linear_attn_alpha_factor": 1, "mlp_alpha_factor": 1,
+             "full_attn_beta_factor": 1, "linear_attn_beta_factor": 1, "mlp_beta_factor": 1},
+            {"model": lambda cfg: without_decay(cfg)},
+        ],
+    ),
 }  # fmt: skip
+
+
+def lightning_as_softmax(tensors, heads=4, kv_heads=2, head_dim=8):
+    """MiniMax's lightning layers' ``qkv_proj`` (per head q, k, v) and ``out_proj`` as
+    softmax attention's q/k/v/o projections (each key-value head from its group's first
+    head); their gate, norm and decay buffers dropped."""
+    out = {}
+    for name, x in tensors.items():
+        at, _, rest = name.rpartition("self_attn.")
+        if rest == "qkv_proj.weight":
+            q, k, v = np.split(x.reshape(heads, 3, head_dim, -1), 3, axis=1)
+            first = slice(None, None, heads // kv_heads)
+            out[at + "self_attn.q_proj.weight"] = q.reshape(heads * head_dim, -1)
+            out[at + "self_attn.k_proj.weight"] = k[first].reshape(kv_heads * head_dim, -1)
+            out[at + "self_attn.v_proj.weight"] = v[first].reshape(kv_heads * head_dim, -1)
+        elif rest == "out_proj.weight":
+            out[at + "self_attn.o_proj.weight"] = x
+        elif not rest.startswith(("output_gate", "norm", "slope", "query", "key", "diagonal")):
+            out[name] = x
+    return out
+
+
+def without_decay(cfg):
+    """``cfg`` with its lightning layers' decay switched off."""
+    kinds = lambda ks: [
+        {**k, "mixer_settings": {**k["mixer_settings"], "decay": False}}
+        if isinstance(k, dict) and k.get("mixer") == "lightning" else k
+        for k in ks
+    ]  # fmt: skip
+    pattern = cfg.to_dict()["block_pattern"]
+    return cfg.replace(
+        block_pattern={"prefix": kinds(pattern["prefix"]), "block": kinds(pattern["block"])}
+    )
 
 
 def one_tap(w):
@@ -257,11 +313,11 @@ def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
         drop, rewrite = change.get("drop", ()), change.get("tensors", lambda t: t)
         off = {
             **handle.hf_config,
-            **{k: v for k, v in change.items() if k not in ("drop", "tensors")},
+            **{k: v for k, v in change.items() if k not in ("drop", "tensors", "model")},
         }
         kept = {n: x for n, x in read_tensors(folder).items() if not any(d in n for d in drop)}
         kept = rewrite(kept)
-        other = convert(off, kept, model_config_from_hf(off))
+        other = convert(off, kept, change.get("model", lambda c: c)(model_config_from_hf(off)))
         assert max_diff(other(ids, valid_BT=real).logits[real], expected[real]) > 1e-3, change
 
 

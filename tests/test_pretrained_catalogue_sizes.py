@@ -78,6 +78,22 @@ PUBLISHED = {
         mamba_expand=2, mamba_dt_rank=256, mamba_conv_bias=True, mamba_proj_bias=False,
         rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
+    # MiniMaxAI/MiniMax-Text-01-hf: 456B parameters, 45.9B activated per token (the card's
+    # active count leaves out the embeddings); softmax attention in every eighth of 80
+    # layers, lightning attention in the others; experts (2 of 32 per token) in every layer.
+    "minimax": dict(
+        model_type="minimax", vocab_size=200064, hidden_size=6144, intermediate_size=9216,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        num_local_experts=32, num_experts_per_tok=2, block_size=256,
+        layer_types=["full_attention" if (i + 1) % 8 == 0 else "linear_attention"
+                     for i in range(80)],
+        full_attn_alpha_factor=3.5565588200778455, full_attn_beta_factor=1.0,
+        linear_attn_alpha_factor=3.5565588200778455, linear_attn_beta_factor=1.0,
+        mlp_alpha_factor=3.5565588200778455, mlp_beta_factor=1.0,
+        max_position_embeddings=10240000, rms_norm_eps=1e-5, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+        router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 
 
@@ -145,6 +161,14 @@ def published_counts(name, c) -> tuple[int, int, int]:
         total = embed + L * (attention + norms) + dense * 3 * D * F + (L - dense) * moe + D
         active = total - (L - dense) * (moe - moe_active)
         return total, active, embed
+    if name == "minimax":  # 70 lightning and 10 attention layers; experts in every layer
+        E, k = c["num_local_experts"], c["num_experts_per_tok"]
+        n_attention = c["layer_types"].count("full_attention")
+        lightning = 3 * D * N * H + D * N * H + N * H + N * H * D  # qkv, gate, norm, out
+        mixers = n_attention * attention + (L - n_attention) * lightning
+        moe = E * D + E * 3 * D * F  # the router and the experts
+        total = embed + mixers + L * (moe + norms) + D
+        return total, total - L * (E - k) * 3 * D * F, embed
     if name == "lfm2":  # attention (QK-norm) or the convolution; the FFN 8192 wide
         n_attention = len(c["full_attn_idxs"])
         conv = 3 * D * D + 3 * D + D * D  # in_proj (b, c, h), 3 taps, out_proj
@@ -158,14 +182,18 @@ def published_counts(name, c) -> tuple[int, int, int]:
 
 CARDS = {"smollm3": (3.08e9, None), "olmo3": (7.30e9, None), "apertus": (8.05e9, None),
          "glm4_moe": (355e9, 32e9), "lfm2": (1.17e9, None), "mamba": (0.129e9, None),
-         "jamba": (52e9, 12e9)}  # fmt: skip
+         "jamba": (52e9, 12e9), "minimax": (456e9, 45.9e9)}  # fmt: skip
 
 
 HYBRID_SIZES = "traces a hybrid stack's parameter shapes (about 2 s)"
 
 
 @pytest.mark.parametrize(
-    "name", cases(list(PUBLISHED), slow={"lfm2": HYBRID_SIZES, "jamba": HYBRID_SIZES})
+    "name",
+    cases(
+        list(PUBLISHED),
+        slow={"lfm2": HYBRID_SIZES, "jamba": HYBRID_SIZES, "minimax": HYBRID_SIZES},
+    ),
 )
 def test_published_sizes_from_the_config_alone(name):
     c = PUBLISHED[name]
@@ -180,6 +208,8 @@ def test_published_sizes_from_the_config_alone(name):
         assert abs(total - card_total) < 0.005 * 10 ** math.floor(math.log10(card_total))
     elif name == "jamba":  # the card's whole billions
         assert abs(total - card_total) < 0.5e9 and abs(active - card_active) < 0.5e9
+    elif name == "minimax":  # the card's 456B and 45.9B (without the embeddings)
+        assert abs(total - card_total) < 0.5e9 and abs(active - embed - card_active) < 0.05e9
     else:  # GLM-4.5: the MTP layer (about 3.9B) is the difference to the card's total
         assert 2e9 < card_total - total < 4.5e9
         assert abs(active - embed - card_active) < 0.5e9
@@ -192,6 +222,10 @@ def test_published_sizes_from_the_config_alone(name):
     if name == "jamba":  # keys and values of 4 layers (bfloat16), 28 Mamba states (float32)
         mamba_state = 2 * 4096 * 16 + 3 * 2 * 4096
         assert kv_cache_bytes(cfg, 1, 1000) == 1000 * 4 * 2 * 8 * 128 * 2 + 28 * mamba_state * 4
+        return
+    if name == "minimax":  # keys and values of 10 layers (bfloat16), 70 lightning states
+        state = 64 * 128 * 128  # [N, H, H] per layer, float32
+        assert kv_cache_bytes(cfg, 1, 1000) == 1000 * 10 * 2 * 8 * 128 * 2 + 70 * state * 4
         return
     L, K = c["num_hidden_layers"], c["num_key_value_heads"]
     H = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]

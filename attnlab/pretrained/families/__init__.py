@@ -35,6 +35,7 @@ BUILTINS = (
     "jamba",
     "granitemoehybrid",
     "qwen3_5",
+    "minimax",
 )
 
 for _name in BUILTINS:
