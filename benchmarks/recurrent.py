@@ -71,6 +71,7 @@ MODELS = {
     "mamba": {"mixer": "mamba"},
     "short_conv": {"mixer": "short_conv"},
     "fox": {"mixer": "fox", "position": "none"},
+    "lightning": {"mixer": "lightning"},
     "hybrid_3to1": {"block_pattern": {"block": ["gated_deltanet"] * 3 + ["mha"]}},
 }
 

@@ -393,6 +393,7 @@ BUILT_IN_VARIANTS = {
     ),
     "short_conv": {},
     "mamba": {},
+    "lightning": {"mixer_settings": {"block_size": 4}},
 }
 
 
