@@ -153,6 +153,7 @@ _MIXERS = Registry(
         "base_conv": "attnlab.nn.mixers.base_conv",
         "short_conv": "attnlab.nn.mixers.short_conv",
         "mamba": "attnlab.nn.mixers.mamba",
+        "dsa": "attnlab.nn.mixers.sparse",
     },
 )
 
