@@ -35,6 +35,7 @@ BUILTINS = (
     "jamba",
     "granitemoehybrid",
     "qwen3_5",
+    "deepseek_v32",
 )
 
 for _name in BUILTINS:
