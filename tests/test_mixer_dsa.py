@@ -27,6 +27,7 @@ SETTINGS = dict(
 )  # fmt: skip
 DSA = dict(mixer_checks.TINY, position="rope", mixer="dsa", mixer_settings=SETTINGS)
 B, T = 2, 7
+CHUNKED = dict(attention_impl="chunked", attention_block_q=4, attention_block_k=4)
 
 
 def f64(a):
@@ -137,12 +138,10 @@ def close(got, want, rel=1e-5):
 
 @pytest.mark.parametrize("loss", ["sparse", "dense"])
 def test_the_layer_and_its_indexer_loss_equal_the_reports_equations(loss):
-    """Row 1's first key is padding; blocks of 4 x 4 on the chunked path. The early
-    queries (fewer than topk allowed keys) keep all of theirs."""
-    cfg = ModelConfig(
-        **{**DSA, "mixer_settings": dict(SETTINGS, indexer_loss=loss)},
-        attention_impl="chunked", attention_block_q=4, attention_block_k=4,
-    )  # fmt: skip
+    """Row 1's first key is padding; blocks of 4 x 4 on the chunked path (the indexer's
+    scores and loss in blocks of 4 queries too). The early queries (fewer than topk allowed
+    keys) keep all of theirs."""
+    cfg = ModelConfig(**{**DSA, "mixer_settings": dict(SETTINGS, indexer_loss=loss)}, **CHUNKED)
     layer = make_layer(cfg)
     x_BTD = jax.random.normal(jax.random.key(0), (B, T, cfg.d_model))
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -217,8 +216,9 @@ def test_gradients_are_finite_with_fully_masked_rows():
 @pytest.mark.slow(reason="compiles two backward passes of a layer")
 def test_the_indexer_loss_trains_the_indexer_alone():
     """The output's gradient reaches no indexer parameter (the top-k is not
-    differentiable), the indexer loss's gradient only those and not the layer's input."""
-    cfg = ModelConfig(**DSA)
+    differentiable), the indexer loss's gradient only those and not the layer's input
+    (both scored in blocks of 4 queries, recomputed backwards)."""
+    cfg = ModelConfig(**DSA, **CHUNKED)
     layer = make_layer(cfg)
     x_BTD = jax.random.normal(jax.random.key(2), (B, T, cfg.d_model))
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -280,6 +280,8 @@ def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
     assert "\n" not in message and all(w in message for w in words), message
     with pytest.raises(ConfigError, match=r"ModelConfig.causal=False.*set causal=True"):
         ModelConfig(**DSA, causal=False)
+    with pytest.raises(ConfigError, match=r"ModelConfig.position='alibi'.*set position='rope'"):
+        ModelConfig(**{**DSA, "position": "alibi"})
 
 
 @pytest.mark.slow(reason="compiles a train step")

@@ -14,20 +14,53 @@ distribution summed over the heads and L1-normalised (``attention_target``), the
 query ``KL(p || softmax(I))`` over a support (``indexer_kl``): every allowed key in the
 dense warm-up, the kept keys in sparse training. ``[B, T, S]`` arrays are float32; a
 support or a mask is boolean, True = the key counts.
+
+Memory: the scores are ``[B, T, S]``, but the per-head products behind them (and the main
+attention's ``[B, N, T, S]`` logits behind ``p``) are not kept whole: ``over_queries``
+computes them for ``block_q`` queries at a time, recomputed in the backward pass.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 
-def index_scores(q_BTNH, k_BSH, w_BTN, *, scale):
+def over_queries(fn, block_q: int | None, *xs_BT):
+    """``fn(*xs_BT)`` computed ``block_q`` queries (axis 1 of every ``x``) at a time,
+    rematerialised in the backward pass, its outputs (``[B, T, ...]`` each) joined again;
+    ``fn`` may close over the keys. None, or ``T <= block_q``: one call."""
+    B, T = xs_BT[0].shape[:2]
+    if block_q is None or block_q >= T:
+        return fn(*xs_BT)
+    n = math.ceil(T / block_q)
+    pad = n * block_q - T
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, n, block_q, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(split(x) for x in xs_BT))
+
+    def join(y):
+        return jnp.moveaxis(y, 0, 1).reshape(B, n * block_q, *y.shape[3:])[:, :T]
+
+    return jax.tree.map(join, out)
+
+
+def index_scores(q_BTNH, k_BSH, w_BTN, *, scale, block_q: int | None = None):
     """The indexer's scores ``I[b, t, s]`` (``[B, T, S]`` float32; see the module
-    docstring)."""
+    docstring), ``block_q`` queries at a time (``over_queries``)."""
     f32 = jnp.float32
-    dots_BTNS = jnp.einsum("BTNH,BSH->BTNS", q_BTNH.astype(f32), k_BSH.astype(f32)) * scale
-    return jnp.einsum("BTN,BTNS->BTS", w_BTN.astype(f32), jax.nn.relu(dots_BTNS))
+    k_BSH = k_BSH.astype(f32)
+
+    def scores(q_BTNH, w_BTN):
+        dots_BTNS = jnp.einsum("BTNH,BSH->BTNS", q_BTNH.astype(f32), k_BSH) * scale
+        return jnp.einsum("BTN,BTNS->BTS", w_BTN.astype(f32), jax.nn.relu(dots_BTNS))
+
+    return over_queries(scores, block_q, q_BTNH, w_BTN)
 
 
 def top_k_mask(scores_BTS, allowed_BTS, k: int):

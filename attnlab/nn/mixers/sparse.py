@@ -46,6 +46,7 @@ from attnlab.errors import ConfigError
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.mla import LatentAttention
 from attnlab.ops import sparse_index
+from attnlab.ops.chunked import DEFAULT_BLOCK_Q
 from attnlab.ops.linear import dense
 
 LOSS_FORMS = ("sparse", "dense")
@@ -157,26 +158,34 @@ class SparseAttention(LatentAttention):
         mask = mask.dense() if isinstance(mask, ops.MaskSpec) else mask
         return jnp.broadcast_to(jnp.asarray(mask, bool)[:, 0], (B, T, S))
 
-    def main_logits(self, q_nope_BTNH, q_rope_BTNH, c_BSR, k_rope_BSH):
-        """The main attention's scaled logits ``[B, N, T, S]`` (float32, gradients stopped:
-        the indexer's target), in the weight-absorbed form."""
+    def indexer_loss(self, q_BTNH, kv_BSH, scores_BTS, allowed_BTS, kept_BTS):
+        """``{"kl_sum", "rows"}``: the indexer's KL summed over the queries, and the number
+        of queries with a support (float32 scalars). ``q_BTNH``, ``kv_BSH``: the main
+        attention's ``(q_nope, q_rope)`` and ``(c, k_rope)``, whose logits (in the
+        weight-absorbed form, gradients stopped) give the target ``p``, a block of queries
+        at a time."""
         f32, sg = jnp.float32, jax.lax.stop_gradient
         k_up_RNH = sg(self.k_up_RNH[...]).astype(f32)
-        q_lat_BTNR = jnp.einsum("BTNH,RNH->BTNR", sg(q_nope_BTNH).astype(f32), k_up_RNH)
-        logits_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_lat_BTNR, sg(c_BSR).astype(f32))
-        logits_BNTS += jnp.einsum(
-            "BTNH,BSH->BNTS", sg(q_rope_BTNH).astype(f32), sg(k_rope_BSH).astype(f32)
-        )
-        return logits_BNTS * self.scale
-
-    def indexer_loss(self, logits_BNTS, scores_BTS, allowed_BTS, kept_BTS):
-        """``{"kl_sum", "rows"}``: the indexer's KL summed over the queries, and the number
-        of queries with a support (float32 scalars)."""
+        c_BSR, k_rope_BSH = (sg(a).astype(f32) for a in kv_BSH)
+        scale = self.scale
         support_BTS = kept_BTS if self.settings.indexer_loss == "sparse" else allowed_BTS
-        p_BTS = jax.lax.stop_gradient(sparse_index.attention_target(logits_BNTS, support_BTS))
-        kl_BT = sparse_index.indexer_kl(p_BTS, scores_BTS, support_BTS)
+
+        def kl(q_nope_BTNH, q_rope_BTNH, scores_BTS, support_BTS):
+            q_lat_BTNR = jnp.einsum("BTNH,RNH->BTNR", sg(q_nope_BTNH).astype(f32), k_up_RNH)
+            logits_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_lat_BTNR, c_BSR)
+            logits_BNTS += jnp.einsum("BTNH,BSH->BNTS", sg(q_rope_BTNH).astype(f32), k_rope_BSH)
+            p_BTS = sg(sparse_index.attention_target(logits_BNTS * scale, support_BTS))
+            return sparse_index.indexer_kl(p_BTS, scores_BTS, support_BTS)
+
+        kl_BT = sparse_index.over_queries(kl, self.block_q, *q_BTNH, scores_BTS, support_BTS)
         rows = jnp.sum(jnp.any(support_BTS, axis=-1)).astype(jnp.float32)
         return {"kl_sum": jnp.sum(kl_BT), "rows": rows}
+
+    @property
+    def block_q(self) -> int:
+        """The queries scored at a time (``ModelConfig.attention_block_q``, else the chunked
+        path's default)."""
+        return self.cfg.attention_block_q or DEFAULT_BLOCK_Q
 
     def __call__(self, x_BTD, call: MixerCall):
         c_q_BTR = self.query_latent(x_BTD)
@@ -189,14 +198,16 @@ class SparseAttention(LatentAttention):
         B, T = x_BTD.shape[:2]
         allowed_BTS = self.allowed(call.mask, B, T, c_BSR.shape[1])
         scale = self.settings.index_head_dim**-0.5
-        scores_BTS = sparse_index.index_scores(q_I_BTNH, k_I_BSH, w_BTN, scale=scale)
+        scores_BTS = sparse_index.index_scores(
+            q_I_BTNH, k_I_BSH, w_BTN, scale=scale, block_q=self.block_q
+        )
         kept_BTS = sparse_index.top_k_mask(scores_BTS, allowed_BTS, self.settings.topk)
         sparse = call.replace(mask=kept_BTS[:, None])
         step = call.cache is not None and T == 1
         attend = self.attend_absorbed if step else self.attend_expanded
         out_BTNH, weights_BNTS = attend(q_nope_BTNH, q_rope_BTNH, c_BSR, k_rope_BSH, sparse)
         if "indexer_kl" in call.collect and call.cache is None:
-            logits_BNTS = self.main_logits(q_nope_BTNH, q_rope_BTNH, c_BSR, k_rope_BSH)
-            loss = self.indexer_loss(logits_BNTS, scores_BTS, allowed_BTS, kept_BTS)
+            q_BTNH, kv_BSH = (q_nope_BTNH, q_rope_BTNH), (c_BSR, k_rope_BSH)
+            loss = self.indexer_loss(q_BTNH, kv_BSH, scores_BTS, allowed_BTS, kept_BTS)
             self.sow(nnx.Intermediate, "indexer_kl", loss)
         return self.output(out_BTNH, x_BTD), cache, weights_BNTS
