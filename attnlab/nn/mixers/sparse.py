@@ -86,12 +86,11 @@ class SparseAttention(LatentAttention):
                     f"at least qk_rope_head_dim={s.qk_rope_head_dim}: RoPE rotates the "
                     "indexer's first qk_rope_head_dim values",
                 )
-            for field, low in (("index_norm_eps", 0.0), ("indexer_loss_weight", None)):
+            for field, positive in (("index_norm_eps", True), ("indexer_loss_weight", False)):
                 value = getattr(self, field)
                 number = isinstance(value, int | float) and not isinstance(value, bool)
-                if not (number and math.isfinite(value) and value >= 0 and value != low):
-                    what = "a positive number" if low is not None else "a finite number >= 0"
-                    self.fail(field, what)
+                if not number or not math.isfinite(value) or value < 0 or (positive and not value):
+                    self.fail(field, "a positive number" if positive else "a finite number >= 0")
             if self.indexer_loss not in LOSS_FORMS:
                 self.fail("indexer_loss", f"one of {LOSS_FORMS}")
             if not cfg.causal:
