@@ -8,7 +8,8 @@ count. A decoder with RoPE (which extends past its training length) learns it at
 package, ``mha`` first, then the ``HYBRIDS``) over training sets x seeds (``SWEEPS``).
 
 The rows. ``gated_deltanet`` and ``mamba2`` are the recurrent layers (a fixed-size state, no
-positions: they run at any length; Mamba-2 keeps a state of 16, ``SETTINGS``). Zoology uses
+positions: they run at any length; Mamba-2 keeps a state of 16, ``SETTINGS``); ``dsa`` keeps
+16 keys per query, so it is sparse at T = 64. Zoology uses
 2 layers, which cannot hold a 3:1 hybrid, so there are two: ``hybrid_3to1`` has 4 layers
 (three Gated DeltaNet, then attention) at the parameters of the 2-layer ``mha``, hence a
 narrower ``d_model``; ``hybrid_1to1`` keeps 2 layers (Gated DeltaNet, then attention).
@@ -84,7 +85,7 @@ EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws st
 # Settings of the recurrent rows (a layer kind with its own settings is a block of
 # ``ModelConfig.block_pattern``; a block of one kind is a plain stack): Mamba-2 keeps a state
 # of 16 per channel, as Zoology's Mamba-2 rows (8 to 24), not its default 128.
-SETTINGS = {"mamba2": {"state_size": 16}}
+SETTINGS = {"mamba2": {"state_size": 16}, "dsa": {"topk": 16}}  # dsa: sparse at T = 64
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2")  # no positions: they extend to any length
 
 

@@ -3,9 +3,11 @@ full layers with a RoPE base each), Apertus (xIELU), GLM-4.5 (partial RoPE, q/k/
 QK-norm, grouped sigmoid routing after a dense first layer), LFM2 (gated short convolutions
 beside attention), Mamba (Mamba-1's selective scan), Jamba (Mamba-1 with inner norms,
 attention without positions, experts every other layer) and Granite 4 (Mamba-2 and
-attention, experts beside a shared SwiGLU, muP multipliers) and Qwen3.5 (dense and
-MoE: Qwen3-Next's hybrid with separately stored Gated DeltaNet projections) and MiniMax
-(lightning and softmax attention layers, experts in every layer, scaled normed residuals).
+attention, experts beside a shared SwiGLU, muP multipliers), Qwen3.5 (dense and
+MoE: Qwen3-Next's hybrid with separately stored Gated DeltaNet projections), MiniMax
+(lightning and softmax attention layers, experts in every layer, scaled normed residuals)
+and DeepSeek-V3.2 (DeepSeek-V3 with MLA over each query's top-k keys by a lightning
+indexer).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 or 4 layers, d_model 32), every weight moved off its init. Logits equal transformers'
@@ -219,6 +221,20 @@ SPECS = {
              "full_attn_beta_factor": 1, "linear_attn_beta_factor": 1, "mlp_beta_factor": 1},
             {"model": lambda cfg: without_decay(cfg)},
         ],
+    ),
+    # DeepSeek-V3 (MLA, a dense first layer, then grouped sigmoid routing) whose indexer keeps
+    # 4 keys per query of the 20. Off: a top-k of every key (dense MLA).
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(
+            _BASE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+            moe_intermediate_size=24, routed_scaling_factor=2.5, index_topk=4, index_n_heads=4,
+            index_head_dim=16,
+        ),
+        [{"index_topk": 64}],
     ),
 }  # fmt: skip
 

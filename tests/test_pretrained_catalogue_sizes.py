@@ -94,7 +94,43 @@ PUBLISHED = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
         router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False,
     ),
+    # deepseek-ai/DeepSeek-V3.2-Exp: 671B parameters, 37B activated (the card: DeepSeek-V3.1's
+    # architecture with the lightning indexer added; its 685B on disk count the MTP layer,
+    # which attnlab does not load). MLA over the indexer's top 2048 keys in every layer.
+    "deepseek_v32": dict(
+        model_type="deepseek_v32", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
+        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc",
+        n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+        norm_topk_prob=True, scoring_func="sigmoid", max_position_embeddings=163840,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000,
+        rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                      "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096},
+        index_topk=2048, index_head_dim=128, index_n_heads=64,
+    ),
 }  # fmt: skip
+
+
+def deepseek_v32_counts(c) -> tuple[int, int, int]:
+    """DeepSeek-V3.2 by hand: MLA (q_a, its norm, q_b; kv_a with the rope key, its norm,
+    kv_b; o), the indexer (wq_b, wk, the key's LayerNorm, weights_proj), 3 dense SwiGLU
+    FFNs, then 256 experts (8 per token), one shared expert and the router with its bias."""
+    D, L, V_ = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    N, R, Rq = c["num_attention_heads"], c["kv_lora_rank"], c["q_lora_rank"]
+    Hn, Hr, Hv = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    J, Hi = c["index_n_heads"], c["index_head_dim"]
+    mla = D * Rq + Rq + Rq * N * (Hn + Hr) + D * (R + Hr) + R + R * N * (Hn + Hv) + N * Hv * D
+    indexer = Rq * J * Hi + D * Hi + 2 * Hi + D * J
+    E, k, Fe = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    dense = c["first_k_dense_replace"]
+    moe = E * D + E + 3 * D * Fe * c["n_shared_experts"] + E * 3 * D * Fe
+    embed = 2 * V_ * D
+    total = embed + L * (mla + indexer + 2 * D) + dense * 3 * D * c["intermediate_size"]
+    total += (L - dense) * moe + D
+    return total, total - (L - dense) * (E - k) * 3 * D * Fe, embed
 
 
 def mamba_layer(D, J, R, conv=4, inner_norms=False) -> int:
@@ -122,6 +158,8 @@ def published_counts(name, c) -> tuple[int, int, int]:
         D, L, Vm = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
         total = Vm * D + L * (mamba_layer(D, c["state_size"], c["time_step_rank"]) + D) + D
         return total, total, Vm * D
+    if name == "deepseek_v32":
+        return deepseek_v32_counts(c)
     if name == "jamba":  # 28 Mamba and 4 attention layers; 16 SwiGLU and 16 expert FFNs
         D, L, F, Vj = (
             c["hidden_size"],
@@ -182,7 +220,8 @@ def published_counts(name, c) -> tuple[int, int, int]:
 
 CARDS = {"smollm3": (3.08e9, None), "olmo3": (7.30e9, None), "apertus": (8.05e9, None),
          "glm4_moe": (355e9, 32e9), "lfm2": (1.17e9, None), "mamba": (0.129e9, None),
-         "jamba": (52e9, 12e9), "minimax": (456e9, 45.9e9)}  # fmt: skip
+         "jamba": (52e9, 12e9), "minimax": (456e9, 45.9e9),
+         "deepseek_v32": (671e9, 37e9)}  # fmt: skip
 
 
 HYBRID_SIZES = "traces a hybrid stack's parameter shapes (about 2 s)"
@@ -210,6 +249,13 @@ def test_published_sizes_from_the_config_alone(name):
         assert abs(total - card_total) < 0.5e9 and abs(active - card_active) < 0.5e9
     elif name == "minimax":  # the card's 456B and 45.9B (without the embeddings)
         assert abs(total - card_total) < 0.5e9 and abs(active - embed - card_active) < 0.05e9
+    elif name == "deepseek_v32":  # V3's 671B and 37B, the indexer's 0.85B on top
+        assert 0 < total - card_total < 1e9 and abs(active - card_active) < 1.5e9
+        # Per token and layer: the latent (512), the rope key (64) and the indexer's key
+        # (128), in bfloat16: 704 * 2 bytes * 61 layers.
+        assert kv_cache_bytes(cfg, 1, 1000) == 1000 * 61 * (512 + 64 + 128) * 2 == 85_888_000
+        assert cfg.mixer == "dsa" and cfg.mixer_settings.topk == 2048
+        return
     else:  # GLM-4.5: the MTP layer (about 3.9B) is the difference to the card's total
         assert 2e9 < card_total - total < 4.5e9
         assert abs(active - embed - card_active) < 0.5e9

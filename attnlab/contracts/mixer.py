@@ -154,6 +154,7 @@ _MIXERS = Registry(
         "short_conv": "attnlab.nn.mixers.short_conv",
         "mamba": "attnlab.nn.mixers.mamba",
         "lightning": "attnlab.nn.mixers.lightning",
+        "dsa": "attnlab.nn.mixers.sparse",
     },
 )
 

@@ -20,6 +20,7 @@ moe_load_balance       mean    the load-balancing losses summed over the MoE lay
 moe_z_loss             mean    the router z-losses summed over the MoE layers (a loss)
 moe_router             sum     the assignments per expert and the dropped ones
 mtp                    mean    per depth: the multi-token-prediction cross-entropy (a loss)
+dsa_indexer            mean    the indexers' KL per query, summed over the DSA layers (a loss)
 =====================  ======  ==================================================================
 """
 
@@ -45,9 +46,10 @@ _BUILTINS = {
     "moe_z_loss": "attnlab.metrics.moe_z_loss",
     "moe_router": "attnlab.metrics.moe_router",
     "mtp": "attnlab.metrics.mtp",
+    "dsa_indexer": "attnlab.metrics.dsa_indexer",
 }
 # The built-ins that may join the objective: the keys of ``train.loss_weights``.
-LOSS_METRICS = ("moe_load_balance", "moe_z_loss", "mtp")
+LOSS_METRICS = ("moe_load_balance", "moe_z_loss", "mtp", "dsa_indexer")
 _CLASSES: dict[str, type[Metric]] = {}
 
 

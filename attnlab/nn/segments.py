@@ -260,23 +260,28 @@ class Layers:
 
 
 ATTENTION_STATISTICS = ("max_logit", "entropy_sum", "first_sum", "rows")
-COLLECTABLE = ("attention", "residual")  # the names ``Stack(..., collect=...)`` accepts
+COLLECTABLE = ("attention", "residual", "indexer_kl")  # what ``Stack(collect=...)`` accepts
 
 
 def layer_statistics(collect, sown, x_BTD) -> dict:
     """One layer's named statistics, scalars reduced inside the layer: ``"attention"``, its
     first mixer's score statistics (``ops.attention_statistics``; NaN for a layer whose
     mixers compute none), and ``"residual"``, the stream after the layer (the sum of
-    squares, the element count and the largest absolute value, float32)."""
+    squares, the element count and the largest absolute value, float32), and
+    ``"indexer_kl"``, a sparse-attention indexer's loss (``{"kl_sum", "rows"}``, zeros for
+    a layer without one: ``attnlab.nn.mixers.sparse``)."""
     out = {}
+    sown_by = lambda name: [
+        v.get_value()[0] for path, v in nnx.to_flat_state(sown) if path and path[-1] == name
+    ]
     if "attention" in collect:
-        found = [
-            v.get_value()[0]
-            for path, v in nnx.to_flat_state(sown)
-            if path and path[-1] == "attention"
-        ]
+        found = sown_by("attention")
         nan = jnp.full((), jnp.nan, jnp.float32)
         out["attention"] = found[0] if found else dict.fromkeys(ATTENTION_STATISTICS, nan)
+    if "indexer_kl" in collect:
+        found = sown_by("indexer_kl")
+        zero = jnp.zeros((), jnp.float32)
+        out["indexer_kl"] = found[0] if found else {"kl_sum": zero, "rows": zero}
     if "residual" in collect:
         x = x_BTD.astype(jnp.float32)
         out["residual"] = {

@@ -146,12 +146,20 @@ class LatentAttention(Attention):
             return (s.qk_nope_head_dim + s.qk_rope_head_dim) ** -0.5
         return self.cfg.attn_scale
 
-    def query(self, x_BTD, call: MixerCall):
-        """``(q_nope_BTNH, q_rope_BTNH)``, the second rotated."""
+    def query_latent(self, x_BTD):
+        """The compressed query ``RMSNorm(W_dq x)``, or None without q compression."""
+        if self.q_down_DR is None:
+            return None
+        return self.q_norm(dense(x_BTD, self.q_down_DR[...]))
+
+    def query(self, x_BTD, call: MixerCall, c_q_BTR=None):
+        """``(q_nope_BTNH, q_rope_BTNH)``, the second rotated (``c_q_BTR``: the compressed
+        query when the caller computed it already)."""
         if self.q_DNH is not None:
             q_BTNH = dense(x_BTD, self.q_DNH[...])
         else:
-            q_BTNH = dense(self.q_norm(dense(x_BTD, self.q_down_DR[...])), self.q_up_RNH[...])
+            c_q_BTR = self.query_latent(x_BTD) if c_q_BTR is None else c_q_BTR
+            q_BTNH = dense(c_q_BTR, self.q_up_RNH[...])
         q_BTNH = constrain(q_BTNH, "batch", "length", "act_heads", None)
         Hn = self.settings.qk_nope_head_dim
         q_rope_BTNH = self._rope(q_BTNH[..., Hn:], call.positions_BT, call.rope_theta)

@@ -36,6 +36,7 @@ BUILTINS = (
     "granitemoehybrid",
     "qwen3_5",
     "minimax",
+    "deepseek_v32",
 )
 
 for _name in BUILTINS:
