@@ -223,7 +223,10 @@ SPECS = {
         ],
     ),
     # DeepSeek-V3 (MLA, a dense first layer, then grouped sigmoid routing) whose indexer keeps
-    # 4 keys per query of the 20. Off: a top-k of every key (dense MLA).
+    # 4 keys per query of the 20. Off: a top-k of every key (dense MLA). 16 indexer heads: a
+    # key scores exactly 0 when every head's ReLU is 0, and with 4 heads such ties at the
+    # top-k boundary were frequent enough that one random checkpoint in two had them (top-k
+    # breaks ties its own way in torch and in XLA).
     "deepseek_v32": (
         "DeepseekV32Config",
         "DeepseekV32ForCausalLM",
@@ -231,7 +234,7 @@ SPECS = {
             _BASE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-            moe_intermediate_size=24, routed_scaling_factor=2.5, index_topk=4, index_n_heads=4,
+            moe_intermediate_size=24, routed_scaling_factor=2.5, index_topk=4, index_n_heads=16,
             index_head_dim=16,
         ),
         [{"index_topk": 64}],
