@@ -224,9 +224,8 @@ SPECS = {
     ),
     # DeepSeek-V3 (MLA, a dense first layer, then grouped sigmoid routing) whose indexer keeps
     # 4 keys per query of the 20. Off: a top-k of every key (dense MLA). 16 indexer heads: a
-    # key scores exactly 0 when every head's ReLU is 0, and with 4 heads such ties at the
-    # top-k boundary were frequent enough that one random checkpoint in two had them (top-k
-    # breaks ties its own way in torch and in XLA).
+    # key scores exactly 0 when every head's ReLU is 0; with 4 heads a checkpoint of another
+    # seed had such ties at the top-k boundary, which torch and XLA break differently.
     "deepseek_v32": (
         "DeepseekV32Config",
         "DeepseekV32ForCausalLM",
