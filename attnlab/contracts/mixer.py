@@ -153,6 +153,8 @@ _MIXERS = Registry(
         "base_conv": "attnlab.nn.mixers.base_conv",
         "short_conv": "attnlab.nn.mixers.short_conv",
         "mamba": "attnlab.nn.mixers.mamba",
+        "moba": "attnlab.nn.mixers.moba",
+        "nsa": "attnlab.nn.mixers.nsa",
     },
 )
 
