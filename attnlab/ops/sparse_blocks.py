@@ -125,9 +125,7 @@ def overlaps(S: int, length: int, stride: int, block: int) -> np.ndarray:
     length)``) shares a key with selection block ``j`` (keys ``[j block, (j+1) block)``)."""
     starts_C = compression_starts(S, length, stride)[:, None]
     j_J = np.arange(n_blocks(S, block))[None, :]
-    return ((starts_C < (j_J + 1) * block) & (starts_C + length > j_J * block)).astype(
-        np.float32
-    )
+    return ((starts_C < (j_J + 1) * block) & (starts_C + length > j_J * block)).astype(np.float32)
 
 
 def nsa_selection(
@@ -162,5 +160,5 @@ def compress(blocks_BCPKH, pos_PH, w_in_PHZ, b_in_Z, w_out_ZH):
     one vector per kv-head; ``[B, C, K, H]``."""
     x_BCPKH = blocks_BCPKH + pos_PH[None, None, :, None, :].astype(blocks_BCPKH.dtype)
     h_BCKZ = jnp.einsum("BCPKH,PHZ->BCKZ", x_BCPKH, w_in_PHZ.astype(x_BCPKH.dtype))
-    h_BCKZ = jax.nn.silu(h_BCKZ + b_in_Z.astype(h_BCKZ.dtype))
+    h_BCKZ = jax.nn.silu(h_BCKZ + b_in_Z.astype(h_BCKZ.dtype)[None, None, None, :])
     return jnp.einsum("BCKZ,ZH->BCKH", h_BCKZ, w_out_ZH.astype(h_BCKZ.dtype))

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnlab import ops
-from attnlab.contracts.mixer import SLOTS, CacheEntry, MixerCall, MixerSettings, register_mixer
+from attnlab.contracts.mixer import MixerCall, MixerSettings, register_mixer
 from attnlab.errors import ConfigError
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.mha import Attention
@@ -127,8 +127,12 @@ class NSA(Attention):
     def branch_kv(self, x_BTD, call: MixerCall, branch: str):
         """``(cache, k_BSKH, v_BSKH)`` of the ``cmp`` or ``win`` branch (through the cache's
         ``<cmp|window>_keys``/``_values`` when decoding)."""
-        k = self._project(x_BTD, getattr(self, f"{branch}_k_DKH"), getattr(self, f"{branch}_k_bias_KH"))
-        v = self._project(x_BTD, getattr(self, f"{branch}_v_DKH"), getattr(self, f"{branch}_v_bias_KH"))
+        k = self._project(
+            x_BTD, getattr(self, f"{branch}_k_DKH"), getattr(self, f"{branch}_k_bias_KH")
+        )
+        v = self._project(
+            x_BTD, getattr(self, f"{branch}_v_DKH"), getattr(self, f"{branch}_v_bias_KH")
+        )
         if self.k_norm is not None:
             k = self._qk_norm(self.k_norm, k)
         k_BTKH, v_BTKH = self._rope(k, call.positions_BT, call.rope_theta), v
