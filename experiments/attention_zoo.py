@@ -82,8 +82,17 @@ EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training le
 EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
 # Settings of the recurrent rows (a layer kind with its own settings is a block of
 # ``ModelConfig.block_pattern``; a block of one kind is a plain stack): Mamba-2 keeps a state
-# of 16 per channel, as Zoology's Mamba-2 rows (8 to 24), not its default 128.
-SETTINGS = {"mamba2": {"state_size": 16}}
+# of 16 per channel, as Zoology's Mamba-2 rows (8 to 24), not its default 128. The sparse
+# rows' paper blocks (MoBA 512, NSA 32/16/64 with a 512 window) cover the zoo's T whole, so
+# their blocks shrink to keep each query on a part of its keys at T = 64.
+SETTINGS = {
+    "mamba2": {"state_size": 16},
+    "moba": {"block_size": 8, "topk": 3},
+    "nsa": {
+        "compress_block": 8, "compress_stride": 4, "select_block": 8, "top_n": 4,
+        "local_blocks": 2, "window": 16,
+    },
+}  # fmt: skip
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2")  # no positions: they extend to any length
 
 
