@@ -15,6 +15,9 @@ a key block that no query of a query block chose. Parameters and cache: ``mha``'
 and values); the block means are recomputed from the cached keys at every call (a decode
 step reads the past blocks, complete in the cache, and its own block is always taken).
 Causal decoders only; the keys' slots are their positions (a linear cache, no window).
+
+Named intermediates (``attnlab.nn.probe``): ``q``, ``k``, ``v``, ``z`` as ``mha``'s, and,
+read-only, ``blocks``: the chosen blocks, ``[B, N, T, J]`` bool.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 from attnlab import ops
 from attnlab.contracts.mixer import MixerCall, MixerSettings, register_mixer
 from attnlab.errors import ConfigError
+from attnlab.nn import probe
 from attnlab.nn.mixers.mha import Attention
 from attnlab.ops import sparse_blocks
 
@@ -106,18 +110,20 @@ class MoBA(Attention):
         chosen_BNTJ = sparse_blocks.moba_selection(
             q_BTNH, k_BSKH, mask.q_pos, block=self.block_size, topk=self.topk
         )
+        probe.record("blocks", chosen_BNTJ)
         return sparse_blocks.blocks_to_keys(chosen_BNTJ, self.block_size, S) & mask.dense()
 
     def __call__(self, x_BTD, call: MixerCall):
         cfg = self.cfg
         if call.cache is not None and call.cache.ring is not None:
             raise ConfigError("mixer='moba' decodes with a linear cache: set no attention window")
-        q_BTNH = self.query(x_BTD, call)
+        q_BTNH = probe.tap("q", self.query(x_BTD, call))
         cache, k_BSKH, v_BSKH = self.keys_values(x_BTD, call)
+        k_BSKH, v_BSKH = probe.tap("k", k_BSKH), probe.tap("v", v_BSKH)
         mask = self.chosen_keys(q_BTNH, k_BSKH, sequence_mask(call, x_BTD.shape[1]))
         out_BTNH = ops.flex_attention(
             q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask=mask,
             scale=cfg.attn_scale, implementation=flex_implementation(cfg),
             block_q=cfg.attention_block_q, block_k=self.block_size, backend=self.backend,
         )  # fmt: skip
-        return self.output(out_BTNH, x_BTD), cache, None
+        return self.output(probe.tap("z", out_BTNH), x_BTD), cache, None

@@ -33,6 +33,10 @@ apply to every branch's keys (the compressed ones before compression). Cache: pe
 ``window_values``; the compressed keys and values are recomputed from the cached
 ``cmp_`` entries at every call, so a decode step sees the blocks completed so far.
 Causal decoders only; the keys' slots are their positions (a linear cache, no model window).
+
+Named intermediates (``attnlab.nn.probe``): ``q`` and ``z`` as ``mha``'s, and, read-only,
+``blocks`` (the chosen selection blocks, ``[B, N, T, J]`` bool) and ``gates`` (``[B, T, N,
+3]``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from flax import nnx
 from attnlab import ops
 from attnlab.contracts.mixer import MixerCall, MixerSettings, register_mixer
 from attnlab.errors import ConfigError
+from attnlab.nn import probe
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.mha import Attention
 from attnlab.nn.mixers.moba import (
@@ -164,7 +169,7 @@ class NSA(Attention):
         cfg, s = self.cfg, self.settings
         if call.cache is not None and call.cache.ring is not None:
             raise ConfigError("mixer='nsa' decodes with a linear cache: set no attention window")
-        q_BTNH = self.query(x_BTD, call)
+        q_BTNH = probe.tap("q", self.query(x_BTD, call))
         dt = q_BTNH.dtype
         spec = sequence_mask(call, x_BTD.shape[1])
         cache, ks_BSKH, vs_BSKH = self.keys_values(x_BTD, call)
@@ -195,6 +200,7 @@ class NSA(Attention):
             length=s.compress_block, stride=s.compress_stride, block=s.select_block,
             top_n=s.top_n, local_blocks=s.local_blocks,
         )  # fmt: skip
+        probe.record("blocks", chosen_BNTJ)
         mask_BNTS = sparse_blocks.blocks_to_keys(chosen_BNTJ, s.select_block, S) & dense_B1TS
         out_slc_BTNH = ops.flex_attention(
             q_BTNH, ks_BSKH.astype(dt), vs_BSKH.astype(dt), mask=mask_BNTS,
@@ -209,6 +215,7 @@ class NSA(Attention):
         )  # fmt: skip
 
         g_BTNZ = self.gates(x_BTD).astype(dt)
+        probe.record("gates", g_BTNZ)
         outs_BTNHZ = jnp.stack([out_cmp_BTNH, out_slc_BTNH, out_win_BTNH], axis=-1)
         out_BTNH = jnp.einsum("BTNHZ,BTNZ->BTNH", outs_BTNHZ, g_BTNZ)
-        return self.output(out_BTNH, x_BTD), cache, None
+        return self.output(probe.tap("z", out_BTNH), x_BTD), cache, None
