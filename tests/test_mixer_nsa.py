@@ -18,6 +18,7 @@ from attnlab import ModelConfig, ops
 from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
 from attnlab.ops import sparse_blocks
+from attnlab.ops.block_mask import EMPTY, BlockMask
 
 B, T = 2, 16
 TINY = dict(mixer_checks.TINY, n_kv_heads=2, position="none", mixer="nsa")
@@ -165,6 +166,11 @@ def test_a_group_shares_its_blocks_and_keeps_the_first_and_local_ones():
     assert chosen[..., 0].all() and chosen[..., np.arange(T), own].all()
     assert (chosen.sum(-1) == np.minimum(own + 1, 3)).all()
     assert not (chosen & (np.arange(8)[None, :] > own[:, None])).any()
+    # Per query (query blocks of 1), the unchosen key blocks are EMPTY: skipped.
+    mask = np.asarray(sparse_blocks.blocks_to_keys(chosen, 2, T)) & np.tri(T, dtype=bool)
+    kinds = jax.jit(lambda m: BlockMask.from_dense(m, block_q=1, block_k=2).kind_QK)
+    kinds_QK = np.asarray(kinds(mask[:1, :1]))
+    np.testing.assert_array_equal(kinds_QK == EMPTY, ~chosen[0, 0])
 
 
 def test_nsa_caches_each_branch_keys_and_values():

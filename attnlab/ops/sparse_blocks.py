@@ -35,8 +35,8 @@ def top_blocks(score_BNTJ, allowed_BNTJ, forced_BNTJ, topk: int):
     score = jnp.where(allowed_BNTJ, score_BNTJ.astype(jnp.float32), -jnp.inf)
     score = jnp.where(forced_BNTJ, jnp.inf, score)
     _, top_BNTk = jax.lax.top_k(jax.lax.stop_gradient(score), min(topk, J))
-    chosen = jnp.zeros(score.shape, bool)
-    chosen = chosen | jax.nn.one_hot(top_BNTk, J, dtype=jnp.int32).sum(-2).astype(bool)
+    none = jnp.zeros(score.shape, bool)
+    chosen = jnp.put_along_axis(none, top_BNTk, True, axis=-1, inplace=False)
     return chosen & allowed_BNTJ
 
 
