@@ -84,8 +84,18 @@ EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training le
 EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
 # Settings of the recurrent rows (a layer kind with its own settings is a block of
 # ``ModelConfig.block_pattern``; a block of one kind is a plain stack): Mamba-2 keeps a state
-# of 16 per channel, as Zoology's Mamba-2 rows (8 to 24), not its default 128.
-SETTINGS = {"mamba2": {"state_size": 16}, "dsa": {"topk": 16}}  # dsa: sparse at T = 64
+# of 16 per channel, as Zoology's Mamba-2 rows (8 to 24), not its default 128. The sparse
+# rows' paper settings (MoBA blocks of 512; NSA 32/16/64 with a 512 window; DSA's 2048 keys)
+# cover the zoo's T whole, so they shrink to keep each query on a part of its keys at T = 64.
+SETTINGS = {
+    "mamba2": {"state_size": 16},
+    "dsa": {"topk": 16},
+    "moba": {"block_size": 8, "topk": 3},
+    "nsa": {
+        "compress_block": 8, "compress_stride": 4, "select_block": 8, "top_n": 4,
+        "local_blocks": 2, "window": 16,
+    },
+}  # fmt: skip
 RECURRENT_MIXERS = ("gated_deltanet", "mamba2")  # no positions: they extend to any length
 
 
@@ -115,7 +125,7 @@ class Grid(typing.NamedTuple):
 
 
 RECURRENT = ("mha", "gated_deltanet", "mamba2", "hybrid_3to1", "hybrid_1to1")
-CATALOGUE = ("mha", "short_conv", "mamba", "fox")
+CATALOGUE = ("mha", "short_conv", "mamba", "fox", "dsa", "moba", "nsa", "lightning")
 SWEEPS = {
     None: Grid(((64, 4, 4), (64, 8, 8), (128, 4, 4), (128, 8, 8)), (0, 1, 2)),
     "small": Grid(((64, 4, 4),), (0, 1, 2)),  # one point of the full grid, 600 steps

@@ -155,6 +155,8 @@ _MIXERS = Registry(
         "mamba": "attnlab.nn.mixers.mamba",
         "lightning": "attnlab.nn.mixers.lightning",
         "dsa": "attnlab.nn.mixers.sparse",
+        "moba": "attnlab.nn.mixers.moba",
+        "nsa": "attnlab.nn.mixers.nsa",
     },
 )
 
