@@ -394,6 +394,14 @@ BUILT_IN_VARIANTS = {
     "short_conv": {},
     "mamba": {},
     "lightning": {"mixer_settings": {"block_size": 4}},
+    # the sparse mixers at settings that select a part of the 16 keys
+    "dsa": {"mixer_settings": {"q_lora_rank": 16, "topk": 4}},
+    "moba": {"mixer_settings": {"block_size": 4, "topk": 1}},
+    "nsa": {
+        "mixer_settings": dict(
+            compress_block=4, compress_stride=2, select_block=4, top_n=2, local_blocks=1, window=4
+        )
+    },
 }
 
 
