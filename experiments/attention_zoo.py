@@ -84,7 +84,7 @@ EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws st
 # ``ModelConfig.block_pattern``; a block of one kind is a plain stack): Mamba-2 keeps a state
 # of 16 per channel, as Zoology's Mamba-2 rows (8 to 24), not its default 128.
 SETTINGS = {"mamba2": {"state_size": 16}}
-RECURRENT_MIXERS = ("gated_deltanet", "mamba2")  # no positions: they extend to any length
+RECURRENT_MIXERS = ("gated_deltanet", "kda", "mamba2")  # no positions: they extend to any length
 
 
 def _kind(mixer: str):

@@ -9,6 +9,12 @@ the caller), a value ``v_t``, a log-decay ``g_t <= 0`` and a write strength ``be
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T q_t
 
+The decay is per head (``g_BTN``: Gated DeltaNet) or per key channel (``g_BTNH``: Kimi Delta
+Attention, "Kimi Linear", Moonshot AI 2025), where ``exp(g_t)`` becomes ``Diag(exp(g_t))``
+acting on the state's key rows::
+
+    S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
+
 A token with ``g = 0`` and ``beta = 0`` leaves ``S`` as it was (padding). Every form keeps
 the state in float32 and returns ``(o, S)``; shapes use ``attnlab.dims`` (N heads, H the
 key width, J the value width, C a chunk's length, I the chunks).
@@ -18,7 +24,10 @@ The chunked form (the WY/UT transform of DeltaNet) solves each chunk's writes at
 strict_lower(diag(beta) K K^T * Gam)``, the chunk's corrected values are ``U = T^-1 (beta
 V) - T^-1 (beta K exp(gam)) S0``; then ``O = (Q exp(gam)) S0 + (Q K^T * Gam) U`` and
 ``S1 = exp(gam_C) S0 + (K exp(gam_C - gam))^T U``. Chunks run in sequence (a scan over
-``I``), each in matrix products.
+``I``), each in matrix products. With a per-channel decay the chunk's products weigh each key
+channel by its own decay, ``(A K^T * Gam)[i, j] = sum_h a_i[h] k_j[h] exp(gam_i[h] -
+gam_j[h])``, formed from the exact ``[C, C, H]`` decays (never a product of ``exp(gam)`` and
+``exp(-gam)``, which overflows) inside the scan, so memory holds one chunk's ``B N C^2 H``.
 """
 
 from __future__ import annotations
@@ -35,10 +44,18 @@ def _initial(state_BNHJ, B, N, H, J):
     return jnp.zeros((B, N, H, J), jnp.float32) if state_BNHJ is None else f32(state_BNHJ)
 
 
+def _state_decay(g, k):
+    """``exp(g)`` shaped to multiply a ``[..., H, J]`` state: per head (``g`` one axis short
+    of ``k``) or per key channel (``g`` shaped as ``k``)."""
+    decay = jnp.exp(f32(g))
+    return decay[..., None] if g.ndim == k.ndim else decay[..., None, None]
+
+
 def delta_rule_step(q_BNH, k_BNH, v_BNJ, g_BN, beta_BN, state_BNHJ):
-    """One token of the gated delta rule: ``(o_BNJ, state_BNHJ)``."""
+    """One token of the gated delta rule: ``(o_BNJ, state_BNHJ)``; ``g`` is ``g_BN`` or,
+    per key channel, ``g_BNH``."""
     q_BNH, k_BNH, v_BNJ, g_BN, beta_BN = map(f32, (q_BNH, k_BNH, v_BNJ, g_BN, beta_BN))
-    S = f32(state_BNHJ) * jnp.exp(g_BN)[..., None, None]
+    S = f32(state_BNHJ) * _state_decay(g_BN, k_BNH)
     kv_BNJ = jnp.einsum("BNHJ,BNH->BNJ", S, k_BNH, precision=HIGHEST)
     delta_BNJ = (v_BNJ - kv_BNJ) * beta_BN[..., None]
     S = S + k_BNH[..., :, None] * delta_BNJ[..., None, :]
@@ -103,7 +120,12 @@ unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 def delta_rule_chunked(
     q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=None, *, chunk_size: int = 64
 ):
-    """The chunked parallel form: ``(o_BTNJ, state_BNHJ)``, equal to the recurrence."""
+    """The chunked parallel form: ``(o_BTNJ, state_BNHJ)``, equal to the recurrence; ``g`` is
+    ``g_BTN`` or, per key channel, ``g_BTNH``."""
+    if g_BTN.ndim == k_BTNH.ndim:
+        return _chunked_per_channel(
+            q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ, chunk_size=chunk_size
+        )
     B, T, N, H = k_BTNH.shape
     J = v_BTNJ.shape[-1]
     C = chunk_size_for(T, chunk_size)
@@ -136,4 +158,38 @@ def delta_rule_chunked(
     S, o_IBNCJ = jax.lax.scan(
         chunk, S, (u_IBNCJ, w_IBNCH, qk_IBNCC, q_decayed, k_decayed, chunk_IBN)
     )
+    return from_chunks(jnp.moveaxis(o_IBNCJ, 2, 3), T), S
+
+
+def _chunked_per_channel(q_BTNH, k_BTNH, v_BTNJ, g_BTNH, beta_BTN, state_BNHJ, *, chunk_size):
+    """``delta_rule_chunked`` with a decay per key channel (see the module docstring)."""
+    B, T, N, H = k_BTNH.shape
+    J = v_BTNJ.shape[-1]
+    C = chunk_size_for(T, chunk_size)
+    heads = lambda x: jnp.moveaxis(to_chunks(f32(x), C), 3, 2)  # [I, B, N, C, ...]
+    xs = tuple(heads(x) for x in (q_BTNH, k_BTNH, v_BTNJ, g_BTNH, beta_BTN))
+    lower_11CC1 = jnp.tril(jnp.ones((C, C), bool))[None, None, :, :, None]
+    strict_11CC = jnp.tril(jnp.ones((C, C), bool), -1)[None, None]
+    mm = lambda eq, *a: jnp.einsum(eq, *a, precision=HIGHEST)
+
+    def chunk(S, x):
+        q, k, v, g_BNCH, beta_BNC = x
+        gam_BNCH = jnp.cumsum(g_BNCH, axis=2)
+        diff = gam_BNCH[:, :, :, None, :] - gam_BNCH[:, :, None, :, :]  # [B, N, C, C, H]
+        pair = jnp.exp(jnp.where(lower_11CC1, diff, -jnp.inf))
+        kb = k * beta_BNC[..., None]
+        l_BNCC = jnp.where(strict_11CC, mm("BNiH,BNjH,BNijH->BNij", kb, k, pair), 0.0)
+        inv_BNCC = unit_lower_inverse(l_BNCC)
+        w_BNCH = mm("BNij,BNjH->BNiH", inv_BNCC, kb * jnp.exp(gam_BNCH))
+        u_BNCJ = mm("BNij,BNjJ->BNiJ", inv_BNCC, v * beta_BNC[..., None])
+        u_BNCJ = u_BNCJ - mm("BNCH,BNHJ->BNCJ", w_BNCH, S)
+        qk_BNCC = mm("BNiH,BNjH,BNijH->BNij", q, k, pair)
+        o_BNCJ = mm("BNCH,BNHJ->BNCJ", q * jnp.exp(gam_BNCH), S)
+        o_BNCJ = o_BNCJ + mm("BNCc,BNcJ->BNCJ", qk_BNCC, u_BNCJ)
+        last_BNH = gam_BNCH[:, :, -1]
+        k_decayed = k * jnp.exp(last_BNH[:, :, None] - gam_BNCH)
+        S = S * jnp.exp(last_BNH)[..., None] + mm("BNCH,BNCJ->BNHJ", k_decayed, u_BNCJ)
+        return S, o_BNCJ
+
+    S, o_IBNCJ = jax.lax.scan(chunk, _initial(state_BNHJ, B, N, H, J), xs)
     return from_chunks(jnp.moveaxis(o_IBNCJ, 2, 3), T), S
