@@ -79,7 +79,7 @@ def kda_float64(x_BTD, layer, eps):
     o, _ = kda_recurrence(q, k, v, g, beta, np.zeros((B, N, H, H)))
     gate = np.einsum("btr,rnh->btnh", x @ f(layer.g_a_DR), f(layer.g_b_RNH))
     o = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * f(layer.norm_scale_H)
-    return np.einsum("btnh,nhd->btd", o * sigmoid(gate), f(layer.out_proj_NHD))
+    return np.einsum("btnh,nhd->btd", o * sigmoid(gate), f(layer.o_NHD))
 
 
 def kda_layer(form, seed=0, **changes):

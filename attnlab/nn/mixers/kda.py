@@ -13,7 +13,7 @@ Parameters (``N`` heads, ``H`` the head width of q, k and v, ``R`` the rank of t
 low-rank projections): ``q_DNH``, ``k_DNH``, ``v_DNH``; ``q_conv_WZ``, ``k_conv_WZ``,
 ``v_conv_WZ`` (``[W, NH]`` each, ``*_conv1d.weight[:, 0].T``); the forget gate's ``f_a_DR``,
 ``f_b_RNH``, ``A_log_N`` and ``dt_bias_NH``; ``beta_DN``; the output gate's ``g_a_DR`` and
-``g_b_RNH``; ``norm_scale_H`` and ``out_proj_NHD``. The norm's eps is ``ModelConfig.norm_eps``.
+``g_b_RNH``; ``norm_scale_H`` and ``o_NHD``. The norm's eps is ``ModelConfig.norm_eps``.
 
 Cache (``attnlab.nn.mixers.recurrent``): ``"state"`` ``[N, H, H]`` and ``"conv"`` ``[W - 1,
 3NH]`` (channels q, k, v), in ``state_dtype``. The three forms are ``attnlab.ops.deltanet``'s
@@ -90,7 +90,7 @@ class KimiDeltaAttention(RecurrentMixer):
         self.g_a_DR = normal(rngs, (D, R), std, pd)
         self.g_b_RNH = normal(rngs, (R, N, H), std, pd)
         self.norm_scale_H = nnx.Param(jnp.ones((H,), jnp.dtype(pd)))
-        self.out_proj_NHD = normal(rngs, (N, H, D), std / (2 * cfg.n_layers) ** 0.5, pd)
+        self.o_NHD = normal(rngs, (N, H, D), std / (2 * cfg.n_layers) ** 0.5, pd)
 
     @classmethod
     def state_shape(cls, cfg, settings):
@@ -144,4 +144,4 @@ class KimiDeltaAttention(RecurrentMixer):
         o_BTNH = gated_rms_norm(
             o_BTNH, gate_BTNH, self.norm_scale_H[...], eps=self.eps, activation=jax.nn.sigmoid
         )
-        return dense(o_BTNH.astype(x_BTD.dtype), self.out_proj_NHD[...], n_in=2), cache, None
+        return dense(o_BTNH.astype(x_BTD.dtype), self.o_NHD[...], n_in=2), cache, None

@@ -35,6 +35,7 @@ BUILTINS = (
     "jamba",
     "granitemoehybrid",
     "qwen3_5",
+    "kimi_linear",
 )
 
 for _name in BUILTINS:
