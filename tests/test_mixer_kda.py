@@ -202,6 +202,23 @@ def test_its_cache_is_a_fixed_size_state_and_conv_entry():
     assert attnlab.kv_cache_bytes(kimi, 1, 8) == 2_244_608  # the figure docs/variants.md gives
 
 
+def test_surgery_fills_k_and_v_from_attentions_key_value_heads():
+    """``Mixer.inherit`` from grouped-query attention (2 query heads of 4, 1 key-value head):
+    each KDA head takes the key-value head; nothing is filled at another width."""
+    cfg, layer = kda_layer("chunked")
+    rng = np.random.default_rng(3)
+    old = {"q_DNH": rng.normal(size=(32, 2, 4)), "k_DKH": rng.normal(size=(32, 1, 4)),
+           "v_DKH": rng.normal(size=(32, 1, 4)), "o_NHD": rng.normal(size=(2, 4, 32))}  # fmt: skip
+    new = {"q_DNH": np.asarray(layer.q_DNH[...])}
+    got = get_mixer("kda").inherit(cfg, layer.settings, old, new)
+    assert set(got) == {"k_DNH", "v_DNH"}
+    for n in range(2):
+        np.testing.assert_array_equal(got["k_DNH"][:, n], old["k_DKH"][:, 0])
+        np.testing.assert_array_equal(got["v_DNH"][:, n], old["v_DKH"][:, 0])
+    wide = {**old, "q_DNH": rng.normal(size=(32, 2, 8))}
+    assert get_mixer("kda").inherit(cfg, layer.settings, wide, new) == {}
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [

@@ -26,6 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from attnlab.contracts.mixer import MixerCall, register_mixer
@@ -91,6 +92,18 @@ class KimiDeltaAttention(RecurrentMixer):
         self.g_b_RNH = normal(rngs, (R, N, H), std, pd)
         self.norm_scale_H = nnx.Param(jnp.ones((H,), jnp.dtype(pd)))
         self.o_NHD = normal(rngs, (N, H, D), std / (2 * cfg.n_layers) ** 0.5, pd)
+
+    @classmethod
+    def inherit(cls, cfg, settings, old, new):
+        """From softmax attention's projections (``q_DNH``, ``k_DKH``, ``v_DKH``): k and v,
+        each head from its query head's key-value head, when ``num_heads`` and ``head_dim``
+        are the attention's query heads and width (q and o, of the same names and shapes,
+        are copied before this is asked). The convolutions, gates and norm stay fresh."""
+        if not {"q_DNH", "k_DKH", "v_DKH"} <= set(old) or old["q_DNH"].shape != new["q_DNH"].shape:
+            return {}
+        G = old["q_DNH"].shape[1] // old["k_DKH"].shape[1]
+        return {"k_DNH": np.repeat(old["k_DKH"], G, axis=1),
+                "v_DNH": np.repeat(old["v_DKH"], G, axis=1)}  # fmt: skip
 
     @classmethod
     def state_shape(cls, cfg, settings):
