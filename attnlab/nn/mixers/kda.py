@@ -31,7 +31,6 @@ from flax import nnx
 
 from attnlab.contracts.mixer import MixerCall, register_mixer
 from attnlab.nn import probe
-from attnlab.nn.layers import normal
 from attnlab.nn.mixers.recurrent import (
     RecurrentMixer,
     RecurrentSettings,
@@ -75,23 +74,25 @@ class KimiDeltaAttention(RecurrentMixer):
         self.settings, self.eps = s, cfg.norm_eps
         D, N, H, R = cfg.d_model, s.num_heads, s.head_dim, s.gate_rank
         W, pd, std = s.conv_kernel, cfg.param_dtype, cfg.init_std
-        self.q_DNH = normal(rngs, (D, N, H), std, pd)
-        self.k_DNH = normal(rngs, (D, N, H), std, pd)
-        self.v_DNH = normal(rngs, (D, N, H), std, pd)
+        # One draw from the stream, split for every parameter: each draw updates the
+        # stream's count, which costs more than the parameter when a stack is traced.
+        keys = iter(jax.random.split(rngs.params(), 16))
+        normal = lambda shape, scale=std: nnx.Param(
+            scale * jax.random.normal(next(keys), shape, jnp.dtype(pd))
+        )
+        self.q_DNH, self.k_DNH, self.v_DNH = (normal((D, N, H)) for _ in range(3))
         bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
-        conv = lambda: jax.random.uniform(rngs.params(), (W, N * H), jnp.dtype(pd), -bound, bound)
+        conv = lambda: jax.random.uniform(next(keys), (W, N * H), jnp.dtype(pd), -bound, bound)
         self.q_conv_WZ, self.k_conv_WZ, self.v_conv_WZ = (nnx.Param(conv()) for _ in range(3))
-        self.f_a_DR = normal(rngs, (D, R), std, pd)
-        self.f_b_RNH = normal(rngs, (R, N, H), std, pd)
-        decay = jax.random.uniform(rngs.params(), (N,), jnp.float32, 1.0, 16.0)  # FLA's
+        self.f_a_DR, self.f_b_RNH = normal((D, R)), normal((R, N, H))
+        decay = jax.random.uniform(next(keys), (N,), jnp.float32, 1.0, 16.0)  # FLA's
         self.A_log_N = nnx.Param(jnp.log(decay).astype(pd))
-        dt = time_step_bias(rngs.params(), N * H, dtype=pd)
+        dt = time_step_bias(next(keys), N * H, dtype=pd)
         self.dt_bias_NH = nnx.Param(dt.reshape(N, H))
-        self.beta_DN = normal(rngs, (D, N), std, pd)
-        self.g_a_DR = normal(rngs, (D, R), std, pd)
-        self.g_b_RNH = normal(rngs, (R, N, H), std, pd)
+        self.beta_DN = normal((D, N))
+        self.g_a_DR, self.g_b_RNH = normal((D, R)), normal((R, N, H))
         self.norm_scale_H = nnx.Param(jnp.ones((H,), jnp.dtype(pd)))
-        self.o_NHD = normal(rngs, (N, H, D), std / (2 * cfg.n_layers) ** 0.5, pd)
+        self.o_NHD = normal((N, H, D), std / (2 * cfg.n_layers) ** 0.5)
 
     @classmethod
     def inherit(cls, cfg, settings, old, new):
