@@ -105,11 +105,12 @@ def test_the_layer_is_the_reports_recurrence_in_float64(form):
 
 
 def test_the_per_channel_delta_rule_forms_equal_the_float64_recurrence():
-    """From a non-zero state over 11 tokens, a decay per key channel (some strong enough to
-    forget a channel within a token): the chunked form (chunks of 4 and 64), the per-token
-    scan and the one-token step in a loop equal the recurrence, outputs and final state."""
+    """From a non-zero state over 19 tokens, a decay per key channel (some strong enough to
+    forget a channel within a token): the chunked form (chunks of 4, and of 64: one chunk of
+    32 tokens in two sub-chunks of 16), the per-token scan and the one-token step in a loop
+    equal the recurrence, outputs and final state."""
     rng = np.random.default_rng(0)
-    B, T, N, H, J = 2, 11, 2, 4, 3
+    B, T, N, H, J = 2, 19, 2, 4, 3
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
     q = unit(rng.normal(size=(B, T, N, H))) * H**-0.5
     k, v = unit(rng.normal(size=(B, T, N, H))), rng.normal(size=(B, T, N, J))
