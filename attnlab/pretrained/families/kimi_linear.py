@@ -6,11 +6,13 @@ are experts with sigmoid scores, a selection bias, grouped routing, routed scali
 shared expert (DeepSeek-V3's router).
 
 config.json gives the layer kinds as ``layer_types`` (``linear_attention`` or
-``full_attention``) or, as released, ``linear_attn_config``'s 1-based ``kda_layers`` and
-``full_attn_layers`` (which win, as in transformers), beside the KDA heads and widths; the
-per-layer kinds become a ``block_pattern`` (``hf_base.prefix_and_block``). Stored names are
-the released checkpoint's: the MoE under ``block_sparse_moe`` with experts ``w1``/``w3``/``w2``
-(read as well under ``mlp``), q/k/v convolutions apart, ``A_log`` as ``[1, 1, N, 1]``.
+``full_attention``) or, as released, as ``linear_attn_config``'s 1-based ``kda_layers`` and
+``full_attn_layers``; that dict's ``num_heads``, ``head_dim`` and ``short_conv_kernel_size``
+win over ``linear_num_heads``, ``linear_head_dim`` and ``linear_conv_kernel_dim``, as in
+transformers. The per-layer kinds become a ``block_pattern`` (``hf_base.prefix_and_block``).
+Stored names are the released checkpoint's: the MoE under ``block_sparse_moe`` with experts
+``w1``/``w3``/``w2`` (read as well under ``mlp``), q/k/v convolutions apart, ``A_log`` as
+``[1, 1, N, 1]``.
 """
 
 from __future__ import annotations
@@ -40,15 +42,18 @@ def _first(c: dict, *keys, default=None):
 
 
 def _layer_types(c: dict, n: int) -> list[str]:
+    """``layer_types``, else ``linear_attn_config``'s 1-based lists, else transformers'
+    default (full attention at every fourth layer from the fifth), in transformers' order."""
     linear = c.get("linear_attn_config") or {}
-    if "full_attn_layers" in linear and "kda_layers" in linear:
+    types = c.get("layer_types")
+    if types is None and "full_attn_layers" in linear and "kda_layers" in linear:
         types = [None] * n
         for layer in linear["full_attn_layers"]:
             types[layer - 1] = "full_attention"
         for layer in linear["kda_layers"]:
             types[layer - 1] = "linear_attention"
-    else:
-        types = c.get("layer_types") or [_KINDS[bool(i and i % 4 == 0)] for i in range(n)]
+    elif types is None:
+        types = [_KINDS[bool(i and i % 4 == 0)] for i in range(n)]
     if len(types) != n or set(types) - set(_KINDS):
         raise UnsupportedCheckpointError(
             f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
