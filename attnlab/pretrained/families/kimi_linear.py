@@ -1,7 +1,7 @@
 """Kimi Linear (``KimiLinearForCausalLM``): a hybrid of Kimi Delta Attention (the ``kda``
 mixer) and multi-head latent attention without positions (``mla`` with ``position="none"``:
-the decoupled key is shared but never rotated), three KDA layers to one MLA layer in the
-published model. The first ``first_k_dense_replace`` layers keep a dense SwiGLU; the others
+the decoupled key is shared but never rotated; its latents' norms at eps 1e-6 whatever
+``rms_norm_eps``), three KDA layers to one MLA layer in the published model. The first ``first_k_dense_replace`` layers keep a dense SwiGLU; the others
 are experts with sigmoid scores, a selection bias, grouped routing, routed scaling and a
 shared expert (DeepSeek-V3's router).
 
@@ -33,6 +33,7 @@ from attnlab.pretrained.hf_base import (
 from attnlab.pretrained.mappings import IGNORE, A, L, Mapping, ends, gated_ffn, norm_row, table
 
 _KINDS = ("linear_attention", "full_attention")
+LATENT_EPS = 1e-6  # transformers' latent norms keep their default eps, not rms_norm_eps
 
 
 def _first(c: dict, *keys, default=None):
@@ -107,6 +108,7 @@ def kimi_linear(c: dict) -> dict:
             "qk_nope_head_dim": Hn,
             "qk_rope_head_dim": Hr,
             "v_head_dim": require(c, "v_head_dim"),
+            "latent_norm_eps": LATENT_EPS,
         },
     }
     kda = {"mixer": "kda", "mixer_settings": kda_settings(c)}
@@ -279,6 +281,8 @@ def kimi_linear_writer(cfg):
     mla = [m.mixer_settings.resolved(cfg) for m in mixers if m.mixer == "mla"]
     if mla:
         m = mla[0]
+        if m.latent_norm_eps != LATENT_EPS:
+            raise ValueError(f"mixer_settings.latent_norm_eps: Kimi Linear's is {LATENT_EPS}")
         out.update(
             kv_lora_rank=m.kv_lora_rank,
             q_lora_rank=m.q_lora_rank,
