@@ -76,7 +76,7 @@ class KimiDeltaAttention(RecurrentMixer):
         W, pd, std = s.conv_kernel, cfg.param_dtype, cfg.init_std
         # One draw from the stream, split for every parameter: each draw updates the
         # stream's count, which costs more than the parameter when a stack is traced.
-        keys = iter(jax.random.split(rngs.params(), 16))
+        keys = iter(jax.random.split(rngs.params(), 14))
         normal = lambda shape, scale=std: nnx.Param(
             scale * jax.random.normal(next(keys), shape, jnp.dtype(pd))
         )
@@ -140,10 +140,10 @@ class KimiDeltaAttention(RecurrentMixer):
         w_WZ = jnp.concatenate([self.q_conv_WZ[...], self.k_conv_WZ[...], self.v_conv_WZ[...]], 1)
         cache, mixed_BTZ = carried_conv(mixed_BTZ, call, valid_BT, w_WZ)
         mixed_BTZ = jax.nn.silu(mixed_BTZ.astype(jnp.float32))
-        q, k, v = (y.reshape(B, T, N, H) for y in jnp.split(mixed_BTZ, 3, axis=-1))
-        q_BTNH, k_BTNH = l2_normalize(q) * H**-0.5, l2_normalize(k)
+        q_BTNH, k_BTNH, v_BTNH = (y.reshape(B, T, N, H) for y in jnp.split(mixed_BTZ, 3, -1))
+        q_BTNH, k_BTNH = l2_normalize(q_BTNH) * H**-0.5, l2_normalize(k_BTNH)
         g_BTNH, beta_BTN = self.gates(x_BTD, valid_BT)
-        args = (q_BTNH, k_BTNH, v, g_BTNH, beta_BTN, self.initial_state(call))
+        args = (q_BTNH, k_BTNH, v_BTNH, g_BTNH, beta_BTN, self.initial_state(call))
         if cache is not None and T == 1:  # a decode step
             o_BNH, state = deltanet.delta_rule_step(*(a[:, 0] for a in args[:5]), args[5])
             o_BTNH = o_BNH[:, None]
