@@ -1,9 +1,10 @@
 """Kimi Linear (``KimiLinearForCausalLM``): a hybrid of Kimi Delta Attention (the ``kda``
 mixer) and multi-head latent attention without positions (``mla`` with ``position="none"``:
 the decoupled key is shared but never rotated; its latents' norms at eps 1e-6 whatever
-``rms_norm_eps``), three KDA layers to one MLA layer in the published model. The first ``first_k_dense_replace`` layers keep a dense SwiGLU; the others
-are experts with sigmoid scores, a selection bias, grouped routing, routed scaling and a
-shared expert (DeepSeek-V3's router).
+``rms_norm_eps``), three KDA layers to one MLA layer in the published model. The first
+``first_k_dense_replace`` layers keep a dense SwiGLU; the others are experts with sigmoid
+scores, a selection bias, grouped routing, routed scaling and a shared expert (DeepSeek-V3's
+router).
 
 config.json gives the layer kinds as ``layer_types`` (``linear_attention`` or
 ``full_attention``) or, as released, as ``linear_attn_config``'s 1-based ``kda_layers`` and
@@ -112,11 +113,11 @@ def kimi_linear(c: dict) -> dict:
         },
     }
     kda = {"mixer": "kda", "mixer_settings": kda_settings(c)}
+    dense = {"ffn_variant": "dense"}
     kinds = [
-        {**(mla if t == "full_attention" else kda), **({"ffn_variant": "dense"} if f == "dense"
-                                                       else {})}
+        {**(mla if t == "full_attention" else kda), **(dense if f == "dense" else {})}
         for t, f in zip(_layer_types(c, n), _mlp_types(c, n), strict=True)
-    ]  # fmt: skip
+    ]
     N = require(c, "num_attention_heads")
     return common_fields(
         c,
