@@ -96,7 +96,8 @@ SETTINGS = {
         "local_blocks": 2, "window": 16,
     },
 }  # fmt: skip
-RECURRENT_MIXERS = ("gated_deltanet", "mamba2")  # no positions: they extend to any length
+# no positions: they extend to any length
+RECURRENT_MIXERS = ("gated_deltanet", "kda", "lightning", "mamba", "mamba2", "short_conv")
 
 
 def _kind(mixer: str):
@@ -125,7 +126,7 @@ class Grid(typing.NamedTuple):
 
 
 RECURRENT = ("mha", "gated_deltanet", "mamba2", "hybrid_3to1", "hybrid_1to1")
-CATALOGUE = ("mha", "short_conv", "mamba", "fox", "dsa", "moba", "nsa", "lightning")
+CATALOGUE = ("mha", "short_conv", "mamba", "fox", "dsa", "moba", "nsa", "lightning", "kda")
 SWEEPS = {
     None: Grid(((64, 4, 4), (64, 8, 8), (128, 4, 4), (128, 8, 8)), (0, 1, 2)),
     "small": Grid(((64, 4, 4),), (0, 1, 2)),  # one point of the full grid, 600 steps

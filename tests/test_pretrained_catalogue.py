@@ -5,9 +5,10 @@ beside attention), Mamba (Mamba-1's selective scan), Jamba (Mamba-1 with inner n
 attention without positions, experts every other layer) and Granite 4 (Mamba-2 and
 attention, experts beside a shared SwiGLU, muP multipliers), Qwen3.5 (dense and
 MoE: Qwen3-Next's hybrid with separately stored Gated DeltaNet projections), MiniMax
-(lightning and softmax attention layers, experts in every layer, scaled normed residuals)
-and DeepSeek-V3.2 (DeepSeek-V3 with MLA over each query's top-k keys by a lightning
-indexer).
+(lightning and softmax attention layers, experts in every layer, scaled normed residuals),
+DeepSeek-V3.2 (DeepSeek-V3 with MLA over each query's top-k keys by a lightning indexer)
+and Kimi Linear (Kimi Delta Attention and NoPE latent attention, grouped sigmoid routing
+after a dense layer).
 
 As in ``test_pretrained_open``: a tiny random checkpoint per family written by transformers at
 test time (2 or 4 layers, d_model 32), every weight moved off its init. Logits equal transformers'
@@ -238,6 +239,23 @@ SPECS = {
         ),
         [{"index_topk": 64}],
     ),
+    # Kimi Delta Attention in two layers, then NoPE latent attention; a dense first layer,
+    # then 8 experts in 2 groups (2 chosen from the best group) beside a shared expert. Off:
+    # the routed scale at 1; the latent attention a layer earlier (its tensors moved with it).
+    "kimi_linear": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            _BASE, num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=16,
+            kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=8, num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            linear_num_heads=2, linear_head_dim=8,
+            layer_types=["linear_attention"] * 2 + ["full_attention"],
+        ),
+        [{"routed_scaling_factor": 1.0},
+         {"layer_types": ["linear_attention", "full_attention", "linear_attention"],
+          "tensors": lambda t: {swap_layers(n, ".self_attn.", 1, 2): x for n, x in t.items()}}],
+    ),
 }  # fmt: skip
 
 
@@ -272,6 +290,14 @@ def without_decay(cfg):
     return cfg.replace(
         block_pattern={"prefix": kinds(pattern["prefix"]), "block": kinds(pattern["block"])}
     )
+
+
+def swap_layers(name, part, a, b):
+    """``name`` with layers ``a`` and ``b`` exchanged when it holds ``part``."""
+    for x, y in ((a, b), (b, a)):
+        if f".layers.{x}.{part[1:]}" in name:
+            return name.replace(f".layers.{x}.", f".layers.{y}.")
+    return name
 
 
 def one_tap(w):

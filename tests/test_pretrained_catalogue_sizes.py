@@ -111,6 +111,28 @@ PUBLISHED = {
                       "original_max_position_embeddings": 4096},
         index_topk=2048, index_head_dim=128, index_n_heads=64,
     ),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct: 48B parameters, 3B activated; Kimi Delta
+    # Attention in 20 layers, NoPE latent attention in 7 (1-based 4, 8, ..., 24 and 27);
+    # a dense first layer, then 8 of 256 experts and a shared one. transformers' model of this
+    # config on the meta device holds 49,122,681,728 parameters and selection biases, as
+    # counted here by hand.
+    "kimi_linear": dict(
+        model_type="kimi_linear", vocab_size=163840, hidden_size=2304, intermediate_size=9216,
+        num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32, head_dim=72,
+        hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        model_max_length=1048576, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, first_k_dense_replace=1,
+        moe_intermediate_size=1024, moe_layer_freq=1, moe_renormalize=True,
+        moe_router_activation_func="sigmoid", num_experts=256, num_experts_per_token=8,
+        num_shared_experts=1, routed_scaling_factor=2.446, use_grouped_topk=True,
+        num_expert_group=1, topk_group=1, num_nextn_predict_layers=0,
+        linear_attn_config={
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128,
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23,
+                           25, 26],
+            "num_heads": 32, "short_conv_kernel_size": 4,
+        },
+    ),
 }  # fmt: skip
 
 
@@ -131,6 +153,29 @@ def deepseek_v32_counts(c) -> tuple[int, int, int]:
     total = embed + L * (mla + indexer + 2 * D) + dense * 3 * D * c["intermediate_size"]
     total += (L - dense) * moe + D
     return total, total - (L - dense) * (E - k) * 3 * D * Fe, embed
+
+
+def kimi_linear_counts(c) -> tuple[int, int, int]:
+    """Kimi Linear by hand: KDA (q, k, v and their convolutions, the forget gate's two
+    projections, A_log, dt_bias, beta, the output gate's two projections, its norm, o), MLA
+    (q, the latent and shared key, its norm, the up-projection, o), the dense FFN, experts."""
+    D, V_, F = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    lin = c["linear_attn_config"]
+    N, H = lin["num_heads"], lin["head_dim"]
+    kda = 3 * D * N * H + 3 * 4 * N * H + (D * H + H * N * H) + N + N * H + D * N
+    kda += (D * H + H * N * H) + H + N * H * D
+    keys = ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    (Na, Hn, Hr, Hv), R = (c[k] for k in keys), c["kv_lora_rank"]
+    mla = D * Na * (Hn + Hr) + D * (R + Hr) + R + R * Na * (Hn + Hv) + Na * Hv * D
+    E, k, Fe = c["num_experts"], c["num_experts_per_token"], c["moe_intermediate_size"]
+    shared = 3 * D * Fe * c["num_shared_experts"]
+    moe = E * D + E + shared + E * 3 * D * Fe  # router, selection bias, shared, experts
+    moe_active = E * D + E + shared + k * 3 * D * Fe
+    n_kda, n_mla = len(lin["kda_layers"]), len(lin["full_attn_layers"])
+    L = n_kda + n_mla
+    embed = 2 * V_ * D
+    total = embed + n_kda * kda + n_mla * mla + 3 * D * F + (L - 1) * moe + L * 2 * D + D
+    return total, total - (L - 1) * (moe - moe_active), embed
 
 
 def mamba_layer(D, J, R, conv=4, inner_norms=False) -> int:
@@ -154,6 +199,8 @@ def mamba_layer(D, J, R, conv=4, inner_norms=False) -> int:
 def published_counts(name, c) -> tuple[int, int, int]:
     """``(parameters, active parameters, embedding parameters)`` of config.json ``c``, by
     hand: embeddings and head, attention (q, k, v, o; biases, QK-norm), FFNs, norms."""
+    if name == "kimi_linear":
+        return kimi_linear_counts(c)
     if name == "mamba":
         D, L, Vm = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
         total = Vm * D + L * (mamba_layer(D, c["state_size"], c["time_step_rank"]) + D) + D
@@ -221,17 +268,24 @@ def published_counts(name, c) -> tuple[int, int, int]:
 CARDS = {"smollm3": (3.08e9, None), "olmo3": (7.30e9, None), "apertus": (8.05e9, None),
          "glm4_moe": (355e9, 32e9), "lfm2": (1.17e9, None), "mamba": (0.129e9, None),
          "jamba": (52e9, 12e9), "minimax": (456e9, 45.9e9),
-         "deepseek_v32": (671e9, 37e9)}  # fmt: skip
+         "deepseek_v32": (671e9, 37e9), "kimi_linear": (48e9, 3e9)}  # fmt: skip
 
 
 HYBRID_SIZES = "traces a hybrid stack's parameter shapes (about 2 s)"
+# Its last layer breaks the 3:1 repeat, so the stack unrolls 21 of its 27 layers.
+KIMI_SIZES = "traces Kimi Linear's parameter shapes, 21 layers unrolled (5 to 10 s)"
 
 
 @pytest.mark.parametrize(
     "name",
     cases(
         list(PUBLISHED),
-        slow={"lfm2": HYBRID_SIZES, "jamba": HYBRID_SIZES, "minimax": HYBRID_SIZES},
+        slow={
+            "lfm2": HYBRID_SIZES,
+            "jamba": HYBRID_SIZES,
+            "minimax": HYBRID_SIZES,
+            "kimi_linear": KIMI_SIZES,
+        },
     ),
 )
 def test_published_sizes_from_the_config_alone(name):
@@ -256,6 +310,10 @@ def test_published_sizes_from_the_config_alone(name):
         assert kv_cache_bytes(cfg, 1, 1000) == 1000 * 61 * (512 + 64 + 128) * 2 == 85_888_000
         assert cfg.mixer == "dsa" and cfg.mixer_settings.topk == 2048
         return
+    elif (
+        name == "kimi_linear"
+    ):  # the card rounds: 49.1B total, 3.5B active (2.7B without embeddings)
+        assert abs(total - card_total) < 1.5e9 and abs(active - card_active) < 0.6e9
     else:  # GLM-4.5: the MTP layer (about 3.9B) is the difference to the card's total
         assert 2e9 < card_total - total < 4.5e9
         assert abs(active - embed - card_active) < 0.5e9
@@ -264,6 +322,10 @@ def test_published_sizes_from_the_config_alone(name):
     if name == "mamba":  # a fixed-size state and conv state per sequence, float32
         per_layer = 2 * 768 * 16 + 3 * 2 * 768
         assert kv_cache_bytes(cfg, 1, 1000) == kv_cache_bytes(cfg, 1, 10) == 24 * per_layer * 4
+        return
+    if name == "kimi_linear":  # 7 latents and shared keys (bfloat16), 20 KDA states (float32)
+        kda_state = 32 * 128 * 128 + 3 * 3 * 32 * 128  # the state and 3 conv inputs of q, k, v
+        assert kv_cache_bytes(cfg, 1, 1000) == 1000 * 7 * (512 + 64) * 2 + 20 * kda_state * 4
         return
     if name == "jamba":  # keys and values of 4 layers (bfloat16), 28 Mamba states (float32)
         mamba_state = 2 * 4096 * 16 + 3 * 2 * 4096

@@ -149,6 +149,7 @@ _MIXERS = Registry(
         "fox": "attnlab.nn.mixers.forgetting",
         "mla": "attnlab.nn.mixers.mla",
         "gated_deltanet": "attnlab.nn.mixers.gated_deltanet",
+        "kda": "attnlab.nn.mixers.kda",
         "mamba2": "attnlab.nn.mixers.mamba2",
         "base_conv": "attnlab.nn.mixers.base_conv",
         "short_conv": "attnlab.nn.mixers.short_conv",

@@ -55,14 +55,17 @@ def l2_normalize(x, *, eps=1e-6):
     return x32 * jax.lax.rsqrt(jnp.sum(jnp.square(x32), axis=-1, keepdims=True) + eps)
 
 
-def gated_rms_norm(x, gate, scale, *, eps=1e-6, group_size=None, norm_before_gate=True):
-    """RMSNorm of ``x`` gated by ``silu(gate)``, in float32, over groups of ``group_size``
-    (None: the whole last axis) with a per-channel ``scale``.
+def gated_rms_norm(
+    x, gate, scale, *, eps=1e-6, group_size=None, norm_before_gate=True, activation=jax.nn.silu
+):
+    """RMSNorm of ``x`` gated by ``activation(gate)`` (silu; Kimi Linear's is the sigmoid), in
+    float32, over groups of ``group_size`` (None: the whole last axis) with a per-channel
+    ``scale``.
 
     ``norm_before_gate``: ``scale * norm(x) * silu(gate)`` (Qwen3-Next), else
     ``scale * norm(x * silu(gate))`` (Mamba-2).
     """
-    x32, silu = x.astype(jnp.float32), jax.nn.silu(gate.astype(jnp.float32))
+    x32, silu = x.astype(jnp.float32), activation(gate.astype(jnp.float32))
     if not norm_before_gate:
         x32 = x32 * silu
     size = x32.shape[-1] if group_size is None else group_size

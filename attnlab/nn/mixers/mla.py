@@ -72,6 +72,7 @@ class LatentAttention(Attention):
         qk_nope_head_dim: int | None = None
         qk_rope_head_dim: int | None = None
         v_head_dim: int | None = None
+        latent_norm_eps: float | None = None  # the latents' RMSNorms (None: norm_eps)
 
         def resolved(self, cfg) -> LatentAttention.Settings:
             """The settings with the fields left None derived from ``cfg`` (but
@@ -93,6 +94,10 @@ class LatentAttention(Attention):
                 value = getattr(self, field)
                 if value is not None and (not isinstance(value, int) or value < 1):
                     self.fail(field, "a positive int (or None for the default)")
+            eps = self.latent_norm_eps
+            if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
+                                    or not eps > 0):  # fmt: skip
+                self.fail("latent_norm_eps", "a positive number (or None for norm_eps)")
             for field in ("kv_lora_rank", "q_lora_rank"):
                 value = getattr(self, field)
                 if value is not None and value > cfg.d_model:
@@ -130,6 +135,10 @@ class LatentAttention(Attention):
         self.v_up_RNH = normal(rngs, (R, N, Hv), std, pd)
         self.o_NHD = normal(rngs, (N, Hv, D), std / (2 * cfg.n_layers) ** 0.5, pd)
         self.o_bias_D = nnx.Param(jnp.zeros((D,), jnp.dtype(pd))) if cfg.out_bias else None
+        if s.latent_norm_eps is not None:
+            for norm in (self.q_norm, self.kv_norm):
+                if norm is not None:
+                    norm.eps = float(s.latent_norm_eps)
 
     @classmethod
     def cache_entries(cls, cfg, settings):

@@ -1,6 +1,6 @@
-"""What the recurrent-state mixers (``gated_deltanet``, ``mamba2``) share: the settings every
-one has (convolution kernel, chunk size, state dtype, form), which tokens of a call are real,
-and the carried short convolution.
+"""What the recurrent-state mixers (``gated_deltanet``, ``kda``, ``mamba2``) share: the settings
+every one has (convolution kernel, chunk size, state dtype, form), which tokens of a call are
+real, and the carried short convolution.
 
 Each such layer keeps two fixed-size cache entries, named by role: ``"state"`` (the
 recurrent state, ``[N, H, J]`` per row) and ``"conv"`` (the last ``W - 1`` inputs of its

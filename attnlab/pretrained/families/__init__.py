@@ -37,6 +37,7 @@ BUILTINS = (
     "qwen3_5",
     "minimax",
     "deepseek_v32",
+    "kimi_linear",
 )
 
 for _name in BUILTINS:
