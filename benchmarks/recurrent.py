@@ -72,6 +72,7 @@ MODELS = {
     "short_conv": {"mixer": "short_conv"},
     "fox": {"mixer": "fox", "position": "none"},
     "lightning": {"mixer": "lightning"},
+    "kda": {"mixer": "kda"},
     "dsa": {"mixer": "dsa"},  # MLA over the indexer's top 2048 keys
     "moba": {"mixer": "moba"},  # the top 3 past blocks of 64 and its own
     "nsa": {"mixer": "nsa"},  # compressed, selected (16 of 64) and a window of 512

@@ -394,6 +394,7 @@ BUILT_IN_VARIANTS = {
     "short_conv": {},
     "mamba": {},
     "lightning": {"mixer_settings": {"block_size": 4}},
+    "kda": {"mixer_settings": {"chunk_size": 4}},
     # the sparse mixers at settings that select a part of the 16 keys
     "dsa": {"mixer_settings": {"q_lora_rank": 16, "topk": 4}},
     "moba": {"mixer_settings": {"block_size": 4, "topk": 1}},
