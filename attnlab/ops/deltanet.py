@@ -192,3 +192,17 @@ def delta_rule_chunked(
         chunk, S, (u_IBNCJ, w_IBNCH, qk_IBNCC, q * decay_q, k * decay_k, chunk_decay)
     )
     return from_chunks(jnp.moveaxis(o_IBNCJ, 2, 3), T), S
+
+
+def delta_rule(q_BTNH, k_BTNH, v_BTNJ, g, beta_BTN, state_BNHJ, *, step, form, chunk_size):
+    """The delta rule in the form a call needs: one decode step (``step``: T = 1 with a
+    cache), the per-token recurrence (``form="recurrent"``) or the chunked form; ``g`` is the
+    log decay per head (``[B, T, N]``) or per key channel (``[B, T, N, H]``). Returns the
+    outputs ``[B, T, N, J]`` and the final state."""
+    args = (q_BTNH, k_BTNH, v_BTNJ, g, beta_BTN)
+    if step:
+        o_BNJ, state = delta_rule_step(*(a[:, 0] for a in args), state_BNHJ)
+        return o_BNJ[:, None], state
+    if form == "recurrent":
+        return delta_rule_recurrent(*args, state_BNHJ)
+    return delta_rule_chunked(*args, state_BNHJ, chunk_size=chunk_size)

@@ -173,14 +173,10 @@ class GatedDeltaNet(RecurrentMixer):
         q_BTNH, k_BTNH = heads(q) * H**-0.5, heads(k)
         v_BTNJ = v.reshape(B, T, N, J)
         g_BTN, beta_BTN = self.gates(b_BTN, a_BTN, valid_BT)
-        args = (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, self.initial_state(call))
-        if cache is not None and T == 1:  # a decode step
-            o_BNJ, state = deltanet.delta_rule_step(*(a[:, 0] for a in args[:5]), args[5])
-            o_BTNJ = o_BNJ[:, None]
-        elif s.form == "recurrent":
-            o_BTNJ, state = deltanet.delta_rule_recurrent(*args)
-        else:
-            o_BTNJ, state = deltanet.delta_rule_chunked(*args, chunk_size=s.chunk_size)
+        o_BTNJ, state = deltanet.delta_rule(
+            q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, self.initial_state(call),
+            step=cache is not None and T == 1, form=s.form, chunk_size=s.chunk_size,
+        )  # fmt: skip
         probe.record("state", state)  # the final recurrent state, read-only
         if cache is not None:
             cache = cache.put("state", state)

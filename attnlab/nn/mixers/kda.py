@@ -143,14 +143,10 @@ class KimiDeltaAttention(RecurrentMixer):
         q_BTNH, k_BTNH, v_BTNH = (y.reshape(B, T, N, H) for y in jnp.split(mixed_BTZ, 3, -1))
         q_BTNH, k_BTNH = l2_normalize(q_BTNH) * H**-0.5, l2_normalize(k_BTNH)
         g_BTNH, beta_BTN = self.gates(x_BTD, valid_BT)
-        args = (q_BTNH, k_BTNH, v_BTNH, g_BTNH, beta_BTN, self.initial_state(call))
-        if cache is not None and T == 1:  # a decode step
-            o_BNH, state = deltanet.delta_rule_step(*(a[:, 0] for a in args[:5]), args[5])
-            o_BTNH = o_BNH[:, None]
-        elif s.form == "recurrent":
-            o_BTNH, state = deltanet.delta_rule_recurrent(*args)
-        else:
-            o_BTNH, state = deltanet.delta_rule_chunked(*args, chunk_size=s.chunk_size)
+        o_BTNH, state = deltanet.delta_rule(
+            q_BTNH, k_BTNH, v_BTNH, g_BTNH, beta_BTN, self.initial_state(call),
+            step=cache is not None and T == 1, form=s.form, chunk_size=s.chunk_size,
+        )  # fmt: skip
         probe.record("state", state)  # the final recurrent state, read-only
         if cache is not None:
             cache = cache.put("state", state)
