@@ -20,7 +20,8 @@ file of the step's two items: the arrays' data files, orbax's tree metadata and 
 the JSON metadata (orbax's own records beside them, ``_CHECKPOINT_METADATA`` and
 ``commit_success.txt``, hold no values and are not covered). The metadata records that the step
 has checksums, so a step finalised without its ``checksums.json`` (the process died in
-between) is never taken for one written before checksums existed. Restoring a step first reads
+between) is never taken for one written before checksums existed; a resumed run moves such
+newest steps aside (``files.set_aside_unfinished``) and continues from the last finished one. Restoring a step first reads
 every file and compares; a file that differs, is missing or was resized raises
 ``CorruptCheckpointError`` naming it, so no flipped bit reaches a restored state. Steps written
 before checksums existed (no record in their metadata) are restored unverified. ``verify``
@@ -89,6 +90,7 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "PreemptionGuard",
+    "UnfinishedCheckpointError",
     "stop_signal",
 ]
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -101,6 +103,11 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
         self.reason = reason
+
+
+class UnfinishedCheckpointError(CorruptCheckpointError):
+    """A step orbax finalised whose own save did not finish: the process died before the
+    step's checksums were written, so its files were never vouched for."""
 
 
 class Checkpointer:
@@ -261,10 +268,18 @@ class Checkpointer:
                             "written with it"
                         )
                         raise self._corrupt(step, problem)
-        elif _CHECKSUMMED in self._read_metadata(step):
+        elif self.unfinished(step):
             problem = f"{CHECKSUM_FILE} is missing (the save did not finish)"
-            raise self._corrupt(step, problem)
+            where = f"{self._where(step)} is corrupt: {problem}{self._hint(step)}"
+            raise UnfinishedCheckpointError(where, problem)
         self._verified.add(step)
+
+    def unfinished(self, step: int) -> bool:
+        """Whether ``step``'s save died between orbax finalising it and its checksums being
+        written (its metadata promises a ``checksums.json`` that is not there)."""
+        if (self.directory / str(step) / CHECKSUM_FILE).exists():
+            return False
+        return _CHECKSUMMED in self._read_metadata(step)
 
     def _discard_partial(self, step: int) -> None:
         """Removes what a failed save of ``step`` left, as far as orbax's writes still in

@@ -71,6 +71,34 @@ def restore_newest(
     )
 
 
+def set_aside_unfinished(ckpt: Checkpointer, steps: list[int]) -> list[int]:
+    """``steps`` without the newest ones whose save did not finish (the process died between
+    orbax finalising a step and its checksums being written), which are moved to
+    ``step_N.corrupt/`` in one warning line: a run resumes from the newest finished step, or
+    starts afresh when there is none, as if those saves had never begun."""
+    unfinished = []
+    for step in sorted(steps, reverse=True):
+        try:
+            if not ckpt.unfinished(step):
+                break
+        except CorruptCheckpointError:  # unreadable metadata: restore_newest reports it
+            break
+        unfinished.append(step)
+    left = [s for s in steps if s not in unfinished]
+    if not unfinished or not is_writer():
+        return left
+    moved = [ckpt.move_aside(s).name for s in unfinished]
+    then = f"resuming from step {max(left)}" if left else "starting from step 0"
+    print(
+        f"attnlab: warning: the save of checkpoint step {', '.join(map(str, unfinished))} in "
+        f"{ckpt.directory} did not finish (its checksums were never written); moved to "
+        f"{', '.join(moved)}; {then}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return left
+
+
 def set_aside_corrupt(ckpt: Checkpointer, step: int):
     """Moves the steps after ``step`` that fail ``Checkpointer.verify`` to ``step_N.corrupt/``
     (a run resumed from ``step`` would otherwise replace them), in one warning line."""

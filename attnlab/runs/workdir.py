@@ -49,6 +49,7 @@ from attnlab.runs.files import (
     is_writer,
     restore_newest,
     set_aside_corrupt,
+    set_aside_unfinished,
 )
 from attnlab.train import set_optim_values
 
@@ -281,6 +282,8 @@ class Run:
         steps = self.ckpt.all_steps()
         if self.requested is not None:
             steps = [int(self.requested)]
+        else:  # a save the last process died in is undone, not an error
+            steps = set_aside_unfinished(self.ckpt, steps)
         self.layout = sharding.layout(trainer.mesh)
         if not steps:
             self.start = 0
