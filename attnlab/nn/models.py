@@ -16,6 +16,7 @@ loop's divergence check stops the run (a gather would otherwise clamp or wrap si
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -403,16 +404,25 @@ def count_params(cfg: ModelConfig, *, active: bool = False) -> int:
             f"count_params takes a ModelConfig, got {type(cfg).__name__}; convert a Hugging "
             "Face config with attnlab.pretrained.model_config_from_hf"
         )
+    sizes = _param_sizes(cfg)
+    if not active or not hasattr(cfg.ffn_settings, "top_k"):
+        return sum(size for _, size in sizes)
+    s = cfg.ffn_settings
+    routed = lambda name: re.search(r"_E[A-Z]+$", name) is not None
+    return sum(size // s.n_experts * s.top_k if routed(name) else size for name, size in sizes)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_sizes(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """``(name, size)`` of each parameter of ``cfg``'s model, traced once per config (the
+    total and the active count of one config share the trace)."""
     abstract = nnx.eval_shape(lambda: MODEL_CLASSES[cfg.arch](cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
-    if not active or not hasattr(cfg.ffn_settings, "top_k"):
-        return int(sum(x.size for x in jax.tree.leaves(params)))
-    s, total = cfg.ffn_settings, 0
+    out = []
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
-        routed = re.search(r"_E[A-Z]+$", name) is not None
-        total += x.size // s.n_experts * s.top_k if routed else x.size
-    return int(total)
+        keys = (k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
+        out.append((next(keys, ""), int(x.size)))
+    return tuple(out)
 
 
 def __getattr__(name):  # the previous release's names (attnlab._moved), deprecated
