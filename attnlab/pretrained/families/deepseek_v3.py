@@ -125,6 +125,17 @@ def deepseek_rope_layout(tensors: dict, c: dict) -> dict:
     return out
 
 
+def mla_fields(m) -> dict:
+    """config.json's latent-attention sizes of resolved ``mla`` settings ``m``."""
+    return dict(
+        kv_lora_rank=m.kv_lora_rank,
+        q_lora_rank=m.q_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+    )
+
+
 def deepseek_v3_writer(cfg):
     """MLA (its settings resolved) and experts after the dense first layers; RoPE dims are
     written in attnlab's half-split layout (``rope_interleave`` false)."""
@@ -134,11 +145,7 @@ def deepseek_v3_writer(cfg):
     out = {**base_config(cfg, "deepseek_v3", "DeepseekV3ForCausalLM"), **experts(cfg)}
     del out["head_dim"], out["num_local_experts"]
     out.update(
-        kv_lora_rank=m.kv_lora_rank,
-        q_lora_rank=m.q_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim,
-        qk_rope_head_dim=m.qk_rope_head_dim,
-        v_head_dim=m.v_head_dim,
+        **mla_fields(m),
         rope_interleave=False,
         n_routed_experts=s.n_experts,
         moe_intermediate_size=s.d_expert or cfg.d_ff,

@@ -22,6 +22,7 @@ import re
 
 from attnlab.config.layer_kinds import stack_plan
 from attnlab.pretrained.export_configs import single_mixers
+from attnlab.pretrained.families.deepseek_v3 import mla_fields
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
@@ -284,13 +285,7 @@ def kimi_linear_writer(cfg):
         m = mla[0]
         if m.latent_norm_eps != LATENT_EPS:
             raise ValueError(f"mixer_settings.latent_norm_eps: Kimi Linear's is {LATENT_EPS}")
-        out.update(
-            kv_lora_rank=m.kv_lora_rank,
-            q_lora_rank=m.q_lora_rank,
-            qk_nope_head_dim=m.qk_nope_head_dim,
-            qk_rope_head_dim=m.qk_rope_head_dim,
-            v_head_dim=m.v_head_dim,
-        )
+        out.update(mla_fields(m))
     return out
 
 
