@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.ops.masks import MASK_VALUE
+from attnlab.ops.sparse_index import top_k_mask
 
 
 def n_blocks(S: int, block: int) -> int:
@@ -31,13 +32,8 @@ def top_blocks(score_BNTJ, allowed_BNTJ, forced_BNTJ, topk: int):
     """``[B, N, T, J]`` bool: per query, the ``forced`` blocks and the highest-scoring
     ``allowed`` ones, ``topk`` in all (the forced ones count; fewer when fewer are allowed).
     Forced blocks must be allowed."""
-    J = score_BNTJ.shape[-1]
-    score = jnp.where(allowed_BNTJ, score_BNTJ.astype(jnp.float32), -jnp.inf)
-    score = jnp.where(forced_BNTJ, jnp.inf, score)
-    _, top_BNTk = jax.lax.top_k(jax.lax.stop_gradient(score), min(topk, J))
-    none = jnp.zeros(score.shape, bool)
-    chosen = jnp.put_along_axis(none, top_BNTk, True, axis=-1, inplace=False)
-    return chosen & allowed_BNTJ
+    score = jnp.where(forced_BNTJ, jnp.inf, score_BNTJ.astype(jnp.float32))
+    return top_k_mask(jax.lax.stop_gradient(score), allowed_BNTJ, topk)
 
 
 def blocks_to_keys(chosen_BNTJ, block: int, S: int):
