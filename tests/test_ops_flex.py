@@ -298,7 +298,7 @@ def test_a_missing_kernel_falls_back_to_chunked_and_says_so(caplog, monkeypatch)
     monkeypatch.setitem(flex.KERNELS, "pallas_gpu", ("attnlab.ops.no_such_kernel", "fn"))
     q, k, v, _ = _qkv(9, 5, 5)
     with caplog.at_level(logging.INFO, logger="attnlab.attention"):
-        monkeypatch.setattr(flex, "_SAID", set())
+        monkeypatch.setattr(flex.paths, "_SAID", set())
         out = flex_attention(q, k, v, implementation="pallas_gpu", interpret=True)
     lines = [r.getMessage() for r in caplog.records if r.name == "attnlab.attention"]
     assert lines == [
@@ -325,7 +325,7 @@ def test_a_kernel_that_cannot_express_a_call_falls_back_with_its_reason(caplog, 
     module.fn = lambda q, k, v, **kw: pytest.fail("the kernel must not run")
     monkeypatch.setitem(sys.modules, "fake_kernel", module)
     monkeypatch.setitem(flex.KERNELS, "pallas_tpu", ("fake_kernel", "fn"))
-    monkeypatch.setattr(flex, "_SAID", set())
+    monkeypatch.setattr(flex.paths, "_SAID", set())
     q, k, v, _ = _qkv(10, 5, 5)
     mask = np.tril(np.ones((5, 5), bool))[None, None]
     with caplog.at_level(logging.INFO, logger="attnlab.attention"):
@@ -466,7 +466,7 @@ def test_verbose_prints_each_fallback_once(monkeypatch):
 
     from attnlab.ops import flex
 
-    monkeypatch.setattr(flex, "_SAID", set())
+    monkeypatch.setattr(flex.paths, "_SAID", set())
     stream = io.StringIO()
     before = list(flex.LOGGER.handlers), flex.LOGGER.level
     try:

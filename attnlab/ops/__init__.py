@@ -1,6 +1,16 @@
 """Pure JAX functions for attention: no Flax, no state. See ``attnlab.dims`` for names."""
 
-from attnlab.ops import activations, chunked, flex, linear, masks, norms, positions, score_mods
+from attnlab.ops import (
+    activations,
+    chunked,
+    flex,
+    linear,
+    masks,
+    norms,
+    paths,
+    positions,
+    score_mods,
+)
 from attnlab.ops.activations import (
     FFN_KINDS,
     clamped_swiglu,
@@ -78,6 +88,7 @@ __all__ = [
     "linear",
     "masks",
     "norms",
+    "paths",
     "padding",
     "padding_from_lengths",
     "positions",

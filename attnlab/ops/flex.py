@@ -32,15 +32,15 @@ logged once, as one line naming the argument, on the ``attnlab.attention`` logge
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
-import logging
-import sys
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from attnlab.ops import score_mods
+from attnlab.ops import paths, score_mods
 from attnlab.ops.attention import (
     _check_shapes,
     gpu_prefers_cudnn,
@@ -50,6 +50,7 @@ from attnlab.ops.attention import (
 from attnlab.ops.block_mask import BlockMask
 from attnlab.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
 from attnlab.ops.masks import MaskSpec
+from attnlab.ops.paths import LOGGER, log_fallbacks, say  # noqa: F401  (this module's API)
 
 IMPLEMENTATIONS = ("auto", "reference", "chunked", "pallas_gpu", "pallas_tpu", "splash", "tokamax")
 
@@ -70,27 +71,6 @@ AUTO_KERNELS = {"gpu": ("pallas_gpu",), "tpu": ("splash", "pallas_tpu")}
 # The chunked path's blocks under "auto": 64 up to 1,024 queries and keys, then its defaults
 # (benchmarks/attention.py; ``attnlab.ops.attention.AUTO_BLOCK``).
 AUTO_BLOCK, AUTO_BLOCK_MAX_LEN = 64, 1024
-
-LOGGER = logging.getLogger("attnlab.attention")
-_SAID: set[str] = set()
-
-
-def log_fallbacks(stream=None) -> None:
-    """Prints each fallback's line (once per process) on ``stream`` (default stderr): what
-    ``attnlab train --verbose`` turns on."""
-    if not any(getattr(h, "_attnlab", False) for h in LOGGER.handlers):
-        handler = logging.StreamHandler(stream or sys.stderr)
-        handler.setFormatter(logging.Formatter("attention: %(message)s"))
-        handler._attnlab = True
-        LOGGER.addHandler(handler)
-    LOGGER.setLevel(logging.INFO)
-
-
-def say(reason: str) -> None:
-    """Logs one fallback line (once per distinct line)."""
-    if reason not in _SAID:
-        _SAID.add(reason)
-        LOGGER.info(reason)
 
 
 def kernel(name: str):
@@ -142,10 +122,20 @@ def _shifted(score_mod, q_offset):
     return mod
 
 
-def _auto(q_BTNH, k_BSKH, mask, backend, plain):
-    """The candidates ``"auto"`` tries in order (the last, "chunked", always applies)."""
+def _auto(q_BTNH, k_BSKH, mask, backend, plain, notes):
+    """The candidates ``"auto"`` tries in order (the last, "chunked", always applies); a
+    substitution is said in ``notes``.
+
+    cuDNN, where it was measured faster (``gpu_prefers_cudnn``), looks for the local GPU
+    while tracing: a program built for a GPU on another host (``paths.target``) takes the
+    Pallas GPU kernel in its place, and says so."""
     if backend == "gpu" and plain and gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, None, backend):
-        return ("cudnn",)
+        if not paths.lowering_only():
+            return ("cudnn",)
+        notes.append(
+            "implementation='auto': cuDNN on an NVIDIA GPU (it needs the device while "
+            "tracing); built for a GPU on another host, pallas_gpu takes its place"
+        )
     return AUTO_KERNELS.get(backend, ()) + ("chunked",)
 
 
@@ -186,6 +176,20 @@ def reference_flex(
     return out_BTNH
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``flex_attention`` runs for a call: the ``path`` (an implementation, ``"cudnn"``,
+    ``"decode"`` or ``"one_query"``), whether it is a fused ``kernel``, and ``fallbacks``:
+    one line per candidate that did not take the call, saying why."""
+
+    path: str
+    kernel: bool
+    fallbacks: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.path + "".join(f"; {f}" for f in self.fallbacks)
+
+
 def flex_attention(
     q_BTNH,
     k_BSKH,
@@ -216,11 +220,45 @@ def flex_attention(
         softcap: ``c`` of ``c * tanh(s / c)`` (a Python number).
       implementation: one of ``IMPLEMENTATIONS``.
       block_q, block_k: the blockwise paths' block sizes (None: their defaults).
-      backend: the platform ``"auto"`` chooses for (None: JAX's default).
-      interpret: run a Pallas kernel in interpret mode (None: on a CPU only).
+      backend: the platform the call is compiled for, ``"cpu"``, ``"gpu"`` or ``"tpu"``
+        (None: ``paths.backend()``, JAX's default unless ``paths.target`` says otherwise).
+        A kernel is built for that platform whatever the host, so the program lowers for it
+        anywhere and runs only there (on a CPU host, run a GPU or TPU kernel with
+        ``interpret=True``).
+      interpret: run a Pallas kernel in interpret mode (None: when ``backend`` is "cpu").
       q_offset: added to the query indices the score function sees (an int or [B]): the
         first query's index among the keys when the queries continue a cache.
     """
+    chosen = _choose(
+        q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, mask=mask, block_mask=block_mask,
+        scale=scale, sinks=sinks, softcap=softcap, implementation=implementation,
+        block_q=block_q, block_k=block_k, backend=backend, interpret=interpret,
+        q_offset=q_offset,
+    )  # fmt: skip
+    for line in chosen.plan.fallbacks:
+        say(line)
+    paths.reached(chosen.plan.path)
+    return chosen.run()
+
+
+def plan(q_BTNH, k_BSKH, v_BSKH, **kwargs) -> Plan:
+    """What ``flex_attention`` with the same arguments would run, and why (nothing is
+    computed; the arguments may be ``jax.ShapeDtypeStruct``s where no mask or score function
+    reads their values)."""
+    return _choose(q_BTNH, k_BSKH, v_BSKH, **kwargs).plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    plan: Plan
+    run: object  # () -> out_BTNH
+
+
+def _choose(
+    q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, block_mask=None, scale=None,
+    sinks=None, softcap=None, implementation="auto", block_q=None, block_k=None,
+    backend=None, interpret=None, q_offset=None,
+):  # fmt: skip
     _check_shapes(q_BTNH, k_BSKH, v_BSKH)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -231,11 +269,12 @@ def flex_attention(
     _check_mask(mask, T, S)
     if score_mod is not None:
         score_mods.check_signature(score_mod)
-    backend = jax.default_backend() if backend is None else backend
+    backend = paths.backend() if backend is None else backend
     interpret = backend == "cpu" if interpret is None else interpret
     plain = score_mod is None and sinks is None and softcap is None
+    fallbacks = []
     if implementation == "auto":
-        candidates = _auto(q_BTNH, k_BSKH, mask, backend, plain and block_mask is None)
+        candidates = _auto(q_BTNH, k_BSKH, mask, backend, plain and block_mask is None, fallbacks)
         if T == 1 and block_mask is None:  # a decoding step
             candidates = ("decode", "one_query") if backend == "gpu" else ("one_query",)
     elif implementation in KERNELS:
@@ -243,33 +282,39 @@ def flex_attention(
     else:
         candidates = (implementation,)
     common = dict(scale=scale, sinks=sinks, softcap=softcap)
+    qkv = (q_BTNH, k_BSKH, v_BSKH)
+
+    def chosen(impl, run):
+        kernel = impl in KERNELS or impl in ("decode", "cudnn")
+        return _Chosen(Plan(impl, kernel, tuple(fallbacks)), run)
+
     for impl in candidates:
         if impl == "reference":
-            return reference_flex(
-                q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, mask=mask, q_offset=q_offset,
-                **common,
-            )  # fmt: skip
+            return chosen(impl, partial(
+                reference_flex, *qkv, score_mod=score_mod, mask=mask, q_offset=q_offset, **common
+            ))  # fmt: skip
         if impl == "one_query":
-            if isinstance(mask, MaskSpec):
-                mask = mask.dense()
-            return one_query_attention(
-                q_BTNH, k_BSKH, v_BSKH, mask=mask, score_mod=score_mod, q_offset=q_offset,
+            dense = mask.dense() if isinstance(mask, MaskSpec) else mask
+            return chosen(impl, partial(
+                one_query_attention, *qkv, mask=dense, score_mod=score_mod, q_offset=q_offset,
                 **common,
-            )  # fmt: skip
+            ))  # fmt: skip
         if impl == "cudnn":
-            return jax.nn.dot_product_attention(
-                q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=True, implementation="cudnn"
-            )
+            return chosen(impl, partial(
+                jax.nn.dot_product_attention, *qkv, scale=scale, is_causal=True,
+                implementation="cudnn",
+            ))  # fmt: skip
         if impl == "chunked":
-            if block_q is None and block_k is None and implementation == "auto":
+            bq, bk = block_q, block_k
+            if bq is None and bk is None and implementation == "auto":
                 small = max(T, S) <= AUTO_BLOCK_MAX_LEN
-                block_q = block_k = AUTO_BLOCK if small else None
-            return chunked_attention(
-                q_BTNH, k_BSKH, v_BSKH, mask=mask, score_mod=score_mod, block_mask=block_mask,
-                block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
-                block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
+                bq = bk = AUTO_BLOCK if small else None
+            return chosen(impl, partial(
+                chunked_attention, *qkv, mask=mask, score_mod=score_mod, block_mask=block_mask,
+                block_q=DEFAULT_BLOCK_Q if bq is None else bq,
+                block_k=DEFAULT_BLOCK_K if bk is None else bk,
                 q_offset=q_offset, **common,
-            )  # fmt: skip
+            ))  # fmt: skip
         if impl == "decode":
             kwargs = dict(score_mod=score_mod, mask=mask, block_k=block_k, num_splits=None,
                           interpret=interpret, **common)  # fmt: skip
@@ -280,10 +325,10 @@ def flex_attention(
             )  # fmt: skip
         if q_offset is not None:
             kwargs["q_offset"] = q_offset
-        fn, given = _covers(impl, q_BTNH, k_BSKH, v_BSKH, kwargs)
+        fn, given = _covers(impl, *qkv, kwargs)
         if fn is not None:
-            return fn(q_BTNH, k_BSKH, v_BSKH, **given)
-        say(_fallback(given, f"the next path ({_next(candidates, impl)!r})"))
+            return chosen(impl, partial(fn, *qkv, **given))
+        fallbacks.append(_fallback(given, f"the next path ({_next(candidates, impl)!r})"))
     raise AssertionError("unreachable: the chunked path ends every candidate list")
 
 

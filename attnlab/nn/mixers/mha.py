@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -98,7 +97,7 @@ class Attention(Mixer):
         self.cross = cross
         self.softcap = getattr(settings, "softcap", None) if not cross else None
         self.attend_fn = get_attention(cfg.attention_fn)
-        self.backend = jax.default_backend()
+        self.backend = ops.paths.backend()
 
     @classmethod
     def cache_entries(cls, cfg, settings):
