@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,8 @@ import numpy as np
 from attnlab.errors import ConfigError
 from attnlab.ops.block_mask import FULL, PARTIAL, BlockMask
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
+from attnlab.ops.pallas import _refmod
+from attnlab.ops.pallas._refmod import ScoreMod
 
 NEG = MASK_VALUE  # finite: a row with every key masked keeps finite maxima and zero weights
 
@@ -33,20 +34,6 @@ MASK_FIELDS = _Q_ROW + _K_ROW + _PER_ROW + ("window",)
 # ------------------------------------------------------------------------------------------
 # score_mod
 # ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ScoreMod:
-    """A ``score_mod`` with its closed-over arrays hoisted: ``fn(s, b, h, q_idx, kv_idx,
-    *consts)`` on one ``[tq, tk]`` block (scalar ``b``, ``h``), and the arrays ``consts``."""
-
-    fn: Callable
-    consts: tuple
-    jaxpr: object = None  # the traced score_mod, its constants the hoisted arrays
-
-    @property
-    def float_consts(self) -> tuple[bool, ...]:
-        return tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in self.consts)
 
 
 def check_score_mod(score_mod, argname="score_mod"):
@@ -100,13 +87,22 @@ def convert_score_mod(score_mod, tq, tk, argname="score_mod") -> ScoreMod | None
     return ScoreMod(fn, tuple(jnp.asarray(c) for c in closed.consts), jaxpr)
 
 
-def _primitives(jaxpr):
+def _equations(jaxpr):
     for eqn in jaxpr.eqns:
-        yield eqn.primitive
+        yield eqn
         for param in eqn.params.values():
             inner = getattr(param, "jaxpr", param)
             if hasattr(inner, "eqns"):
-                yield from _primitives(inner)
+                yield from _equations(inner)
+
+
+def _unlowerable(eqn, rules):
+    """The name of what the Triton lowering lacks for ``eqn``, or None."""
+    if eqn.primitive not in rules:
+        return eqn.primitive.name
+    if eqn.primitive is jax.lax.concatenate_p and len(eqn.invars) > 2:
+        return "concatenate of more than two arrays"
+    return None
 
 
 class _ShapeRef:
@@ -139,8 +135,6 @@ def triton_unlowerable(score_mod, tq=16, tk=16, *, refs=True):
     lowers."""
     from jax._src.pallas.triton import lowering
 
-    from attnlab.ops.pallas import _refmod
-
     sm = convert_score_mod(score_mod, tq, tk)
     if refs:
         held = [_ShapeRef(c) for c in sm.consts]
@@ -152,7 +146,8 @@ def triton_unlowerable(score_mod, tq=16, tk=16, *, refs=True):
         jnp.zeros((tq, 1), jnp.int32), jnp.zeros((1, tk), jnp.int32),
     )  # fmt: skip
     rules = lowering.triton_lowering_rules
-    return sorted({p.name for p in _primitives(closed.jaxpr) if p not in rules})
+    missing = {_unlowerable(eqn, rules) for eqn in _equations(closed.jaxpr)}
+    return sorted(missing - {None})
 
 
 def scores(s0, softcap, mod, b, h, q_idx, kv_idx, consts):
@@ -303,6 +298,16 @@ def check_common(q, k, v, *, score_mod=None, mask=None, sinks=None, softcap=None
     if isinstance(mask, MaskSpec) and mask.shape != (T, k.shape[1]):
         return f"mask: the MaskSpec covers (T, S)={mask.shape}, the inputs ({T}, {k.shape[1]})"
     return None
+
+
+def triton_params(interpret, num_warps, num_stages=2):
+    """A GPU kernel's compiler parameters: Triton's, which select the Triton lowering (a
+    ``pallas_call`` without them goes to Mosaic GPU); None in interpret mode."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def is_pow2(x, least=1):

@@ -13,14 +13,27 @@ indexed part of the ref and continues with ordinary values, so the result is alw
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Literal
 
-if TYPE_CHECKING:  # for the annotation alone: _common imports this module when it runs
-    from attnlab.ops.pallas import _common as cm
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMod:
+    """A ``score_mod`` with its closed-over arrays hoisted: ``fn(s, b, h, q_idx, kv_idx,
+    *consts)`` on one ``[tq, tk]`` block (scalar ``b``, ``h``), and the arrays ``consts``
+    (``_common.convert_score_mod`` builds it)."""
+
+    fn: Callable
+    consts: tuple
+    jaxpr: object = None  # the traced score_mod, its constants the hoisted arrays
+
+    @property
+    def float_consts(self) -> tuple[bool, ...]:
+        return tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in self.consts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +146,30 @@ def _gather(view: _View, eqn, env, producers):
 
 
 def _read(v, env):
-    return v.val if isinstance(v, Literal) else env[v]
+    if isinstance(v, Literal):
+        return v.val
+    x = env[v]
+    return x() if isinstance(x, _Pending) else x
+
+
+class _Pending:
+    """An equation's output computed when first read."""
+
+    def __init__(self, run, i):
+        self.run, self.i = run, i
+
+    def __call__(self):
+        return self.run()[self.i]
+
+
+def _index_only(jaxpr):
+    """The variables read only as a gather's indices (and not returned)."""
+    other, index = set(jaxpr.outvars), set()
+    for eqn in jaxpr.eqns:
+        for n, v in enumerate(eqn.invars):
+            if not isinstance(v, Literal):
+                (index if eqn.primitive is lax.gather_p and n == 1 else other).add(v)
+    return index - other
 
 
 def eval_with_refs(jaxpr, const_refs, *args):
@@ -143,28 +179,40 @@ def eval_with_refs(jaxpr, const_refs, *args):
         env[var] = _View(ref, tuple(("full",) for _ in ref.shape))
     for var, x in zip(jaxpr.invars, args, strict=True):
         env[var] = x
-    for eqn in jaxpr.eqns:
-        ins = [_read(v, env) for v in eqn.invars]
-        out = None
-        if ins and isinstance(ins[0], _View):
-            prim = eqn.primitive
+
+    def run_eqn(eqn, done):
+        if done:
+            return done[0]
+        prim, out = eqn.primitive, None
+        first = _read(eqn.invars[0], env) if eqn.invars else None
+        if isinstance(first, _View) and prim is lax.gather_p:  # its indices stay unbuilt
+            out = _gather(first, eqn, env, producers)
+        ins = [_read(v, env) for v in eqn.invars] if out is None else []
+        if out is None and isinstance(first, _View):
             if prim is lax.dynamic_slice_p:
-                out = _dynamic_slice(ins[0], ins[1:], eqn.params["slice_sizes"])
+                out = _dynamic_slice(first, ins[1:], eqn.params["slice_sizes"])
             elif prim is lax.squeeze_p:
-                out = _squeeze(ins[0], eqn.params["dimensions"])
-            elif prim is lax.gather_p:
-                out = _gather(ins[0], eqn, env, producers)
+                out = _squeeze(first, eqn.params["dimensions"])
         if out is None:
             params = eqn.primitive.get_bind_params(eqn.params)
             out = eqn.primitive.bind(*[_value(x) for x in ins], **params)
-        outs = out if eqn.primitive.multiple_results else [out]
-        for var, o in zip(eqn.outvars, outs, strict=True):
-            env[var] = o
+        done.append(out if eqn.primitive.multiple_results else [out])
+        return done[0]
+
+    # An index array that only feeds gathers is built when one of them needs it as a value:
+    # a gather done as a ref load reads its components instead, so the kernel holds no
+    # concatenate of more than two arrays (``gate[b, h, q_idx]``), which Triton lacks.
+    lazy = _index_only(jaxpr)
+    for eqn in jaxpr.eqns:
+        run = functools.partial(run_eqn, eqn, [])
+        outs = None if all(v in lazy for v in eqn.outvars) else run()
+        for i, var in enumerate(eqn.outvars):
+            env[var] = _Pending(run, i) if outs is None else outs[i]
             producers[var] = eqn
     return [_value(_read(v, env)) for v in jaxpr.outvars]
 
 
-def ref_score_fn(sm: cm.ScoreMod):
+def ref_score_fn(sm: ScoreMod):
     """``fn(s, b, h, q_idx, kv_idx, *const_refs)`` for a kernel body."""
 
     def fn(s, b, h, q_idx, kv_idx, *refs):
