@@ -17,7 +17,7 @@ Triton lowering takes where a gather on a value it does not; ``supports`` names 
 ``score_mod`` that would still need one.
 
 Gradients of the arrays a ``score_mod`` closes over (hoisted into explicit inputs) come from
-one more blockwise pass in plain JAX over the same non-empty blocks (``_const_grads``): it
+one more blockwise pass in plain JAX over the same non-empty blocks (``_flex_grads``): it
 recomputes the block's logits and ``dP`` (two block matmuls per visited block against the
 kernels' seven: about 30% more backward matmul work, unfused) and applies the
 ``score_mod``'s vjp with respect to the arrays; it runs only when the ``score_mod`` closes
@@ -29,547 +29,38 @@ gate.) Sink gradients come from the log-sum-exp in ``O(B N T)``.
 ``T`` and ``S`` need not divide the blocks: inputs are zero-padded and padded keys masked.
 A query row with no allowed key gets a zero output and zero gradients. ``flex_tpu`` runs the
 same kernels with Mosaic-TPU block shapes (``layout="BNTH"``, tables as scalar prefetch).
+
+On a GPU the kernels go through Pallas's Triton lowering, chosen explicitly: every call
+passes Triton ``CompilerParams`` (``_flex_calls``), since a plain ``pallas_call`` goes to
+Mosaic GPU. Under Triton a whole-array BlockSpec is only a pointer and each
+``ref[pl.ds(ks, tk)]`` loads one tile, so a program holds O(block) data and the kernels
+stream keys and values flash-style. Mosaic GPU copies each BlockSpec's block into shared
+memory (a whole head's keys and values: more than an H100's 227 KiB at ``T = 1024``,
+``H = 128``) and needs a warpgroup/TMA design with static pipelining, which cannot express
+data-dependent block visits, arbitrary ``score_mod`` jaxprs or ref-indexed gathers.
+``supports`` never looks at the host's backend: with ``interpret=False`` the kernels are
+built for the GPU, so a program lowers for CUDA on any machine.
+
+The module holds the entry point; ``_flex_kernels`` the program bodies and ``Config``,
+``_flex_calls`` the BlockSpecs and calls, ``_flex_grads`` the arrays' gradient pass.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from attnlab.errors import ConfigError
 from attnlab.ops.pallas import _common as cm
 from attnlab.ops.pallas import _refmod
+from attnlab.ops.pallas._flex_calls import backward, forward
+from attnlab.ops.pallas._flex_grads import const_grads
+from attnlab.ops.pallas._flex_kernels import Config
+
+__all__ = ["DEFAULT_BLOCK", "Config", "attention", "flex_attention_gpu", "supports",
+           "visited_blocks"]  # fmt: skip
 
 _F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The static description of one call."""
-
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    tq: int
-    tk: int
-    nq: int
-    nk: int
-    scale: float
-    softcap: float | None
-    mod: Callable | None  # on values (the JAX pass for the arrays' gradients)
-    mod_refs: Callable | None  # on the arrays' refs (the kernels; see _refmod)
-    const_shapes: tuple
-    mask_kind: str | None
-    mask_names: tuple
-    causal: bool
-    dense_shape: tuple  # (Bm, Nm) of a dense mask
-    has_sinks: bool
-    layout: str  # "BTNH": arrays as given (GPU); "BNTH": heads before time (Mosaic TPU)
-    prefetch: bool  # block tables as scalar prefetch (Mosaic TPU)
-    interpret: bool
-    count: bool = False
-
-    @property
-    def G(self):
-        return self.N // self.K
-
-    @property
-    def T_pad(self):
-        return self.nq * self.tq
-
-    @property
-    def S_pad(self):
-        return self.nk * self.tk
-
-
-# ------------------------------------------------------------------------------------------
-# Inside a program
-# ------------------------------------------------------------------------------------------
-
-
-def _split(refs, c: Config, n_out):
-    refs = list(refs)
-    tables, refs = refs[:4], refs[4:]
-    outs = refs[len(refs) - n_out :]
-    refs = refs[: len(refs) - n_out]
-    return tables, refs, outs
-
-
-def _mask_refs(c: Config, refs):
-    nm = len(c.mask_names)
-    return dict(zip(c.mask_names, refs[:nm], strict=True)), refs[nm:]
-
-
-def _allowed(c: Config, mrefs, qs, ks, dense_block):
-    """``[tq, tk]`` bool for the PARTIAL block at query ``qs``, key ``ks``, or None."""
-    out = None
-    if c.mask_kind == "spec":
-
-        def get(name):
-            r = mrefs.get(name)
-            if r is None:
-                return None
-            if name in cm._Q_ROW:
-                return r[pl.ds(qs, c.tq)][None]
-            if name in cm._K_ROW:
-                return r[pl.ds(ks, c.tk)][None]
-            return r[0] if name == "window" else r[...]
-
-        out = cm.spec_block(c.causal, get, ks, c.tk, 1)[0]
-    elif c.mask_kind == "dense":
-        out = dense_block() != 0
-    if c.S_pad > c.S:  # padded keys
-        pad = ks + jax.lax.broadcasted_iota(jnp.int32, (1, c.tk), 1) < c.S
-        out = pad if out is None else out & pad
-    return out
-
-
-def _consts(c: Config, const_refs):
-    """The score_mod's arrays stay in memory: ``c.mod_refs`` reads what it indexes."""
-    return list(const_refs)
-
-
-def _iota(n, axis):
-    shape = (n, 1) if axis == 0 else (1, n)
-    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def _dot_t(a, b):
-    """``a @ b.T`` in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot(a, b):
-    return jnp.dot(a, b, preferred_element_type=_F32)
-
-
-def _visits(order_ref, count_ref, row, fn, carry):
-    """``fn(block, carry)`` over ``order_ref[row, :count_ref[row]]``."""
-    return jax.lax.fori_loop(0, count_ref[row], lambda t, x: fn(order_ref[row, t], x), carry)
-
-
-def _fwd_kernel(*refs, c: Config):
-    (po, pc, fo, fc), refs, outs = _split(refs, c, 3 if c.count else 2)
-    q_ref, k_ref, v_ref, *refs = refs
-    sinks_ref = refs.pop(0) if c.has_sinks else None
-    mrefs, const_refs = _mask_refs(c, refs)
-    o_ref, lse_ref = outs[:2]
-    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    qs = i * c.tq
-    q = q_ref[...]
-    consts = _consts(c, const_refs)
-    q_idx = qs + _iota(c.tq, 0)
-
-    def visit(masked):
-        def fn(j, carry):
-            acc, m, den, nvis, nmask = carry
-            ks = j * c.tk
-            k, v = k_ref[pl.ds(ks, c.tk), :], v_ref[pl.ds(ks, c.tk), :]
-            s = cm.scores(
-                _dot_t(q, k) * c.scale,
-                c.softcap,
-                c.mod_refs,
-                b,
-                n,
-                q_idx,
-                ks + _iota(c.tk, 1),
-                consts,
-            )
-            ok = None
-            if masked:
-                ok = _allowed(c, mrefs, qs, ks, lambda: mrefs["dense"][:, pl.ds(ks, c.tk)])
-            if ok is not None:
-                s = jnp.where(ok, s, cm.NEG)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[:, None])
-            if ok is not None:
-                p = jnp.where(ok, p, 0.0)
-            corr = jnp.exp(m - m_new)
-            acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
-            return acc, m_new, den * corr + p.sum(-1), nvis + 1, nmask + int(masked)
-
-        return fn
-
-    carry = (
-        jnp.zeros((c.tq, c.H), _F32),
-        jnp.full((c.tq,), cm.NEG, _F32),
-        jnp.zeros((c.tq,), _F32),
-        jnp.int32(0),
-        jnp.int32(0),
-    )
-    carry = _visits(po, pc, i, visit(True), carry)
-    acc, m, den, nvis, nmask = _visits(fo, fc, i, visit(False), carry)
-    if c.has_sinks:
-        sink = sinks_ref[n]
-        m_f = jnp.maximum(m, sink)
-        corr = jnp.exp(m - m_f)
-        acc, den, m = acc * corr[:, None], den * corr + jnp.exp(sink - m_f), m_f
-    live = den > 0
-    o_ref[...] = (acc / jnp.where(live, den, 1.0)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(live, m + jnp.log(jnp.where(live, den, 1.0)), 0.0)
-    if c.count:
-        outs[2][...] = jnp.stack([nvis, nmask])
-
-
-def _grad_block(c, q, k, v, do, lse, delta, b, h, qs, ks, consts, ok):
-    """``(p, ds0)``: the block's weights and the cotangent of its scaled ``q.k``."""
-    s0 = _dot_t(q, k) * c.scale
-    s, pull = jax.vjp(
-        lambda x: cm.scores(
-            x, c.softcap, c.mod_refs, b, h, qs + _iota(c.tq, 0), ks + _iota(c.tk, 1), consts
-        ),  # fmt: skip
-        s0,
-    )
-    if c.T_pad > c.T:  # padded queries: a score_mod may give them anything, even NaN
-        row = qs + _iota(c.tq, 0) < c.T
-        ok = row if ok is None else ok & row
-    p = jnp.exp(s - lse[:, None])
-    if ok is not None:
-        p = jnp.where(ok, p, 0.0)
-    ds = p * (_dot_t(do, v) - delta[:, None])
-    (ds0,) = pull(ds)
-    if ok is not None:
-        ds0 = jnp.where(ok, ds0, 0.0)
-    return p, ds0
-
-
-def _dq_kernel(*refs, c: Config):
-    (po, pc, fo, fc), refs, (dq_ref,) = _split(refs, c, 1)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
-    mrefs, const_refs = _mask_refs(c, refs)
-    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    qs = i * c.tq
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    consts = _consts(c, const_refs)
-
-    def visit(masked):
-        def fn(j, dq):
-            ks = j * c.tk
-            k, v = k_ref[pl.ds(ks, c.tk), :], v_ref[pl.ds(ks, c.tk), :]
-            ok = None
-            if masked:
-                ok = _allowed(c, mrefs, qs, ks, lambda: mrefs["dense"][:, pl.ds(ks, c.tk)])
-            _, ds0 = _grad_block(c, q, k, v, do, lse, delta, b, n, qs, ks, consts, ok)
-            return dq + _dot(ds0.astype(k.dtype), k)
-
-        return fn
-
-    dq = _visits(po, pc, i, visit(True), jnp.zeros((c.tq, c.H), _F32))
-    dq = _visits(fo, fc, i, visit(False), dq)
-    dq_ref[...] = (dq * c.scale).astype(dq_ref.dtype)
-
-
-def _dkv_kernel(*refs, c: Config):
-    (po, pc, fo, fc), refs, (dk_ref, dv_ref) = _split(refs, c, 2)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
-    mrefs, const_refs = _mask_refs(c, refs)
-    b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    ks = j * c.tk
-    k, v = k_ref[...], v_ref[...]
-    consts = _consts(c, const_refs)
-    heads_first = c.layout == "BNTH"
-
-    def rows(ref, g, qs):  # the G heads' [tq, H] rows of q or dO
-        return ref[g, pl.ds(qs, c.tq), :] if heads_first else ref[pl.ds(qs, c.tq), g, :]
-
-    def dense(g, qs):
-        ref = mrefs["dense"]
-        return ref[g, pl.ds(qs, c.tq), :] if len(ref.shape) == 3 else ref[pl.ds(qs, c.tq), :]
-
-    def visit(g, masked):
-        def fn(i, carry):
-            dk, dv = carry
-            qs = i * c.tq
-            q, do = rows(q_ref, g, qs), rows(do_ref, g, qs)
-            lse, delta = lse_ref[g, pl.ds(qs, c.tq)], delta_ref[g, pl.ds(qs, c.tq)]
-            ok = _allowed(c, mrefs, qs, ks, lambda: dense(g, qs)) if masked else None
-            h = kh * c.G + g
-            p, ds0 = _grad_block(c, q, k, v, do, lse, delta, b, h, qs, ks, consts, ok)
-            dv = dv + jax.lax.dot_general(
-                p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=_F32
-            )
-            dk = dk + jax.lax.dot_general(
-                ds0.astype(q.dtype), q, (((0,), (0,)), ((), ())), preferred_element_type=_F32
-            )
-            return dk, dv
-
-        return fn
-
-    carry = (jnp.zeros((c.tk, c.H), _F32), jnp.zeros((c.tk, c.H), _F32))
-    for g in range(c.G):
-        carry = _visits(po, pc, j, visit(g, True), carry)
-        carry = _visits(fo, fc, j, visit(g, False), carry)
-    dk, dv = carry
-    dk_ref[...] = (dk * c.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-# ------------------------------------------------------------------------------------------
-# BlockSpecs and calls
-# ------------------------------------------------------------------------------------------
-
-
-def _spec(shape, index_map):
-    return pl.BlockSpec(shape, index_map)
-
-
-def _whole(x):
-    nd = x.ndim
-    return _spec(x.shape, lambda *_: (0,) * nd)
-
-
-def _q_block(c):  # grid (b, n, i)
-    if c.layout == "BNTH":
-        return _spec((None, None, c.tq, c.H), lambda b, n, i, *_: (b, n, i, 0))
-    return _spec((None, c.tq, None, c.H), lambda b, n, i, *_: (b, i, n, 0))
-
-
-def _kv_all(c):  # grid (b, n, i): every key of kv head n // G
-    G = c.G
-    if c.layout == "BNTH":
-        return _spec((None, None, c.S_pad, c.H), lambda b, n, i, *_: (b, n // G, 0, 0))
-    return _spec((None, c.S_pad, None, c.H), lambda b, n, i, *_: (b, 0, n // G, 0))
-
-
-def _q_all(c):  # grid (b, kh, j): every query of the G heads reading kv head kh
-    if c.layout == "BNTH":
-        return _spec((None, c.G, c.T_pad, c.H), lambda b, kh, j, *_: (b, kh, 0, 0))
-    return _spec((None, c.T_pad, c.G, c.H), lambda b, kh, j, *_: (b, 0, kh, 0))
-
-
-def _kv_block(c):  # grid (b, kh, j)
-    if c.layout == "BNTH":
-        return _spec((None, None, c.tk, c.H), lambda b, kh, j, *_: (b, kh, j, 0))
-    return _spec((None, c.tk, None, c.H), lambda b, kh, j, *_: (b, j, kh, 0))
-
-
-def _mask_specs(c, by_key):
-    """BlockSpecs of the mask inputs: for grid ``(b, n, i)``, or ``(b, kh, j)`` with
-    ``by_key``. MaskSpec fields come one batch row at a time."""
-    specs = []
-    for name in c.mask_names:
-        if name in cm._Q_ROW:
-            specs.append(_spec((None, c.T_pad), lambda b, *_: (b, 0)))
-        elif name in cm._K_ROW:
-            specs.append(_spec((None, c.S_pad), lambda b, *_: (b, 0)))
-        elif name in cm._PER_ROW:
-            specs.append(_spec((None, 1), lambda b, *_: (b, 0)))
-        elif name == "window":
-            specs.append(_spec((1,), lambda *_: (0,)))
-        else:  # dense [Bm, Nm, T_pad, S_pad]
-            Bm, Nm = c.dense_shape
-            pick_b = (lambda b: b) if Bm > 1 else (lambda b: 0)
-            if not by_key:
-                pick_n = (lambda n: n) if Nm > 1 else (lambda n: 0)
-                specs.append(
-                    _spec(
-                        (None, None, c.tq, c.S_pad),
-                        lambda b, n, i, *_, pb=pick_b, pn=pick_n: (pb(b), pn(n), i, 0),
-                    )  # fmt: skip
-                )
-            elif Nm > 1:
-                specs.append(
-                    _spec(
-                        (None, c.G, c.T_pad, c.tk),
-                        lambda b, kh, j, *_, pb=pick_b: (pb(b), kh, 0, j),
-                    )
-                )
-            else:
-                specs.append(
-                    _spec(
-                        (None, None, c.T_pad, c.tk),
-                        lambda b, kh, j, *_, pb=pick_b: (pb(b), 0, 0, j),
-                    )
-                )
-    return specs
-
-
-def _call(kernel, c, grid, tables, in_specs, out_specs, out_shape, args, name):
-    if c.prefetch:
-        from jax.experimental.pallas import tpu as pltpu
-
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(tables),
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=out_specs,
-        )
-        call = pl.pallas_call(
-            functools.partial(kernel, c=c),
-            grid_spec=grid_spec,
-            out_shape=out_shape,
-            interpret=c.interpret,
-            name=name,
-        )
-        return call(*tables, *args)
-    call = pl.pallas_call(
-        functools.partial(kernel, c=c),
-        grid=grid,
-        in_specs=[_whole(t) for t in tables] + in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=c.interpret,
-        name=name,
-    )
-    return call(*tables, *args)
-
-
-def _stats_spec(c):
-    return _spec((None, None, c.tq), lambda b, n, i, *_: (b, n, i))
-
-
-def _forward(c: Config, tables, q, k, v, sinks, mask_arrays, consts):
-    """``(out, lse[B, N, T_pad], counts)`` on padded inputs in ``c.layout``."""
-    in_specs = [_q_block(c), _kv_all(c), _kv_all(c)]
-    args = [q, k, v]
-    if c.has_sinks:
-        in_specs.append(_spec((c.N,), lambda *_: (0,)))
-        args.append(sinks.astype(_F32))
-    in_specs += _mask_specs(c, by_key=False) + [_whole(x) for x in consts]
-    args += list(mask_arrays) + list(consts)
-    out_specs = [_q_block(c), _stats_spec(c)]
-    out_shape = [
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((c.B, c.N, c.T_pad), _F32),
-    ]
-    if c.count:
-        out_specs.append(_spec((None, None, None, 2), lambda b, n, i, *_: (b, n, i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((c.B, c.N, c.nq, 2), jnp.int32))
-    outs = _call(_fwd_kernel, c, (c.B, c.N, c.nq), tables, in_specs, out_specs, out_shape,
-                 args, "flex_fwd")  # fmt: skip
-    return outs[0], outs[1], (outs[2] if c.count else None)
-
-
-def _backward(c: Config, tables_q, tables_k, q, k, v, do, lse, delta, mask_arrays, consts):
-    mspecs_q = _mask_specs(c, by_key=False)
-    cspecs = [_whole(x) for x in consts]
-    extra = list(mask_arrays) + list(consts)
-    dq = _call(
-        _dq_kernel,
-        c,
-        (c.B, c.N, c.nq),
-        tables_q,
-        [_q_block(c), _kv_all(c), _kv_all(c), _q_block(c), _stats_spec(c), _stats_spec(c)]
-        + mspecs_q
-        + cspecs,
-        _q_block(c),
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        [q, k, v, do, lse, delta] + extra,
-        "flex_dq",
-    )
-    stats_all = _spec((None, c.G, c.T_pad), lambda b, kh, j, *_: (b, kh, 0))
-    dk, dv = _call(
-        _dkv_kernel,
-        c,
-        (c.B, c.K, c.nk),
-        tables_k,
-        [_q_all(c), _kv_block(c), _kv_block(c), _q_all(c), stats_all, stats_all]
-        + _mask_specs(c, by_key=True)
-        + cspecs,
-        [_kv_block(c), _kv_block(c)],
-        [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        [q, k, v, do, lse, delta] + extra,
-        "flex_dkv",
-    )
-    return dq, dk, dv
-
-
-# ------------------------------------------------------------------------------------------
-# Gradients of the score_mod's arrays: a blockwise pass in plain JAX
-# ------------------------------------------------------------------------------------------
-
-
-def _const_grads(c: Config, tables, q, k, v, do, lse, delta, mask_arrays, consts, wants):
-    """d consts (float32) for the consts flagged in ``wants``, from BTNH padded inputs."""
-    B, N, K, G, H, tq, tk = c.B, c.N, c.K, c.G, c.H, c.tq, c.tk
-    po, pc, fo, fc = tables
-    mods = dict(zip(c.mask_names, mask_arrays, strict=True))
-    idx = [n for n, w in enumerate(wants) if w]
-    b_B, h_N = jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32)
-
-    def mod_all(s_BNtT, q_idx, kv_idx, diff):  # the block's score_mod over every (b, h)
-        cs = list(consts)
-        for n_, x in zip(idx, diff, strict=True):
-            cs[n_] = x
-        one = lambda s, b, h: c.mod(s, b, h, q_idx, kv_idx, *cs)
-        return jax.vmap(jax.vmap(one, (0, None, 0)), (0, 0, None))(s_BNtT, b_B, h_N)
-
-    def allowed(qs, ks):
-        out = None
-        if c.mask_kind == "spec":
-
-            def get(name):
-                x = mods.get(name)
-                if x is None:
-                    return None
-                if name in cm._Q_ROW:
-                    return jax.lax.dynamic_slice_in_dim(x, qs, tq, 1)
-                if name in cm._K_ROW:
-                    return jax.lax.dynamic_slice_in_dim(x, ks, tk, 1)
-                return x[:, 0] if name in cm._PER_ROW else x[0]  # the window
-
-            out = cm.spec_block(c.causal, get, ks, tk, B)[:, None]
-        elif c.mask_kind == "dense":
-            x = jax.lax.dynamic_slice_in_dim(mods["dense"], qs, tq, 2)
-            out = jax.lax.dynamic_slice_in_dim(x, ks, tk, 3) != 0
-        if c.S_pad > c.S:
-            pad = (ks + jnp.arange(tk) < c.S)[None, None, None, :]
-            out = pad if out is None else out & pad
-        return out
-
-    def visit(i, masked):
-        qs = i * tq
-        q_i = jax.lax.dynamic_slice_in_dim(q, qs, tq, 1).reshape(B, tq, K, G, H)
-        do_i = jax.lax.dynamic_slice_in_dim(do, qs, tq, 1).reshape(B, tq, K, G, H)
-        lse_i = jax.lax.dynamic_slice_in_dim(lse, qs, tq, 2)[..., None]
-        delta_i = jax.lax.dynamic_slice_in_dim(delta, qs, tq, 2)[..., None]
-        q_idx = qs + _iota(tq, 0)
-
-        def fn(j, acc):
-            ks = j * tk
-            k_j = jax.lax.dynamic_slice_in_dim(k, ks, tk, 1)
-            v_j = jax.lax.dynamic_slice_in_dim(v, ks, tk, 1)
-            s0 = jnp.einsum("BtKGH,BsKH->BKGts", q_i, k_j, preferred_element_type=_F32)
-            s1 = cm.scores(s0.reshape(B, N, tq, tk) * c.scale, c.softcap, None, 0, 0, 0, 0, ())
-            s, pull = jax.vjp(
-                lambda *d: mod_all(s1, q_idx, ks + _iota(tk, 1), d), *[consts[n_] for n_ in idx]
-            )
-            p = jnp.exp(s - lse_i)
-            ok = allowed(qs, ks) if masked else None  # FULL blocks hold no padded key
-            if c.T_pad > c.T:
-                row = (q_idx < c.T)[None, None]
-                ok = row if ok is None else ok & row
-            if ok is not None:
-                p = jnp.where(ok, p, 0.0)
-            dp = jnp.einsum("BtKGH,BsKH->BKGts", do_i, v_j, preferred_element_type=_F32)
-            ds = p * (dp.reshape(B, N, tq, tk) - delta_i)
-            return tuple(a + g.astype(_F32) for a, g in zip(acc, pull(ds), strict=True))
-
-        return fn
-
-    def row(i, acc):
-        acc = _visit_rows(po, pc, i, visit(i, True), acc)
-        return _visit_rows(fo, fc, i, visit(i, False), acc)
-
-    acc = tuple(jnp.zeros(consts[n_].shape, _F32) for n_ in idx)
-    acc = jax.lax.fori_loop(0, c.nq, row, acc)
-    out = [None] * len(consts)
-    for n_, g in zip(idx, acc, strict=True):
-        out[n_] = g.astype(consts[n_].dtype)
-    return out
-
-
-def _visit_rows(order, count, row, fn, carry):
-    return jax.lax.fori_loop(0, count[row], lambda t, x: fn(order[row, t], x), carry)
-
 
 # ------------------------------------------------------------------------------------------
 # The entry point
@@ -630,8 +121,6 @@ def supports(
             f"q_BTNH: head dim H={H} is not a power of two >= 16 (Triton tiles); "
             "falling back to chunked"
         )
-    if not interpret and jax.default_backend() != "gpu":
-        return "pallas_gpu: needs a GPU (or interpret=True); falling back to chunked"
     return None
 
 
@@ -705,7 +194,7 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
         return x[:, :size]
 
     def run_fwd(q, k, v, sinks, consts):
-        out, lse, cnt = _forward(c, tables_q, to_layout(q, c.T_pad), to_layout(k, c.S_pad),
+        out, lse, cnt = forward(c, tables_q, to_layout(q, c.T_pad), to_layout(k, c.S_pad),
                                  to_layout(v, c.S_pad), sinks, mi.arrays, consts)  # fmt: skip
         return from_layout(out, c.T), lse, cnt
 
@@ -728,7 +217,7 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
         delta = _pad_to(delta, 2, c.T_pad)
         qp, kp, vp, dop = (to_layout(x, n) for x, n in ((q, c.T_pad), (k, c.S_pad),
                                                          (v, c.S_pad), (do, c.T_pad)))  # fmt: skip
-        dq, dk, dv = _backward(c, tables_q, tables_k, qp, kp, vp, dop.astype(q.dtype), lse,
+        dq, dk, dv = backward(c, tables_q, tables_k, qp, kp, vp, dop.astype(q.dtype), lse,
                                delta, mi.arrays, consts)  # fmt: skip
         dq, dk, dv = from_layout(dq, c.T), from_layout(dk, c.S), from_layout(dv, c.S)
         dsinks = None
@@ -738,7 +227,7 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
         dconsts = tuple(None for _ in consts)
         if any(wants):
             dconsts = tuple(
-                _const_grads(
+                const_grads(
                     c,
                     tables_q,
                     _pad_to(q, 1, c.T_pad),
