@@ -14,6 +14,7 @@ attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflo
 attnlab sample --pretrained HF_DIR --prompt "..." [--prompt "..."] --max-new-tokens N
 attnlab data prepare FILES_OR_GLOBS... --out DIR [--tokenizer bpe|byte|char|PATH]
 attnlab data fetch shakespeare | URL --sha256 HASH
+attnlab lower --config experiments/NAME.py[:tiny] --platform cuda|tpu [--mesh data=2,fsdp=4]
 attnlab sweep ... --launcher local|slurm [--partition P --timeout-min M ...]
 
 Expected errors (config, data, work directory, checkpoint, decoding, pretrained folders,
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from attnlab.data.commands import add_parser as add_data_parser
     from attnlab.runs.export import add_parser as add_export_parser
+    from attnlab.runs.lowering import add_parser as add_lower_parser
     from attnlab.runs.sample_command import add_parser as add_sample_parser
     from attnlab.sweep.command_line import add_parser as add_sweep_parser
     from attnlab.sweep.coord_check import add_parser as add_coord_check_parser
@@ -169,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sample_parser(sub, [debug, step])
     add_export_parser(sub, [debug, step])
+    add_lower_parser(sub, [debug])
     add_sweep_parser(sub, [debug])
     add_report_parser(sub, [debug])
     add_coord_check_parser(sub, [debug])
@@ -280,7 +283,7 @@ def _main(parser, argv) -> int:
                 from attnlab.experiment import import_file
 
                 import_file(path)  # before anything reads a config that names its variants
-            args.fn(args, overrides)
+            status = args.fn(args, overrides)
     except AttnlabError as e:
         if debug and not isinstance(e, Interrupted):
             raise
@@ -300,7 +303,7 @@ def _main(parser, argv) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    return 0
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

@@ -261,6 +261,7 @@ class Trainer:
             return out
 
         run.lower = step.lower
+        run.jitted = step  # for tracing on abstract values (attnlab lower)
         return run
 
     def init_state(self):
