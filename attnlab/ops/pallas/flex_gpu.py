@@ -193,32 +193,39 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
         x = x.transpose(0, 2, 1, 3) if layout == "BNTH" else x
         return x[:, :size]
 
-    def run_fwd(q, k, v, sinks, consts):
+    # The block tables and mask arrays are arguments of the custom-vjp function, never its
+    # closure: traced inside a layer scan, a closed-over tracer would leak out of the
+    # backward pass.
+    aux = (tables_q, tables_k, tuple(mi.arrays))
+
+    def run_fwd(q, k, v, sinks, consts, aux):
+        tables_q, _, arrays = aux
         out, lse, cnt = forward(c, tables_q, to_layout(q, c.T_pad), to_layout(k, c.S_pad),
-                                 to_layout(v, c.S_pad), sinks, mi.arrays, consts)  # fmt: skip
+                                 to_layout(v, c.S_pad), sinks, arrays, consts)  # fmt: skip
         return from_layout(out, c.T), lse, cnt
 
     sinks_arr = None if sinks is None else jnp.asarray(sinks)
     if count:  # forward only, with the visit counters
-        out, _, cnt = run_fwd(q, k, v, sinks_arr, tuple(consts))
+        out, _, cnt = run_fwd(q, k, v, sinks_arr, tuple(consts), aux)
         return out, cnt
 
     @jax.custom_vjp
-    def f(q, k, v, sinks, consts):
-        return run_fwd(q, k, v, sinks, consts)[0]
+    def f(q, k, v, sinks, consts, aux):
+        return run_fwd(q, k, v, sinks, consts, aux)[0]
 
-    def f_fwd(q, k, v, sinks, consts):
-        out, lse, _ = run_fwd(q, k, v, sinks, consts)
-        return out, (q, k, v, sinks, consts, out, lse)
+    def f_fwd(q, k, v, sinks, consts, aux):
+        out, lse, _ = run_fwd(q, k, v, sinks, consts, aux)
+        return out, (q, k, v, sinks, consts, aux, out, lse)
 
     def f_bwd(res, do):
-        q, k, v, sinks, consts, out, lse = res
+        q, k, v, sinks, consts, aux, out, lse = res
+        tables_q, tables_k, arrays = aux
         delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(_F32), out.astype(_F32))
         delta = _pad_to(delta, 2, c.T_pad)
         qp, kp, vp, dop = (to_layout(x, n) for x, n in ((q, c.T_pad), (k, c.S_pad),
                                                          (v, c.S_pad), (do, c.T_pad)))  # fmt: skip
         dq, dk, dv = backward(c, tables_q, tables_k, qp, kp, vp, dop.astype(q.dtype), lse,
-                               delta, mi.arrays, consts)  # fmt: skip
+                               delta, arrays, consts)  # fmt: skip
         dq, dk, dv = from_layout(dq, c.T), from_layout(dk, c.S), from_layout(dv, c.S)
         dsinks = None
         if sinks is not None:  # d out / d sink = -p_sink * out
@@ -236,15 +243,15 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
                     _pad_to(do, 1, c.T_pad),
                     lse,
                     delta,
-                    mi.arrays,
+                    arrays,
                     consts,
                     wants,
                 )  # fmt: skip
             )
-        return dq, dk, dv, dsinks, dconsts
+        return dq, dk, dv, dsinks, dconsts, jax.tree.map(lambda _: None, aux)
 
     f.defvjp(f_fwd, f_bwd)
-    return f(q, k, v, sinks_arr, tuple(consts)), None
+    return f(q, k, v, sinks_arr, tuple(consts), aux), None
 
 
 def flex_attention_gpu(
