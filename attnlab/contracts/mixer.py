@@ -158,6 +158,7 @@ _MIXERS = Registry(
         "dsa": "attnlab.nn.mixers.sparse",
         "moba": "attnlab.nn.mixers.moba",
         "nsa": "attnlab.nn.mixers.nsa",
+        "lolcats": "attnlab.nn.mixers.lolcats",
     },
 )
 
