@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attnlab.errors import ConfigError
+from attnlab.ops import score_mods
 from attnlab.ops.masks import MaskSpec
 from attnlab.ops.pallas import decode
 
@@ -65,9 +66,19 @@ def test_decode_refusals_name_the_argument():
     q, k, v = _inputs()
     assert decode.supports(q, k, v, block_k=24).startswith("block_k=24")
     assert decode.supports(jnp.concatenate([q, q], 1), k, v).startswith("q_B1NH")
-    slopes = jnp.ones(4, F32)
+    assert decode.supports(q, k, v).startswith("q_B1NH: head dim H=8")
+    assert decode.supports(q, k, v, interpret=True) is None
+    # Whatever the host: the kernel is built for the GPU. Closed-over arrays indexed per
+    # entry are ref loads, which Triton lowers; a gather of whole rows is not.
+    q, k, v = _inputs(H=16)
+    slopes, rows = jnp.ones(4, F32), jnp.ones((64, 3), F32)
     alibi = lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(F32)
-    assert decode.supports(q, k, v, score_mod=alibi).startswith("score_mod: uses dynamic_slice")
+    gate = score_mods.forget_gate(jnp.ones((2, 4, 37), F32))
+    for mod in (None, alibi, gate):
+        assert decode.supports(q, k, v, score_mod=mod) is None
+    rel_rows = lambda s, b, h, i, j: s + rows[j - i + 40].sum(-1)
+    reason = decode.supports(q, k, v, score_mod=rel_rows)
+    assert reason.startswith("score_mod: uses gather") and "\n" not in reason, reason
     with pytest.raises(ConfigError, match=r"^num_splits=0"):
         decode.flex_decode_gpu(q, k, v, num_splits=0, interpret=True)
 
@@ -83,3 +94,38 @@ def test_decode_dense_mask_per_head_with_sinks():
                                  num_splits=3, interpret=True)  # fmt: skip
     want = ref.flex(q, k, v, np.zeros(q.shape), mask=m, sinks=np.ones(4))["out"]
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.slow(reason="interpret-mode Pallas decode with a FoX gate")
+def test_decode_forget_gate_causal_grouped():
+    """FoX's gate (``score_mods.forget_gate`` over ``[B, N, S]``, read at the query's cache
+    position and every key) under a plain causal cache mask, 4 query heads per kv head
+    (padded to 16 rows inside the kernel); row 0's query is at position 0: one key."""
+    q, k, v = _inputs(N=8, K=2, seed=1)
+    S, start = k.shape[1], np.array([0, 36])
+    r = np.random.default_rng(4)
+    gate = -np.cumsum(r.uniform(0.0, 0.3, (2, 8, S)), -1)
+    out = decode.flex_decode_gpu(q, k, v, score_mod=score_mods.forget_gate(jnp.asarray(gate, F32)),
+                                 mask=MaskSpec.for_cache(1, S, start), block_k=16,
+                                 interpret=True)  # fmt: skip
+
+    def np_mod(s1):
+        at_q = gate[np.arange(2), :, start][:, :, None, None]
+        return s1 + at_q - gate[:, :, None, :], 1.0
+
+    want = ref.flex(q, k, v, np.zeros(q.shape), mask=_mask_BNTS(start, S), mod=np_mod)["out"]
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.slow(reason="interpret-mode Pallas decode with a dense mask")
+def test_decode_dense_mask_shared_fully_masked_row():
+    """A dense ``[B, 1, 1, S]`` mask shared by the heads; row 1 allows no key and has no
+    sinks: its output is zero."""
+    q, k, v = _inputs()
+    m = np.random.default_rng(5).uniform(size=(2, 1, 1, 37)) < 0.5
+    m[1] = False
+    out = decode.flex_decode_gpu(q, k, v, mask=jnp.asarray(m), block_k=16, num_splits=2,
+                                 interpret=True)  # fmt: skip
+    want = ref.flex(q, k, v, np.zeros(q.shape), mask=m)["out"]
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=2e-5)
+    assert not np.asarray(out[1]).any()

@@ -11,7 +11,16 @@ causal position), so a row with a short cache visits only its written blocks.
 
 ``score_mod(score, b, h, q_idx, kv_idx)`` gets ``q_idx`` = the query's position in the cache:
 ``mask.q_pos[b, 0]`` for a ``MaskSpec`` (``MaskSpec.for_cache(1, S, start_B)`` puts it at
-``start_B[b]``), else ``S - 1``.
+``start_B[b]``), else ``S - 1``. The arrays it closes over stay in memory and are read as in
+the flex kernels (``_refmod``): ``slopes[h]`` is one ref load, not a slice of a value.
+
+On a GPU the call passes Triton ``CompilerParams`` (the Triton lowering, for the reasons
+``flex_gpu`` gives): 4 warps and 2 stages, as jax's own Triton decode kernel
+(``jax/experimental/pallas/ops/gpu/decode_attention.py``), since a program's work is one
+``[G, H]`` by ``[tk, H]`` product per key block, memory-bound. Triton's matmul takes at
+least 16 rows, so the ``G`` query heads of a kv head are padded to ``Gp = max(16, G)``
+rounded to a power of two (the padded rows see no key and are dropped), again as there.
+``supports`` does not look at the host's backend: the kernel lowers for CUDA anywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from attnlab.errors import ConfigError
 from attnlab.ops.block_mask import EMPTY, FULL, PARTIAL
 from attnlab.ops.masks import MaskSpec
 from attnlab.ops.pallas import _common as cm
+from attnlab.ops.pallas import _refmod
 
 _F32 = jnp.float32
 DEFAULT_BLOCK_K = 64
@@ -41,6 +51,7 @@ class Config:
     N: int
     K: int
     H: int
+    Gp: int  # query heads per program: G padded for Triton's matmul (>= 16, a power of two)
     tk: int
     nk: int
     num_splits: int
@@ -72,22 +83,22 @@ def _kernel(po, pc, fo, fc, pos_ref, q_ref, k_ref, v_ref, *refs, c: Config):
     mrefs = dict(zip(c.mask_names, refs[:nm], strict=True))
     const_refs, (o_ref, lse_ref) = refs[nm : nm + nc], refs[nm + nc :]
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q = q_ref[...]  # [G, H]
-    consts = [r[...].reshape(s) for r, s in zip(const_refs, c.const_shapes, strict=True)]
-    pos = pos_ref[0]
-    q_idx = jnp.full((1, 1), pos, jnp.int32)
-    heads = kh * c.G + jnp.arange(c.G, dtype=jnp.int32)
+    q = q_ref[...]  # [Gp, H]
+    q_idx = jnp.full((c.Gp, 1), pos_ref[0], jnp.int32)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (c.Gp, 1), 0)
     base = sp * c.per_split
 
-    def score_rows(s0, ks):  # [G, tk]: softcap, then the score_mod per query head
+    def score_rows(s0, ks):  # [Gp, tk]: softcap, then row g's score_mod at head kh G + g
         kv_idx = ks + jax.lax.broadcasted_iota(jnp.int32, (1, c.tk), 1)
         s = s0 if c.softcap is None else c.softcap * jnp.tanh(s0 / c.softcap)
         if c.mod is None:
             return s
-        one = lambda row, h: c.mod(row[None], b, h, q_idx, kv_idx, *consts)[0]
-        return jax.vmap(one)(s, heads)
+        out = s
+        for g in range(c.G):  # the score_mod takes one head: the whole block, row g kept
+            out = jnp.where(rows == g, c.mod(s, b, kh * c.G + g, q_idx, kv_idx, *const_refs), out)
+        return out
 
-    def allowed(ks):  # [1 | G, tk]
+    def allowed(ks):  # [1 | Gp, tk]
         out = None
         if c.mask_kind == "spec":
 
@@ -129,7 +140,11 @@ def _kernel(po, pc, fo, fc, pos_ref, q_ref, k_ref, v_ref, *refs, c: Config):
 
         return fn
 
-    carry = (jnp.zeros((c.G, c.H), _F32), jnp.full((c.G,), cm.NEG, _F32), jnp.zeros((c.G,), _F32))
+    carry = (
+        jnp.zeros((c.Gp, c.H), _F32),
+        jnp.full((c.Gp,), cm.NEG, _F32),
+        jnp.zeros((c.Gp,), _F32),
+    )
     fp, ff = visit(True), visit(False)
     carry = jax.lax.fori_loop(0, pc[b, sp], lambda t, x: fp(t, x, po, b), carry)
     acc, m, den = jax.lax.fori_loop(0, fc[b, sp], lambda t, x: ff(t, x, fo, b), carry)
@@ -188,20 +203,17 @@ def supports(q_B1NH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=None, s
     for name, value in (("block_k", block_k), ("num_splits", num_splits)):
         if value is not None and not (isinstance(value, int) and value >= 1):
             return f"{name}={value!r}: must be a positive integer; falling back"
-    missing = (
-        None
-        if interpret or score_mod is None
-        else cm.triton_unlowerable(score_mod, 1, 16, refs=False)
-    )
+    missing = None if interpret or score_mod is None else cm.triton_unlowerable(score_mod)
     if missing:
         return (
             f"score_mod: uses {', '.join(missing)}, which the Pallas Triton lowering lacks "
-            "(the decode kernel reads closed-over arrays as values); falling back"
+            "(closed-over arrays lower when indexed one entry at a time); falling back"
         )
     if not interpret and block_k is not None and not cm.is_pow2(block_k, 16):
         return f"block_k={block_k}: the Triton kernel takes powers of two >= 16; falling back"
-    if not interpret and jax.default_backend() != "gpu":
-        return "pallas decode: needs a GPU (or interpret=True); falling back"
+    H = q_B1NH.shape[-1]
+    if not interpret and not cm.is_pow2(H, 16):
+        return f"q_B1NH: head dim H={H} is not a power of two >= 16 (Triton tiles); falling back"
     return None
 
 
@@ -217,13 +229,14 @@ def flex_decode_gpu(q_B1NH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, scale=
     B, _, N, H = q_B1NH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     G = N // K
-    tk = min(DEFAULT_BLOCK_K if block_k is None else block_k, S)
+    Gp = pl.next_power_of_2(max(16, G))
+    tk = min(DEFAULT_BLOCK_K if block_k is None else block_k, pl.next_power_of_2(S))
     nk0 = math.ceil(S / tk)
     ns = min(8, nk0) if num_splits is None else min(num_splits, nk0)
     nk = ns * math.ceil(nk0 / ns)
     S_pad = nk * tk
     mi = cm.mask_inputs(mask, B, 1, S, 1, S_pad)
-    sm = cm.convert_score_mod(score_mod, 1, tk)
+    sm = cm.convert_score_mod(score_mod, Gp, tk)
     consts = () if sm is None else sm.consts
     if isinstance(mask, MaskSpec):
         pos_B = jnp.broadcast_to(jnp.asarray(mask.q_pos, jnp.int32)[:, 0], (B,))
@@ -231,13 +244,18 @@ def flex_decode_gpu(q_B1NH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, scale=
         pos_B = jnp.full((B,), S - 1, jnp.int32)
     dense_heads = 0
     mask_arrays = list(mi.arrays)
-    if mi.kind == "dense":  # [Bm, Nm, 1, S_pad] -> [Bm, Nm, S_pad]
-        mask_arrays = [mi.arrays[0][:, :, 0]]
-        dense_heads = mask_arrays[0].shape[1]
+    if mi.kind == "dense":  # [Bm, Nm, 1, S_pad] -> [Bm, Nm, S_pad], per head: [Bm, K Gp, S_pad]
+        m = mi.arrays[0][:, :, 0]
+        dense_heads = m.shape[1]
+        if dense_heads > 1:  # padded heads see no key
+            m = m.reshape(m.shape[0], K, G, S_pad)
+            m = jnp.pad(m, [(0, 0), (0, 0), (0, Gp - G), (0, 0)]).reshape(-1, K * Gp, S_pad)
+        mask_arrays = [m]
     c = Config(
-        B=B, S=S, N=N, K=K, H=H, tk=tk, nk=nk, num_splits=ns,
+        B=B, S=S, N=N, K=K, H=H, Gp=Gp, tk=tk, nk=nk, num_splits=ns,
         scale=cm.default_scale(scale, H), softcap=None if softcap is None else float(softcap),
-        mod=None if sm is None else sm.fn, const_shapes=tuple(x.shape for x in consts),
+        mod=None if sm is None else _refmod.ref_score_fn(sm),
+        const_shapes=tuple(x.shape for x in consts),
         mask_kind=mi.kind, mask_names=mi.names, causal=mi.causal, dense_heads=dense_heads,
         interpret=interpret,
     )  # fmt: skip
@@ -246,7 +264,7 @@ def flex_decode_gpu(q_B1NH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, scale=
     L = S_pad // ns
     pad = lambda x: jnp.pad(x, [(0, 0), (0, S_pad - S), (0, 0), (0, 0)])
     k, v = pad(k_BSKH), pad(v_BSKH)
-    q = q_B1NH.reshape(B, K, G, H)
+    q = jnp.pad(q_B1NH.reshape(B, K, G, H), [(0, 0), (0, 0), (0, Gp - G), (0, 0)])
     mask_specs = []
     for name, x in zip(c.mask_names, mask_arrays, strict=True):
         if name == "window":
@@ -256,7 +274,7 @@ def flex_decode_gpu(q_B1NH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, scale=
             pb = (lambda b: b) if Bm > 1 else (lambda b: 0)
             if dense_heads > 1:
                 index = lambda b, kh, s, *_, pb=pb: (pb(b), kh, 0)
-                mask_specs.append(pl.BlockSpec((None, G, S_pad), index))
+                mask_specs.append(pl.BlockSpec((None, Gp, S_pad), index))
             else:
                 index = lambda b, kh, s, *_, pb=pb: (pb(b), 0, 0)
                 mask_specs.append(pl.BlockSpec((None, None, S_pad), index))
@@ -269,23 +287,25 @@ def flex_decode_gpu(q_B1NH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, scale=
         in_specs=[whole(t) for t in tables]
         + [
             pl.BlockSpec((None, 1), lambda b, *_: (b, 0)),
-            pl.BlockSpec((None, None, G, H), lambda b, kh, s: (b, kh, 0, 0)),
+            pl.BlockSpec((None, None, Gp, H), lambda b, kh, s: (b, kh, 0, 0)),
             pl.BlockSpec((None, L, None, H), lambda b, kh, s: (b, s, kh, 0)),
             pl.BlockSpec((None, L, None, H), lambda b, kh, s: (b, s, kh, 0)),
         ]
         + mask_specs
         + [whole(x) for x in consts],
         out_specs=[
-            pl.BlockSpec((None, None, None, G, H), lambda b, kh, s: (b, kh, s, 0, 0)),
-            pl.BlockSpec((None, None, None, G), lambda b, kh, s: (b, kh, s, 0)),
+            pl.BlockSpec((None, None, None, Gp, H), lambda b, kh, s: (b, kh, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, kh, s: (b, kh, s, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, ns, G, H), _F32),
-            jax.ShapeDtypeStruct((B, K, ns, G), _F32),
+            jax.ShapeDtypeStruct((B, K, ns, Gp, H), _F32),
+            jax.ShapeDtypeStruct((B, K, ns, Gp), _F32),
         ],
+        compiler_params=cm.triton_params(interpret, num_warps=4, num_stages=2),
         interpret=interpret,
         name="flex_decode",
     )(*tables, pos_B[:, None], q, k, v, *mask_arrays, *consts)
+    o, lse = o[..., :G, :], lse[..., :G]
     # The splits' partial softmaxes, combined (the sinks join the denominator here).
     m = lse.max(2, keepdims=True)
     if sinks is not None:
