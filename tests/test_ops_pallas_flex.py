@@ -147,13 +147,35 @@ def _case(kind, B=2, T=20):
         m = r.uniform(size=(B, N, T, T)) < 0.4
         m[:, :, 3] = False
         c.update(mask=jnp.asarray(m), ref_mask=m, sinks=jnp.asarray(r.normal(size=N), F32))
+    elif kind == "dense_shared":  # one dense [1, 1, T, S] mask for every row and head
+        S = 27
+        m = r.uniform(size=(1, 1, T, S)) < 0.5
+        m[..., 2, :] = False
+        c.update(inputs=_inputs(B=B, T=T, S=S), mask=jnp.asarray(m), ref_mask=m, softcap=3.0)
+    elif kind == "offset_valid_cross":  # queries at a per-row offset into 27 keys: causal,
+        S = 27  # cache lengths, invalid keys and queries, cross segments (some rows empty)
+        start = np.array([3, 7])[:B]
+        k_valid = r.uniform(size=(B, S)) < 0.8
+        q_valid = np.ones((B, T), bool)
+        q_valid[0, 4] = False
+        q_seg = np.array([[1] * 12 + [2] * 8, [1] * 5 + [0] * 3 + [2] * 12])[:B, :T]
+        k_seg = np.array([[1] * 14 + [2] * 13, [1] * 10 + [2] * 17])[:B]
+        p = start[:, None, None] + np.arange(T)[None, :, None]
+        s = np.arange(S)[None, None, :]
+        m = (s <= p) & (s < (start + T)[:, None, None]) & k_valid[:, None, :]
+        m &= q_valid[:, :, None] & (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg > 0)[..., None]
+        spec = MaskSpec.for_sequence(T, S, causal=True, offset=start, k_length=start + T,
+                                     k_valid=k_valid, q_valid=q_valid, segment_ids=q_seg,
+                                     k_segment_ids=k_seg)  # fmt: skip
+        c.update(inputs=_inputs(B=B, T=T, S=S), mask=spec, ref_mask=m[:, None], mod=_alibi,
+                 consts=(jnp.asarray(r.uniform(0.1, 0.5, N), F32),))  # fmt: skip
     else:
         raise ValueError(kind)
     return c
 
 
 KINDS = ["causal_alibi", "window_softcap_sinks", "segments_fox", "prefix_temperature",
-         "ragged_cross", "dense_sinks"]  # fmt: skip
+         "ragged_cross", "dense_sinks", "dense_shared", "offset_valid_cross"]  # fmt: skip
 
 
 def test_forward_and_block_visits_match_float64():
@@ -211,9 +233,15 @@ def test_refusals_name_the_argument():
     assert flex_gpu.supports(q, k, v, score_mod=lambda s, b: s).startswith("score_mod")
     # On a GPU: closed-over arrays indexed per entry (ALiBi, a FoX gate) become ref loads,
     # which Triton lowers; a gather of whole rows does not.
+    # Whatever the host: with interpret=False the kernel is built for the GPU.
     alibi, fox = _alibi(jnp.ones(4, F32))[0], _fox(jnp.ones((1, 4, 16), F32))[0]
-    for mod in (alibi, fox):
-        assert "score_mod" not in str(flex_gpu.supports(q, k, v, score_mod=mod, block_q=16))
+    q16, k16, v16, _ = _inputs(B=1, T=16, N=4, K=2, H=16)
+    for mod in (None, alibi, fox):
+        assert flex_gpu.supports(q16, k16, v16, score_mod=mod, block_q=16) is None
+    assert flex_gpu.supports(q, k, v).startswith("q_BTNH: head dim H=8")
+    thirds = lambda s, b, h, i, j: jnp.concatenate([s[:, :4], s[:, 4:8] * 2, s[:, 8:]], 1)
+    reason = flex_gpu.supports(q16, k16, v16, score_mod=thirds)
+    assert reason.startswith("score_mod: uses concatenate of more than two arrays"), reason
     rows = jnp.ones((33, 3), F32)
     rel_rows = lambda s, b, h, i, j: s + rows[j - i + 16].sum(-1)
     reason = flex_gpu.supports(q, k, v, score_mod=rel_rows, block_q=16, block_k=16)
