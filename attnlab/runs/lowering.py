@@ -166,13 +166,13 @@ def lower(cfg, platform: str, *, mesh=None) -> Lowered:
 
 def _failure(program, step, asked):
     """One line: where a layer fell off the kernel the config asks for, why, and the fix."""
-    why = step.fallbacks[0] if step.fallbacks else f"reached {step.path}"
+    why = step.fallbacks[0] if step.fallbacks else f"it reaches {step.path}"
     why = why.split("; falling back")[0]
     field = next((f for arg, f in _FIELDS.items() if why.startswith(arg)), None)
     fix = f"change {field}" if field else "change the call's settings"
     return (
-        f"{program}: {step.where}: model.attention_impl={asked!r} does not take it ({why}); "
-        f"{fix}, or set model.attention_impl='auto' to accept {step.path}"
+        f"{program}: {step.where}: {asked} (model.attention_impl) cannot take the call: "
+        f"{why}; {fix}, or set model.attention_impl='auto' to run {step.path} there"
     )
 
 
@@ -212,6 +212,7 @@ def add_parser(sub, parents):
 
 def command(args, overrides) -> int:
     import os
+    import sys
 
     sizes = parse_mesh(args.mesh)
     n = int(np.prod(list(sizes.values()))) if sizes else 1
@@ -231,5 +232,5 @@ def command(args, overrides) -> int:
     for program, size in result.modules.items():
         print(f"{program}: lowered for {args.platform} ({size:,} characters of StableHLO)")
     for line in result.failures:
-        print(f"error: {line}")
+        print(f"attnlab lower: error: {line}", file=sys.stderr)
     return 2 if result.failures else 0
