@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from attnlab.ops import flex, score_mods
+from attnlab.ops import flex, paths, score_mods
 from attnlab.ops.masks import MaskSpec
 
 pytestmark = pytest.mark.lowering
@@ -77,10 +77,11 @@ def _lowered_text(platform, implementation, case, T, H):
         out = flex.flex_attention(q, k, v, **build(arrays), **kwargs)
         return out.astype(jnp.float32).sum()
 
-    plan = flex.plan(q, kv, kv, **build(arrays), **kwargs)
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-    text = jax.jit(grad).trace(q, kv, kv, arrays).lower(lowering_platforms=(platform,)).as_text()
-    return plan, text
+    with paths.recording() as plan:  # the path the call reached, and why
+        lowered = jax.jit(grad).trace(q, kv, kv, arrays).lower(lowering_platforms=(platform,))
+    (step,) = plan.steps
+    return step, lowered.as_text()
 
 
 def _params():

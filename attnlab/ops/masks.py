@@ -210,7 +210,9 @@ class MaskSpec:
             q_pos=_query_positions(T, offset),
             k_pos=jnp.arange(S, dtype=jnp.int32)[None, :],
             causal=causal,
-            window=arr(window, jnp.int32),
+            # A Python int stays one (static: a library kernel with a static mask, splash,
+            # takes it inside jit); a traced window (one layer's, in a scan) stays traced.
+            window=window if isinstance(window, int) else arr(window, jnp.int32),
             q_segment=arr(segment_ids, jnp.int32),
             k_segment=arr(k_segment_ids, jnp.int32),
             k_length=arr(k_length, jnp.int32),
