@@ -313,6 +313,12 @@ def train_runs(
     try:
         if speak:
             print(describe(runs[0], trainers[0], verbose=verbose), flush=True)
+        if speak and verbose and runs[0].eval_batches:  # what each layer's attention runs
+            from attnlab.runs.lowering import train_plan
+
+            batch, rows = runs[0].eval_batches[0], int(runs[0].cfg.train.batch_size)
+            for line in train_plan(trainers[0], batch, rows):
+                print(f"attention plan: {line}", flush=True)
         abstract = trainers[0].abstract_state()
         states = [r.initial_state(tr, abstract) for r, tr in zip(runs, trainers, strict=True)]
         first = [(r.start, r.elapsed) for r in runs]

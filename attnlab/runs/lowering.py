@@ -111,6 +111,30 @@ def _trace(name, fn, args, platform, record, modules, failures, mesh_ctx):
     record[name] = list(rec.steps)
 
 
+def train_plan(trainer, batch: dict, batch_size: int) -> list[str]:
+    """One line per attention call site of ``trainer``'s train step as it is built here:
+    the layers it stands for, the path it reaches and why (``attnlab train --verbose``).
+    The step is traced on abstract values shaped like ``batch`` with ``batch_size`` rows;
+    nothing runs and no data is read."""
+    from attnlab.devices import sharding
+    from attnlab.nn import probe
+
+    leaves, treedef = jax.tree.flatten(trainer.abstract_state())
+    rows = {k: jax.ShapeDtypeStruct((batch_size, *np.shape(v)[1:]), np.asarray(v).dtype)
+            for k, v in batch.items()}  # fmt: skip
+    if trainer.mesh is not None:
+        rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(
+            trainer.mesh, trainer.rules, len(v.shape))) for k, v in rows.items()}  # fmt: skip
+    step = trainer.flat_train_step(treedef)
+    step = getattr(step, "jitted", step)
+    ctx = contextlib.nullcontext()
+    if trainer.mesh is not None:
+        ctx = sharding.activate(trainer.mesh, trainer.rules)
+    with paths.recording(_where) as rec, probe.Probe(), ctx:
+        step.trace(leaves, rows)
+    return [f"train_step: {s}" for s in rec.steps]
+
+
 def lower(cfg, platform: str, *, mesh=None) -> Lowered:
     """Lowers ``cfg``'s train step and decode step for ``platform`` (see the module
     docstring); ``mesh``: a ``jax.sharding.Mesh`` the steps are sharded over, or None."""

@@ -33,7 +33,6 @@ import socket
 from attnlab import experiment
 from attnlab.config import ModelConfig
 from attnlab.data import make_task
-from attnlab.data.grain_pipeline import load_process_state, save_process_state
 from attnlab.data.tasks import TOKENIZER_FILE
 from attnlab.devices import sharding
 from attnlab.errors import CheckpointError, WorkdirError, one_line
@@ -299,11 +298,8 @@ class Run:
         metadata = self.ckpt.restore_metadata(self.start)
         self.elapsed = float(metadata.get("elapsed_sec", 0.0))
         host = _host()
-        self.task.restore_data_state(  # the input pipeline's position, where it has one
-            metadata.get("data_state")
-            if host[1] == 1
-            else load_process_state(self.workdir, self.start, host)
-        )
+        # The input pipeline's position, where it has one: the same on every process.
+        self.task.restore_data_state(metadata.get("data_state"))
         if self.changes:
             set_optim_values(state["opt_state"], self.cfg.optim)
         truncate_jsonl(self.workdir / METRICS_FILE, self.start)
@@ -328,12 +324,8 @@ class Run:
             self.ckpt.delete(step)
         meta = {"elapsed_sec": self.elapsed, "step": step, "interrupted": stop_signal()}
         meta["layout"] = self.layout
-        host = _host()
-        if host[1] == 1:  # one process: its input pipeline's position too
-            meta["data_state"] = self.task.data_state()
-        else:  # several: each keeps its own beside the checkpoints
-            keep = self.ckpt.all_steps()
-            save_process_state(self.workdir, step, host, self.task.data_state(), keep)
+        # The input pipeline's position, the same on every process (the global batch's).
+        meta["data_state"] = self.task.data_state()
         self.ckpt.save(step, state, metadata=meta, force=True)
 
     def log(self, record: dict, file: str = METRICS_FILE):
