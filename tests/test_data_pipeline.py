@@ -84,27 +84,23 @@ def _prepared(tmp_path):
     return {"kind": "prepared", "path": str(tmp_path / "p"), "seq_len": 24}
 
 
-def test_each_process_restores_its_own_iterator_state(tmp_path):
+def test_a_state_saved_by_one_process_resumes_any_process_count(tmp_path):
+    """Every process packs the same global rows, so each holds the same iterator state: the
+    state process 1 of 2 saved moves processes of 1, 2 or 4 to the same place."""
     cfg = _prepared(tmp_path)
-    for host in ((0, 2), (1, 2)):
-        task = make_task(cfg, host=host)
-        for step in range(3):
-            task.train_batch(5, step, 4)
-        gp.save_process_state(tmp_path / "run", 3, host, task.data_state(), keep=[3])
-        want = [task.train_batch(5, step, 4) for step in (3, 4)]
+    task = make_task(cfg, host=(1, 2))
+    for step in range(3):
+        task.train_batch(5, step, 4)
+    state = json.loads(json.dumps(task.data_state()))  # as the checkpoint's metadata holds it
+    assert state["step"] == 3
+    for host in ((0, 1), (0, 2), (1, 2), (3, 4)):
+        want = [make_task(cfg, host=host).train_batch(5, step, 4) for step in (3, 4)]
         resumed = make_task(cfg, host=host)
-        resumed.restore_data_state(gp.load_process_state(tmp_path / "run", 3, host))
+        resumed.restore_data_state(state)
         resumed._train_batches._make = None  # a replay would have to rebuild the iterator
         got = [resumed.train_batch(5, step, 4) for step in (3, 4)]
         assert all(np.array_equal(a[k], b[k]) for a, b in zip(want, got, strict=True) for k in a)
-        assert want[0]["inputs"].shape == (2, 24)
-    files = sorted(p.name for p in (tmp_path / "run" / gp.STATE_DIR / "3").iterdir())
-    assert files == ["process_0-of-2.json", "process_1-of-2.json"]
-    state = json.loads((tmp_path / "run" / gp.STATE_DIR / "3" / files[1]).read_text())
-    assert state["step"] == 3
-    gp.save_process_state(tmp_path / "run", 6, (1, 2), state, keep=[6])  # step 3 is gone
-    assert not (tmp_path / "run" / gp.STATE_DIR / "3" / files[1]).exists()
-    assert gp.load_process_state(tmp_path / "run", 9, (0, 2)) is None  # nothing: replay
+        assert want[0]["inputs"].shape == (4 // host[1], 24)
 
 
 def test_bad_pipeline_settings_are_one_line_naming_the_field():
@@ -179,15 +175,16 @@ def test_a_packed_run_killed_with_sigkill_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.slow(reason="trains a tiny run three times")
-def test_a_run_of_several_processes_saves_and_restores_each_ones_state(tmp_path, monkeypatch):
+def test_a_run_of_several_processes_saves_and_restores_the_pipeline_state(tmp_path, monkeypatch):
     """Process 1 of 2 (its input pipeline's view; one device trains its half of the rows):
-    its state goes to its own file at each checkpoint and a resumed run reads it back."""
+    the pipeline's state goes to the checkpoint's metadata and a resumed run reads it back."""
     import pathlib
 
     import jax
 
     from attnlab import experiment, runs
     from attnlab.runs import workdir
+    from attnlab.runs.checkpoint import Checkpointer
 
     monkeypatch.setattr(workdir, "_host", lambda: (1, 2))
     repo = pathlib.Path(__file__).resolve().parents[1]
@@ -199,14 +196,26 @@ def test_a_run_of_several_processes_saves_and_restores_each_ones_state(tmp_path,
 
     runs.train(cfg(), tmp_path / "straight", progress=False)
     runs.train(cfg(), tmp_path / "resumed", progress=False, stop_after=4)
-    saved = gp.load_process_state(tmp_path / "resumed", 4, (1, 2))
+    with Checkpointer(tmp_path / "resumed" / "checkpoints") as ckpt:
+        saved = ckpt.restore_metadata(4)["data_state"]
     assert saved["step"] == 4 and saved["batch_size"] == 4
     restored = []
     monkeypatch.setattr(
-        workdir, "load_process_state", lambda *a: restored.append(a) or gp.load_process_state(*a)
+        workdir.Run, "initial_state", _spy(workdir.Run.initial_state, restored), raising=True
     )
     runs.train(cfg(), tmp_path / "resumed", progress=False)
-    assert restored == [(tmp_path / "resumed", 4, (1, 2))]
+    assert restored == [4]  # moved to the saved state before the first step
     a, b = runs.load_run(tmp_path / "straight"), runs.load_run(tmp_path / "resumed")
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _spy(initial_state, seen):
+    """``Run.initial_state`` that records the step its task's pipeline was moved to."""
+
+    def wrapped(self, trainer, abstract):
+        state = initial_state(self, trainer, abstract)
+        seen.append(self.task.data_state()["step"])
+        return state
+
+    return wrapped

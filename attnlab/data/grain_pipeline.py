@@ -1,18 +1,26 @@
 """The input pipeline: every text batch comes from Grain (``data.pipeline``).
 
+A batch is one global batch of ``train.batch_size`` rows whose content and row order depend
+on the seed and the step only, never on how many processes or devices read it: process ``i``
+of ``n`` keeps rows ``[i * B/n, (i + 1) * B/n)`` of it (``process_rows``), the rows its
+devices hold (``attnlab.devices.sharding.process_rows`` checks the mesh agrees), so one
+process on one device, 8 devices and 2 processes x 4 devices train on the same batches, and
+a run resumed with another process count continues the same order.
+
 ``"grain"`` (the default): packed language-model batches from a corpus's documents, every
 stage Grain's own:
 
 1. a ``MapDataset`` over the training split's documents (``documents.npy``), each cut into
-   chunks of at most ``seq_len + 1`` tokens, read by index from the memory-mapped
-   ``tokens.bin`` (only the chunks a batch needs are read);
+   chunks of at most ``seq_len + 1`` tokens (``DocumentChunks``);
 2. a global shuffle of the chunks, deterministic per seed and different in every epoch
    (``shuffle`` then ``repeat``);
-3. sharding by process: process ``i`` of ``n`` reads every ``n``-th chunk of the shuffled
-   order (``ds[i::n]``), so the processes see disjoint chunks;
-4. first-fit packing into rows of ``seq_len + 1`` tokens with per-document segment ids
-   and positions (``FirstFitPackIterDataset``);
-5. batching (``batch``), rows per process = ``batch_size / n``;
+3. first-fit packing into rows of ``seq_len + 1`` tokens with per-document segment ids
+   and positions (``FirstFitPackIterDataset``). Packing needs only the chunks' lengths, so
+   it packs chunk numbers, not tokens: every process packs the same global rows (cheap
+   index arithmetic, no reads);
+4. batching (``batch``) into global batches of ``batch_size`` rows;
+5. each process reads the tokens of its rows only (``tokens[chunk start + position]``,
+   from the memory-mapped ``tokens.bin``);
 6. a thread that keeps ``PREFETCH`` batches ready (``ThreadPrefetchIterDataset``), or with
    ``data.workers > 0`` that many worker processes (``mp_prefetch``).
 
@@ -20,14 +28,16 @@ Each row gives ``inputs``/``targets`` (the row without its last/first token),
 ``segment_ids`` (1, 2, ... per document in the row, 0 for padding; the model attends within
 a segment only), ``positions`` (restarting at 0 in each document) and ``loss_mask``
 (1 where the target continues the input's document). The iterator's state
-(``iterator.get_state()``) is a small dict: ``save_state``/``restore_state`` write and read
-it with Orbax, so a pipeline resumes at the batch where it stopped, bitwise; with several
-processes each writes its own (``save_process_state``).
+(``iterator.get_state()``) is a small dict, the same on every process (the packing is
+global): ``save_state``/``restore_state`` write and read it with Orbax, and a run keeps it
+in its checkpoint's metadata, so a pipeline resumes at the batch where it stopped, bitwise,
+with any process count.
 
 ``"index"`` (and masked-language-model text, which is not packed): windows of the token
-stream at every offset, globally shuffled per seed, sharded by process and batched by a
-Grain ``MapDataset``; batch ``step`` is ``dataset[step]``, a pure function of
-(seed, step), so there is no state to save. Evaluation batches are ``MapDataset`` reads too.
+stream at every offset, globally shuffled per seed and batched by a Grain ``MapDataset``,
+each process reading the windows of its rows; batch ``step`` is ``dataset[step]``, a pure
+function of (seed, step), so there is no state to save. Evaluation batches are
+``MapDataset`` reads too.
 """
 
 from __future__ import annotations
@@ -46,7 +56,6 @@ PREFETCH = 0
 # chunks/s with none, 5,600 with one, 3,400 with two).
 READ_THREADS = 0
 MAX_OFFSETS = 1 << 31  # window offsets shuffled at most; longer streams use every k-th
-STATE_DIR = "data_state"  # per-process iterator states of a multi-process run's checkpoints
 
 
 def _grain():
@@ -55,30 +64,47 @@ def _grain():
     return optional_import("grain", None, "text data (data.kind, data.pipeline)")
 
 
-def rows_per_process(batch_size: int, count: int) -> int:
-    """The rows of each global batch one of ``count`` processes reads."""
+def process_rows(batch_size: int, host=(0, 1)) -> slice:
+    """The rows of each global batch of ``batch_size`` rows that process ``host[0]`` of
+    ``host[1]`` reads: the ``host[0]``-th of ``host[1]`` equal contiguous blocks."""
+    index, count = host
     if batch_size % count:
         raise ValueError(f"train.batch_size={batch_size} must divide over {count} processes")
-    return batch_size // count
+    per = batch_size // count
+    return slice(index * per, (index + 1) * per)
 
 
 def window_batches(
     tokens, *, window: int, batch_size: int, seed: int, host=(0, 1), map_fn=None, random_fn=None
 ):
-    """The Grain ``MapDataset`` of this process's batches of ``window``-token rows of
-    ``tokens`` at every offset: a global shuffle per seed (new in each epoch), every ``n``-th
-    window for process ``i`` of ``n``, ``batch_size / n`` rows a batch, then ``map_fn(rows)``
-    or ``random_fn(rng, rows)``. Batch ``step`` is ``dataset[step]``."""
+    """The Grain ``MapDataset`` of this process's rows of the global batches of
+    ``window``-token rows of ``tokens`` at every offset: a global shuffle per seed (new in
+    each epoch), ``batch_size`` offsets a global batch, process ``i`` of ``n`` reading the
+    windows of its rows (``process_rows``), then ``map_fn(rows)`` or ``random_fn(rng,
+    rows)``. Batch ``step`` is ``dataset[step]``.
+
+    ``random_fn`` draws for the whole global batch from one generator per (seed, step) and
+    is given the global shape (other processes' rows zero): its draws must depend on the
+    rows' shape only, so each row's draws do not depend on the process count."""
     grain = _grain()
-    index, count = host
-    per = rows_per_process(batch_size, count)
+    rows = process_rows(batch_size, host)
     offsets = len(tokens) - window + 1
     stride = -(-offsets // MAX_OFFSETS)  # Grain's index shuffle takes 32-bit indices
-    ds = grain.MapDataset.range(0, offsets, stride).shuffle(seed=seed).repeat()[index::count]
-    ds = ds.map(lambda start: np.asarray(tokens[start : start + window], np.int32))
-    ds = ds.batch(per, drop_remainder=True)
+    ds = grain.MapDataset.range(0, offsets, stride).shuffle(seed=seed).repeat()
+    ds = ds.batch(batch_size, drop_remainder=True)  # the global batch's offsets
+
+    def read(starts):
+        return np.stack([np.asarray(tokens[s : s + window], np.int32) for s in starts[rows]])
+
+    ds = ds.map(read)
     if random_fn is not None:  # a generator per (seed, batch index): a pure function of both
-        ds = ds.random_map(lambda rows, rng: random_fn(rng, rows), seed=seed)
+
+        def corrupt(mine, rng):
+            whole = np.zeros((batch_size, *mine.shape[1:]), mine.dtype)
+            whole[rows] = mine
+            return {k: v[rows] for k, v in random_fn(rng, whole).items()}
+
+        ds = ds.random_map(corrupt, seed=seed)
     return ds if map_fn is None else ds.map(map_fn)
 
 
@@ -146,6 +172,11 @@ class DocumentChunks:
         start = int(self.starts[doc] + (i - self.first[doc]) * self.length)
         return start, min(start + self.length, int(self.ends[doc]))
 
+    def start_of(self, i):
+        """The first token of each chunk in the integer array ``i``."""
+        doc = np.searchsorted(self.first, i, side="right") - 1
+        return self.starts[doc] + (i - self.first[doc]) * self.length
+
 
 def lm_fields(row: dict) -> dict:
     """The language-model batch of packed rows ``ids``, ``ids_segment_ids``,
@@ -175,26 +206,33 @@ def packed_batches(
     read_threads: int = READ_THREADS,
     workers: int = 0,
 ):
-    """The Grain ``IterDataset`` of this process's packed batches (see the module's text)."""
+    """The Grain ``IterDataset`` of this process's rows of the packed global batches (see the
+    module's text)."""
     grain = _grain()
-    index, count = host
-    per = rows_per_process(batch_size, count)
+    rows = process_rows(batch_size, host)
     window = seq_len + 1
     chunks = DocumentChunks(ends, window, limit)
-    if len(chunks) < count:
-        raise ValueError(f"the corpus has {len(chunks)} chunks, fewer than {count} processes")
+    if len(chunks) == 0:
+        raise ValueError("the corpus has no chunk of two tokens or more")
 
-    def read(i):
+    def number(i):  # the packer sees a chunk's length and number, never its tokens
         start, end = chunks[i]
-        return {"ids": np.asarray(tokens[start:end], np.int32)}
+        return {"chunk": np.full(end - start, i, np.int64)}
 
-    ds = grain.MapDataset.range(len(chunks)).shuffle(seed=seed)[index::count]
+    def read(batch):  # this process's rows: their tokens, read from ``tokens``
+        chunk, seg = batch["chunk"][rows], batch["chunk_segment_ids"][rows]
+        pos = batch["chunk_positions"][rows]
+        at = np.where(seg > 0, chunks.start_of(chunk) + pos, 0)
+        ids = np.where(seg > 0, np.asarray(tokens[at.ravel()]).reshape(at.shape), 0)
+        return lm_fields({"ids": ids, "ids_segment_ids": seg, "ids_positions": pos})
+
+    ds = grain.MapDataset.range(len(chunks)).shuffle(seed=seed)
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * read_threads)
-    ds = ds.repeat().map(read).to_iter_dataset(options)
+    ds = ds.repeat().map(number).to_iter_dataset(options)
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={"ids": window}, num_packing_bins=bins, seed=seed
+        ds, length_struct={"chunk": window}, num_packing_bins=bins, seed=seed
     )
-    ds = ds.batch(per, drop_remainder=True).map(lm_fields)
+    ds = ds.batch(batch_size, drop_remainder=True).map(read)
     if workers:  # worker processes run the whole pipeline, each on a slice of it
         from absl import flags
 
@@ -221,38 +259,6 @@ def restore_state(directory, iterator):
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckpt:
         iterator.set_state(ckpt.restore(pathlib.Path(directory).absolute()))
     return iterator
-
-
-def process_state_file(workdir, step: int, host) -> pathlib.Path:
-    """Where process ``host[0]`` of ``host[1]`` keeps its iterator state at checkpoint
-    ``step`` (Grain's own per-process name, ``process_I-of-N.json``)."""
-    index, count = host
-    return pathlib.Path(workdir) / STATE_DIR / str(int(step)) / f"process_{index}-of-{count}.json"
-
-
-def save_process_state(workdir, step: int, host, state, keep=()) -> None:
-    """Writes this process's ``state`` for ``step`` (atomically) and removes its states of
-    steps not in ``keep`` (the checkpoints still there)."""
-    import json
-
-    if state is None:
-        return
-    file = process_state_file(workdir, step, host)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(file)
-    for old in (pathlib.Path(workdir) / STATE_DIR).glob("*/" + file.name):
-        if old.parent.name.isdigit() and int(old.parent.name) not in {*keep, int(step)}:
-            old.unlink(missing_ok=True)
-
-
-def load_process_state(workdir, step: int, host) -> dict | None:
-    """The state ``save_process_state`` wrote, or None (then the pipeline replays)."""
-    import json
-
-    file = process_state_file(workdir, step, host)
-    return json.loads(file.read_text()) if file.is_file() else None
 
 
 class StepSampler:
