@@ -182,7 +182,8 @@ class _Loop:
             )
         self.tokens_per_step = self.batch_size * int(cfg.data.seq_len)
         self.lr_at = lr_multiplier(cfg.optim, trainer.total_steps)
-        self.rows = sharding.process_rows(self.batch_size)  # this process's rows of the batch
+        # This process's rows of the batch, the ones its devices hold.
+        self.rows = sharding.process_rows(self.batch_size, trainer.mesh, trainer.rules)
         self.window_start, self.window_steps = time.perf_counter(), 0
 
     def view(self, tree, i):
