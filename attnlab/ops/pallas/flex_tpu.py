@@ -25,21 +25,32 @@ import jax.numpy as jnp
 from attnlab.errors import ConfigError
 from attnlab.ops.masks import MaskSpec
 from attnlab.ops.pallas import _common as cm
-from attnlab.ops.pallas import flex_gpu
+from attnlab.ops.pallas import _flex_grads, _flex_kernels
+from attnlab.ops.pallas import flex_tpu_kernels as tk_
+from attnlab.ops.pallas import flex_tpu_mods as mods
 
 SPLASH_BLOCK = 128
 _FALLBACK = "falling back to pallas_tpu"
+_F32 = jnp.float32
 
 
-def _on_tpu(interpret, name):
-    if not interpret and jax.default_backend() != "tpu":
-        return f"{name}: needs a TPU (or interpret=True)"
-    return None
+def default_blocks(T, S):
+    """``(block_q, block_k)``: 128 up to 8192 tokens, 256 beyond. As in JAX's flash attention,
+    128 fills the MXU and keeps each program's ``[tq, tk]`` float32 intermediates (logits,
+    weights, their cotangents: a few hundred KiB) well inside scoped VMEM; longer sequences
+    take 256 to halve the grid steps (each costs ~0.35 us of pipeline overhead) and to keep
+    the block tables, which live in SMEM as ``nq * steps`` int32, at <= 16K entries for 32K
+    tokens. Blocks are capped at T and S (a block spanning a whole axis always tiles)."""
+    block = 128 if max(T, S) <= 8192 else 256
+    return block, block
 
 
 def supports(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=None, softcap=None,
              block_q=None, block_k=None, block_mask=None, interpret=False, **_):  # fmt: skip
-    """None when the Mosaic-TPU flex kernel takes the call, else one line naming the argument."""
+    """None when the Mosaic-TPU flex kernel takes the call, else one line naming the argument.
+
+    With ``interpret=False`` the kernel is built for a TPU whatever the host (a CPU can lower
+    it for one); ``interpret=True`` runs it in Pallas interpret mode."""
     if (reason := cm.check_common(q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, mask=mask,
                                   sinks=sinks, softcap=softcap)) is not None:  # fmt: skip
         return f"{reason}; falling back to chunked"
@@ -53,21 +64,167 @@ def supports(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=None, s
                 f"{name}={value}: Mosaic TPU blocks are multiples of {least}; "
                 "falling back to chunked"
             )
-    if (reason := _on_tpu(interpret, "pallas_tpu")) is not None:
-        return f"{reason}; falling back to chunked"
+    if not interpret and score_mod is not None:
+        T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+        bq, bk = default_blocks(T, S)
+        tq, tk = min(block_q or bq, T), min(block_k or bk, S)
+        try:
+            sm = cm.convert_score_mod(score_mod, tq, tk)
+        except ConfigError as e:
+            return f"{e}; falling back to chunked"
+        B, N = q_BTNH.shape[0], q_BTNH.shape[2]
+        plan = mods.plan_score_mod(sm, B=B, N=N, tq=tq, tk=tk, T_pad=mods.ceil_to(T, tq),
+                                   S_pad=mods.ceil_to(S, tk))  # fmt: skip
+        if plan.unsupported():
+            return (
+                "score_mod: reads a closed-over array other than one entry at "
+                "(b, h, q_idx, kv_idx) or at scalar indices (e.g. a gather of rows), which "
+                "Mosaic TPU cannot load per block; falling back to chunked"
+            )
+        if missing := mods.mosaic_unlowerable(sm, plan, tq, tk):
+            return (
+                f"score_mod: uses {', '.join(missing)}, which the Mosaic TPU lowering lacks; "
+                "falling back to chunked"
+            )
     return None
 
 
 def flex_attention_tpu(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, block_mask=None,
                        scale=None, sinks=None, softcap=None, block_q=None, block_k=None,
                        interpret: bool = False):  # fmt: skip
-    """Flex attention through the Mosaic-TPU kernels: ``out_BTNH`` (see ``flex_gpu``)."""
-    out, _ = flex_gpu.attention(
-        q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, mask=mask, block_mask=block_mask,
-        scale=scale, sinks=sinks, softcap=softcap, block_q=block_q, block_k=block_k,
-        interpret=interpret, layout="BNTH", prefetch=True, reason_fn=supports,
+    """Flex attention through the streaming Mosaic-TPU kernels (``flex_tpu_kernels``):
+    ``out_BTNH``, with ``flex_gpu``'s meaning. ``mask``: None, a ``MaskSpec`` or a dense
+    bool ``[B|1, N|1, T, S]``; ``block_mask`` its ``BlockMask`` (else built here); blocks
+    default to ``default_blocks``. Differentiable in q, k, v, sinks and the float arrays
+    ``score_mod`` closes over."""
+    kw = dict(score_mod=score_mod, mask=mask, block_mask=block_mask, sinks=sinks,
+              softcap=softcap, block_q=block_q, block_k=block_k, interpret=interpret)  # fmt: skip
+    if (reason := supports(q_BTNH, k_BSKH, v_BSKH, **kw)) is not None:
+        raise ConfigError(reason)
+    return _attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, **kw)
+
+
+def _visit_tables(bm, transpose):
+    """``((index, count, partial), steps)``: per row the blocks visited, PARTIAL then FULL,
+    the index repeating the last visited block past the count (no new copy), flattened."""
+    po, pc, fo, fc = cm.split_tables(bm, transpose=transpose)
+    n = po.shape[1]
+    t_ = jnp.arange(n, dtype=jnp.int32)[None, :]
+    full = jnp.take_along_axis(fo, jnp.clip(t_ - pc[:, None], 0, n - 1), 1)
+    order = jnp.where(t_ < pc[:, None], po, full)
+    count = pc + fc
+    last = jnp.clip(jnp.minimum(t_, count[:, None] - 1), 0, n - 1)
+    index = jnp.take_along_axis(order, last, 1)
+    try:  # tables known while tracing: as many steps as the longest row
+        steps = max(int(jax.device_get(count.max())), 1)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        steps = n
+    return (index[:, :steps].reshape(-1), count, pc), steps
+
+
+def _pad_to(x, axis, size):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, block_q,
+               block_k, interpret):  # fmt: skip
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    bq, bk = default_blocks(T, S)
+    with jax.ensure_compile_time_eval():
+        bm = cm.resolve_block_mask(mask, block_mask, T, S, block_q or bq, block_k or bk)
+        tables_q, steps_q = _visit_tables(bm, False)
+        tables_k, steps_k = _visit_tables(bm, True)
+    tq, tk = bm.block_q, bm.block_k
+    nq, nk = bm.shape
+    T_pad, S_pad = nq * tq, nk * tk
+    sm = cm.convert_score_mod(score_mod, tq, tk)
+    plan = None
+    if sm is not None:
+        plan = mods.plan_score_mod(sm, B=B, N=N, tq=tq, tk=tk, T_pad=T_pad, S_pad=S_pad)
+    consts = () if sm is None else sm.consts
+    wants = () if sm is None else sm.float_consts
+    mi = cm.mask_inputs(mask, B, T, S, T_pad, S_pad)
+    kernel_masks = mi.arrays
+    if mi.kind == "dense" and tq % 32:  # int8 tiles are (32, 128)
+        kernel_masks = (mi.arrays[0].astype(jnp.int32),)
+    stream_sizes = ()
+    if plan is not None:
+        stream_sizes = tuple(
+            tuple(consts[st.const].shape[a] for a in st.perm if st.roles[a] in "bh")
+            for st in plan.streams
+        )
+    c = tk_.Config(
+        B=B, T=T, S=S, N=N, K=K, H=H, tq=tq, tk=tk, nq=nq, nk=nk, steps_q=steps_q,
+        steps_k=steps_k, scale=cm.default_scale(scale, H),
+        softcap=None if softcap is None else float(softcap),
+        mod=None if sm is None else mods.score_fn(sm, plan), plan=plan,
+        stream_sizes=stream_sizes, spec=(mi.causal, mi.names) if mi.kind == "spec" else None,
+        mask_names=mi.names,
+        dense_shape=tuple(mi.arrays[0].shape[:2]) if mi.kind == "dense" else (),
+        has_sinks=sinks is not None, interpret=interpret,
     )  # fmt: skip
-    return out
+
+    def streams(consts):
+        if plan is None:
+            return ()
+        return tuple(mods.stream_array(st, consts[st.const], T_pad, S_pad) for st in plan.streams)
+
+    def bnth(x, size):
+        return _pad_to(x, 1, size).transpose(0, 2, 1, 3)
+
+    def run_fwd(q, k, v, sinks, consts):
+        out, lse = tk_.forward(c, tables_q, bnth(q, T_pad), bnth(k, S_pad), bnth(v, S_pad),
+                               sinks, kernel_masks, consts, streams(consts))  # fmt: skip
+        return out.transpose(0, 2, 1, 3)[:, :T], lse
+
+    @jax.custom_vjp
+    def f(q, k, v, sinks, consts):
+        return run_fwd(q, k, v, sinks, consts)[0]
+
+    def f_fwd(q, k, v, sinks, consts):
+        out, lse = run_fwd(q, k, v, sinks, consts)
+        return out, (q, k, v, sinks, consts, out, lse)
+
+    def f_bwd(res, do):
+        q, k, v, sinks, consts, out, lse = res
+        delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(_F32), out.astype(_F32))
+        delta = _pad_to(delta, 2, T_pad)
+        delta_l = jnp.broadcast_to(delta[..., None], lse.shape)
+        dq, dk, dv = tk_.backward(
+            c, tables_q, tables_k, bnth(q, T_pad), bnth(k, S_pad), bnth(v, S_pad),
+            bnth(do.astype(q.dtype), T_pad), lse, delta_l, kernel_masks, consts, streams(consts),
+        )  # fmt: skip
+        dq = dq.transpose(0, 2, 1, 3)[:, :T]
+        dk, dv = (x.transpose(0, 2, 1, 3)[:, :S] for x in (dk, dv))
+        lse0 = lse[..., 0]
+        dsinks = None
+        if sinks is not None:  # d out / d sink = -p_sink * out
+            p_sink = jnp.exp(sinks.astype(_F32)[None, :, None] - lse0)
+            dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
+        dconsts = tuple(None for _ in consts)
+        if any(wants):  # the GPU kernels' blockwise pass in plain JAX over the same visits
+            gc = _flex_kernels.Config(
+                B=B, T=T, S=S, N=N, K=K, H=H, tq=tq, tk=tk, nq=nq, nk=nk, scale=c.scale,
+                softcap=c.softcap, mod=sm.fn, mod_refs=None,
+                const_shapes=tuple(x.shape for x in consts), mask_kind=mi.kind,
+                mask_names=mi.names, causal=mi.causal, dense_shape=c.dense_shape,
+                has_sinks=sinks is not None, layout="BTNH", prefetch=False, interpret=True,
+            )  # fmt: skip
+            dconsts = tuple(_flex_grads.const_grads(
+                gc, cm.split_tables(bm), _pad_to(q, 1, T_pad), _pad_to(k, 1, S_pad),
+                _pad_to(v, 1, S_pad), _pad_to(do, 1, T_pad), lse0, delta, mi.arrays, consts,
+                wants,
+            ))  # fmt: skip
+        return dq, dk, dv, dsinks, dconsts
+
+    f.defvjp(f_fwd, f_bwd)
+    sinks_arr = None if sinks is None else jnp.asarray(sinks)
+    return f(q, k, v, sinks_arr, tuple(consts))
 
 
 # ------------------------------------------------------------------------------------------
@@ -123,8 +280,6 @@ def supports_splash(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=
                 f"{name}={size}: splash blocks are multiples of {SPLASH_BLOCK} dividing the "
                 f"length {length}; {_FALLBACK}"
             )
-    if (reason := _on_tpu(interpret, "splash")) is not None:
-        return f"{reason}; {_FALLBACK}"
     return None
 
 
