@@ -189,7 +189,8 @@ def fwd_kernel(*refs, c: Config):
     o_ref[...] = (acc / jnp.where(live, den, 1.0)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(live, m + jnp.log(jnp.where(live, den, 1.0)), 0.0)
     if c.count:
-        outs[2][...] = jnp.stack([nvis, nmask])
+        slot = jax.lax.broadcasted_iota(jnp.int32, (2,), 0)  # a stack of scalars: not in Triton
+        outs[2][...] = jnp.where(slot == 0, nvis, nmask)
 
 
 def _grad_block(c, q, k, v, do, lse, delta, b, h, qs, ks, consts, ok):
