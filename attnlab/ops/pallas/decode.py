@@ -2,7 +2,7 @@
 over the cache length (flash decoding), forward only.
 
 Grid ``(B, K, num_splits)``: a program takes the ``G`` query heads that read kv head ``kh``
-(one ``[G, H]`` block, so grouped heads share each key block's load) and one split of the
+(one ``[Gp, H]`` block, below, so grouped heads share each key block's load) and one split of the
 cache, loops over that split's non-empty key blocks of its batch row (PARTIAL ones with the
 mask evaluated, FULL ones without) and writes a partial softmax: the split's normalised
 output and log-sum-exp. The splits are combined after the kernel, the sinks joining the
@@ -18,8 +18,10 @@ On a GPU the call passes Triton ``CompilerParams`` (the Triton lowering, for the
 ``flex_gpu`` gives): 4 warps and 2 stages, as jax's own Triton decode kernel
 (``jax/experimental/pallas/ops/gpu/decode_attention.py``), since a program's work is one
 ``[G, H]`` by ``[tk, H]`` product per key block, memory-bound. Triton's matmul takes at
-least 16 rows, so the ``G`` query heads of a kv head are padded to ``Gp = max(16, G)``
-rounded to a power of two (the padded rows see no key and are dropped), again as there.
+least 16 rows, so the ``G`` query heads of a kv head are padded with zero rows to
+``Gp = max(16, G)`` rounded to a power of two, computed and dropped, again as there. A
+``score_mod`` takes one head, so it runs ``G`` times on the ``[Gp, tk]`` block, each run
+keeping its head's row.
 ``supports`` does not look at the host's backend: the kernel lowers for CUDA anywhere.
 """
 
