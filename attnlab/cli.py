@@ -8,6 +8,8 @@ attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir
 attnlab sweep --collect DIR
 attnlab eval --workdir DIR [--step N] [--full] [--import my_variant.py ...]
 attnlab eval --harness TASKS (--workdir DIR | --pretrained HF_DIR) [--include-path DIR]
+attnlab eval (--workdir DIR | --pretrained HF_DIR) --lengths L1,L2 [--context-mode chunks|sliding|both]
+             [--rope-scaling KIND:FACTOR] [--tasks T1,T2]
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflow stop|raise]
                [--temperature T ...] [--step N]
@@ -76,8 +78,10 @@ def _train(args, overrides):
 
 def _eval(args, overrides):
     from attnlab import runs
-    from attnlab.evaluation import commands
+    from attnlab.evaluation import commands, length_command
 
+    if length_command.wanted(args):
+        return length_command.run(args)
     commands.check(args)
     if args.harness is not None:
         return commands.harness(args)
@@ -152,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     from attnlab.evaluation.commands import add_flags as add_harness_flags
 
     add_harness_flags(e)
+    from attnlab.evaluation.length_command import add_flags as add_length_flags
+
+    add_length_flags(e)
     e.set_defaults(fn=_eval)
 
     pl = sub.add_parser(

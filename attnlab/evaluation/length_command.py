@@ -1,0 +1,124 @@
+"""``attnlab eval --lengths ... [--tasks ...]``: loss by length and RULER-style tasks by length.
+
+``--lengths 128,256,...`` alone writes ``length_eval.json`` and ``length_eval.png`` (loss
+against length per ``--context-mode``); with ``--tasks a,b`` it writes ``tasks.json`` and
+``tasks.png`` (accuracy per task and length, the effective length) instead. ``--workdir``
+may name several runs, comma-separated: one line per run in the plot. Files go to ``--out``
+(default: the one run's directory, else the working directory).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from attnlab.errors import ConfigError
+
+
+def add_flags(e) -> None:
+    """Adds the length flags to the ``attnlab eval`` parser ``e``."""
+    e.add_argument(
+        "--lengths", default=None, metavar="L1,L2,...",
+        help="loss (or --tasks accuracy) at each evaluation length, in tokens",
+    )  # fmt: skip
+    e.add_argument(
+        "--context-mode", default="chunks", metavar="chunks|sliding|both",
+        help="non-overlapping windows, a sliding window (--stride), or both",
+    )  # fmt: skip
+    e.add_argument("--stride", type=int, default=None, help="sliding: scored tokens per window")
+    e.add_argument(
+        "--rope-scaling", default=None, metavar="KIND:FACTOR",
+        help="stretch RoPE at evaluation time: linear (Position Interpolation), yarn, llama3",
+    )  # fmt: skip
+    e.add_argument("--tokens", type=int, default=16_384, help="--lengths: tokens scored per length")
+    e.add_argument(
+        "--tasks", default=None, metavar="T1,T2|all",
+        help="RULER-style tasks scored at each of --lengths (attnlab.data.ruler_tasks)",
+    )  # fmt: skip
+    e.add_argument("--examples", type=int, default=32, help="--tasks: examples per task and length")
+    e.add_argument("--seed", type=int, default=0, help="--tasks: the examples' seed")
+    e.add_argument("--threshold", type=float, default=0.856, help="--tasks: effective length's")
+    e.add_argument("--out", default=None, metavar="DIR", help="where the JSON and PNG go")
+
+
+def wanted(args) -> bool:
+    return getattr(args, "lengths", None) is not None or getattr(args, "tasks", None) is not None
+
+
+def _lengths(spec) -> list[int]:
+    try:
+        out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 2:
+        raise ConfigError(f"--lengths {spec!r}: a comma-separated list of lengths >= 2")
+    return out
+
+
+def _modes(spec) -> tuple[str, ...]:
+    modes = ("chunks", "sliding") if spec == "both" else (spec,)
+    from attnlab.evaluation.length import MODES
+
+    if any(m not in MODES for m in modes):
+        raise ConfigError(f"--context-mode {spec!r}: use chunks, sliding or both")
+    return modes
+
+
+def _scorables(args):
+    from attnlab.evaluation import length
+
+    if args.pretrained is not None:
+        if args.workdir is not None:
+            raise ConfigError("--lengths scores --workdir RUN or --pretrained DIR, not both")
+        return [length.from_pretrained(args.pretrained, rope_scaling=args.rope_scaling)]
+    if args.workdir is None:
+        raise ConfigError("--lengths needs --workdir RUN[,RUN...] or --pretrained DIR")
+    dirs = [d for d in args.workdir.split(",") if d]
+    return [length.from_workdir(d, args.step, rope_scaling=args.rope_scaling) for d in dirs]
+
+
+def run(args) -> None:
+    """Writes the JSON and PNG, prints the JSON's path and a one-line summary per run."""
+    from attnlab.evaluation import length
+
+    if args.harness is not None or args.full:
+        raise ConfigError("--lengths and --tasks stand alone: drop --harness / --full")
+    if args.lengths is None:
+        raise ConfigError("--tasks needs --lengths L1,L2,...")
+    lengths, modes = _lengths(args.lengths), _modes(args.context_mode)
+    scorables = _scorables(args)
+    for s in scorables:  # every limit before any compute
+        length.check_lengths(s, lengths)
+    out = pathlib.Path(args.out or (args.workdir if len(scorables) == 1 and args.workdir else "."))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.tasks is not None:
+        from attnlab.evaluation import ruler
+
+        results = {
+            s.name: ruler.evaluate_tasks(
+                s, args.tasks, lengths, examples=args.examples, seed=args.seed,
+                threshold=args.threshold, progress=True,
+            )
+            for s in scorables
+        }  # fmt: skip
+        path = out / "tasks.json"
+        path.write_text(json.dumps(results, indent=1))
+        for name, r in results.items():
+            suffix = "" if len(results) == 1 else f"_{pathlib.Path(name).name}"
+            ruler.plot_heatmap(r, out / f"tasks{suffix}.png", title=name)
+            print(f"{name}: effective length {r['effective_length']}", file=sys.stderr)
+        print(path)
+        return
+    results = {
+        s.name: length.evaluate_lengths(
+            s, lengths, modes=modes, tokens=args.tokens, stride=args.stride, progress=True
+        )
+        for s in scorables
+    }
+    path = out / "length_eval.json"
+    path.write_text(json.dumps(results, indent=1))
+    for mode in modes:
+        name = "length_eval.png" if len(modes) == 1 else f"length_eval_{mode}.png"
+        length.plot_lengths(results, mode, out / name)
+    print(path)

@@ -1,0 +1,117 @@
+"""Train short, test long: one decoder, six position encodings, perplexity to 16x its length.
+
+ALiBi's experiment (Press et al. 2022, "Train Short, Test Long") at CPU scale: the same
+character-level decoder on the embedded corpus (the Python standard library's source), trained
+at T = 128 with each of attnlab's ``ModelConfig.position`` kinds (learned absolute,
+sinusoidal, RoPE, T5's relative buckets, ALiBi, none), then scored by ``attnlab eval
+--lengths`` at 128 .. 2048 tokens on non-overlapping windows (``chunks``) and with a sliding
+window (``sliding``: every scored token sees the full window behind it). RoPE is scored
+again with Position Interpolation and YaRN applied at evaluation time (``--rope-scaling``)::
+
+    attnlab sweep --config experiments/length_positions.py --workdir runs/length_positions
+    python experiments/length_positions.py --report runs/length_positions
+
+``model.max_len`` is 2048 so that the learned table has rows to evaluate at (those past 128
+are never trained); the other kinds hold nothing that depends on it. ``--report`` writes
+``DIR/length_table.md``, ``DIR/length_eval.json`` and ``DIR/length_eval_<mode>.png`` (one
+line per position kind). docs/length.md has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from attnlab.experiment import base_config
+
+VARIANTS = ("tiny",)
+POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
+TRAIN_LEN = 128
+LENGTHS = (128, 256, 512, 1024, 2048)
+SCALINGS = ("linear:16", "yarn:16")  # evaluation-time RoPE scalings beside plain RoPE
+
+
+def get_config(variant=None):
+    c = base_config()
+    c.name = "length_positions"
+    c.model.update(
+        arch="decoder",
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=192,
+        max_len=max(LENGTHS),
+        position="rope",
+        norm="rmsnorm",
+        ffn="swiglu",
+        norm_bias=False,
+        attention_impl="chunked",
+    )
+    c.data.update(kind="text", path="", tokenizer="char", seq_len=TRAIN_LEN, max_chars=1_000_000)
+    c.optim.update(learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1)
+    c.train.update(steps=300, batch_size=16, seed=0, log_every_steps=50)
+    c.eval.update(every_steps=300, batches=4, batch_size=16, sample_tokens=0)
+    c.checkpoint.update(every_steps=300, max_to_keep=1)
+    if variant == "tiny":
+        c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=64)
+        c.data.update(seq_len=16, max_chars=20_000)
+        c.train.update(steps=2, batch_size=2, log_every_steps=1)
+        c.eval.update(every_steps=2, batches=1, batch_size=2)
+        c.checkpoint.update(every_steps=2)
+    return c
+
+
+def sweep(variant=None):
+    """One trial per position kind."""
+    from attnlab.sweep import grid
+
+    return grid({"model.position": list(POSITIONS)})
+
+
+def lengths_of(variant=None) -> list[int]:
+    if variant == "tiny":
+        return [16, 32, 64]
+    return list(LENGTHS)
+
+
+def report(root, *, variant=None, tokens=16_384, modes=("chunks", "sliding")) -> dict:
+    """Scores every finished trial under ``root`` at ``lengths_of(variant)`` in ``modes``
+    (RoPE also with ``SCALINGS``); writes the table, JSON and one PNG per mode."""
+    from attnlab.evaluation import length
+
+    root = pathlib.Path(root)
+    lengths = lengths_of(variant)
+    results = {}
+    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
+        position = json.loads((trial / "config.json").read_text())["model"]["position"]
+        scalings = [None, *SCALINGS] if position == "rope" else [None]
+        for scaling in scalings:
+            name = position if scaling is None else f"rope+{scaling.split(':')[0]}"
+            results[name] = length.evaluate_lengths(
+                length.from_workdir(trial, rope_scaling=scaling),
+                lengths,
+                modes=modes,
+                tokens=tokens,
+                progress=True,
+            )
+    (root / "length_eval.json").write_text(json.dumps(results, indent=1))
+    for mode in modes:
+        length.plot_lengths(results, mode, root / f"length_eval_{mode}.png")
+    (root / "length_table.md").write_text(length.markdown_table(results, modes))
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--report", metavar="DIR", required=True, help="the sweep's directory")
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--tokens", type=int, default=16_384, help="tokens scored per length")
+    args = p.parse_args(argv)
+    report(args.report, variant=args.variant, tokens=args.tokens)
+    print((pathlib.Path(args.report) / "length_table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
