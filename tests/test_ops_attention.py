@@ -385,7 +385,7 @@ def test_auto_runs_cudnn_on_an_nvidia_gpu_only_where_measured(monkeypatch):
     """``"auto"`` picks cuDNN for plain causal bfloat16 self-attention on an NVIDIA GPU
     (the dispatch is checked here, on the CPU, with XLA's kernel run in cuDNN's place) and
     leaves every case not measured there to XLA's path."""
-    from attnlab.ops import attention as attention_mod
+    from attnlab.ops import dense_attention
 
     calls = []
     fused = jax.nn.dot_product_attention
@@ -395,7 +395,7 @@ def test_auto_runs_cudnn_on_an_nvidia_gpu_only_where_measured(monkeypatch):
         return fused(*args, implementation="xla" if implementation else None, **kwargs)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
-    monkeypatch.setattr(attention_mod, "_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(dense_attention, "_nvidia_gpu", lambda: True)
     T64 = 64
     rng = np.random.default_rng(22)
     q, k, v = (jnp.asarray(rng.standard_normal((1, T64, 2, 16)), jnp.bfloat16) for _ in range(3))
@@ -423,5 +423,5 @@ def test_auto_runs_cudnn_on_an_nvidia_gpu_only_where_measured(monkeypatch):
         is None
     )
     assert run(softcap=30.0)[1] == "not fused"
-    monkeypatch.setattr(attention_mod, "_nvidia_gpu", lambda: False)  # a GPU of another make
+    monkeypatch.setattr(dense_attention, "_nvidia_gpu", lambda: False)  # a GPU of another make
     assert run()[1] is None

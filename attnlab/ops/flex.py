@@ -41,14 +41,14 @@ import jax
 import jax.numpy as jnp
 
 from attnlab.ops import paths, score_mods
-from attnlab.ops.attention import (
+from attnlab.ops.block_mask import BlockMask
+from attnlab.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
+from attnlab.ops.dense_attention import (
     _check_shapes,
     gpu_prefers_cudnn,
     one_query_attention,
     reference_attention,
 )
-from attnlab.ops.block_mask import BlockMask
-from attnlab.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
 from attnlab.ops.masks import MaskSpec
 from attnlab.ops.paths import LOGGER, log_fallbacks, say  # noqa: F401  (this module's API)
 
