@@ -32,6 +32,7 @@ from attnlab.kv_cache import KVCache, check_capacity
 from attnlab.nn import parametrization, probe
 from attnlab.nn.layers import Embed, Norm, normal
 from attnlab.nn.mtp import MTP
+from attnlab.nn.registry import MODEL_CLASSES
 from attnlab.nn.stack import Stack
 from attnlab.ops.linear import add_bias, dense, fold
 
@@ -354,7 +355,7 @@ class EncoderDecoder(nnx.Module):
         return out
 
 
-MODEL_CLASSES = {"decoder": DecoderLM, "encoder": EncoderMLM, "encoder_decoder": EncoderDecoder}
+MODEL_CLASSES.update(decoder=DecoderLM, encoder=EncoderMLM, encoder_decoder=EncoderDecoder)
 
 
 def build_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None):

@@ -30,6 +30,7 @@ from attnlab.config.parametrization import (  # noqa: F401  (re-exported)
     width_base,
 )
 from attnlab.errors import ConfigError
+from attnlab.nn.registry import MODEL_CLASSES
 
 
 def _suffix(path) -> tuple[str, str]:
@@ -52,8 +53,6 @@ def _axes(path, shape, stacked: bool):
 def _abstract(cfg):
     """The parameter shapes of ``cfg``'s model and the roles its modules declare."""
     from flax import nnx
-
-    from attnlab.nn.models import MODEL_CLASSES
 
     model = nnx.eval_shape(lambda: MODEL_CLASSES[cfg.arch](cfg, rngs=nnx.Rngs(0)))
     declared = {}
@@ -164,8 +163,6 @@ def to_standard(model):
     a power-of-four multiple of the base); otherwise it rounds once per weight."""
     from flax import nnx
 
-    from attnlab.nn.models import build_model
-
     cfg = model.cfg
     if is_standard(cfg):
         return model
@@ -186,7 +183,7 @@ def to_standard(model):
                 attn[name] = attn[name] * ratio
         changes["attn_scale"] = None
     std = standard_equivalent(cfg).replace(**changes)
-    out = nnx.eval_shape(lambda: build_model(std, rngs=nnx.Rngs(0)))
+    out = nnx.eval_shape(lambda: MODEL_CLASSES[std.arch](std, rngs=nnx.Rngs(0)))
     state = nnx.state(out, nnx.Param)
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(out, state)
