@@ -5,14 +5,16 @@
   positions and segment ids (packed documents), a softcap (``attn_logits_soft_cap``), sinks,
   grouped heads (its grouped form: keys and values are not repeated), blocks that are
   multiples of 128 dividing T and S. Its block sparsity comes from its own static mask.
-* ``flex_attention_tpu`` (``supports``): everything else (any ``score_mod``, prefix-LM,
-  ragged lengths, validity, dense masks): the kernels of ``flex_gpu`` with Mosaic-TPU block
-  shapes (heads before time, so a block's last two dims are ``[block, H]``) and the block
-  tables as scalar prefetch (``PrefetchScalarGridSpec``).
+* ``flex_attention_tpu`` (``supports``): everything else (any ``score_mod`` whose
+  closed-over arrays are read one entry per ``(b, h, q_idx, kv_idx)`` or at scalar indices,
+  prefix-LM, ragged lengths, validity, dense masks): the streaming kernels of
+  ``flex_tpu_kernels`` (grid ``(B, N, nq, steps)``, the visited key blocks innermost, block
+  tables as scalar prefetch, ``O(block)`` memory per program).
 
-Both run in Pallas interpret mode on the CPU (``interpret=True``), which is how they are
-tested; Mosaic's own lowering (block shapes, ``fori_loop`` bounds read from SMEM) is
-unchecked without a TPU.
+With ``interpret=False`` both are built for a TPU whatever the host, so a CPU lowers them
+for one (``jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))``: Mosaic checks the
+block tiling there; the chip's own compiler runs only on the chip). ``interpret=True`` runs
+them in Pallas interpret mode on the CPU, which is how their values are tested.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from attnlab.ops.pallas import flex_tpu_mods as mods
 SPLASH_BLOCK = 128
 _FALLBACK = "falling back to pallas_tpu"
 _F32 = jnp.float32
+MIN_ROWS = 8  # a query block's rows on the chip: one vreg's sublanes
 
 
 def default_blocks(T, S):
@@ -54,6 +57,8 @@ def supports(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=None, s
     if (reason := cm.check_common(q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, mask=mask,
                                   sinks=sinks, softcap=softcap)) is not None:  # fmt: skip
         return f"{reason}; falling back to chunked"
+    if isinstance(mask, MaskSpec) and getattr(mask, "allowed", None) is not None:
+        return "mask.allowed: the Mosaic-TPU flex kernel has no such rule; falling back to chunked"
     if block_mask is not None:
         block_q, block_k = block_mask.block_q, block_mask.block_k
     for name, value, least in (("block_q", block_q, 8), ("block_k", block_k, 128)):
@@ -68,20 +73,24 @@ def supports(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=None, s
         T, S = q_BTNH.shape[1], k_BSKH.shape[1]
         bq, bk = default_blocks(T, S)
         tq, tk = min(block_q or bq, T), min(block_k or bk, S)
+        B, N = q_BTNH.shape[0], q_BTNH.shape[2]
         try:
             sm = cm.convert_score_mod(score_mod, tq, tk)
+            plan = mods.plan_score_mod(sm, B=B, N=N, tq=tq, tk=tk, T_pad=mods.ceil_to(T, tq),
+                                       S_pad=mods.ceil_to(S, tk))  # fmt: skip
+            missing = mods.mosaic_unlowerable(sm, plan, tq, tk)
         except ConfigError as e:
             return f"{e}; falling back to chunked"
-        B, N = q_BTNH.shape[0], q_BTNH.shape[2]
-        plan = mods.plan_score_mod(sm, B=B, N=N, tq=tq, tk=tk, T_pad=mods.ceil_to(T, tq),
-                                   S_pad=mods.ceil_to(S, tk))  # fmt: skip
+        except Exception as e:  # a score_mod the kernel's reader cannot follow
+            line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return f"score_mod: cannot be read per block ({line}); falling back to chunked"
         if plan.unsupported():
             return (
                 "score_mod: reads a closed-over array other than one entry at "
                 "(b, h, q_idx, kv_idx) or at scalar indices (e.g. a gather of rows), which "
                 "Mosaic TPU cannot load per block; falling back to chunked"
             )
-        if missing := mods.mosaic_unlowerable(sm, plan, tq, tk):
+        if missing:
             return (
                 f"score_mod: uses {', '.join(missing)}, which the Mosaic TPU lowering lacks; "
                 "falling back to chunked"
@@ -101,7 +110,23 @@ def flex_attention_tpu(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, blo
               softcap=softcap, block_q=block_q, block_k=block_k, interpret=interpret)  # fmt: skip
     if (reason := supports(q_BTNH, k_BSKH, v_BSKH, **kw)) is not None:
         raise ConfigError(reason)
+    T = q_BTNH.shape[1]
+    if T < MIN_ROWS and block_mask is None:  # decoding: a block of 8 sublanes
+        q_BTNH, kw["mask"] = _pad_queries(q_BTNH, mask, k_BSKH.shape[1])
+        return _attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, **kw)[:, :T]
     return _attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, **kw)
+
+
+def _pad_queries(q, mask, S):
+    """``q`` and ``mask`` over ``MIN_ROWS`` queries: the added rows repeat the last one's
+    positions (a dense mask's are masked); their outputs are dropped."""
+    q = _pad_to(q, 1, MIN_ROWS)
+    if isinstance(mask, MaskSpec):
+        mask = mask.padded(MIN_ROWS, S)
+    elif mask is not None:
+        m = jnp.asarray(mask, bool)
+        mask = jnp.pad(m, [(0, 0), (0, 0), (0, MIN_ROWS - m.shape[2]), (0, 0)])
+    return q, mask
 
 
 def _visit_tables(bm, transpose):
@@ -149,9 +174,6 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
     consts = () if sm is None else sm.consts
     wants = () if sm is None else sm.float_consts
     mi = cm.mask_inputs(mask, B, T, S, T_pad, S_pad)
-    kernel_masks = mi.arrays
-    if mi.kind == "dense" and tq % 32:  # int8 tiles are (32, 128)
-        kernel_masks = (mi.arrays[0].astype(jnp.int32),)
     stream_sizes = ()
     if plan is not None:
         stream_sizes = tuple(
@@ -177,21 +199,32 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
     def bnth(x, size):
         return _pad_to(x, 1, size).transpose(0, 2, 1, 3)
 
-    def run_fwd(q, k, v, sinks, consts):
+    # The block tables and the mask's arrays (traced, inside a scan or jit) are inputs of
+    # the custom VJP, never closed over, so they cannot leak out of its backward pass.
+    def unpack(aux):
+        tq_, tk_tables, split, masks = aux[:3], aux[3:6], aux[6:10], aux[10:]
+        kernel_masks = masks
+        if mi.kind == "dense" and tq % 32:  # int8 tiles are (32, 128)
+            kernel_masks = (masks[0].astype(jnp.int32),)
+        return tq_, tk_tables, split, masks, kernel_masks
+
+    def run_fwd(q, k, v, sinks, consts, aux):
+        tables_q, _, _, _, kernel_masks = unpack(aux)
         out, lse = tk_.forward(c, tables_q, bnth(q, T_pad), bnth(k, S_pad), bnth(v, S_pad),
                                sinks, kernel_masks, consts, streams(consts))  # fmt: skip
         return out.transpose(0, 2, 1, 3)[:, :T], lse
 
     @jax.custom_vjp
-    def f(q, k, v, sinks, consts):
-        return run_fwd(q, k, v, sinks, consts)[0]
+    def f(q, k, v, sinks, consts, aux):
+        return run_fwd(q, k, v, sinks, consts, aux)[0]
 
-    def f_fwd(q, k, v, sinks, consts):
-        out, lse = run_fwd(q, k, v, sinks, consts)
-        return out, (q, k, v, sinks, consts, out, lse)
+    def f_fwd(q, k, v, sinks, consts, aux):
+        out, lse = run_fwd(q, k, v, sinks, consts, aux)
+        return out, (q, k, v, sinks, consts, aux, out, lse)
 
     def f_bwd(res, do):
-        q, k, v, sinks, consts, out, lse = res
+        q, k, v, sinks, consts, aux, out, lse = res
+        tables_q, tables_k, split, masks, kernel_masks = unpack(aux)
         delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(_F32), out.astype(_F32))
         delta = _pad_to(delta, 2, T_pad)
         delta_l = jnp.broadcast_to(delta[..., None], lse.shape)
@@ -216,15 +249,15 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
                 has_sinks=sinks is not None, layout="BTNH", prefetch=False, interpret=True,
             )  # fmt: skip
             dconsts = tuple(_flex_grads.const_grads(
-                gc, cm.split_tables(bm), _pad_to(q, 1, T_pad), _pad_to(k, 1, S_pad),
-                _pad_to(v, 1, S_pad), _pad_to(do, 1, T_pad), lse0, delta, mi.arrays, consts,
-                wants,
+                gc, split, _pad_to(q, 1, T_pad), _pad_to(k, 1, S_pad), _pad_to(v, 1, S_pad),
+                _pad_to(do, 1, T_pad), lse0, delta, masks, consts, wants,
             ))  # fmt: skip
-        return dq, dk, dv, dsinks, dconsts
+        return dq, dk, dv, dsinks, dconsts, tuple(None for _ in aux)
 
     f.defvjp(f_fwd, f_bwd)
     sinks_arr = None if sinks is None else jnp.asarray(sinks)
-    return f(q, k, v, sinks_arr, tuple(consts))
+    aux = (*tables_q, *tables_k, *cm.split_tables(bm), *mi.arrays)
+    return f(q, k, v, sinks_arr, tuple(consts), aux)
 
 
 # ------------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def extra_inputs(c: Config, at, mask_arrays, consts, streams):
                 arrays.append(x)
                 specs.append(pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd))
         for st, x, sizes in zip(c.plan.streams, streams, c.stream_sizes, strict=True):
-            specs.append(_spec(mods.stream_block(st, x.shape, c.tq, c.tk), at,
+            specs.append(_spec(mods.stream_block(st, c.tq, c.tk), at,
                                functools.partial(mods.stream_index, st, sizes)))  # fmt: skip
             arrays.append(x)
     return arrays, specs

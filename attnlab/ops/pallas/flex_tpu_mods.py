@@ -206,8 +206,10 @@ def _fit(x, axis, size):
 
 
 def stream_array(st: Stream, x, T_pad, S_pad):
-    """``x`` laid out for ``st``: ``[b?, h?, T_pad|1, S_pad|1]``."""
+    """``x`` laid out for ``st``: ``[b?, h?, T_pad|1, S_pad|1]``, float32 or int32 (32-bit
+    tiles; the kernel casts a block back to the traced dtype)."""
     y = jnp.transpose(x, st.perm)
+    y = y.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.int32)
     canon = st.canon
     if "q" not in canon:
         y = y[..., None, :] if "k" in canon else y[..., None]
@@ -246,10 +248,9 @@ class FlatRef:
         return self.ref[0, flat]
 
 
-def stream_block(st: Stream, x_shape, tq, tk):
+def stream_block(st: Stream, tq, tk):
     """The BlockSpec block shape of ``st``'s array."""
     canon = st.canon
-    del x_shape
     lead = tuple(None for r in canon if r in "bh")
     return lead + (tq if "q" in canon else 1, tk if "k" in canon else 1)
 
@@ -388,10 +389,7 @@ def mosaic_unlowerable(sm, plan: Plan, tq, tk):
         cm._ShapeRef(smem_array(x) if kind == "smem" else x)
         for x, kind in zip(sm.consts, plan.kinds, strict=True)
     ]
-    stream_refs = [
-        _BlockRef(stream_block(st, None, tq, tk)[-2:], sm.consts[st.const].dtype)
-        for st in plan.streams
-    ]
+    stream_refs = [_BlockRef(stream_block(st, tq, tk)[-2:], jnp.float32) for st in plan.streams]
     i32 = jnp.int32
     closed = jax.make_jaxpr(lambda *a: fn(*a, const_refs, stream_refs))(
         jnp.zeros((tq, tk), jnp.float32), i32(0), i32(0),
