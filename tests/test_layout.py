@@ -93,6 +93,62 @@ def test_the_layering_sees_an_upward_import(tmp_path):
     assert (line, _unit(module)) == (2, "runs") and LAYER["runs"] > LAYER["ops"]
 
 
+def _import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Each module under ``root`` -> the attnlab modules it imports (those inside functions
+    included: a lazy import that points back up closes a circle just the same)."""
+    graph = {}
+    for path in sorted((root / "attnlab").rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        graph[module] = {m for _, m in _imports(path) if m != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    # By the module each import names (``from attnlab.nn import parametrization`` is
+    # attnlab.nn.parametrization; a package's ``__init__`` is a node only where it is named).
+    circles = _circles(_import_graph(REPO))
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    # The check above can fail: two modules that import each other, one of them lazily.
+    (tmp_path / "attnlab").mkdir()
+    (tmp_path / "attnlab" / "a.py").write_text("from attnlab.b import f\n")
+    (tmp_path / "attnlab" / "b.py").write_text("def f():\n    from attnlab.a import g\n")
+    assert _circles(_import_graph(tmp_path)) == [["attnlab.a", "attnlab.b"]]
+
+
 def test_no_file_names_an_old_module_path():
     old = re.compile(
         r"(?<![\w.])("
