@@ -12,9 +12,11 @@ for run-time failures), so the Python API raises the same types the command repo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import signal
+import threading
 
 
 class AttnlabError(Exception):
@@ -138,3 +140,37 @@ def optional_import(module: str, extra: str | None, what: str):
 def one_line(error: BaseException) -> str:
     """The message of ``error`` on one line."""
     return " ".join(str(error).split())
+
+
+# Checks of traced values (under jit a value cannot raise). They are made only while a step
+# is traced inside ``attnlab.decode.checks.checked_jit``, as ``checkify`` checks that raise
+# after the call; anywhere else they add nothing to the program (no operation, no effect: a
+# jitted call keeps its fast dispatch).
+_TRACED = threading.local()
+
+
+def checking_traced() -> bool:
+    """Whether the function being traced runs under ``checked_jit``."""
+    return getattr(_TRACED, "on", False)
+
+
+@contextlib.contextmanager
+def traced_checks():
+    """Makes ``traced_check`` bind its checks while the block traces (``checked_jit``)."""
+    before = checking_traced()
+    _TRACED.on = True
+    try:
+        yield
+    finally:
+        _TRACED.on = before
+
+
+def traced_check(ok, message: str, **values) -> None:
+    """Under ``traced_checks``: a ``checkify`` check that ``ok()`` holds, its failure
+    reported as ``message`` formatted with ``values()`` (traced; ``{name}`` placeholders).
+    Elsewhere nothing: ``ok`` and ``values`` are callables, so no operation is traced."""
+    if not checking_traced():
+        return
+    from jax.experimental import checkify
+
+    checkify.check(ok(), message, **{k: v() for k, v in values.items()})

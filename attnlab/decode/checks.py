@@ -137,3 +137,44 @@ def check_fits(what: str, used: int, n: int, cfg: ModelConfig, max_len, *, stop_
             f"lower max_new_tokens{larger}{stop}"
         )
     return cap
+
+
+def checked_jit(fn, *, jit=None, **jit_options):
+    """``fn`` jitted (``jax.jit``, or ``jit=nnx.jit`` for a function of NNX modules) with
+    the checks the model makes on traced values raising after each call, as eager calls do.
+
+    Under ``jit`` a model cannot raise on what it only sees traced: a write past a linear
+    cache's capacity (``kv_cache.check_capacity``) and a position past an absolute position
+    table (``nn.stack.check_positions``). Traced here, they are ``jax.experimental.checkify``
+    checks (``attnlab.errors.traced_check``; a plain jit traces none of them), so such a call
+    raises a ``DecodeError`` naming the capacity or the table and the fix, instead of
+    returning wrong or NaN logits. A hand-written decoding loop:
+
+        step = checked_jit(lambda model, ids, cache: model(ids, cache=cache), jit=nnx.jit)
+
+    Each call reads the error flag back (one small device-to-host copy):
+    ``benchmarks/runtime_checks.py`` measures what that costs per decoding step.
+    """
+    import functools
+
+    import jax
+    from jax.experimental import checkify
+
+    from attnlab.errors import traced_checks
+
+    def inner(*args, **kwargs):
+        body = functools.partial(fn, *args, **kwargs)  # its arguments closed over
+        with traced_checks():
+            return checkify.checkify(body, errors=checkify.user_checks)()
+
+    compiled = (jit or jax.jit)(inner, **jit_options)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        error, out = compiled(*args, **kwargs)
+        message = error.get()
+        if message is not None:
+            raise DecodeError(message.replace(" (`check` failed)", ""))
+        return out
+
+    return call

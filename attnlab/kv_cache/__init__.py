@@ -54,7 +54,7 @@ from attnlab.config import ModelConfig
 from attnlab.config.architectures import architecture
 from attnlab.config.layer_kinds import stack_plan
 from attnlab.contracts.mixer import CacheEntry
-from attnlab.errors import DecodeError
+from attnlab.errors import DecodeError, traced_check
 from attnlab.kv_cache.ring import (  # noqa: F401 - the ring's names, where callers look for them
     Ring,
     ring_positions,
@@ -240,11 +240,23 @@ def check_capacity(cache: KVCache, new_B=0) -> None:
 
     Model calls check their tokens with it before the first write; ``check_capacity(cache)``
     after a jitted loop reports the rows whose writes went past the end (``overflow``).
-    Nothing to check for a ring (it wraps by design) or traced values (read ``overflow``).
+    Nothing to check for a ring (it wraps by design). Traced values cannot raise: inside
+    ``attnlab.decode.checks.checked_jit`` they are a ``checkify`` check that raises this error
+    after the call (``attnlab.errors.traced_check``); elsewhere nothing is added to the
+    program, and the returned cache's ``overflow`` flags the rows.
     """
     if cache.ring or cache.slots is None:
         return
     if any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, new_B)):
+        need = lambda: jnp.max(cache.lengths + jnp.asarray(new_B, jnp.int32))
+        traced_check(
+            lambda: need() <= cache.capacity,
+            f"the cache holds {cache.capacity} tokens per row but a row asks for {{need}} "
+            "(under jit: the writes past the end are dropped and its logits are wrong): "
+            "pass a larger max_len to init_cache, or use a ring cache (init_cache(..., "
+            "ring=True)) for a sliding-window model",
+            need=need,
+        )
         return
     held_B = np.asarray(cache.lengths)
     need_B = held_B + np.asarray(new_B)

@@ -33,7 +33,7 @@ from attnlab.nn import parametrization, probe
 from attnlab.nn.layers import Embed, Norm, normal
 from attnlab.nn.mtp import MTP
 from attnlab.nn.registry import MODEL_CLASSES
-from attnlab.nn.stack import Stack
+from attnlab.nn.stack import Stack, check_positions
 from attnlab.ops.linear import add_bias, dense, fold
 
 
@@ -51,7 +51,11 @@ class ModelOutput:
     stats: dict | None = None
 
 
-def _default_positions(B, T):
+def _default_positions(B, T, cfg: ModelConfig | None = None):
+    """``0..T-1`` in each row; with ``cfg`` an absolute position table (learned,
+    sinusoidal) shorter than ``T`` raises here, where ``T`` is known even under ``jit``."""
+    if cfg is not None and cfg.position in ("learned", "sinusoidal"):
+        check_positions(np.arange(T, dtype=np.int32)[None, :], cfg)
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
 
 
@@ -69,7 +73,7 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
         check_capacity(cache, T if valid_BS is None else np.sum(np.asarray(valid_BS), axis=1))
     if positions_BT is None:
         positions_BT = (
-            _default_positions(B, T)
+            _default_positions(B, T, stack.cfg)
             if cache is None
             else cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         )
@@ -228,7 +232,7 @@ class EncoderMLM(nnx.Module):
         if self.token_types_YD is not None:
             types_BT = jnp.zeros_like(tokens_BT) if token_types_BT is None else token_types_BT
             x_BTD = x_BTD + jnp.take(self.token_types_YD[...], types_BT, axis=0).astype(x_BTD.dtype)
-        positions_BT = _default_positions(B, T) if positions_BT is None else positions_BT
+        positions_BT = _default_positions(B, T, self.cfg) if positions_BT is None else positions_BT
         hidden_BTD, _, weights, aux, stats = self.encoder(
             x_BTD,
             positions_BT=positions_BT,
@@ -262,7 +266,7 @@ class EncoderDecoder(nnx.Module):
         with probe.scope("encoder"):  # the names of its intermediates: encoder.layers.{i}...
             enc_BSD, _, weights, _, stats = self.encoder(
                 self.embed(src_BS),
-                positions_BT=_default_positions(B, S),
+                positions_BT=_default_positions(B, S, self.cfg),
                 valid_BS=src_valid_BS,
                 key=key,
                 return_weights=return_weights,

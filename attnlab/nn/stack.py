@@ -35,7 +35,7 @@ from flax import nnx
 from attnlab import ops
 from attnlab.config import ModelConfig
 from attnlab.config.layer_kinds import StackPlan, stack_plan
-from attnlab.errors import DecodeError
+from attnlab.errors import DecodeError, traced_check
 from attnlab.kv_cache import KVCache, Ring
 from attnlab.nn import context_parallel, segments
 from attnlab.nn.blocks import stacked
@@ -69,8 +69,19 @@ class _Shared:
 
 def check_positions(positions_BT, cfg: ModelConfig) -> None:
     """Raises a ``DecodeError`` for concrete positions outside an absolute position table
-    (``max_len`` rows), where the lookup would give NaN; traced positions pass (NaN logits)."""
+    (``max_len`` rows), where the lookup would give NaN. Traced positions are a ``checkify``
+    check inside ``attnlab.decode.checks.checked_jit`` (``attnlab.errors.traced_check``)
+    and give NaN logits elsewhere."""
     if isinstance(positions_BT, jax.core.Tracer):
+        low, high = lambda: jnp.min(positions_BT), lambda: jnp.max(positions_BT)
+        traced_check(
+            lambda: (low() >= -cfg.position_offset) & (high() < cfg.max_len),
+            f"positions {{low}} to {{high}} reach outside the table of ModelConfig.max_len="
+            f"{cfg.max_len} positions (position={cfg.position!r}): feed at most max_len "
+            "tokens per row, or build a model with a larger max_len",
+            low=low,
+            high=high,
+        )
         return
     p_BT = np.asarray(positions_BT)
     bad_BT = (p_BT < -cfg.position_offset) | (p_BT >= cfg.max_len)

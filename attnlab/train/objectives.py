@@ -9,12 +9,48 @@ The train step's other terms (a mixture of experts' load-balancing and router z-
 multi-token prediction) are registered metrics with a loss weight
 (``attnlab.metrics``), added per counted token; the reported loss stays the
 cross-entropy. ``objective_sums`` returns the FFN's report (``aux``) beside the sums.
+
+Token ids are checked on the host where the batch is visible (``check_batch_ids``): a target
+outside ``[0, vocab_size)`` would make the cross-entropy NaN (the label's logit is gathered
+out of range) and the step's loss with it. ``loss_sums`` and ``objective_sums`` check a
+concrete batch; the ``Trainer``'s steps check each batch they are given; a batch traced by
+a caller's own ``jit`` is the caller's to check (``check_batch_ids`` before the call).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+from attnlab.errors import TokenIdError
+
+# The batch fields that hold token ids, per task kind (``attnlab.data.tasks`` writes them).
+ID_FIELDS = {
+    "lm": ("inputs", "targets"),
+    "mlm": ("inputs", "targets"),
+    "seq2seq": ("src", "tgt_in", "tgt_out"),
+}
+
+
+def check_batch_ids(batch, kind: str, vocab_size: int) -> None:
+    """Raises a ``TokenIdError`` naming the field, the id and its index when a concrete
+    batch of ``kind`` holds a token id outside ``[0, vocab_size)`` (padding included: give
+    padded targets a valid id and ``loss_mask`` 0). Traced fields are not checked."""
+    for field in ID_FIELDS.get(kind, ()):
+        x = batch.get(field) if hasattr(batch, "get") else None
+        if x is None or isinstance(x, jax.core.Tracer):
+            continue
+        ids = np.asarray(x)  # a device array is copied to the host
+        if ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab_size):
+            continue
+        index = tuple(int(i) for i in np.argwhere((ids < 0) | (ids >= vocab_size))[0])
+        raise TokenIdError(
+            f"batch[{field!r}]: id {int(ids[index])} at index {index} is outside [0, "
+            f"model.vocab_size={vocab_size}) (its cross-entropy would be NaN): map the ids into "
+            "the vocabulary (padding: a valid id with loss_mask 0), or raise model.vocab_size"
+        )
 
 
 def model_output(model, batch, kind, key=None, collect=()):
@@ -51,6 +87,7 @@ def objective_sums(model, batch, kind, key=None):
     """``(ce_sum, tokens, (logits, targets, mask), aux)``: the summed cross-entropy as in
     ``loss_sums`` and the FFN's report (None without one); ``ce_sum + tokens *
     aux["loss"]`` is the objective to differentiate."""
+    check_batch_ids(batch, kind, model.cfg.vocab_size)
     out, targets_BT, mask_BT = model_output(model, batch, kind, key)
     logits_BTV = out.logits
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)

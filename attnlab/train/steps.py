@@ -45,7 +45,7 @@ from attnlab.devices import sharding
 from attnlab.metrics import StepView
 from attnlab.nn import build_model, surgery
 from attnlab.nn.models import init_params
-from attnlab.train.objectives import loss_sums, model_output
+from attnlab.train.objectives import check_batch_ids, loss_sums, model_output
 from attnlab.train.optim import layers_over_batch_devices, make_optimizer, set_optim_values
 from attnlab.train.state import (
     all_finite,
@@ -164,7 +164,7 @@ class Trainer:
         # serves ``train_step`` and the loop's ``flat_train_step``.
         self._state_out = step_out
         self.train_step = self._tree_step(stacked=False)
-        self.eval_step = self._on_mesh(jax.jit(self._eval_step))
+        self.eval_step = self._checking(self._on_mesh(jax.jit(self._eval_step)))
         # Stacked trials: every state leaf has a leading trial axis; eval batches are shared.
         self.stack_by = stack_by or ("map" if jax.default_backend() == "cpu" else "vmap")
         if self.stack_by not in ("map", "vmap"):
@@ -173,7 +173,7 @@ class Trainer:
         self._stacked_train = stacked_train
         self._flat_steps: dict = {}
         self.stacked_train_step = self._tree_step(stacked=True)
-        self.stacked_eval_step = self._on_mesh(jax.jit(stacked_eval))
+        self.stacked_eval_step = self._checking(self._on_mesh(jax.jit(stacked_eval)))
 
     def flat_train_step(self, treedef, *, stacked: bool = False):
         """The train step over the state's leaves, ``(leaves, batch) -> (leaves, metrics)``,
@@ -196,10 +196,24 @@ class Trainer:
             self._flat_steps[key] = self._on_mesh(jitted, batch_axis=1 if stacked else 0)
         return self._flat_steps[key]
 
+    def _checking(self, step):
+        """``step(x, batch)`` after the batch's token ids are checked on the host
+        (``check_batch_ids``: an id past the vocabulary gives a NaN loss, not an error)."""
+
+        def run(x, batch):
+            check_batch_ids(batch, self.kind, self.mcfg.vocab_size)
+            return step(x, batch)
+
+        run.lower = step.lower
+        return run
+
     def _tree_step(self, *, stacked: bool):
-        """``train_step(state, batch) -> (state, metrics)`` through the flat program."""
+        """``train_step(state, batch) -> (state, metrics)`` through the flat program, the
+        batch's token ids checked first (``_checking``; the loop's batches are checked where
+        they are made, ``attnlab.data.tasks``, and go through ``flat_train_step``)."""
 
         def step(state, batch):
+            check_batch_ids(batch, self.kind, self.mcfg.vocab_size)
             leaves, treedef = jax.tree.flatten(state)
             leaves, metrics = self.flat_train_step(treedef, stacked=stacked)(leaves, batch)
             return jax.tree.unflatten(treedef, leaves), metrics
