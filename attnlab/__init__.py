@@ -6,10 +6,28 @@
 (``attnlab.generate``); ``attnlab.load_run(DIR)`` reopens a trained run as a ``Run``.
 """
 
-import importlib
-from typing import TYPE_CHECKING
+import signal as _signal
+import sys as _sys
 
-from attnlab import _moved  # first: the previous release's module paths, deprecated
+# The ``attnlab`` command (its console script imports this package first): SIGINT is held
+# from here until ``attnlab.cli.main`` takes the hold over, so Ctrl-C while the package and
+# the command load is the command's one line and status 130, not a traceback from inside an
+# import. A program that imports attnlab keeps its own SIGINT handling.
+_EARLY_SIGINT: list | None = None
+_main_file = getattr(_sys.modules.get("__main__"), "__file__", None) or ""
+if _main_file.replace("\\", "/").rsplit("/", 1)[-1] in ("attnlab", "attnlab-script.py"):
+    try:
+        if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+            _EARLY_SIGINT = []
+            _signal.signal(_signal.SIGINT, lambda signum, frame: _EARLY_SIGINT.append(signum))
+    except ValueError:  # not the main thread: nothing to hold
+        _EARLY_SIGINT = None
+del _main_file
+
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+from attnlab import _moved  # noqa: E402 - first: the previous release's module paths, deprecated
 
 # The package's names and the modules that define them, imported on first use: ``import
 # attnlab`` (and so the ``attnlab`` command's own start) stays light until a name is read.

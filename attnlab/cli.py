@@ -258,12 +258,20 @@ def main(argv=None) -> int:
 
 @contextlib.contextmanager
 def _holding_sigint():
-    """SIGINT recorded (in the list it yields), not raised, inside the block."""
+    """SIGINT recorded (in the list it yields), not raised, inside the block; the hold
+    ``import attnlab`` began for the command (``attnlab._EARLY_SIGINT``) is taken over, with
+    what it recorded, and ends here."""
+    import attnlab
+
     held: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield held
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    early, attnlab._EARLY_SIGINT = attnlab._EARLY_SIGINT, None
+    if early is not None:
+        held, previous = early, signal.default_int_handler
+    else:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield held
     finally:

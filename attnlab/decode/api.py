@@ -230,6 +230,7 @@ def generate(
     n = checks.check_count(max_new_tokens)
     eos_id = special["eos_id"] if opts.stop.eos_id == "config" else opts.stop.eos_id
     pad_id = cfg.pad_id if opts.stop.pad_id is None else opts.stop.pad_id
+    _checkpoint_token(model, "eos_token_id", eos_id, special["eos_id"], cfg.vocab_size)
     checks.check_token("eos_id", eos_id, cfg.vocab_size, optional=True)
     checks.check_token("pad_id", pad_id, cfg.vocab_size)
     stop_hint = opts.beams.num_beams == 1
@@ -237,6 +238,8 @@ def generate(
     fit = dict(raise_n=raise_n, max_len=opts.cache.max_len, stop_hint=stop_hint)
     if seq2seq:
         start_id = special["start_id"] if start_id is None else start_id
+        _checkpoint_token(model, "decoder_start_token_id", start_id, special["start_id"],
+                          cfg.vocab_size)  # fmt: skip
         inputs = _seq2seq_inputs(cfg, prompt_ids, prompt_lengths, source_valid, start_id,
                                  pad_id, **fit)  # fmt: skip
     else:
@@ -252,6 +255,28 @@ def generate(
     run = _recomputed if recompute else _cached
     out, extra = run(graphdef, params, cfg, inputs, specials, opts)
     return result(prefixes, out, n, pad_id, **extra)
+
+
+def _checkpoint_token(model, key: str, value, from_files, vocab_size: int) -> None:
+    """Refuses a special id that a checkpoint's files give (``value == from_files``) and the
+    vocabulary lacks, naming the file and the fix; other values are ``check_token``'s."""
+    if value is None or value != from_files or not checks._is_int(value):
+        return
+    if 0 <= value < vocab_size:
+        return
+    folder = getattr(model, "path", None)
+    in_generation = key in (getattr(model, "generation_config", None) or {})
+    name = "generation_config.json" if in_generation else "config.json"
+    where = name if folder is None else f"{folder}/{name}"
+    if key == "eos_token_id":
+        passed = f"eos_id=None (never stop early) or an id below {vocab_size}"
+    else:
+        passed = f"start_id=<an id below {vocab_size}>"
+    raise DecodeError(
+        f"{key}={value} in {where} is outside the model's vocabulary [0, vocab_size="
+        f"{vocab_size}): set {key} there to an id below {vocab_size}, or pass {passed} to "
+        "generate"
+    )
 
 
 def _seq2seq_inputs(cfg, src_ids, src_lengths, source_valid, start_id, pad_id, **fit):

@@ -351,7 +351,10 @@ def import_file(path) -> types.ModuleType:
     if path.suffix != ".py" or not path.is_file():
         raise ExperimentError(f"--import {path}: no such Python file")
     _on_path(path.parent)
-    module = sys.modules.get(path.stem) or importlib.import_module(path.stem)
+    try:
+        module = sys.modules.get(path.stem) or importlib.import_module(path.stem)
+    except SyntaxError as e:
+        raise syntax_error(e, path) from None
     where = getattr(module, "__file__", None)
     if where is None or pathlib.Path(where).resolve() != path:
         raise ExperimentError(
@@ -359,6 +362,16 @@ def import_file(path) -> types.ModuleType:
             f"{where or 'a built-in module'}; rename the file"
         )
     return module
+
+
+def syntax_error(e: SyntaxError, path) -> ExperimentError:
+    """The one line of a Python file that does not parse: the file, the line and the error
+    (the file that failed: an experiment file may import one beside it)."""
+    where = e.filename if e.filename and not e.filename.startswith("<") else str(path)
+    return ExperimentError(
+        f"{where}, line {e.lineno}: {type(e).__name__}: {e.msg}; fix the file and run the "
+        "command again"
+    )
 
 
 def import_experiment(path) -> types.ModuleType:
@@ -380,6 +393,9 @@ def import_experiment(path) -> types.ModuleType:
         sys.modules[name] = module  # dataclasses and pickling look modules up by name
         try:
             spec.loader.exec_module(module)
+        except SyntaxError as e:  # IndentationError too: the file, the line, the error
+            del sys.modules[name]
+            raise syntax_error(e, path) from None
         except BaseException:
             del sys.modules[name]
             raise

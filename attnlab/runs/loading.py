@@ -54,11 +54,23 @@ class Run:
     trainer: Trainer
     task: Any
 
-    def generate(self, prompt: str | None = None, max_new_tokens: int = 100, **options) -> str:
+    def generate(
+        self,
+        prompt: str | None = None,
+        max_new_tokens: int = 100,
+        *,
+        on_unknown: str = "raise",
+        **options,
+    ) -> str:
         """The prompt's continuation as text (``options``: ``temperature``, ``top_k``,
         ``top_p``, ``seed``, as ``attnlab.generate`` takes them); an encoder-decoder run
         reads ``prompt`` as its source. ``None`` is the run's sample prompt
-        (``eval.sample_prompt``); an empty prompt (no tokens) is a ``DecodeError``."""
+        (``eval.sample_prompt``); an empty prompt (no tokens) is a ``DecodeError``.
+
+        A model whose ``model.vocab_size`` exceeds its tokenizer's may sample ids that have
+        no text. ``on_unknown="raise"`` (the default) refuses such a continuation with a
+        ``DecodeError`` that counts them; ``"drop"`` returns the text of the others (what
+        ``attnlab sample`` prints, with a line on stderr)."""
         from attnlab.runs.sampling import (
             continuation,
             decode_known,
@@ -66,6 +78,10 @@ class Run:
             seq2seq_continuation,
         )
 
+        if on_unknown not in ("raise", "drop"):
+            raise DecodeError(
+                f"Run.generate: on_unknown={on_unknown!r}; use 'raise' (the default) or 'drop'"
+            )
         if prompt == "":
             raise DecodeError(
                 "Run.generate: the prompt is empty; pass some text, or leave it out (None) "
@@ -75,12 +91,26 @@ class Run:
             if prompt is None:
                 raise DecodeError("Run.generate: this run is an encoder-decoder: pass a source")
             tokens = seq2seq_continuation(self.model, self.task, prompt, max_new_tokens, **options)
-            return decode_known(self.task, tokens)
+            return decode_known(self.task, self._known(tokens, on_unknown))
         prompt = default_prompt(self.config, self.task) if prompt is None else prompt
         eos = getattr(self.task, "eos_id", None) if self.task.tokenizer is None else None
         ids = self.task.encode(prompt)
         tokens = continuation(self.model, ids, max_new_tokens, eos_id=eos, **options)
-        return decode_known(self.task, tokens)
+        return decode_known(self.task, self._known(tokens, on_unknown))
+
+    def _known(self, tokens, on_unknown: str):
+        """``tokens``, refused (``on_unknown="raise"``) when some have no text."""
+        from attnlab.runs.sampling import unknown_ids
+
+        n = unknown_ids(self.task, tokens)
+        if n and on_unknown == "raise":
+            raise DecodeError(
+                f"Run.generate: {n} of the {len(tokens)} sampled ids have no text: the "
+                f"tokenizer knows ids 0-{self.task.vocab_size - 1}, the model samples from "
+                f"model.vocab_size={self.trainer.mcfg.vocab_size}; pass on_unknown='drop' to "
+                f"leave them out, train longer, or set model.vocab_size to {self.task.vocab_size}"
+            )
+        return tokens
 
     def evaluate(self, *, full: bool = False) -> dict:
         """``attnlab eval`` of this checkpoint: the validation metrics (see ``evaluate``)."""

@@ -52,14 +52,33 @@ def _summary_writer():
 
 
 class Tracker:
-    """TensorBoard and Weights & Biases writers of one run; ``None`` writers do nothing."""
+    """TensorBoard and Weights & Biases writers of one run; ``None`` writers do nothing.
+
+    The writers open at the first record or sample, not before: a run that ends before it
+    logs anything (refused after its checks, stopped before its first step, or already
+    finished) adds no event file and no ``wandb`` folder to its work directory.
+    """
 
     def __init__(self, cfg, workdir, start_step: int = 0):
-        workdir = pathlib.Path(workdir)
+        self.workdir = pathlib.Path(workdir)
+        self.cfg, self.start_step = cfg, start_step
         track = cfg.get("track") or {}
         self.tb = self.wandb = None
+        self._tensorboard = bool(track.get("tensorboard", True))
+        self._wandb = None
+        if track.get("wandb_project"):  # the package now; its run at the first record
+            self._wandb = optional_import("wandb", "cluster", "track.wandb_project")
+        self._open = False
+
+    def _start(self):
+        """Opens the writers (once) and writes the config of a run from step 0."""
+        if self._open:
+            return
+        self._open = True
+        cfg, workdir, start_step = self.cfg, self.workdir, self.start_step
+        track = cfg.get("track") or {}
         hparams = _flat(json.loads(experiment.to_json(cfg)))
-        if track.get("tensorboard", True):
+        if self._tensorboard:
             self.tb = _summary_writer()(str(workdir / TB_DIR), purge_step=start_step or None)
             if not start_step:
                 self.tb.add_text("config", f"```\n{experiment.to_json(cfg)}\n```", 0)
@@ -69,9 +88,8 @@ class Tracker:
                     name="hparams",
                     global_step=0,
                 )
-        if track.get("wandb_project"):
-            wandb = optional_import("wandb", "cluster", "track.wandb_project")
-            self.wandb = wandb.init(
+        if self._wandb is not None:
+            self.wandb = self._wandb.init(
                 project=track["wandb_project"],
                 entity=track.get("wandb_entity") or None,
                 mode=track.get("wandb_mode") or "offline",
@@ -85,6 +103,7 @@ class Tracker:
     def metrics(self, record: dict):
         """The record's numbers as scalars; a list of numbers (a metric per layer, per
         expert) as one scalar per index, ``name/i``."""
+        self._start()
         step = int(record["step"])
         number = lambda v: isinstance(v, int | float)
         values = {k: v for k, v in record.items() if k != "step" and number(v)}
@@ -98,6 +117,7 @@ class Tracker:
             self.wandb.log(values, step=step)
 
     def sample(self, step: int, text: str):
+        self._start()
         if self.tb is not None:
             self.tb.add_text("sample", f"```\n{text}\n```", step)
         if self.wandb is not None:
@@ -109,6 +129,7 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish()
         self.tb = self.wandb = None
+        self._open = True  # nothing opens after the close
 
 
 def _short_hash(path) -> str:

@@ -77,12 +77,12 @@ def truncate_jsonl(path: pathlib.Path, last_step: int):
     """Drops records logged after ``last_step`` (they will be logged again on resume)."""
     if not path.exists() or not is_writer():
         return
+    text = path.read_text()
     kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= last_step
+        line for line in text.splitlines() if line.strip() and json.loads(line)["step"] <= last_step
     ]
-    atomic_write(path, "".join(line + "\n" for line in kept))
+    if "".join(line + "\n" for line in kept) != text:  # nothing to drop: left as it was
+        atomic_write(path, "".join(line + "\n" for line in kept))
 
 
 def append_jsonl(path: pathlib.Path, record: dict):
@@ -221,7 +221,9 @@ class Run:
             if is_writer():
                 saved = self.workdir / CONFIG_FILE
                 self.saved_config = saved.read_bytes() if saved.is_file() else None
-                atomic_write(saved, experiment.to_json(self.cfg))
+                text = experiment.to_json(self.cfg)
+                if self.saved_config != text.encode():  # a resume as saved leaves it be
+                    atomic_write(saved, text)
                 tokenizer = self.task.tokenizer
                 if tokenizer is not None and not (self.workdir / TOKENIZER_FILE).exists():
                     tokenizer.save(self.workdir / TOKENIZER_FILE)
