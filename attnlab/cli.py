@@ -1,7 +1,7 @@
 """The ``attnlab`` command: train, eval, plot, sample, sweep.
 
 attnlab train --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
-              [--step N] [--allow-changes] [--verbose] [--import my_variant.py ...]
+              [--step N] [--allow-changes] [--extend] [--verbose] [--import my_variant.py ...]
 attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir DIR
               [--parallel vmap|sequential] [--max-trials N] [--print-commands]
               [--retry-failed] [--allow-changes]
@@ -68,6 +68,7 @@ def _train(args, overrides):
             step=args.step,
             allow_changes=args.allow_changes,
             verbose=args.verbose,
+            extend=args.extend,
         )
     except AttnlabError:  # every process meets it alike: no one waits for this one
         processes.finished()
@@ -141,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-changes",
         action="store_true",
         help="resume with changed optim/train values (applied from the resumed step on)",
+    )
+    t.add_argument(
+        "--extend",
+        action="store_true",
+        help="resume with a changed train.steps, the learning-rate schedule carrying on from "
+        "the resumed step with its shape stretched to the new end (not rebuilt)",
     )
     t.set_defaults(fn=_train, overrides=True)
 

@@ -114,6 +114,9 @@ def base_config() -> ConfigDict:
             decay_embeddings=False,
             clip_norm=1.0,
             grad_accum_steps=1,
+            # Set by ``attnlab train --extend``: [step, train.steps before] each time the run
+            # was trained on to another train.steps (the schedule keeps its shape).
+            extended=(),
         )
     )
     c.train = ConfigDict(

@@ -25,6 +25,7 @@ import numpy as np
 from attnlab import experiment
 from attnlab.devices import sharding
 from attnlab.errors import DivergenceError
+from attnlab.runs import extend as extending
 from attnlab.runs import surgery_run as surgery
 from attnlab.runs.checkpoint import PreemptionGuard
 from attnlab.runs.files import METRICS_FILE, SAMPLES_FILE
@@ -52,11 +53,13 @@ def mask_row(opt_state, i):
             hyper[name] = jax.device_put(old.at[i].set(0), old.sharding)
 
 
-def open_runs(cfgs, workdirs, *, step=None, allow_changes=False):
+def open_runs(cfgs, workdirs, *, step=None, allow_changes=False, extend=False):
     """Opens each run and builds its trainer (its own seed and initialisation).
 
     Everything is checked before any run's directory is locked and written (``Run.begin``).
-    ``step`` is the checkpoint to resume from, or a list of them (one per run).
+    ``step`` is the checkpoint to resume from, or a list of them (one per run); ``extend``
+    trains a resumed run on to its new ``train.steps`` with its schedule's shape kept
+    (``attnlab.runs.extend``).
     """
     runs, trainers = [], []
     steps = step if isinstance(step, list | tuple) else [step] * len(cfgs)
@@ -64,8 +67,11 @@ def open_runs(cfgs, workdirs, *, step=None, allow_changes=False):
         mesh = sharding.mesh_from_config(cfgs[0])
         for cfg, workdir, at in zip(cfgs, workdirs, steps, strict=True):
             cfg = surgery.resolve(cfg, workdir)  # a surgery run's model: the result
+            cfg, consent = extending.resolve(cfg, workdir, step=at, extend=extend)
             mcfg = experiment.validate(cfg)
-            run, trainer = preflight(cfg, workdir, mcfg, mesh, step=at, allow_changes=allow_changes)
+            allow = allow_changes or consent
+            run, trainer = preflight(cfg, workdir, mcfg, mesh, step=at, allow_changes=allow)
+            run.saved_cfg = extending.saved(workdir)  # for the schedule's line on resuming
             runs.append(run)
             trainers.append(trainer)
         for run in runs:
@@ -295,6 +301,7 @@ def train_runs(
     allow_changes=False,
     verbose=False,
     on_eval=None,
+    extend=False,
 ):
     """Opens, restores and trains the runs; stacked runs at different steps train in turn.
 
@@ -307,7 +314,9 @@ def train_runs(
         from attnlab.ops.flex import log_fallbacks
 
         log_fallbacks()
-    runs, trainers = open_runs(cfgs, workdirs, step=step, allow_changes=allow_changes)
+    runs, trainers = open_runs(
+        cfgs, workdirs, step=step, allow_changes=allow_changes, extend=extend
+    )
     profiler = Profiler(runs[0].cfg, runs[0].workdir)
     speak = len(runs) == 1 and jax.process_index() == 0
     failed = False
@@ -322,6 +331,10 @@ def train_runs(
                 print(f"attention plan: {line}", flush=True)
         abstract = trainers[0].abstract_state()
         states = [r.initial_state(tr, abstract) for r, tr in zip(runs, trainers, strict=True)]
+        for r in runs:  # a resume with another train.steps: what the schedule does
+            note = extending.schedule_note(getattr(r, "saved_cfg", None), r.cfg, r.start)
+            if note and speak:
+                print(note, flush=True)
         first = [(r.start, r.elapsed) for r in runs]
         by_start: dict[int, list[int]] = {}
         for i, r in enumerate(runs):
@@ -375,12 +388,15 @@ def train(
     allow_changes: bool = False,
     verbose: bool = False,
     on_eval=None,
+    extend: bool = False,
 ) -> dict:
     """Trains (or resumes) the experiment ``cfg`` in ``workdir``; returns the final record.
 
     ``stop_after`` stops (with a checkpoint) once that many steps are done, as a preemption
     would: used to test exact resumption. ``step`` resumes from that checkpoint (default: the
-    newest readable one); ``allow_changes`` resumes with changed optimiser/training values.
+    newest readable one); ``allow_changes`` resumes with changed optimiser/training values;
+    ``extend`` trains a resumed run on to a changed ``train.steps`` with the schedule's shape
+    kept (``attnlab.runs.extend``).
     A diverging run raises ``DivergenceError`` (see the module docstring). ``verbose``
     prints the shardings in the header; ``on_eval(run, record) -> bool`` may stop the run
     after an evaluation (its final record then has ``"pruned": True``).
@@ -395,6 +411,7 @@ def train(
         allow_changes=allow_changes,
         verbose=verbose,
         on_eval=on_eval,
+        extend=extend,
     )
     if isinstance(run.failure, Pruned):
         return {**(run.record or {"step": run.step}), "pruned": True}

@@ -129,11 +129,14 @@ def check_config(workdir: pathlib.Path, cfg, allow_changes: bool = False) -> lis
             f"--config {saved_path}"
         )
     if changes and not allow_changes:
+        steps = any(c.startswith("train.steps:") for c in changes)
+        extend = "--extend to train on to the new train.steps with the schedule's shape kept, "
         raise experiment.ExperimentError(
             f"{workdir} holds a run with other values ({'; '.join(changes)}); pass "
             "--allow-changes to resume with them (applied from the resumed step on, the "
-            f"learning-rate schedule included), repeat the run with --config {saved_path}, "
-            "or use a new --workdir"
+            "learning-rate schedule included: rebuilt for the new train.steps), "
+            f"{extend if steps else ''}repeat the run with --config {saved_path}, or use a "
+            "new --workdir"
         )
     return changes
 
@@ -309,7 +312,8 @@ class Run:
         if self.start >= int(self.cfg.train.steps):
             print(
                 f"already finished: {self.workdir} holds step {self.start} of "
-                f"{int(self.cfg.train.steps)}; raise train.steps to train on",
+                f"{int(self.cfg.train.steps)}; raise train.steps to train on (with --extend, the "
+                "learning-rate schedule carries on instead of being rebuilt)",
                 flush=True,
             )
         else:

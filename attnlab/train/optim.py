@@ -42,7 +42,38 @@ def lr_multiplier(o, total_steps: int):
 
     ``wsd`` (warmup-stable-decay) holds the peak after warmup and decays linearly to
     ``min_lr_ratio`` over the last ``optim.decay_fraction`` of the steps.
+
+    ``optim.extended`` (written by ``attnlab train --extend``) lists ``[step, steps before]``
+    for each time the run was trained on to another ``train.steps``: from that step on the
+    schedule of the steps before is stretched in time to end at the new total, so the rate
+    carries on from where it was, with the same shape (``extended_multiplier``).
     """
+    extended = [(int(a), int(b)) for a, b in (o.get("extended") or ())]
+    if not extended:
+        return _lr_multiplier(o, total_steps)
+    return extended_multiplier(_lr_multiplier(o, extended[0][1]), extended, total_steps)
+
+
+def extended_multiplier(base, extended, total_steps: int):
+    """``base`` (the first schedule, over ``extended[0][1]`` steps) continued through each
+    ``(start, steps before)`` of ``extended`` to ``total_steps``: steps after ``start`` map
+    linearly onto ``[start, steps before]``, the span the earlier schedule had left."""
+    totals = [b for _, b in extended] + [int(total_steps)]
+    pairs = zip(extended, totals[:-1], totals[1:], strict=True)
+    warps = [(a, old, new) for (a, _), old, new in pairs]
+
+    def schedule(step):
+        t = jnp.asarray(step, jnp.float32)
+        for start, old, new in reversed(warps):  # the last extension first
+            ratio = max(old - start, 0) / max(new - start, 1)
+            t = jnp.where(t > start, start + (t - start) * ratio, t)
+        return base(t)
+
+    return schedule
+
+
+def _lr_multiplier(o, total_steps: int):
+    """The configured schedule over ``total_steps`` (``lr_multiplier`` without extensions)."""
     warmup = max(int(o.warmup_steps), 0)
     decay_steps = max(total_steps - warmup, 1)
     if o.schedule == "wsd":
