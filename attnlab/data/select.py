@@ -14,7 +14,14 @@ BUILDERS = {
     "text": lambda cfg, workdir, host: text.text_task(cfg, workdir, mlm=False, host=host),
     "mlm_text": lambda cfg, workdir, host: text.text_task(cfg, workdir, mlm=True, host=host),
     "prepared": lambda cfg, workdir, host: prepared.prepared_task(cfg, workdir, host=host),
+    "length_task": lambda cfg, workdir, host: _length_task(cfg, workdir, host),
 }
+
+
+def _length_task(cfg, workdir, host):
+    from attnlab.data.length_tasks import length_task
+
+    return length_task(cfg, workdir, host)
 
 
 def _hf_datasets(cfg, workdir, host):

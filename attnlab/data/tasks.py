@@ -55,6 +55,7 @@ TASK_KINDS = (
     "mlm",
     "mlm_text",
     "prepared",
+    "length_task",
 )
 TOKENIZER_FILE = "tokenizer.json"
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -81,6 +82,7 @@ _DEFAULTS = {
     "text_field": "text",
     "pipeline": "grain",
     "workers": 0,
+    "tasks": "",
 }
 
 

@@ -216,8 +216,20 @@ def windows(ids, length: int, mode: str, tokens: int, stride: int | None = None)
     return np.arange(n) * stride, length - stride
 
 
-def score_length(graphdef, state, cfg, ids, length, mode, *, tokens, stride=None, chunk=512,
-                 rows=None, progress=False) -> dict:  # fmt: skip
+def score_length(
+    graphdef,
+    state,
+    cfg,
+    ids,
+    length,
+    mode,
+    *,
+    tokens,
+    stride=None,
+    chunk=512,
+    rows=None,
+    progress=False,
+) -> dict:
     """Mean loss of the scored tokens of ``length``-token windows in ``mode``."""
     from attnlab.kv_cache import init_cache
 
@@ -236,15 +248,22 @@ def score_length(graphdef, state, cfg, ids, length, mode, *, tokens, stride=None
         cache = init_cache(cfg, B, length)
         for c0 in range(0, length, C):
             part, cache = step(
-                graphdef, state, cache, jnp.asarray(seq[:, c0 : c0 + C]),
-                jnp.asarray(seq[:, c0 + 1 : c0 + C + 1]), jnp.asarray(mask[:, c0 : c0 + C]),
-            )  # fmt: skip
+                graphdef,
+                state,
+                cache,
+                jnp.asarray(seq[:, c0 : c0 + C]),
+                jnp.asarray(seq[:, c0 + 1 : c0 + C + 1]),
+                jnp.asarray(mask[:, c0 : c0 + C]),
+            )
             nll += float(part)
         counted += int(mask.sum())
         if progress:
             done = min(b0 + B, len(starts))
-            print(f"  length {length} {mode}: {done}/{len(starts)} windows, loss "
-                  f"{nll / counted:.4f}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  length {length} {mode}: {done}/{len(starts)} windows, loss {nll / counted:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
     loss = nll / counted
     return {
         "length": int(length),
@@ -258,8 +277,17 @@ def score_length(graphdef, state, cfg, ids, length, mode, *, tokens, stride=None
     }
 
 
-def evaluate_lengths(scorable: Scorable, lengths, *, modes=("chunks",), tokens=16_384,
-                     stride=None, chunk=512, rows=None, progress=False) -> dict:  # fmt: skip
+def evaluate_lengths(
+    scorable: Scorable,
+    lengths,
+    *,
+    modes=("chunks",),
+    tokens=16_384,
+    stride=None,
+    chunk=512,
+    rows=None,
+    progress=False,
+) -> dict:
     """``{"name", "train_len", "rope_scaling", "limit", "results": [score_length rows]}``."""
     lengths = [int(n) for n in lengths]
     check_lengths(scorable, lengths)
@@ -276,12 +304,26 @@ def evaluate_lengths(scorable: Scorable, lengths, *, modes=("chunks",), tokens=1
     results = []
     for mode in modes:
         for n in lengths:
-            row = score_length(graphdef, state, cfg, scorable.ids, n, mode, tokens=tokens,
-                               stride=stride, chunk=chunk, rows=rows, progress=progress)  # fmt: skip
+            row = score_length(
+                graphdef,
+                state,
+                cfg,
+                scorable.ids,
+                n,
+                mode,
+                tokens=tokens,
+                stride=stride,
+                chunk=chunk,
+                rows=rows,
+                progress=progress,
+            )
             results.append(row)
             if progress:
-                print(f"{scorable.name}: length {n} {mode}: loss {row['loss']:.4f} "
-                      f"({row['tokens']} tokens, {row['seconds']} s)", file=sys.stderr)  # fmt: skip
+                print(
+                    f"{scorable.name}: length {n} {mode}: loss {row['loss']:.4f} "
+                    f"({row['tokens']} tokens, {row['seconds']} s)",
+                    file=sys.stderr,
+                )
     scaling = scorable.cfg.rope_scaling
     return {
         "name": scorable.name,
@@ -325,8 +367,9 @@ def markdown_table(runs: dict, modes=MODES) -> str:
     """Loss per run (rows) and length (columns), one table per mode."""
     out = []
     for mode in modes:
-        lengths = sorted({r["length"] for v in runs.values() for r in v["results"]
-                          if r["mode"] == mode})  # fmt: skip
+        lengths = sorted(
+            {r["length"] for v in runs.values() for r in v["results"] if r["mode"] == mode}
+        )
         if not lengths:
             continue
         out.append(f"{mode}\n\n| run | " + " | ".join(map(str, lengths)) + " |")

@@ -19,23 +19,31 @@ from attnlab.errors import ConfigError
 def add_flags(e) -> None:
     """Adds the length flags to the ``attnlab eval`` parser ``e``."""
     e.add_argument(
-        "--lengths", default=None, metavar="L1,L2,...",
+        "--lengths",
+        default=None,
+        metavar="L1,L2,...",
         help="loss (or --tasks accuracy) at each evaluation length, in tokens",
-    )  # fmt: skip
+    )
     e.add_argument(
-        "--context-mode", default="chunks", metavar="chunks|sliding|both",
+        "--context-mode",
+        default="chunks",
+        metavar="chunks|sliding|both",
         help="non-overlapping windows, a sliding window (--stride), or both",
-    )  # fmt: skip
+    )
     e.add_argument("--stride", type=int, default=None, help="sliding: scored tokens per window")
     e.add_argument(
-        "--rope-scaling", default=None, metavar="KIND:FACTOR",
+        "--rope-scaling",
+        default=None,
+        metavar="KIND:FACTOR",
         help="stretch RoPE at evaluation time: linear (Position Interpolation), yarn, llama3",
-    )  # fmt: skip
+    )
     e.add_argument("--tokens", type=int, default=16_384, help="--lengths: tokens scored per length")
     e.add_argument(
-        "--tasks", default=None, metavar="T1,T2|all",
+        "--tasks",
+        default=None,
+        metavar="T1,T2|all",
         help="RULER-style tasks scored at each of --lengths (attnlab.data.ruler_tasks)",
-    )  # fmt: skip
+    )
     e.add_argument("--examples", type=int, default=32, help="--tasks: examples per task and length")
     e.add_argument("--seed", type=int, default=0, help="--tasks: the examples' seed")
     e.add_argument("--threshold", type=float, default=0.856, help="--tasks: effective length's")
@@ -97,11 +105,16 @@ def run(args) -> None:
 
         results = {
             s.name: ruler.evaluate_tasks(
-                s, args.tasks, lengths, examples=args.examples, seed=args.seed,
-                threshold=args.threshold, progress=True,
+                s,
+                args.tasks,
+                lengths,
+                examples=args.examples,
+                seed=args.seed,
+                threshold=args.threshold,
+                progress=True,
             )
             for s in scorables
-        }  # fmt: skip
+        }
         path = out / "tasks.json"
         path.write_text(json.dumps(results, indent=1))
         for name, r in results.items():

@@ -94,6 +94,7 @@ def base_config() -> ConfigDict:
             text_field="text",  # its column of text
             pipeline="grain",  # packed documents; "index": windows at every offset, stateless
             workers=0,  # Grain worker processes for the packed pipeline (0: a prefetch thread)
+            tasks="",  # data.kind="length_task": comma-separated tasks (attnlab.data.length_tasks)
         )
     )
     c.optim = ConfigDict(
