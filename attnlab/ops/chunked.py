@@ -23,10 +23,10 @@ returns ``lse`` beside the output for this, and takes its cotangent: ``d lse / d
 so ``dS = p * (dO V^T - D + d lse)``.
 
 A score function (``score_mod(score, b, h, q_idx, kv_idx)``, ``attnlab.ops.score_mods``)
-is applied to each block's capped logits before the mask. It is closure-converted
-(``jax.closure_convert``): the arrays it closes over become explicit inputs of the custom
-VJP, and the backward pass pulls ``dS`` back through it per block (``jax.vjp``), adding the
-gradients of those arrays as it goes.
+is applied to each block's capped logits before the mask. Every array it closes over, of
+any dtype, is hoisted out (``score_mods.convert``) and becomes an explicit input of the
+custom VJP; the backward pass pulls ``dS`` back through it per block (``jax.vjp``), adding
+the gradients of the float arrays as it goes (integer and boolean ones get ``float0``).
 
 Masks and biases may be dense (sliced per block) or descriptions: a ``masks.MaskSpec``
 (positions and rules, evaluated per block) and a ``positions.PositionBias`` (ALiBi or T5
@@ -197,7 +197,10 @@ def _backward(st: Static, res, cotangents):
         dbias0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), bias.params)
     else:
         dbias0 = None
-    dconsts0 = tuple(jnp.zeros(jnp.shape(c), jnp.float32) for c in consts)
+    # Only the float arrays the score function closes over take a gradient; the others
+    # (integer offsets, boolean flags, positions) stay closed over in the pullback.
+    wants = score_mods.differentiable(consts)
+    dconsts0 = tuple(jnp.zeros(c.shape, jnp.float32) for c in score_mods.floats(consts, wants))
     order, n_full, n_any = _visit_order(bm.kind_QK.T)  # query blocks per key block
 
     def key_block(carry, j):
@@ -215,7 +218,9 @@ def _backward(st: Static, res, cotangents):
             dk, dv, dq, dbias, dconsts = inner
             s, dcap = _scores(st, q_blk, k_blk, bias, i, j)
             if st.score_mod is not None:
-                s, mod_vjp = jax.vjp(_mod_fn(st, s.shape, q_off, i, j), s, consts)
+                mod = _mod_fn(st, s.shape, q_off, i, j)
+                with_floats = lambda s, f: mod(s, score_mods.merge(consts, f, wants))
+                s, mod_vjp = jax.vjp(with_floats, s, score_mods.floats(consts, wants))
             allowed = mask_block(mask, i, j, st, S_pad) if masked else None
             p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
             if allowed is not None:
@@ -285,11 +290,11 @@ def _backward(st: Static, res, cotangents):
     elif fn_bias:
         dparams = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), dbias, bias.params)
         dbias = _zero_cotangent(bias).replace(params=dparams)
+    grads = iter(dconsts)
     dconsts = tuple(
-        g.astype(jnp.result_type(c)) if jnp.issubdtype(jnp.result_type(c), jnp.inexact)
-        else _zero_cotangent(c)
-        for g, c in zip(dconsts, consts, strict=True)
-    )  # fmt: skip
+        next(grads).astype(jnp.result_type(c)) if w else score_mods.no_gradient(c)
+        for c, w in zip(consts, wants, strict=True)
+    )
     zero = _zero_cotangent
     return dq.astype(q.dtype), dk, dv, zero(mask), dbias, zero(bm), zero(q_off), dconsts
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attnlab.ops import score_mods
 from attnlab.ops.attention import to_BKGTS
 from attnlab.ops.masks import MASK_VALUE
 from attnlab.ops.shards import chunk_mask, fold_key, prepare, vary_like
@@ -61,7 +62,7 @@ class _Ring:
     scale: float
     rate: float  # attention dropout; 0 for none
     key_impl: Any  # the dropout key's PRNG implementation
-    bias: Callable | None  # bias(q_pos, k_pos, *bias_args), closure-converted
+    bias: Callable | None  # bias(q_pos, k_pos, *bias_args), its arrays hoisted
 
 
 def _logits(ring, q_BTKGH, k_BSKH, q_meta, k_meta, window, bias_args):
@@ -243,11 +244,13 @@ def _ring_bwd(ring, residuals, dout_BTNH):
             if ring.bias is not None:  # outside the cond: it may hold a psum (see ring_attention)
                 Tn, Sn = ds.shape[-2:]
 
-                def bias_BKGTS(*args):
+                def bias_BKGTS(*floats):
+                    args = score_mods.merge(bias_args, floats, wants)
                     bias = ring.bias(q_m["pos"], k_m["pos"], *args)
                     return to_BKGTS(bias, B, K, G, Tn, Sn).astype(jnp.float32)
 
-                d_args = jax.tree.map(jnp.add, d_args, jax.vjp(bias_BKGTS, *bias_args)[1](ds))
+                floats = score_mods.floats(bias_args, wants)
+                d_args = jax.tree.map(jnp.add, d_args, jax.vjp(bias_BKGTS, *floats)[1](ds))
             return (dq_nBTKGH, dkv_n, d_args), None
 
         dkv_n = jax.tree.map(lambda x: _parts(x, n), dkv)
@@ -266,13 +269,15 @@ def _ring_bwd(ring, residuals, dout_BTNH):
     kv = {"k": k_BSKH, "v": v_BSKH, **kv_meta}
     zeros = lambda x: jnp.zeros_like(x, jnp.float32)
     grads = (zeros(q_nBTKGH), {"k": zeros(k_BSKH), "v": zeros(v_BSKH)})
-    grads += (jax.tree.map(jnp.zeros_like, bias_args),)
+    wants = score_mods.differentiable(bias_args)  # integer and boolean arrays take none
+    grads += (tuple(jnp.zeros_like(a) for a in score_mods.floats(bias_args, wants)),)
     if C > 1:
         (grads, kv), _ = lax.scan(step, (grads, kv), jnp.arange(C - 1))
     dq_nBTKGH, dkv, d_args = visit(grads, kv, (me - (C - 1)) % C)
     dkv = send(dkv)  # the last chunk's gradients go home
     dq_BTNH = _unparts(dq_nBTKGH).reshape(B, T, N, H).astype(q_BTNH.dtype)
     dk_BSKH, dv_BSKH = dkv["k"].astype(k_BSKH.dtype), dkv["v"].astype(v_BSKH.dtype)
+    d_args = score_mods.merge(tuple(map(score_mods.no_gradient, bias_args)), d_args, wants)
     return dq_BTNH, dk_BSKH, dv_BSKH, None, None, None, d_args, None
 
 
@@ -332,7 +337,7 @@ def ring_attention(
     bias, bias_args = None, ()
     if bias_fn is not None:
         example = (q_meta["pos"][:, : T // n], kv_meta["pos"][:, : S // n])
-        bias, bias_args = jax.closure_convert(bias_fn, *example)
+        bias, bias_args = score_mods.hoist(bias_fn, *example)  # arrays of any dtype
     ring = _Ring(
         axis_name=axis_name,
         n=n,

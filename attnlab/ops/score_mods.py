@@ -4,14 +4,36 @@ attention variant changes its logits on every path (``attnlab.ops.flex``).
 The contract. ``score`` holds float32 logits, already scaled (plus a dense ``bias``) and
 capped by ``softcap``; ``b``, ``h``, ``q_idx`` and ``kv_idx`` are int32 arrays that broadcast
 against it (of the same rank): the batch row, the *query* head ``n`` (``n = k * G + g`` with
-grouped heads), the query's index in the queries passed (with a ``q_offset``, ``q_offset +
-t``: its index among the keys when the queries continue a cache, as on the one-query
-decoding path, where it is the query's cache position) and the key's index in the keys
-passed. The result has ``score``'s shape and a float dtype; the mask is applied after it,
-then the softmax (with sinks). The function is elementwise, so a blockwise kernel evaluates
-it per block. It may close over arrays (a per-head bias, a position table, a gate's
-output): they are differentiable inputs, and every path returns their gradients. Built-in
-variants write theirs with the helpers below.
+grouped heads), and the query's and the key's **absolute positions in the sequence**. The
+result has ``score``'s shape and a float dtype; the mask is applied after it, then the
+softmax (with sinks). The function is elementwise, so a blockwise kernel evaluates it per
+block.
+
+Positions, not slots. Through ``attnlab.ops.dot_product_attention`` (every mixer, every
+registered attention function) the indices are the positions the call's ``MaskSpec``
+gives its queries and keys (``at_positions``): training (token ``t`` at ``t``), a linear
+cache (slot ``s`` holds position ``s``; a prefill after a prompt, a chunk of a chunked
+prefill, a decoding step and a speculative verification pass all see their queries at
+``lengths + t``), a ring-buffer cache (slot ``s`` holds the latest position ``p`` with
+``p % W == s``, and a longer call's own keys follow the ring), ragged rows (each row its
+own positions). So ``q_idx - kv_idx`` is the distance between the tokens however the cache
+lays them out, and a variant decodes with the scores it trained with. ``flex_attention``
+called directly takes the arrays as they are: its indices are ``q_offset + t`` and ``s``,
+the positions when the keys are a sequence or a linear cache; wrap the function with
+``at_positions`` for keys laid out otherwise.
+
+A variant that keeps a per-key array laid out like the keys it passes (a cached state
+per slot, a value per key of the call) indexes it by the key's *index* among those keys,
+not by its position: ``kv_cache.LayerCache.key_index(b, kv_idx, T)`` maps a position back
+to it (the position itself for a linear cache; in a ring, slot ``p % W`` for a decoding
+step, and ``W + p - start`` for the own keys of a longer call, which follow the ring).
+
+Closures. The function may close over arrays of any dtype: a per-head bias, a gate's
+output, a position table, a per-call integer offset or a boolean flag. Every path hoists
+them out as explicit inputs (``hoist``), so a custom backward pass (the chunked path, the
+kernels, a ``lax.scan`` over layers around either) returns their gradients: the float
+ones their own, integer and boolean ones none (``float0``). Built-in variants write theirs
+with the helpers below.
 """
 
 from __future__ import annotations
@@ -20,6 +42,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SIGNATURE = "score_mod(score, b, h, q_idx, kv_idx)"
 
@@ -78,14 +101,72 @@ def check_result(score_mod, shape, q_rows: int = 1) -> None:
         raise ValueError(f"score_mod must return float logits; it returned {out.dtype}")
 
 
+def hoist(fn, *example):
+    """``(fn_c, consts)``: ``fn`` (arrays in, one array out) traced on ``example`` with every
+    array it closes over, of any dtype, hoisted out as ``consts`` (``fn_c(*args, *consts)``),
+    so a custom VJP takes them as inputs and nothing traced escapes its backward pass.
+    (``jax.closure_convert`` hoists only floating-point tracers: an integer or boolean one,
+    a per-call offset or a layer's positions inside a scan, stayed closed over and leaked.)"""
+    closed = jax.make_jaxpr(fn)(*example)
+    jaxpr, n = closed.jaxpr, len(example)
+
+    def fn_c(*args):
+        (out,) = jax.core.eval_jaxpr(jaxpr, list(args[n:]), *args[:n])
+        return out
+
+    return fn_c, tuple(closed.consts)
+
+
+def differentiable(consts) -> tuple[bool, ...]:
+    """Per hoisted array: whether it takes a gradient (a float array; integer and boolean
+    ones get ``float0`` zeros)."""
+    return tuple(jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in consts)
+
+
+def floats(consts, wants):
+    """The differentiable ones of ``consts`` (``wants``: ``differentiable(consts)``)."""
+    return tuple(c for c, w in zip(consts, wants, strict=True) if w)
+
+
+def merge(consts, floats, wants):
+    """``consts`` with its differentiable entries replaced by ``floats``, in order."""
+    floats = iter(floats)
+    return tuple(next(floats) if w else c for c, w in zip(consts, wants, strict=True))
+
+
+def no_gradient(x):
+    """The zero cotangent of a non-differentiable array (``float0``), or zeros of a float."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
 def convert(score_mod, shape, q_rows: int = 1):
-    """``(fn, consts)``: ``score_mod`` with the arrays it closes over hoisted out as ``consts``
-    (``fn(score, b, h, q_idx, kv_idx, *consts)``), for logits of ``shape`` ``[B, K, G, t, s]``
-    and ``q_rows`` rows of query indices (``jax.closure_convert``), so a custom backward
-    pass can return their gradients."""
+    """``(fn, consts)``: ``score_mod`` with the arrays it closes over, of any dtype, hoisted
+    out as ``consts`` (``fn(score, b, h, q_idx, kv_idx, *consts)``), for logits of ``shape``
+    ``[B, K, G, t, s]`` and ``q_rows`` rows of query indices (``hoist``), so a custom
+    backward pass can return their gradients (``differentiable`` says which take one)."""
     example = (jnp.zeros(shape, jnp.float32),) + _examples(shape, q_rows)
-    fn, consts = jax.closure_convert(score_mod, *example)
-    return fn, tuple(consts)
+    return hoist(score_mod, *example)
+
+
+def at_positions(score_mod, q_pos_BT, k_pos_BS):
+    """``score_mod`` seeing positions: ``q_idx`` and ``kv_idx`` index ``q_pos_BT``
+    (``[B|1, T]``) and ``k_pos_BS`` (``[B|1, S]``), and the function is called with the
+    positions found there (indices outside ``[0, T)`` / ``[0, S)``, a kernel's padding,
+    read the nearest end). ``dot_product_attention`` wraps a score function with the
+    positions of its ``MaskSpec``."""
+    q_pos = jnp.asarray(q_pos_BT, jnp.int32)
+    k_pos = jnp.asarray(k_pos_BS, jnp.int32)
+    T, S = q_pos.shape[-1], k_pos.shape[-1]
+
+    def mod(score, b, h, q_idx, kv_idx):
+        qp = q_pos[b if q_pos.shape[0] > 1 else 0, jnp.clip(q_idx, 0, T - 1)]
+        kp = k_pos[b if k_pos.shape[0] > 1 else 0, jnp.clip(kv_idx, 0, S - 1)]
+        return score_mod(score, b, h, qp, kp)
+
+    return mod
 
 
 def apply(score_mod, score, b, h, q_idx, kv_idx):
@@ -109,8 +190,10 @@ def softcap(cap: float):
 
 
 def alibi(slopes_N, q_pos_BT=None, k_pos_BS=None):
-    """ALiBi: ``s - slope_h * |q - k|`` over positions (default: the indices), as
-    ``positions.alibi_bias``."""
+    """ALiBi: ``s - slope_h * |q - k|``, as ``positions.alibi_bias``. ``q_idx`` and ``kv_idx``
+    are the positions already (through ``dot_product_attention``); the tables ``q_pos_BT``
+    / ``k_pos_BS``, read at them, serve a direct ``flex_attention`` call over arrays whose
+    indices are not the positions."""
     slopes_N = jnp.asarray(slopes_N, jnp.float32)
 
     def mod(s, b, h, q, k):
