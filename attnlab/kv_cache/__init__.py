@@ -449,6 +449,13 @@ class LayerCache:
         new = jax.lax.dynamic_update_index_in_dim(x, value[0], self.index, 0)
         return self.replace(layers={**self.layers, name: new})
 
+    def key_index(self, b, pos, T: int):
+        """Where the key at position ``pos`` of row ``b`` lies in the entry ``append``
+        returns to a call of ``T`` tokens (the keys it attends over): its slot ``pos`` in a
+        linear cache, ``Ring.key_index`` in a ring. Score functions see positions; a variant
+        whose score function reads a per-key array laid out as those keys indexes it so."""
+        return pos if self.ring is None else self.ring.key_index(b, pos, T)
+
     def append(self, name, new_BT):
         """``(cache, entry_B)``: the call's per-token values ``new_BT`` (``[B, T, ...]``,
         token-major) written into per-token entry ``name`` of this layer, and the entry the

@@ -80,6 +80,18 @@ class Ring:
     def in_place(self, T: int) -> bool:
         return T == 1
 
+    def key_index(self, b, pos, T: int):
+        """Where the key at position ``pos`` of row ``b`` lies among the keys a call of
+        ``T`` tokens attends over (arrays that broadcast): slot ``pos % slots`` of the ring
+        for a single token; for a longer call, the ring's slots, then its own keys from
+        ``slots`` on. A variant whose score function reads a per-key array laid out as
+        those keys indexes it so (score functions see positions)."""
+        ring_slot = pos % self.slots
+        if self.in_place(T):
+            return ring_slot
+        own = pos - self.start_B[b]
+        return jnp.where(own >= 0, self.slots + own, ring_slot)
+
     def keys(self, T: int, windows: tuple):
         """``(k_positions_BS, mask)`` of the keys the call attends over: the mask a
         ``MaskSpec`` over the slots' positions, with the layers' one window."""

@@ -145,12 +145,14 @@ def _refuse_on_chunked(logits_fn, dropout_rate, implementation):
     )
 
 
-def cache_offset(mask):
-    """The first query's position, where a ``MaskSpec`` places the queries after others (a
-    linear cache's ``for_cache``: the slot the query's key is written to), else None."""
-    if isinstance(mask, MaskSpec) and not mask.aligned:
-        return jnp.asarray(mask.q_pos, jnp.int32)[:, 0]
-    return None
+def with_positions(score_mod, mask):
+    """``score_mod`` seeing the positions a ``MaskSpec`` gives its queries and keys
+    (``score_mods.at_positions``: a cache's slots, a ring's wrapped keys, a later chunk's
+    queries), so every path below calls it with positions; as it is where the indices are
+    the positions already (an aligned spec, an array or no mask)."""
+    if score_mod is None or not isinstance(mask, MaskSpec) or mask.aligned:
+        return score_mod
+    return score_mods.at_positions(score_mod, mask.q_pos, mask.k_pos)
 
 
 def dot_product_attention(
@@ -194,7 +196,8 @@ def dot_product_attention(
       backend: the platform ``"auto"`` chooses for ("cpu", "gpu", "tpu"); models pass the one
         they were built for, so nothing ambient changes the path. None: JAX's default backend.
       score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied after the cap
-        and before the mask (``attnlab.ops.score_mods``; ``attnlab.ops.flex``).
+        and before the mask (``attnlab.ops.score_mods``; ``attnlab.ops.flex``); ``q_idx``
+        and ``kv_idx`` are the positions a ``MaskSpec`` gives the queries and keys.
       block_mask: a precomputed ``BlockMask`` of ``mask`` (blockwise paths).
 
     Returns:
@@ -215,14 +218,16 @@ def dot_product_attention(
     plain = not return_weights and logits_fn is None and not drop
     backend = jax.default_backend() if backend is None else backend
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
-    q_offset = cache_offset(mask) if score_mod is not None else None
+    score_mod = with_positions(score_mod, mask)  # its indices are the positions from here on
+    if isinstance(mask, MaskSpec) and mask.allowed is not None:
+        mask = mask.dense()  # a choice of keys per query, which the paths take as an array
+    q_offset = None
     softmax = {"sinks": sinks, "softcap": softcap}
     kernel = implementation in KERNEL_IMPLEMENTATIONS or (
         implementation == "auto" and backend in ("gpu", "tpu")
     )
     if kernel and plain and softcap is None and isinstance(bias, PositionBias):
-        q_offset = cache_offset(mask)
-        bias_mod = bias.score_mod(q_offset)  # ALiBi / T5 buckets per entry: kernels take them
+        bias_mod = bias.score_mod()  # ALiBi / T5 buckets per entry: kernels take them
         if bias_mod is not None:
             score_mod, bias = score_mods.compose(bias_mod, score_mod), None
     flexible = score_mod is not None or block_mask is not None

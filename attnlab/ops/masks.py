@@ -134,6 +134,21 @@ def _pad_last(x, size, *, value=None):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _pad_TS(allowed, T, S):
+    """``allowed`` ``[B|1, N|1, T0, S0]`` padded with False to ``[.., T, S]``."""
+    allowed = jnp.asarray(allowed, bool)
+    t, s = allowed.shape[-2:]
+    return jnp.pad(allowed, [(0, 0), (0, 0), (0, T - t), (0, S - s)])
+
+
+def _blocks(allowed, T, S, block_q, block_k):
+    """``[B * N, nq, block_q, nk, block_k]``: ``allowed`` over ``[T, S]`` cut into blocks, its
+    head axis folded into the rows (the block tables hold one entry for every row)."""
+    allowed = jnp.broadcast_to(jnp.asarray(allowed, bool), (*jnp.shape(allowed)[:2], T, S))
+    B, N = allowed.shape[:2]
+    return allowed.reshape(B * N, T // block_q, block_q, S // block_k, block_k)
+
+
 def _block_range(x_BT, block):
     """Per-block (min, max) of ``x`` over its last axis: two ``[B, n]`` arrays."""
     x = x_BT.reshape(x_BT.shape[0], -1, block)
@@ -152,7 +167,11 @@ class MaskSpec:
       layers): ``p - window < k <= p``, as ``sliding_window``;
     * ``q_segment``/``k_segment``: equal non-zero segment ids (0 = padding), as ``segment``;
     * ``k_length``: key index ``s < k_length[b]`` (padding, or the written part of a cache);
-    * ``k_valid``/``q_valid``: ``k_valid[b, s]`` and ``q_valid[b, t]``, as ``padding``.
+    * ``k_valid``/``q_valid``: ``k_valid[b, s]`` and ``q_valid[b, t]``, as ``padding``;
+    * ``allowed``: ``allowed[b, n, t, s]`` (``[B|1, N|1, T, S]`` bool), a choice of keys per
+      query that no rule describes (a sparse mixer's selection), kept beside the positions
+      so a score function still sees them (``ops.dot_product_attention`` gives the paths
+      ``dense()`` of such a spec).
 
     Positions are ``[B|1, T]`` / ``[B|1, S]`` int32; per-row fields are ``[B, ...]``. The
     class is a pytree (``causal`` is static), so it passes through ``jit`` and ``scan``.
@@ -169,6 +188,7 @@ class MaskSpec:
     k_valid: Any = None  # [B, S] bool
     q_valid: Any = None  # [B, T] bool
     prefix_length: Any = None  # [B] int32
+    allowed: Any = None  # [B|1, N|1, T, S] bool
     # Queries and keys both at 0..T-1 in order (``for_sequence`` with offset 0): with
     # ``causal`` and no other rule the mask is the plain causal triangle, which fused
     # kernels take as a flag (``is_causal``) instead of a [T, S] array.
@@ -248,7 +268,7 @@ class MaskSpec:
         """Whether the mask is exactly the causal triangle over aligned positions (no window,
         segments, lengths, validity or prefix): what ``is_causal=True`` computes."""
         others = (self.window, self.q_segment, self.k_segment, self.k_length, self.k_valid,
-                  self.q_valid, self.prefix_length)  # fmt: skip
+                  self.q_valid, self.prefix_length, self.allowed)  # fmt: skip
         return self.causal and self.aligned and all(x is None for x in others)
 
     def _allowed(self, q_pos, k_pos, k_index_S, q_seg, k_seg, q_valid, k_valid):
@@ -281,9 +301,9 @@ class MaskSpec:
         return jnp.broadcast_to(out, (out.shape[0], t, s))[:, None]
 
     def dense(self):
-        """The whole ``[B|1, 1, T, S]`` mask."""
+        """The whole ``[B|1, 1, T, S]`` mask (``[B|1, N|1, T, S]`` with ``allowed``)."""
         T, S = self.shape
-        return self._allowed(
+        out = self._allowed(
             self.q_pos,
             self.k_pos,
             jnp.arange(S, dtype=jnp.int32),
@@ -292,6 +312,7 @@ class MaskSpec:
             self.q_valid,
             self.k_valid,
         )
+        return out if self.allowed is None else out & jnp.asarray(self.allowed, bool)
 
     def block(self, q_start, size_q, k_start, size_k):
         """The ``[B|1, 1, size_q, size_k]`` block of queries ``q_start + 0..size_q-1`` and
@@ -299,7 +320,7 @@ class MaskSpec:
         q = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, q_start, size_q, 1)
         k = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, k_start, size_k, 1)
         k_index_S = k_start + jnp.arange(size_k, dtype=jnp.int32)
-        return self._allowed(
+        out = self._allowed(
             q(self.q_pos),
             k(self.k_pos),
             k_index_S,
@@ -308,6 +329,10 @@ class MaskSpec:
             q(self.q_valid),
             k(self.k_valid),
         )
+        if self.allowed is None:
+            return out
+        block = jax.lax.dynamic_slice_in_dim(jnp.asarray(self.allowed, bool), q_start, size_q, 2)
+        return out & jax.lax.dynamic_slice_in_dim(block, k_start, size_k, 3)
 
     def padded(self, T, S):
         """The spec over ``T >= T0`` queries and ``S >= S0`` keys: positions and segments
@@ -320,6 +345,7 @@ class MaskSpec:
             k_segment=_pad_last(self.k_segment, S),
             q_valid=_pad_last(self.q_valid, T, value=False),
             k_valid=_pad_last(self.k_valid, S, value=False),
+            allowed=None if self.allowed is None else _pad_TS(self.allowed, T, S),
         )
 
     def block_any(self, block_q, block_k):
@@ -356,6 +382,8 @@ class MaskSpec:
         if self.q_valid is not None:
             any_q = self.q_valid.reshape(self.q_valid.shape[0], -1, block_q).any(-1)
             out = _and(out, any_q[:, :, None])
+        if self.allowed is not None:
+            out = _and(out, _blocks(self.allowed, T, S, block_q, block_k).any((0, 2, 4))[None])
         if out is None:
             return jnp.ones((T // block_q, nk), bool)
         return jnp.broadcast_to(out, (out.shape[0], T // block_q, nk)).any(0)
@@ -394,6 +422,8 @@ class MaskSpec:
         if self.q_valid is not None:
             all_q = self.q_valid.reshape(self.q_valid.shape[0], -1, block_q).all(-1)
             out = _and(out, all_q[:, :, None])
+        if self.allowed is not None:
+            out = _and(out, _blocks(self.allowed, T, S, block_q, block_k).all((0, 2, 4))[None])
         if out is None:
             return jnp.ones((nq, nk), bool)
         return jnp.broadcast_to(out, (out.shape[0], nq, nk)).all(0)

@@ -201,7 +201,10 @@ class SparseAttention(LatentAttention):
             q_I_BTNH, k_I_BSH, w_BTN, scale=scale, block_q=self.block_q
         )
         kept_BTS = sparse_index.top_k_mask(scores_BTS, allowed_BTS, self.settings.topk)
-        sparse = call.replace(mask=kept_BTS[:, None])
+        kept = kept_BTS[:, None]
+        if isinstance(call.mask, ops.MaskSpec):  # the keys' positions stay with the choice
+            kept = call.mask.replace(allowed=kept)
+        sparse = call.replace(mask=kept)
         step = call.cache is not None and T == 1
         attend = self.attend_absorbed if step else self.attend_expanded
         out_BTNH, weights_BNTS = attend(q_nope_BTNH, q_rope_BTNH, c_BSR, k_rope_BSH, sparse)
