@@ -32,7 +32,7 @@ LAYERS = [
     {"compilation", "experiment"},
     {"train"},
     {"runs"},
-    {"evaluation", "sweep", "inspect"},
+    {"evaluation", "sweep", "inspect", "transfer"},
     {"cli", "__init__"},
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}

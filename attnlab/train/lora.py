@@ -1,0 +1,203 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on any weight of any model, by parameter path.
+
+The config group ``lora``: ``rank`` (0: off), ``alpha`` (the update is ``alpha / rank``
+times ``A B``), ``targets`` (globs over dotted parameter paths such as
+``decoder.layers.attn.q_DNH``, or the short names ``q``, ``k``, ``v``, ``o`` (attention's
+projections), ``ffn`` (every FFN matrix) and ``mixer`` (every matrix of a layer's mixer,
+a new variant's own included)) and ``dropout`` (rank dropout: each step drops each of the
+``r`` components with this probability, rescaling the rest).
+
+The design: adapters are a pytree of their own beside the frozen parameters, ``{path:
+{"a": A, "b": B}}``, and the effective weight ``W + (alpha / r) A B`` is computed in the
+forward pass (``merge``) before the model is built from the parameters (``nnx.merge``).
+So no module knows of LoRA: every weight of every registered mixer or FFN can be targeted
+by its path, the model's own code and cache are untouched, the optimiser sees the adapters
+alone (the base takes no gradient and has no optimiser state), and ``merge`` with the final
+adapters is the exported model: one function both trains and merges, so merged and
+unmerged outputs agree to the rounding of ``W + delta``.
+
+A weight's matrix form is read from its shape suffix as Muon reads it: a leading layer axis
+(a stack's) is a batch axis; ``q_DNH`` maps its first axis to the rest, ``o_NHD`` its
+leading axes to the last. ``A`` is ``[L?, I, r]`` (Kaiming-uniform, as the reference
+implementation), ``B`` ``[L?, r, O]`` (zeros), so training starts at the base model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import pathlib
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnlab.contracts.optimizer import NO_DECAY_NAMES
+from attnlab.devices.sharding import stacked_path
+from attnlab.errors import ConfigError
+
+ALIASES = {
+    "q": "*attn.q_*",
+    "k": "*attn.k_*",
+    "v": "*attn.v_*",
+    "o": "*attn.o_*",
+    "ffn": "*ffn.*",
+    "mixer": "*attn.*",
+}
+FILE = "lora_adapters.npz"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """A checked ``lora`` config group."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+    def patterns(self) -> tuple[str, ...]:
+        return tuple(ALIASES.get(t, t) for t in self.targets)
+
+
+def _fail(field, value, fix):
+    raise ConfigError(f"lora.{field}={value!r} is invalid: {fix}; set --config.lora.{field}=...")
+
+
+def spec_from(group) -> LoraSpec | None:
+    """The ``lora`` group as a ``LoraSpec``, or None when ``rank`` is 0 (no adapters)."""
+    if not group:
+        return None
+    rank = group.get("rank", 0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        _fail("rank", rank, "an int >= 0 (0: no adapters; LoLCATs uses 8)")
+    if rank == 0:
+        return None
+    alpha = group.get("alpha", 16.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+        _fail("alpha", alpha, "a positive number (the update is alpha / rank times A B)")
+    dropout = group.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        _fail("dropout", dropout, "a probability in [0, 1)")
+    targets = group.get("targets", ("q", "k", "v", "o"))
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        _fail("targets", targets, f"parameter path globs or names among {sorted(ALIASES)}")
+    return LoraSpec(rank, float(alpha), targets, float(dropout))
+
+
+def path_name(path) -> str:
+    """A parameter's dotted path (``decoder.layers.attn.q_DNH``) from a pytree path."""
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+    return ".".join(str(k) for k in keys if str(k) not in ("value", "raw_value"))
+
+
+def matrix_form(path, x) -> tuple[int, int, int] | None:
+    """``(lead, n_in, n_out)``: a weight's leading stack axes (0 or 1), and how many of its
+    other axes are the matrix's input and its output; None for what is not a matrix
+    (vectors, embeddings, norms, biases)."""
+    name = path_name(path)
+    lead = int(stacked_path(path))
+    rest = x.ndim - lead
+    if rest < 2 or any(n in name for n in NO_DECAY_NAMES):
+        return None
+    suffix = name.rsplit(".", 1)[-1].rsplit("_", 1)[-1]
+    if suffix.startswith("D"):  # from the model width to the rest (q_DNH, w_in_DF)
+        return lead, 1, rest - 1
+    return lead, rest - 1, 1
+
+
+def targets(spec: LoraSpec, params) -> dict:
+    """``{path: (shape, (lead, n_in, n_out))}`` of the weights ``spec`` adapts; a
+    ``ConfigError`` naming ``lora.targets`` when none matches."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name, form = path_name(path), matrix_form(path, x)
+        if form is not None and any(fnmatch.fnmatchcase(name, p) for p in spec.patterns()):
+            out[name] = (tuple(x.shape), form)
+    if not out:
+        some = [path_name(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+        _fail(
+            "targets",
+            spec.targets,
+            f"it matches no weight matrix of the model; use names among {sorted(ALIASES)} or "
+            f"path globs such as '*attn.q_DNH' (its weights include {some[:3]})",
+        )
+    return out
+
+
+def _dims(shape, form):
+    lead, n_in, n_out = form
+    return shape[:lead], math.prod(shape[lead : lead + n_in]), math.prod(shape[lead + n_in :])
+
+
+def init(spec: LoraSpec, params, key) -> dict:
+    """Fresh adapters for ``params`` (``A`` Kaiming-uniform, ``B`` zeros), float32."""
+    out = {}
+    for i, (name, (shape, form)) in enumerate(sorted(targets(spec, params).items())):
+        lead, fan_in, fan_out = _dims(shape, form)
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) as peft's
+        k = jax.random.fold_in(key, i)
+        a = jax.random.uniform(k, (*lead, fan_in, spec.rank), jnp.float32, -bound, bound)
+        out[name] = {"a": a, "b": jnp.zeros((*lead, spec.rank, fan_out), jnp.float32)}
+    return out
+
+
+def delta(spec: LoraSpec, adapter: dict, shape, keep_R=None):
+    """``(alpha / r) A B`` in the weight's shape (``keep_R``: rank dropout's 0/1 mask)."""
+    a, b = adapter["a"], adapter["b"]
+    if keep_R is not None:
+        a = a * (keep_R / (1.0 - spec.dropout))
+    return (spec.scale * jnp.matmul(a, b)).reshape(shape)
+
+
+def merge(spec: LoraSpec, params, adapters: dict, key=None):
+    """``params`` with ``W + (alpha / r) A B`` at every adapted weight (in ``W``'s dtype);
+    ``key`` (training) draws rank dropout when ``spec.dropout > 0``."""
+
+    def one(path, w):
+        name = path_name(path)
+        if name not in adapters:
+            return w
+        keep = None
+        if key is not None and spec.dropout > 0:
+            k = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            keep = jax.random.bernoulli(k, 1.0 - spec.dropout, (spec.rank, 1))
+        return (w + delta(spec, adapters[name], w.shape, keep).astype(w.dtype)).astype(w.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def count(adapters: dict) -> int:
+    """The adapters' parameter count."""
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(adapters)))
+
+
+def save(path, spec: LoraSpec, adapters: dict) -> pathlib.Path:
+    """Writes the adapters alone (and their spec) to ``path`` (``.npz``); returns it."""
+    path = pathlib.Path(path)
+    arrays = {f"{n}/{ab}": np.asarray(v) for n, ad in adapters.items() for ab, v in ad.items()}
+    arrays["__spec__"] = np.frombuffer(json.dumps(dataclasses.asdict(spec)).encode(), np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    return path
+
+
+def load(path) -> tuple[LoraSpec, dict]:
+    """``(spec, adapters)`` from a file ``save`` wrote."""
+    with np.load(path) as z:
+        spec = json.loads(bytes(z["__spec__"]).decode())
+        adapters: dict = {}
+        for k in z.files:
+            if k != "__spec__":
+                n, ab = k.rsplit("/", 1)
+                adapters.setdefault(n, {})[ab] = jnp.asarray(z[k])
+    spec["targets"] = tuple(spec["targets"])
+    return LoraSpec(**spec), adapters
