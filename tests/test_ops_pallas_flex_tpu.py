@@ -156,6 +156,39 @@ def test_default_blocks_and_one_query():
                 ref_mask=ref.k_length(lengths, 1, 40)), block_k=16)  # fmt: skip
 
 
+def _grids(jaxpr):
+    """The grids of the Pallas calls in ``jaxpr``, nested ones included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(tuple(eqn.params["grid_mapping"].grid))
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                out += _grids(inner)
+    return out
+
+
+def test_window_inside_jit_visits_a_bounded_number_of_blocks():
+    """A window mask built inside jit (traced block tables): the grid walks a static bound
+    of blocks per row (3 of 5 here), and values and gradients stay the reference's."""
+    T_, w = 40, 6
+    q, k, v, do = _inputs(T=T_)
+
+    def run(q, k, v):
+        mask = MaskSpec.for_sequence(T_, causal=True, window=w)
+        return flex_tpu.flex_attention_tpu(q, k, v, mask=mask, block_q=8, block_k=8,
+                                           interpret=True)  # fmt: skip
+
+    assert _grids(jax.make_jaxpr(run)(q, k, v).jaxpr) == [(B, N, 5, 3)]
+    want = ref.flex(q, k, v, do, mask=ref.window(B, T_, T_, w))
+    out, vjp = jax.vjp(jax.jit(run), q, k, v)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want["out"], atol=2e-5)
+    for name, got in zip(("dq", "dk", "dv"), vjp(do), strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want[name], atol=2e-5,
+                                   err_msg=name)  # fmt: skip
+
+
 def test_empty_blocks_are_never_visited():
     """A block mask that calls an attendable block EMPTY: the kernel skips it, so the output
     is the reference's with that block masked (forward and backward)."""

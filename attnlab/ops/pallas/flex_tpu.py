@@ -129,9 +129,11 @@ def _pad_queries(q, mask, S):
     return q, mask
 
 
-def _visit_tables(bm, transpose):
+def _visit_tables(bm, transpose, bound=None):
     """``((index, count, partial), steps)``: per row the blocks visited, PARTIAL then FULL,
-    the index repeating the last visited block past the count (no new copy), flattened."""
+    the index repeating the last visited block past the count (no new copy), flattened.
+    ``steps`` is the longest row when the tables are known while tracing, else ``bound``
+    (a static bound on every row's count), else every block."""
     po, pc, fo, fc = cm.split_tables(bm, transpose=transpose)
     n = po.shape[1]
     t_ = jnp.arange(n, dtype=jnp.int32)[None, :]
@@ -143,8 +145,21 @@ def _visit_tables(bm, transpose):
     try:  # tables known while tracing: as many steps as the longest row
         steps = max(int(jax.device_get(count.max())), 1)
     except (jax.errors.ConcretizationTypeError, TypeError):
-        steps = n
+        steps = n if bound is None else min(bound, n)
     return (index[:, :steps].reshape(-1), count, pc), steps
+
+
+def _window_bounds(mask, bm):
+    """Static bounds on the blocks a query block (a key block) visits under a static window
+    over aligned positions, whose block tables may be traced (a MaskSpec built inside jit):
+    query rows ``[qs, qs + tq)`` reach keys ``(qs - w, qs + tq)``, ``w + tq - 1`` of them,
+    so at most ``ceil((w + tq - 1) / tk) + 1`` key blocks (every other rule only removes
+    keys). Without them the grid walks every block of a row, most of them idle."""
+    window = getattr(mask, "window", None)
+    if not (isinstance(mask, MaskSpec) and mask.aligned and isinstance(window, int)):
+        return None, None
+    tq, tk = bm.block_q, bm.block_k
+    return -(-(window + tq - 1) // tk) + 1, -(-(window + tk - 1) // tq) + 1
 
 
 def _pad_to(x, axis, size):
@@ -162,8 +177,9 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
     bq, bk = default_blocks(T, S)
     with jax.ensure_compile_time_eval():
         bm = cm.resolve_block_mask(mask, block_mask, T, S, block_q or bq, block_k or bk)
-        tables_q, steps_q = _visit_tables(bm, False)
-        tables_k, steps_k = _visit_tables(bm, True)
+        bound_q, bound_k = _window_bounds(mask, bm)
+        tables_q, steps_q = _visit_tables(bm, False, bound_q)
+        tables_k, steps_k = _visit_tables(bm, True, bound_k)
     tq, tk = bm.block_q, bm.block_k
     nq, nk = bm.shape
     T_pad, S_pad = nq * tq, nk * tk
