@@ -125,7 +125,8 @@ for record in viz.read_samples(workdir):
 # %% [markdown]
 # The trained model, reloaded from its last checkpoint, continues a few prompts at
 # temperature 0.8 (`attnlab.decode.generate` with a KV cache). The context is
-# `model.max_len` characters, so each continuation fills what is left of it.
+# `run.model_config.max_len` characters (the typed `ModelConfig`), so each continuation fills
+# what is left of it.
 
 # %%
 # `load_run` gives the run as a `Run`: its config, model, tokenizer, step and metrics rows.
@@ -133,7 +134,7 @@ run = attnlab.load_run(workdir)
 model, task = run.model, run.task
 print(f"step {run.step}, final eval loss {run.metrics[-1].get('eval_loss')}")
 prompts = [task.encode(p) for p in PROMPTS]
-new_tokens = model.cfg.max_len - max(len(p) for p in prompts)
+new_tokens = run.model_config.max_len - max(len(p) for p in prompts)
 result = generate(model, prompts, new_tokens, temperature=0.8, seed=0)
 samples = [text + task.decode(result.tokens[b]) for b, text in enumerate(PROMPTS)]
 for text in samples:

@@ -241,10 +241,10 @@ speed = {}
 for name, run in loaded.items():
     decoder, params = Decoder.for_model(run.model)
     for context in CONTEXTS:
-        ids = np.random.default_rng(0).integers(1, run.model.cfg.vocab_size, (1, context))
+        ids = np.random.default_rng(0).integers(1, run.model_config.vocab_size, (1, context))
         ids = ids.astype(np.int32)
-        short = loop_seconds(decoder, params, run.model.cfg, ids, 2)
-        long = loop_seconds(decoder, params, run.model.cfg, ids, 2 + NEW_TOKENS)
+        short = loop_seconds(decoder, params, run.model_config, ids, 2)
+        long = loop_seconds(decoder, params, run.model_config, ids, 2 + NEW_TOKENS)
         ms = 1e3 * max(long - short, 1e-9) / NEW_TOKENS
         speed[name, context] = 1e3 / ms
         print(f"{name:8s} context {context:5d}: {ms:.3f} ms/token, {1e3 / ms:,.0f} tokens/s")
@@ -268,7 +268,7 @@ fig
 
 # %%
 lengths = np.unique(np.geomspace(16, max(CONTEXTS) + NEW_TOKENS, 12).astype(int))
-configs = {name: run.model.cfg for name, run in loaded.items()}
+configs = {name: run.model_config for name, run in loaded.items()}
 cache_bytes = {
     name: [attnlab.kv_cache_bytes(cfg, 1, int(n), dtype="float32") for n in lengths]
     for name, cfg in configs.items()

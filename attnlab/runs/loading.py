@@ -20,6 +20,7 @@ import pathlib
 from typing import Any
 
 from attnlab import experiment
+from attnlab.config import ModelConfig
 from attnlab.config.architectures import architecture
 from attnlab.data import make_task
 from attnlab.devices import sharding
@@ -53,6 +54,13 @@ class Run:
     metrics: list[dict]
     trainer: Trainer
     task: Any
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The run's model as a typed, validated ``ModelConfig`` (what ``init_cache``,
+        ``kv_cache_bytes``, ``count_params`` and ``build_model`` take); ``config.model`` is
+        the experiment's ``ConfigDict`` of the same fields, which they refuse."""
+        return self.trainer.mcfg
 
     def generate(
         self,
