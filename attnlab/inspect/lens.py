@@ -17,21 +17,14 @@ from attnlab.nn.probe import Probe
 
 
 def _readout(model):
-    """``x_BTD -> logits_BTV`` through the decoder stack's final norm and the LM head."""
-    stack = getattr(model, "decoder", None)
-    head = getattr(model, "head", None)
-    if stack is None or head is None:
+    """``x_BTD -> logits_BTV`` through the decoder stack's final norm and the LM head
+    (the model's ``readout``)."""
+    if not hasattr(model, "readout"):
         raise InspectError(
             f"the logit lens reads a decoder's residual stream; {type(model).__name__} has no "
             "decoder stack: use a DecoderLM or an EncoderDecoder"
         )
-
-    def readout(x_BTD):
-        if stack.final_norm is not None:
-            x_BTD = stack.final_norm(x_BTD)
-        return head(x_BTD, model.embed.tokens)
-
-    return readout
+    return model.readout
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "name", "static", "method"))

@@ -142,6 +142,13 @@ class _Embedder(nnx.Module):
         return x_BTD * (self.cfg.d_model**0.5) if self.cfg.embed_scale else x_BTD
 
 
+def _readout(stack, head, embed, x_BTD):
+    """``x_BTD`` through ``stack``'s final norm (if any) and the LM head."""
+    if stack.final_norm is not None:
+        x_BTD = stack.final_norm(x_BTD)
+    return head(x_BTD, embed.tokens)
+
+
 class DecoderLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -160,6 +167,12 @@ class DecoderLM(nnx.Module):
             segment_ids_BT=segment_ids_BT, key=key, depths=depths,
         )  # fmt: skip
         return self.mtp.logits(self.head, self.embed, hidden)
+
+    def readout(self, x_BTD):
+        """Logits ``[B, T, V]`` of a residual stream ``x_BTD`` (a layer's captured
+        ``resid_post``, say): the decoder's final norm, then the LM head, as the last layer's
+        output takes them (the logit lens, ``attnlab.inspect.logit_lens``)."""
+        return _readout(self.decoder, self.head, self.embed, x_BTD)
 
     def __call__(
         self,
@@ -294,6 +307,11 @@ class EncoderDecoder(nnx.Module):
             cross={"keys": head_major(k_LBSKH), "values": head_major(v_LBSKH)},
             src_valid=src_valid_BS.astype(bool),
         )
+
+    def readout(self, x_BTD):
+        """Logits ``[B, T, V]`` of a decoder residual stream ``x_BTD``: the decoder's final
+        norm, then the LM head (as ``DecoderLM.readout``)."""
+        return _readout(self.decoder, self.head, self.embed, x_BTD)
 
     def decode(
         self,
