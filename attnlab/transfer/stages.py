@@ -149,7 +149,7 @@ class Stage:
             "opt_state": opt_state,
             "step": state["step"] + 1,
         }
-        return new, {"loss": loss, **parts, "grad_norm": optax.global_norm(grads)}
+        return new, {"loss": loss, **parts, "grad_norm": optax.tree.norm(grads)}
 
     def done(self) -> bool:
         return (self.dir / DONE).is_file()
