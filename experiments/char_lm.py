@@ -1,10 +1,14 @@
 """Character-level decoder-only LM on the embedded corpus (the standard library's source).
 
 The README's main command: runs on any machine with Python, no data to fetch.
-``--config experiments/char_lm.py:tiny`` is its tiny CPU twin.
+``--config experiments/char_lm.py:tiny`` is its tiny CPU twin. Its corpus is one document,
+so packing never mixes documents; ``:tiny_docs`` is the same twin on the embedded corpus cut
+into short documents (``data.path="embedded:documents"``), so each packed row holds several.
 """
 
 from attnlab.experiment import base_config
+
+VARIANTS = ("tiny", "tiny_docs")
 
 
 def get_config(variant=None):
@@ -30,8 +34,10 @@ def get_config(variant=None):
         every_steps=100, batches=8, batch_size=32, sample_tokens=160, sample_prompt="def "
     )
     c.checkpoint.update(every_steps=200, max_to_keep=2)
-    if variant == "tiny":
+    if variant in ("tiny", "tiny_docs"):
         tiny(c)
+    if variant == "tiny_docs":
+        c.data.path = "embedded:documents"
     return c
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from attnlab.data import CharTokenizer, corpus, load_text, split_train_val, stdlib_corpus
+from attnlab.errors import DataError
 
 DATA_DIR = pathlib.Path(corpus.__file__).parent
 
@@ -89,3 +90,22 @@ def test_data_package_imports_no_model_code():
                 continue
             for name in names:
                 assert not any(name == b or name.startswith(b + ".") for b in banned), (path, name)
+
+
+def test_the_embedded_corpus_as_documents_ends_each_with_its_own_id():
+    from attnlab.data import make_task
+
+    text = corpus.stdlib_documents(20_000)
+    pieces = text.split(corpus.END_OF_DOCUMENT)
+    assert len(text) <= 20_000 and len(pieces) > 20
+    assert all(p and not p.startswith("\n") for p in pieces[:-1])  # no empty document
+    ids = np.array([5, 1, 3, 2, 3, 7])
+    np.testing.assert_array_equal(corpus.document_ends(ids, 3), [3, 5, 6])
+    np.testing.assert_array_equal(corpus.document_ends(ids[:5], 3), [3, 5])
+    cfg = {"kind": "text", "path": corpus.EMBEDDED_DOCUMENTS, "seq_len": 16, "max_chars": 20_000}
+    task = make_task(cfg)
+    assert corpus.END_OF_DOCUMENT in task.tokenizer.chars
+    batch = task.train_batch(0, 0, 8)
+    assert batch["segment_ids"].shape == (8, 16)
+    with pytest.raises(DataError, match="data.tokenizer='char' or 'byte'"):
+        make_task({**cfg, "tokenizer": "bpe", "vocab_size": 300})

@@ -4,6 +4,11 @@ The embedded corpus needs no download and exists wherever Python does: the stand
 own ``.py`` files, in sorted order of their relative POSIX paths, skipping third-party
 packages, test suites, a few large tool packages, machine-specific build files and anything
 that is not UTF-8. Its exact content therefore depends on the Python version, not the machine.
+
+``data.path="embedded:documents"`` reads the same text as many short documents
+(``stdlib_documents``): cut at every blank line (a docstring, a function, a block of
+imports), each piece ended by ``END_OF_DOCUMENT``, so packed rows hold several documents
+(``char_lm:tiny_docs``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ _SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 )
 _SEPARATOR = "\n\n\n"
+EMBEDDED_DOCUMENTS = "embedded:documents"  # the data.path of the embedded corpus as documents
+END_OF_DOCUMENT = "\x03"  # ASCII "end of text": the character (and id) ending each document
 
 
 def load_text(path) -> str:
@@ -97,6 +104,21 @@ def stdlib_corpus(max_chars: int | None = DEFAULT_MAX_CHARS) -> str:
     if not corpus:
         raise RuntimeError(f"no standard library sources found under {root}")
     return corpus if max_chars is None else corpus[:max_chars]
+
+
+def stdlib_documents(max_chars: int | None = DEFAULT_MAX_CHARS) -> str:
+    """The embedded corpus (``stdlib_corpus``) as short documents: cut at every blank line,
+    each non-empty piece followed by ``END_OF_DOCUMENT``, cut at ``max_chars``."""
+    pieces = (p.strip("\n") for p in stdlib_corpus(max_chars).split("\n\n"))
+    text = "".join(p + END_OF_DOCUMENT for p in pieces if p)
+    return text if max_chars is None else text[:max_chars]
+
+
+def document_ends(ids, end_id: int) -> np.ndarray:
+    """The end offset of every document of ``ids``, each ended by ``end_id`` (a last
+    document without one ends with the stream)."""
+    ends = np.flatnonzero(np.asarray(ids) == end_id) + 1
+    return ends if len(ends) and ends[-1] == len(ids) else np.append(ends, len(ids))
 
 
 def split_train_val(ids, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

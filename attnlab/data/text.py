@@ -14,7 +14,15 @@ import numpy as np
 
 from attnlab.data import fetch, synthetic
 from attnlab.data import grain_pipeline as gp
-from attnlab.data.corpus import load_text, split_train_val, stdlib_corpus
+from attnlab.data.corpus import (
+    EMBEDDED_DOCUMENTS,
+    END_OF_DOCUMENT,
+    document_ends,
+    load_text,
+    split_train_val,
+    stdlib_corpus,
+    stdlib_documents,
+)
 from attnlab.data.tasks import EVAL_SEED, EVAL_STREAM, TOKENIZER_FILE, Task, batch_rng, config_field
 from attnlab.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer
 from attnlab.errors import DataError
@@ -25,6 +33,8 @@ PIPELINES = ("index", "grain")
 def _load_corpus(path, max_chars) -> str:
     if not path:
         return stdlib_corpus(max_chars if max_chars and max_chars > 0 else None)
+    if path == EMBEDDED_DOCUMENTS:
+        return stdlib_documents(max_chars if max_chars and max_chars > 0 else None)
     text = load_text(fetch.resolve(path))
     return text[:max_chars] if max_chars and max_chars > 0 else text
 
@@ -82,7 +92,21 @@ def text_task(cfg, workdir, mlm, host=(0, 1)):
         where = f" (vocabulary loaded from {pathlib.Path(workdir) / TOKENIZER_FILE})"
         raise DataError(f"data.path: {err}{where if workdir is not None else ''}") from err
     train, val = split_train_val(ids, config_field(cfg, "val_fraction"))
-    return token_task(cfg, name, tokenizer, train, val, mlm=mlm, host=host)
+    documents = None
+    if config_field(cfg, "path") == EMBEDDED_DOCUMENTS:  # each ended by END_OF_DOCUMENT's id
+        documents = document_ends(train, _end_of_document_id(tokenizer))
+    return token_task(cfg, name, tokenizer, train, val, mlm=mlm, host=host, documents=documents)
+
+
+def _end_of_document_id(tokenizer) -> int:
+    """The id of ``END_OF_DOCUMENT``: one id of its own (a character or byte tokenizer)."""
+    ids = tokenizer.encode(END_OF_DOCUMENT)
+    if tokenizer.kind not in ("char", "byte") or len(ids) != 1:
+        raise DataError(
+            f"data.path={EMBEDDED_DOCUMENTS!r} ends its documents with one character, which "
+            f"needs data.tokenizer='char' or 'byte' (got a {tokenizer.kind} tokenizer)"
+        )
+    return int(ids[0])
 
 
 def _pipeline(cfg, mlm):
