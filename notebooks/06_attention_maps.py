@@ -22,6 +22,13 @@
 # *previous-token head*: one that mostly attends from each token to the token just before
 # it. Its score is the mean weight on the $(i, i-1)$ diagonal
 # (`attnlab.viz.previous_token_scores`).
+#
+# **Data.** It reads `../shared`, the folder beside the checkout that only the maintainers'
+# checkouts have (or the folder `$ATTNLAB_SHARED` names): tiny Shakespeare
+# (`../shared/data/tinyshakespeare.txt`) for part 1 and the tiny GPT-2 test fixture
+# (`../shared/fixtures/hf/gpt2`) for part 2. Without it the notebook still runs top to
+# bottom: part 1 trains on the embedded corpus instead, and part 2 is skipped, each with a
+# one-line note.
 
 # %%
 # %matplotlib inline
@@ -63,7 +70,9 @@ PROMPT_CHARS = 40
 ROOT = next(
     p for p in (pathlib.Path.cwd(), *pathlib.Path.cwd().parents) if (p / "experiments").is_dir()
 )
-SHARED = ROOT.parent / "shared"
+SHARED = pathlib.Path(os.environ.get("ATTNLAB_SHARED") or ROOT.parent / "shared")
+if not SHARED.is_dir():
+    print(f"note: {SHARED} is absent: the embedded corpus, and no pretrained checkpoint")
 
 
 def shown(chars):

@@ -69,6 +69,20 @@ SLOW = {
 
 @pytest.mark.parametrize("source", cases(SOURCES, slow=SLOW), ids=lambda p: p.stem)
 def test_notebook_runs_on_tiny_settings(source, monkeypatch, tmp_path):
+    _execute(source, monkeypatch, tmp_path)
+
+
+@pytest.mark.slow(reason="runs notebook 06 a second time (40 s of CPU), without ../shared")
+def test_the_attention_maps_notebook_runs_without_the_shared_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNLAB_SHARED", str(tmp_path / "absent"))
+    nb = _execute(NOTEBOOKS / "06_attention_maps.py", monkeypatch, tmp_path)
+    said = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
+    assert "training on the embedded corpus instead" in said
+    assert "skipping the pretrained checkpoint part" in said
+
+
+def _execute(source, monkeypatch, tmp_path):
+    """Runs the notebook ``source`` on its tiny settings; the executed notebook."""
     from nbclient import NotebookClient
 
     monkeypatch.setenv("ATTNLAB_NOTEBOOK_TINY", "1")
@@ -88,3 +102,4 @@ def test_notebook_runs_on_tiny_settings(source, monkeypatch, tmp_path):
     start = time.perf_counter()
     client.execute()
     print(f"{source.name}: {time.perf_counter() - start:.1f} s")
+    return nb
