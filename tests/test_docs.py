@@ -57,6 +57,11 @@ def test_site_builds_strict(tmp_path):
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "attnlab.generate" in api and "attnlab.ModelConfig" in api
     assert (tmp_path / "site" / "concepts" / "kv_cache" / "index.html").exists()
+    # every API page renders its entries (a page of directives that resolve nothing is empty)
+    for page in sorted((REPO / "docs" / "api").glob("*.md")):
+        html = tmp_path / "site" / "api" / ("" if page.stem == "index" else page.stem)
+        rendered = (html / "index.html").read_text()
+        assert rendered.count('class="doc doc-heading"') >= 5, page.name
 
 
 def test_a_broken_link_fails_the_strict_build(tmp_path):
