@@ -38,8 +38,6 @@ map's smaller total, not a sharper one. Details: docs/experiments.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 
 import jax
@@ -47,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.experiment import base_config
-from attnlab.sweep import grid
+from attnlab.sweep import arms, grid
 
 ARMS = {"mha": {"mixer": "mha"}, "differential": {"mixer": "differential"}}
 SEEDS = (0, 1, 2)
@@ -139,34 +137,14 @@ def score(model, n: int) -> dict:
 
 def run(root, *, seeds=SEEDS, steps=None, rescore=False):
     """Trains (or, with ``rescore``, reopens) each arm x seed and scores it."""
-    from attnlab.runs import load_run, train
+    from attnlab.runs import load_run
 
-    root = pathlib.Path(root)
-    runs = {}
-    for arm, model in ARMS.items():
-        for seed in seeds:
-            cfg = get_config()
-            cfg.model.update(model)
-            cfg.train.seed = seed
-            if steps:
-                cfg.train.steps = steps
-                cfg.eval.every_steps = cfg.checkpoint.every_steps = steps
-            workdir = root / f"{arm}_s{seed}"
-            if rescore:
-                loaded = load_run(workdir)
-                record = loaded.metrics[-1]
-            else:
-                record = train(cfg, workdir, progress=False)
-                loaded = load_run(workdir)
-            scores = {n: score(loaded.model, n) for n in PAIRS}
-            runs.setdefault(arm, []).append({"scores": scores,
-                                             "eval_loss": record.get("eval_loss")})  # fmt: skip
-    return runs
+    def measure(record, workdir):
+        model = load_run(workdir).model
+        return {"scores": {n: score(model, n) for n in PAIRS}, "eval_loss": record.get("eval_loss")}
 
-
-def mean_std(xs):
-    xs = np.asarray(xs, np.float64)
-    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
+    return arms.train_arms(get_config, ARMS, root, seeds=seeds, steps=steps, measure=measure,
+                           reopen=rescore)  # fmt: skip
 
 
 FIELDS = ("accuracy", "on_pair", "on_distractors", "distractor_share")
@@ -174,7 +152,7 @@ FIELDS = ("accuracy", "on_pair", "on_distractors", "distractor_share")
 
 def table(runs) -> dict:
     return {
-        arm: {n: {f: mean_std([r["scores"][n][f] for r in rs]) for f in FIELDS} for n in PAIRS}
+        arm: {n: {f: arms.mean_std([r["scores"][n][f] for r in rs]) for f in FIELDS} for n in PAIRS}
         for arm, rs in runs.items()
     }
 
@@ -212,20 +190,17 @@ def plot(t, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, help="the directory of the runs and results")
-    p.add_argument("--quick", action="store_true", help="60 steps, one seed")
+    p = arms.parser(__doc__)
     p.add_argument("--steps", type=int, default=0, help="train this many steps instead")
     p.add_argument("--rescore", action="store_true", help="score DIR's trained runs again")
     a = p.parse_args(argv)
-    seeds, steps = ((0,), 60) if a.quick else (SEEDS, a.steps or None)
-    runs = run(a.run, seeds=seeds, steps=steps, rescore=a.rescore)
+    seeds, steps = arms.seeds_and_steps(a, SEEDS)
+    runs = run(a.run, seeds=seeds, steps=steps or a.steps or None, rescore=a.rescore)
     t = table(runs)
-    root = pathlib.Path(a.run)
-    (root / "differential.json").write_text(json.dumps({"runs": runs, "table": t}, indent=2))
-    (root / "differential.md").write_text(markdown(t, len(seeds)))
-    plot(t, (root if a.quick else IMAGES) / "differential_retrieval.png")
-    print(markdown(t, len(seeds)))
+    text = markdown(t, len(seeds))
+    figure = IMAGES / "differential_retrieval.png"
+    arms.report(a.run, "differential", runs, t, text, lambda path: plot(t, path), figure,
+                quick=a.quick)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,14 +28,12 @@ eval loss 1.515 ± 0.048 against 1.487 ± 0.026. Details: docs/experiments.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 
 import numpy as np
 
 from attnlab.experiment import base_config
-from attnlab.sweep import grid
+from attnlab.sweep import arms, grid
 
 ARMS = {"mha": {"mixer": "mha"}, "gated": {"mixer": "gated"}}
 SEEDS = (0, 1, 2)
@@ -80,7 +78,7 @@ def sweep(variant=None):
     return grid({"model.mixer": list(ARMS), "train.seed": list(SEEDS)})
 
 
-def summary(record) -> dict:
+def summary(record, workdir=None) -> dict:
     """One run's figures from its final log line."""
     first = np.asarray(record["attn_first_share"])
     return {
@@ -94,27 +92,8 @@ def summary(record) -> dict:
     }
 
 
-def mean_std(xs):
-    xs = np.asarray(xs, np.float64)
-    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
-
-
 def run(root, *, seeds=SEEDS, steps=None):
-    from attnlab.runs import train
-
-    root = pathlib.Path(root)
-    runs = {}
-    for arm, model in ARMS.items():
-        for seed in seeds:
-            cfg = get_config()
-            cfg.model.update(model)
-            cfg.train.seed = seed
-            if steps:
-                cfg.train.steps = steps
-                cfg.eval.every_steps = cfg.checkpoint.every_steps = steps
-            record = train(cfg, root / f"{arm}_s{seed}", progress=False)
-            runs.setdefault(arm, []).append(summary(record))
-    return runs
+    return arms.train_arms(get_config, ARMS, root, seeds=seeds, steps=steps, measure=summary)
 
 
 KEYS = ("first_share_mean", "residual_max", "max_logit", "entropy_mean", "eval_loss")
@@ -123,7 +102,7 @@ KEYS = ("first_share_mean", "residual_max", "max_logit", "entropy_mean", "eval_l
 def table(runs) -> dict:
     out = {}
     for arm, rs in runs.items():
-        out[arm] = {k: mean_std([r[k] for r in rs]) for k in KEYS}
+        out[arm] = {k: arms.mean_std([r[k] for r in rs]) for k in KEYS}
         for k in ("first_share_by_layer", "residual_max_by_layer"):
             out[arm][k] = np.mean([r[k] for r in rs], axis=0).tolist()
             out[arm][k + "_std"] = np.std([r[k] for r in rs], axis=0, ddof=1).tolist()
@@ -162,23 +141,19 @@ def plot(t, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, help="the directory of the runs and results")
-    p.add_argument("--quick", action="store_true", help="60 steps, one seed")
+    p = arms.parser(__doc__)
     p.add_argument("--replot", action="store_true", help="the table and plot from DIR's JSON")
     a = p.parse_args(argv)
-    seeds, steps = ((0,), 60) if a.quick else (SEEDS, None)
+    seeds, steps = arms.seeds_and_steps(a, SEEDS)
     if a.replot:
-        runs = json.loads((pathlib.Path(a.run) / "gated.json").read_text())["runs"]
+        runs = arms.read_runs(a.run, "gated")
         seeds = range(len(next(iter(runs.values()))))
     else:
         runs = run(a.run, seeds=seeds, steps=steps)
     t = table(runs)
-    root = pathlib.Path(a.run)
-    (root / "gated.json").write_text(json.dumps({"runs": runs, "table": t}, indent=2))
-    (root / "gated.md").write_text(markdown(t, len(seeds)))
-    plot(t, (root if a.quick else IMAGES) / "gated_attention.png")
-    print(markdown(t, len(seeds)))
+    text = markdown(t, len(seeds))
+    figure = IMAGES / "gated_attention.png"
+    arms.report(a.run, "gated", runs, t, text, lambda path: plot(t, path), figure, quick=a.quick)
 
 
 if __name__ == "__main__":

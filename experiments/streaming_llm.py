@@ -39,8 +39,6 @@ no sink formed for eviction to break. Details: docs/experiments.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 
 import jax
@@ -48,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.experiment import base_config
-from attnlab.sweep import grid
+from attnlab.sweep import arms, grid
 
 ARMS = {"mha": {"mixer": "mha"}, "sinks": {"mixer": "sinks"}}
 SEEDS = (0, 1, 2)
@@ -183,40 +181,25 @@ def eval_ids(task, rows=4, length=LONGEST + 1):
 
 
 def run(root, *, seeds=SEEDS, steps=None):
-    from attnlab.runs import load_run, train
+    from attnlab.runs import load_run
 
-    root = pathlib.Path(root)
     names = register_window_masks(T)
-    runs = {}
-    for arm, model in ARMS.items():
-        for seed in seeds:
-            cfg = get_config()
-            cfg.model.update(model)
-            cfg.train.seed = seed
-            if steps:
-                cfg.train.steps = steps
-                cfg.eval.every_steps = cfg.checkpoint.every_steps = steps
-            workdir = root / f"{arm}_s{seed}"
-            record = train(cfg, workdir, progress=False)
-            loaded = load_run(workdir)
-            scores = evaluate(loaded.model, eval_ids(loaded.task), names)
-            first = float(np.mean(record["attn_first_share"]))
-            runs.setdefault(arm, []).append({"nll": scores, "first_share": first,
-                                             "eval_loss": record.get("eval_loss")})  # fmt: skip
-    return runs
 
+    def measure(record, workdir):
+        loaded = load_run(workdir)
+        scores = evaluate(loaded.model, eval_ids(loaded.task), names)
+        first = float(np.mean(record["attn_first_share"]))
+        return {"nll": scores, "first_share": first, "eval_loss": record.get("eval_loss")}
 
-def mean_std(xs):
-    xs = np.asarray(xs, np.float64)
-    return float(xs.mean()), float(xs.std(ddof=1)) if len(xs) > 1 else 0.0
+    return arms.train_arms(get_config, ARMS, root, seeds=seeds, steps=steps, measure=measure)
 
 
 def table(runs) -> dict:
     out = {}
     for arm, rs in runs.items():
-        out[arm] = {"first_share": mean_std([r["first_share"] for r in rs])}
+        out[arm] = {"first_share": arms.mean_std([r["first_share"] for r in rs])}
         for m in METHODS:
-            out[arm][m] = {f * T: mean_std([r["nll"][m][f * T] for r in rs]) for f in FACTORS}
+            out[arm][m] = {f * T: arms.mean_std([r["nll"][m][f * T] for r in rs]) for f in FACTORS}
     return out
 
 
@@ -257,18 +240,14 @@ def plot(t, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, help="the directory of the runs and results")
-    p.add_argument("--quick", action="store_true", help="60 steps, one seed")
-    a = p.parse_args(argv)
-    seeds, steps = ((0,), 60) if a.quick else (SEEDS, None)
+    a = arms.parser(__doc__).parse_args(argv)
+    seeds, steps = arms.seeds_and_steps(a, SEEDS)
     runs = run(a.run, seeds=seeds, steps=steps)
     t = table(runs)
-    root = pathlib.Path(a.run)
-    (root / "streaming.json").write_text(json.dumps({"runs": runs, "table": t}, indent=2))
-    (root / "streaming.md").write_text(markdown(t, len(seeds)))
-    plot(t, (root if a.quick else IMAGES) / "streaming_llm.png")
-    print(markdown(t, len(seeds)))
+    text = markdown(t, len(seeds))
+    figure = IMAGES / "streaming_llm.png"
+    arms.report(a.run, "streaming", runs, t, text, lambda path: plot(t, path), figure,
+                quick=a.quick)  # fmt: skip
 
 
 if __name__ == "__main__":
