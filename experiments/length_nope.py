@@ -1,0 +1,177 @@
+"""Length generalisation on algorithmic tasks by position encoding (NoPE's experiment).
+
+Kazemnejad et al. (2023) trained decoders on task instances of length <= 20 and tested them
+to 40: no position encoding generalised best, then T5's bias, ALiBi, RoPE, absolute positions
+last. Here one small decoder per position kind learns copy, reverse, sort, addition, parity
+and summation together (``data.kind="length_task"``; a marker symbol names each row's task)
+at problem lengths 1..20, and ``--report`` scores exact match (teacher-forced argmax over the
+answer: what greedy decoding writes) at lengths 5..40 on 128 fresh rows per task and length::
+
+    attnlab sweep --config experiments/length_nope.py --workdir runs/length_nope
+    python experiments/length_nope.py --report runs/length_nope
+
+``model.max_len`` (128) covers a 40-digit addition row; the learned table's rows past a
+20-length row are never trained. The report writes ``DIR/nope.json``, ``DIR/nope.md`` (per
+task: accuracy in distribution, mean over 21..40) and ``DIR/nope.png``. docs/length.md has
+the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from attnlab.data import length_tasks
+from attnlab.experiment import base_config
+
+VARIANTS = ("tiny",)
+POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
+TASKS = ("copy", "reverse", "sort", "addition", "parity", "summation")
+TRAIN_MAX, TEST_MAX = 20, 40
+NUM_SYMBOLS = 16
+
+
+def get_config(variant=None):
+    c = base_config()
+    c.name = "length_nope"
+    c.model.update(
+        arch="decoder",
+        vocab_size=length_tasks.vocab_size(NUM_SYMBOLS),
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=192,
+        max_len=128,
+        position="none",
+        norm="rmsnorm",
+        ffn="swiglu",
+        norm_bias=False,
+    )
+    seq_len = max(length_tasks.row_len(t, TRAIN_MAX) for t in TASKS) - 1
+    c.data.update(
+        kind="length_task",
+        tasks=",".join(TASKS),
+        seq_len=seq_len,
+        num_symbols=NUM_SYMBOLS,
+        min_len=1,
+        max_len=TRAIN_MAX,
+    )
+    c.optim.update(learning_rate=3e-3, warmup_steps=50, weight_decay=0.0, schedule="constant")
+    c.train.update(steps=400, batch_size=32, seed=0, log_every_steps=100)
+    c.eval.update(every_steps=400, batches=2, batch_size=32, sample_tokens=0)
+    c.checkpoint.update(every_steps=400, max_to_keep=1)
+    if variant == "tiny":
+        c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=64)
+        c.data.update(seq_len=length_tasks.row_len("addition", 4) - 1, max_len=4)
+        c.train.update(steps=2, batch_size=4, log_every_steps=1)
+        c.eval.update(every_steps=2, batches=1, batch_size=4)
+        c.checkpoint.update(every_steps=2)
+    return c
+
+
+def sweep(variant=None):
+    """One trial per position kind."""
+    from attnlab.sweep import grid
+
+    return grid({"model.position": list(POSITIONS)})
+
+
+def lengths_of(variant=None):
+    return [2, 4, 6, 8] if variant == "tiny" else [5, 10, 15, 20, 25, 30, 35, 40]
+
+
+def score_run(workdir, lengths, rows=128) -> dict:
+    """``{task: {length: exact match}}`` of the run in ``workdir``."""
+    import jax
+    import jax.numpy as jnp
+
+    from attnlab import runs
+
+    run = runs.load_run(workdir)
+    d, mcfg = run.config.data, run.trainer.mcfg
+    fn = jax.jit(lambda p, x: jnp.argmax(run.trainer.model(p)(x).logits, -1))
+    out = {}
+    for task in str(d.tasks).split(","):
+        seq_len = max(length_tasks.row_len(task, max(lengths)) - 1, int(d.seq_len))
+        if seq_len > mcfg.max_len:
+            raise ValueError(f"{task} at {max(lengths)} needs max_len {seq_len}")
+        out[task] = {
+            n: length_tasks.teacher_forced_accuracy(
+                lambda x: fn(run.params, x),
+                task,
+                n,
+                rows=rows,
+                seq_len=seq_len,
+                num_symbols=int(d.num_symbols),
+            )
+            for n in lengths
+        }
+    return out
+
+
+def report(root, *, variant=None, rows=128) -> dict:
+    """Scores every finished trial under ``root``; writes nope.json, nope.md and nope.png."""
+    root = pathlib.Path(root)
+    lengths = lengths_of(variant)
+    train_max = 4 if variant == "tiny" else TRAIN_MAX
+    results = {}
+    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
+        position = json.loads((trial / "config.json").read_text())["model"]["position"]
+        results[position] = score_run(trial, lengths, rows)
+    (root / "nope.json").write_text(json.dumps(results, indent=1))
+    tasks = list(next(iter(results.values())))
+    lines = [
+        "| position | "
+        + " | ".join(f"{t} ≤{train_max} / >{train_max}" for t in tasks)
+        + " | mean >"
+        + str(train_max)
+        + " |",
+        "|---|" + "---|" * (len(tasks) + 1),
+    ]
+    for pos, by_task in results.items():
+        cells, beyond = [], []
+        for t in tasks:
+            inside = [v for n, v in by_task[t].items() if n <= train_max]
+            out = [v for n, v in by_task[t].items() if n > train_max]
+            beyond += out
+            cells.append(f"{sum(inside) / len(inside):.2f} / {sum(out) / len(out):.2f}")
+        lines.append(f"| {pos} | " + " | ".join(cells) + f" | {sum(beyond) / len(beyond):.3f} |")
+    (root / "nope.md").write_text("\n".join(lines) + "\n")
+    _plot(results, lengths, train_max, root / "nope.png")
+    return results
+
+
+def _plot(results, lengths, train_max, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(next(iter(results.values())))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(2.6 * len(tasks), 2.8), sharey=True)
+    for ax, t in zip(axes, tasks, strict=True):
+        for pos, by_task in results.items():
+            ax.plot(lengths, [by_task[t][n] for n in lengths], "o-", ms=3, label=pos)
+        ax.axvline(train_max, color="grey", ls=":", lw=1)
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("problem length")
+    axes[0].set_ylabel("exact match")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--report", metavar="DIR", required=True, help="the sweep's directory")
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--rows", type=int, default=128)
+    args = p.parse_args(argv)
+    report(args.report, variant=args.variant, rows=args.rows)
+    print((pathlib.Path(args.report) / "nope.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""RULER at CPU scale: the effective length of attention, a sliding window, GDN, Mamba-2 and a
+hybrid, each trained alike on the tasks at 192 characters and scored to 8x that.
+
+RULER (Hsieh et al. 2024) asks a model to find needles, track variables and pick out common
+words at growing lengths; its effective length is the longest length at which the mean
+accuracy stays above 85.6%. Here each row of ``ROWS`` (2 layers, d_model 64, no position
+encoding) learns ``TRAIN_TASKS`` from ``data.kind="length_task"`` (character tokens of the
+embedded corpus, rows of 97..193 tokens, the loss on the answer), then ``--report`` runs
+``attnlab eval --tasks`` on every trial (greedy decoding through the cache, 16 examples per
+task and length)::
+
+    attnlab sweep --config experiments/length_ruler.py --workdir runs/length_ruler
+    python experiments/length_ruler.py --report runs/length_ruler
+
+It writes ``DIR/ruler.json``, ``DIR/ruler.md`` (the mean accuracy per length and the
+effective length per row) and ``DIR/tasks_<row>.png`` (task x length heat maps).
+docs/length.md has the figures. What one would expect from the mechanisms: a fixed-size
+state (GDN, Mamba-2) or a window (sliding) holds less as the haystack grows, so those rows
+should fall first; attention with no positions reads the whole context at any length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from attnlab.experiment import base_config
+
+VARIANTS = ("tiny",)
+TRAIN_LEN = 192
+LENGTHS = (192, 384, 768, 1536)
+TRAIN_TASKS = ("niah_single", "niah_single_needles", "passkey", "vt")
+EVAL_TASKS = TRAIN_TASKS + ("niah_single_essay", "niah_multikey")
+WINDOW = 64
+MAMBA2 = {"mixer": "mamba2", "mixer_settings": {"state_size": 16}}  # Zoology's state size
+ROWS = {
+    "attention": {"mixer": "mha"},
+    "sliding": {"mixer": "mha", "sliding_window": WINDOW},
+    "gdn": {"mixer": "gated_deltanet"},
+    "mamba2": {"mixer": "mamba2", "block_pattern": {"block": (MAMBA2,)}},
+    "hybrid": {"block_pattern": {"block": ("gated_deltanet", "mha")}},
+}  # fmt: skip
+
+
+def get_config(variant=None):
+    c = base_config()
+    c.name = "length_ruler"
+    c.model.update(
+        arch="decoder",
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=192,
+        max_len=TRAIN_LEN,
+        position="none",
+        norm="rmsnorm",
+        ffn="swiglu",
+        norm_bias=False,
+        tie_embeddings=False,
+        embed_scale=True,
+        init_std=64**-0.5,
+    )
+    c.data.update(kind="length_task", tasks=",".join(TRAIN_TASKS), seq_len=TRAIN_LEN,
+                  tokenizer="char", path="", max_chars=1_000_000)  # fmt: skip
+    c.optim.update(learning_rate=2e-3, warmup_steps=30, schedule="constant", weight_decay=0.0)
+    c.train.update(steps=250, batch_size=16, seed=0, log_every_steps=50)
+    c.eval.update(every_steps=250, batches=1, batch_size=16, sample_tokens=0)
+    c.checkpoint.update(every_steps=250, max_to_keep=1)
+    if variant == "tiny":
+        c.model.update(d_model=16, n_heads=2, d_ff=32)
+        c.data.update(tasks="passkey", seq_len=128)
+        c.model.update(max_len=128)
+        c.train.update(steps=2, batch_size=2, log_every_steps=1)
+        c.eval.update(every_steps=2, batches=1, batch_size=2)
+        c.checkpoint.update(every_steps=2)
+    return c
+
+
+def _overrides(fields, prefix="model"):
+    out = {}
+    for k, v in fields.items():
+        out.update(_overrides(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
+    return out
+
+
+def sweep(variant=None):
+    """One trial per row."""
+    names = ("attention", "gdn") if variant == "tiny" else tuple(ROWS)
+    return [_overrides(ROWS[n]) for n in names]
+
+
+def row_of(model: dict) -> str:
+    blocks = (model.get("block_pattern") or {}).get("block") or ()
+    if len(blocks) == 2:
+        return "hybrid"
+    if blocks:
+        return "mamba2"
+    if model.get("mixer") == "gated_deltanet":
+        return "gdn"
+    return "sliding" if model.get("sliding_window") else "attention"
+
+
+def report(root, *, variant=None, examples=16) -> dict:
+    """Scores every finished trial under ``root`` on ``EVAL_TASKS`` at ``LENGTHS``."""
+    from attnlab.evaluation import length, ruler
+
+    root = pathlib.Path(root)
+    tiny = variant == "tiny"
+    lengths, tasks = ((128, 256), ("passkey",)) if tiny else (LENGTHS, EVAL_TASKS)
+    results = {}
+    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
+        name = row_of(json.loads((trial / "config.json").read_text())["model"])
+        results[name] = ruler.evaluate_tasks(
+            length.from_workdir(trial), tasks, lengths, examples=examples, progress=True
+        )
+        ruler.plot_heatmap(results[name], root / f"tasks_{name}.png", title=name)
+    (root / "ruler.json").write_text(json.dumps(results, indent=1))
+    head = "| row | " + " | ".join(map(str, lengths)) + " | effective length |"
+    lines = [head, "|---|" + "---|" * (len(lengths) + 1)]
+    for name, r in results.items():
+        cells = [f"{r['mean'][str(n)]:.3f}" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['effective_length']} |")
+    (root / "ruler.md").write_text("\n".join(lines) + "\n")
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--report", metavar="DIR", required=True, help="the sweep's directory")
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--examples", type=int, default=16)
+    args = p.parse_args(argv)
+    report(args.report, variant=args.variant, examples=args.examples)
+    print((pathlib.Path(args.report) / "ruler.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
