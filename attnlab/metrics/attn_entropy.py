@@ -3,17 +3,11 @@ that attend to something; a sink's share counts as one more outcome. Entropy col
 (Zhai et al. 2023) shows as this figure falling towards 0."""
 
 from attnlab.metrics import register_metric
-from attnlab.metrics.base import Metric, stack_depth
+from attnlab.metrics.base import LayerStatistic
 
 
 @register_metric("attn_entropy")
-class AttnEntropy(Metric):
+class AttnEntropy(LayerStatistic):
     needs = ("attention",)
     reduce = "mean"
-
-    def shape(self, mcfg):
-        return (stack_depth(mcfg),)
-
-    def value(self, view):
-        a = view.out.stats["attention"]
-        return a["entropy_sum"], a["rows"]
+    total, count = "entropy_sum", "rows"

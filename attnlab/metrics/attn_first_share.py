@@ -3,17 +3,11 @@
 2024, which Qiu et al. 2025 find a head-wise output gate removes."""
 
 from attnlab.metrics import register_metric
-from attnlab.metrics.base import Metric, stack_depth
+from attnlab.metrics.base import LayerStatistic
 
 
 @register_metric("attn_first_share")
-class AttnFirstShare(Metric):
+class AttnFirstShare(LayerStatistic):
     needs = ("attention",)
     reduce = "mean"
-
-    def shape(self, mcfg):
-        return (stack_depth(mcfg),)
-
-    def value(self, view):
-        a = view.out.stats["attention"]
-        return a["first_sum"], a["rows"]
+    total, count = "first_sum", "rows"

@@ -4,16 +4,11 @@ steps. Logits that grow without bound precede attention-entropy collapse (Wortsm
 2024; levanter's attention-instability callback logs the same figure)."""
 
 from attnlab.metrics import register_metric
-from attnlab.metrics.base import Metric, stack_depth
+from attnlab.metrics.base import LayerStatistic
 
 
 @register_metric("attn_max_logit")
-class AttnMaxLogit(Metric):
+class AttnMaxLogit(LayerStatistic):
     needs = ("attention",)
     reduce = "max"
-
-    def shape(self, mcfg):
-        return (stack_depth(mcfg),)
-
-    def value(self, view):
-        return view.out.stats["attention"]["max_logit"]
+    total = "max_logit"

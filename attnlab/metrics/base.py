@@ -194,3 +194,20 @@ def stack_depth(mcfg) -> int:
     if mcfg.arch == "encoder_decoder":
         return int(mcfg.n_layers) + int(mcfg.n_decoder_layers)
     return int(mcfg.n_layers)
+
+
+class LayerStatistic(Metric):
+    """A per-layer figure read from one of the statistics the stack collects (the one
+    ``needs`` names): its entry ``total``, or under ``reduce="mean"`` the pair ``(total,
+    count)``. The attention and residual metrics are each one of these and a docstring."""
+
+    total: ClassVar[str]
+    count: ClassVar[str | None] = None
+
+    def shape(self, mcfg):
+        return (stack_depth(mcfg),)
+
+    def value(self, view):
+        (stat,) = self.needs
+        s = view.out.stats[stat]
+        return s[self.total] if self.count is None else (s[self.total], s[self.count])

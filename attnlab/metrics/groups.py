@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
+
+from attnlab.metrics.base import Metric
 
 # (group, test on the path's names), first match wins.
 GROUPS = (
@@ -46,3 +50,18 @@ def group_norms(tree, groups) -> dict:
         g = group_of(path)
         squares[g] = squares[g] + jnp.sum(jnp.square(x.astype(jnp.float32)))
     return {g: jnp.sqrt(s) for g, s in squares.items()}
+
+
+class GroupNorms(Metric):
+    """Per parameter group, the L2 norm of one tree of the update phase (``of``: the
+    ``StepView`` field, ``"grads"`` or ``"updates"``), averaged over the steps of a log line."""
+
+    phase = "update"
+    reduce = "mean"
+    of: ClassVar[str]
+
+    def shape(self, mcfg):
+        return dict.fromkeys(group_names(self.abstract_params), ())
+
+    def value(self, view):
+        return group_norms(getattr(view, self.of), group_names(self.abstract_params)), 1.0

@@ -2,16 +2,11 @@
 layer (the outlier features that gated attention removes, Qiu et al. 2025)."""
 
 from attnlab.metrics import register_metric
-from attnlab.metrics.base import Metric, stack_depth
+from attnlab.metrics.base import LayerStatistic
 
 
 @register_metric("residual_max")
-class ResidualMax(Metric):
+class ResidualMax(LayerStatistic):
     needs = ("residual",)
     reduce = "max"
-
-    def shape(self, mcfg):
-        return (stack_depth(mcfg),)
-
-    def value(self, view):
-        return view.out.stats["residual"]["max_abs"]
+    total = "max_abs"

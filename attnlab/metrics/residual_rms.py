@@ -5,20 +5,14 @@ as nanodo logs per layer for the instability study of Wortsman et al. 2024."""
 import numpy as np
 
 from attnlab.metrics import register_metric
-from attnlab.metrics.base import Metric, flat_record, stack_depth
+from attnlab.metrics.base import LayerStatistic, flat_record
 
 
 @register_metric("residual_rms")
-class ResidualRMS(Metric):
+class ResidualRMS(LayerStatistic):
     needs = ("residual",)
     reduce = "mean"
-
-    def shape(self, mcfg):
-        return (stack_depth(mcfg),)
-
-    def value(self, view):
-        r = view.out.stats["residual"]
-        return r["sq_sum"], r["count"]
+    total, count = "sq_sum", "count"
 
     def record(self, value):
         return flat_record(self.name, np.sqrt(value))
