@@ -92,14 +92,6 @@ def scanned_flex(implementation, causal=True):
 
 
 KERNEL_SLOW = pytest.mark.slow(reason="interpret-mode Pallas forward and backward, 2 layers")
-# Not the closures: the causal MaskSpec's arrays. flex_tpu._attention builds them
-# (_common.mask_inputs) outside its custom VJP and closes over them, so inside a layer scan
-# under grad they leak out of the backward pass (the score function's integer and boolean
-# arrays alone pass, the parametrization without a mask).
-TPU_MASK_LEAKS = pytest.mark.xfail(
-    strict=True, raises=jax.errors.UnexpectedTracerError,
-    reason="pallas_tpu closes over the MaskSpec arrays of mask_inputs in its custom VJP",
-)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -109,7 +101,7 @@ TPU_MASK_LEAKS = pytest.mark.xfail(
         ("chunked", False),
         pytest.param("pallas_gpu", True, marks=KERNEL_SLOW),
         pytest.param("pallas_tpu", False, marks=KERNEL_SLOW),
-        pytest.param("pallas_tpu", True, marks=[KERNEL_SLOW, TPU_MASK_LEAKS]),
+        pytest.param("pallas_tpu", True, marks=KERNEL_SLOW),
     ],
 )
 def test_integer_and_boolean_closures_in_a_layer_scan_match_float64(
