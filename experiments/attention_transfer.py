@@ -94,7 +94,7 @@ def ablation_rows(n_layers: int):
     half = tuple("keep" if i % 2 == 0 else "lolcats" for i in range(n_layers))
     return {
         "linear": {**linear, "transfer.swap_baseline": True},
-        "window": {"transfer.swap_baseline": False},
+        "window": {},  # the default: LoLCATs' mixer, with its swap baseline
         "hybrid_quarter": {**linear, "transfer.plan": quarter, "transfer.swap_baseline": False},
         "hybrid_half": {**linear, "transfer.plan": half, "transfer.swap_baseline": False},
     }

@@ -61,6 +61,9 @@ def test_ipynb_is_in_sync_and_stripped(source):
 SLOW = {
     NOTEBOOKS / "09_model_surgery.py": "trains four tiny runs and times decoding (80 s of CPU); "
     "tests/test_surgery_run.py keeps surgery runs and freezing in the fast tier",
+    NOTEBOOKS / "11_attention_transfer.py": "trains a tiny teacher, exports it and runs three "
+    "tiny stages with decode timing; tests/test_lora.py and test_distill.py keep LoRA and the "
+    "objectives in the fast tier",
     NOTEBOOKS / "10_look_inside.py": "trains a copying model and a QK-normed twin and compiles "
     "about ten probed programs (15 s of CPU cold); tests/test_inspect.py and test_patch.py keep "
     "capture and patching in the fast tier",
