@@ -4,7 +4,9 @@ Training (``train``): ``Trainer.train_step`` checks each batch's token ids on th
 the step (``attnlab.train.objectives.check_batch_ids``: a target past the vocabulary would
 make the loss NaN). ``off`` runs the same compiled program without the check
 (``Trainer.flat_train_step``, what the training loop calls on batches the data pipeline has
-checked already); ``check_us`` times the check alone.
+checked already); ``on`` also flattens and rebuilds the nested state around the program, as
+``train_step`` does, so ``check_us`` (the check alone) and ``check_share_of_step`` are the
+check's own cost.
 
 Decoding (``decode``): a hand-written loop of one token per call under ``nnx.jit``, with a
 linear cache. ``plain`` is the loop as shipped: a plain jit traces none of the model's checks
