@@ -21,32 +21,24 @@ the JSON metadata (orbax's own records beside them, ``_CHECKPOINT_METADATA`` and
 ``commit_success.txt``, hold no values and are not covered). The metadata records that the step
 has checksums, so a step finalised without its ``checksums.json`` (the process died in
 between) is never taken for one written before checksums existed; a resumed run moves such
-newest steps aside (``files.set_aside_unfinished``) and continues from the last finished one. Restoring a step first reads
-every file and compares; a file that differs, is missing or was resized raises
-``CorruptCheckpointError`` naming it, so no flipped bit reaches a restored state. Steps written
-before checksums existed (no record in their metadata) are restored unverified. ``verify``
-runs the same checks without restoring.
+newest steps aside (``files.set_aside_unfinished``) and continues from the last finished one.
+Restoring a step first reads every file and compares; a file that differs, is missing or
+was resized raises ``CorruptCheckpointError`` naming it, so no flipped bit reaches a restored
+state. Steps written before checksums existed (no record in their metadata) are restored
+unverified. ``verify`` runs the same checks without restoring.
 
 Errors. Restoring checks the stored tree (paths, shapes, dtypes, read from orbax's metadata)
-against the target first. A mismatch, a missing step or an unreadable (truncated, garbled,
-incomplete) checkpoint raises ``CorruptCheckpointError`` naming the directory and step;
-nothing on disk is deleted or rewritten by a failed restore. A run that falls back to an older
-step moves the unreadable one aside (``move_aside``: ``<workdir>/step_N.corrupt/``, which is
-never listed as a step), so a later save of step ``N`` cannot replace it and it stays there
-for inspection. A save that fails for want of space (``ENOSPC``, ``EDQUOT``) is a
-``DiskFullError`` naming the newest step that is still on disk.
+against the target first (``attnlab.runs.checkpoint_match``). A mismatch, a missing step or
+an unreadable (truncated, garbled, incomplete) checkpoint raises ``CorruptCheckpointError``
+naming the directory and step; nothing on disk is deleted or rewritten by a failed restore.
+A run that falls back to an older step moves the unreadable one aside (``move_aside``:
+``<workdir>/step_N.corrupt/``, which is never listed as a step), so a later save of step
+``N`` cannot replace it and it stays there for inspection. A save that fails for want of
+space (``ENOSPC``, ``EDQUOT``) is a ``DiskFullError`` naming the newest step that is still
+on disk.
 
-Preemption. ``PreemptionGuard`` turns SIGTERM and SIGINT into a flag that the training loop
-polls once per step (``stop_signal()`` names the signal afterwards, for the exit status
-``attnlab`` gives: 130 for SIGINT, 143 for SIGTERM)::
-
-    with Checkpointer(workdir) as ckpt, PreemptionGuard() as guard:
-        for step in range(start, num_steps):
-            state = train_step(state, next(batches))
-            if guard.requested or step % save_every == 0:
-                ckpt.save(step, state, metadata=config_dict)
-            if guard.requested:
-                break  # the checkpoint is durable; the caller reports stop_signal()
+Preemption. ``PreemptionGuard``, ``stop_signal`` and ``raise_if_stopped`` live in
+``attnlab.runs.preemption`` and are read from here too.
 """
 
 from __future__ import annotations
@@ -56,13 +48,11 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from attnlab.data.checksums import CHECKSUMS, file_checksum
@@ -70,19 +60,24 @@ from attnlab.errors import (
     CheckpointError,
     ConfigError,
     DiskFullError,
-    Interrupted,
     WorkdirError,
     one_line,
+)
+from attnlab.runs.checkpoint_match import (  # noqa: F401  (also read from here)
+    _abstract_leaf,
+    _check_matches,
+)
+from attnlab.runs.preemption import (  # noqa: F401  (also read from here)
+    _RECEIVED,
+    PreemptionGuard,
+    raise_if_stopped,
+    stop_signal,
 )
 
 _STATE = "state"
 _METADATA = "metadata"
 CHECKSUM_FILE = "checksums.json"
 _CHECKSUMMED = "_checksums"  # the key in a step's metadata that says it has CHECKSUM_FILE
-_FIX = (
-    "The checkpoint was written by a different model config; "
-    "use a new --workdir or the original config."
-)
 
 
 __all__ = [
@@ -451,115 +446,3 @@ def _short(error: BaseException, limit: int = 300) -> str:
     """The first line of a library's error message, cut to ``limit`` characters."""
     text = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _abstract_leaf(leaf: Any) -> jax.ShapeDtypeStruct:
-    if not hasattr(leaf, "dtype"):
-        raise TypeError(f"restore targets need array-like leaves; got {type(leaf).__name__}")
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
-
-
-def _describe(shape: Iterable[int], dtype: Any) -> str:
-    return f"shape {tuple(shape)} {np.dtype(dtype).name}"
-
-
-def _check_matches(
-    stored: dict[tuple, Any], expected: dict[tuple, jax.ShapeDtypeStruct], where: str
-) -> None:
-    """Raises CheckpointError at the first leaf whose path, shape or dtype differs."""
-    _refuse_per_layer_layout(stored, expected, where)
-    for path, want in expected.items():
-        name = "/".join(map(str, path))
-        want_desc = _describe(want.shape, want.dtype)
-        if path not in stored:
-            raise CheckpointError(
-                f"{where} does not match the restore target: leaf '{name}' is absent from the "
-                f"checkpoint (expected {want_desc}). {_FIX}"
-            )
-        have = stored[path]
-        if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
-            raise CheckpointError(
-                f"{where} does not match the restore target: leaf '{name}' is stored with "
-                f"{_describe(have.shape, have.dtype)} but the target expects {want_desc}. {_FIX}"
-            )
-    for path, have in stored.items():
-        if path not in expected:
-            name = "/".join(map(str, path))
-            raise CheckpointError(
-                f"{where} does not match the restore target: leaf '{name}' "
-                f"({_describe(have.shape, have.dtype)}) is in the checkpoint but not in the "
-                f"target. {_FIX}"
-            )
-
-
-def _per_layer(path: tuple) -> bool:
-    """A path of the earlier layout: one subtree per layer, ``.../layers/<int>/...``."""
-    return any(a == "layers" and str(b).isdigit() for a, b in zip(path[:-1], path[1:], strict=True))
-
-
-def _refuse_per_layer_layout(stored: dict, expected: dict, where: str) -> None:
-    if any(map(_per_layer, stored)) and not any(map(_per_layer, expected)):
-        raise CheckpointError(
-            f"{where} holds one set of parameters per layer (layers/0, layers/1, ...), the "
-            "layout of attnlab before layers were stacked on a leading axis; it cannot be "
-            "restored into a stacked model without silently misplacing weights. Train again "
-            "in a new --workdir."
-        )
-
-
-_RECEIVED: list[str] = []  # the signal the last guard received, for stop_signal()
-
-
-def stop_signal() -> str | None:
-    """The name of the signal (``"SIGINT"``, ``"SIGTERM"``) that stopped the latest guarded
-    loop of this process, or None when none did."""
-    return _RECEIVED[-1] if _RECEIVED else None
-
-
-def raise_if_stopped(where: str) -> None:
-    """Raises ``Interrupted`` when a signal stopped the latest guarded loop (after its
-    checkpoint was written); ``where`` completes the message."""
-    name = stop_signal()
-    if name is not None:
-        raise Interrupted(f"{name} stopped the run {where}; run the same command to resume", name)
-
-
-class PreemptionGuard:
-    """Turns SIGTERM/SIGINT into a flag while active; restores the previous handlers on exit.
-
-    The handlers only record the signal, so the training loop decides when to stop: it polls
-    ``requested`` once per step, saves a checkpoint and returns normally (see the module
-    docstring); ``stop_signal()`` tells its caller which signal it was. Enter it from the
-    main thread, as Python only installs handlers there.
-    """
-
-    def __init__(self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)):
-        self._signals = tuple(signals)
-        self._previous: dict[signal.Signals, Any] = {}
-        self.signal_name: str | None = None
-
-    @property
-    def requested(self) -> bool:
-        """True once one of the signals has arrived."""
-        return self.signal_name is not None
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if self.signal_name is None:
-            self.signal_name = signal.Signals(signum).name
-            _RECEIVED[:] = [self.signal_name]
-
-    def __enter__(self) -> PreemptionGuard:
-        _RECEIVED.clear()
-        for sig in self._signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for sig, previous in self._previous.items():
-            # None means the handler was installed outside Python; the default is the best
-            # approximation available.
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self._previous.clear()
