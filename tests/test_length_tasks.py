@@ -2,6 +2,8 @@
 be, the scorer and the effective length on hand-made outputs, a copying model at 1.0 and a
 silent one at 0.0, and ``data.kind="length_task"`` batches."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -152,3 +154,20 @@ def test_the_data_kind_builds_both_families():
         make_task({"kind": "length_task", "tasks": "", "seq_len": 16})
     with pytest.raises(DataError, match="separate runs"):
         make_task({"kind": "length_task", "tasks": "copy,passkey", "seq_len": 160})
+
+
+@pytest.mark.slow(reason="imports the harness, trains a tiny run and decodes its tasks")
+def test_the_task_folder_runs_in_the_harness(tiny_lm_run, tmp_path):
+    from attnlab.evaluation import ruler_harness
+    from attnlab.evaluation.backends import from_run
+    from attnlab.evaluation.harness import run_harness
+
+    pytest.importorskip("lm_eval")
+    names = ruler_harness.write_tasks(tmp_path, "passkey", [160], _encode, _decode, examples=2)
+    assert names == ["ruler_passkey_160"]
+    rows = [json.loads(line) for line in (tmp_path / "passkey_160.jsonl").read_text().split("\n")
+            if line]  # fmt: skip
+    assert all(r["outputs"][0] in r["input"] for r in rows)
+    out = run_harness(from_run(tiny_lm_run), ruler_harness.TAG, include_path=tmp_path,
+                      bootstrap_iters=0)  # fmt: skip
+    assert 0.0 <= out["results"]["ruler_passkey_160"]["recall,none"] <= 1.0

@@ -4,7 +4,8 @@
 against length per ``--context-mode``); with ``--tasks a,b`` it writes ``tasks.json`` and
 ``tasks.png`` (accuracy per task and length, the effective length) instead. ``--workdir``
 may name several runs, comma-separated: one line per run in the plot. Files go to ``--out``
-(default: the one run's directory, else the working directory).
+(default: the one run's directory, else the working directory). ``--write-harness DIR``
+writes the tasks as an lm-eval task folder instead (``attnlab.evaluation.ruler_harness``).
 """
 
 from __future__ import annotations
@@ -48,10 +49,36 @@ def add_flags(e) -> None:
     e.add_argument("--seed", type=int, default=0, help="--tasks: the examples' seed")
     e.add_argument("--threshold", type=float, default=0.856, help="--tasks: effective length's")
     e.add_argument("--out", default=None, metavar="DIR", help="where the JSON and PNG go")
+    e.add_argument(
+        "--write-harness", default=None, metavar="DIR",
+        help="write --tasks at --lengths as an lm-eval task folder (the model's tokenizer, "
+        "else bytes) instead of scoring them",
+    )  # fmt: skip
 
 
 def wanted(args) -> bool:
-    return getattr(args, "lengths", None) is not None or getattr(args, "tasks", None) is not None
+    flags = ("lengths", "tasks", "write_harness")
+    return any(getattr(args, f, None) is not None for f in flags)
+
+
+def write_harness(args) -> None:
+    """``--write-harness DIR``: the task folder, lengths in the model's tokens (or bytes)."""
+    from attnlab.evaluation.ruler_harness import TAG, write_tasks
+
+    if args.tasks is None or args.lengths is None:
+        raise ConfigError("--write-harness DIR needs --tasks T1,T2 and --lengths L1,L2")
+    if args.workdir is None and args.pretrained is None:
+        from attnlab.data.tokenizers import ByteTokenizer
+
+        tok = ByteTokenizer()
+        encode, decode = (lambda t: [int(i) for i in tok.encode(t)]), tok.decode
+    else:
+        s = _scorables(args)[0]
+        encode, decode = s.encode, s.decode
+    names = write_tasks(args.write_harness, args.tasks, _lengths(args.lengths), encode, decode,
+                        examples=args.examples, seed=args.seed)  # fmt: skip
+    print(f"{args.write_harness}: {len(names)} tasks tagged {TAG}", file=sys.stderr)
+    print(args.write_harness)
 
 
 def _lengths(spec) -> list[int]:
@@ -92,6 +119,8 @@ def run(args) -> None:
 
     if args.harness is not None or args.full:
         raise ConfigError("--lengths and --tasks stand alone: drop --harness / --full")
+    if args.write_harness is not None:
+        return write_harness(args)
     if args.lengths is None:
         raise ConfigError("--tasks needs --lengths L1,L2,...")
     lengths, modes = _lengths(args.lengths), _modes(args.context_mode)
