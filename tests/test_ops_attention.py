@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import reference as ref
 
-from attnlab.ops import IMPLEMENTATIONS, dot_product_attention, masks
+from attnlab.ops import IMPLEMENTATIONS, dot_product_attention, masks, paths
 
 B, T, S, H = 2, 5, 7, 8
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -384,7 +384,7 @@ def test_causal_only_needs_aligned_positions_and_no_other_rule():
 def test_auto_runs_cudnn_on_an_nvidia_gpu_only_where_measured(monkeypatch):
     """``"auto"`` picks cuDNN for plain causal bfloat16 self-attention on an NVIDIA GPU
     (the dispatch is checked here, on the CPU, with XLA's kernel run in cuDNN's place) and
-    leaves every case not measured there to XLA's path."""
+    gives every case not measured there the Pallas GPU kernel."""
     from attnlab.ops import dense_attention
 
     calls = []
@@ -413,15 +413,24 @@ def test_auto_runs_cudnn_on_an_nvidia_gpu_only_where_measured(monkeypatch):
     expected, _ = ref.attention(q, k, v, mask=np.tril(np.ones((T64, T64), bool)))
     np.testing.assert_allclose(np.asarray(out, np.float32), expected, **BF16_TOL)
     assert run(backend="cpu")[1] != "cudnn"
-    assert run(q=q.astype(jnp.float32), k=k.astype(jnp.float32), v=v.astype(jnp.float32))[1] is None
-    assert run(k=k[:, :, :1], v=v[:, :, :1])[1] is None  # grouped keys: not measured
-    assert run(mask=masks.MaskSpec.for_sequence(T64, causal=True, window=8))[1] is None
-    assert (
-        run(
-            q=q[:, :48], k=k[:, :48], v=v[:, :48], mask=masks.MaskSpec.for_sequence(48, causal=True)
-        )[1]
-        is None
-    )
-    assert run(softcap=30.0)[1] == "not fused"
+
+    def path(q=q, k=k, v=v, mask=spec, **kw):  # what a GPU program runs: traced, not run
+        f = lambda q, k, v: dot_product_attention(
+            q, k, v, mask=mask, implementation="auto", backend="gpu", **kw
+        )
+        with paths.recording() as rec:
+            jax.jit(f).trace(q, k, v)
+        return [s.path for s in rec.steps]
+
+    # Every case not measured with cuDNN takes the Pallas GPU kernel (a GPU program: on this
+    # CPU host it is traced, not run).
+    assert path(q=q.astype(jnp.float32), k=k.astype(jnp.float32), v=v.astype(jnp.float32)) == [
+        "pallas_gpu"
+    ]
+    assert path(k=k[:, :, :1], v=v[:, :, :1]) == ["pallas_gpu"]  # grouped keys: not measured
+    assert path(mask=masks.MaskSpec.for_sequence(T64, causal=True, window=8)) == ["pallas_gpu"]
+    short = masks.MaskSpec.for_sequence(48, causal=True)
+    assert path(q=q[:, :48], k=k[:, :48], v=v[:, :48], mask=short) == ["pallas_gpu"]
+    assert path(softcap=30.0) == ["pallas_gpu"]
     monkeypatch.setattr(dense_attention, "_nvidia_gpu", lambda: False)  # a GPU of another make
-    assert run()[1] is None
+    assert path() == ["pallas_gpu"]

@@ -54,7 +54,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from attnlab.ops import score_mods
+from attnlab.ops import paths, score_mods
 from attnlab.ops.chunked import chunked_attention
 from attnlab.ops.dense_attention import (  # noqa: F401  (also read from here)
     _check_shapes,
@@ -123,7 +123,12 @@ def _resolve_auto(q_BTNH, k_BSKH, mask, bias, *, backend, changed, block_q, bloc
     ``"auto"`` (a CPU decoding step's one-query path, or ``jax.nn``'s own choice)."""
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     if not changed and gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, bias, backend):
-        return "cudnn", block_q, block_k
+        if not paths.lowering_only():
+            return "cudnn", block_q, block_k
+        paths.say(
+            "implementation='auto': cuDNN on an NVIDIA GPU (it needs the device while "
+            "tracing); built for a GPU on another host, a Pallas kernel takes its place"
+        )
     if cpu_prefers_chunked(T, backend):
         if max(T, S) <= AUTO_BLOCK_MAX_LEN and block_q is None and block_k is None:
             return "chunked", AUTO_BLOCK, AUTO_BLOCK
@@ -216,7 +221,7 @@ def dot_product_attention(
         )
     T = q_BTNH.shape[1]
     plain = not return_weights and logits_fn is None and not drop
-    backend = jax.default_backend() if backend is None else backend
+    backend = paths.backend() if backend is None else backend
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
     score_mod = with_positions(score_mod, mask)  # its indices are the positions from here on
     if isinstance(mask, MaskSpec) and mask.allowed is not None:
@@ -262,6 +267,7 @@ def dot_product_attention(
         if logits_fn is not None or drop:
             _refuse_on_chunked(logits_fn, dropout_rate, implementation)
         blocks = {n: v for n, v in (("block_q", block_q), ("block_k", block_k)) if v is not None}
+        paths.reached("chunked")
         return chunked_attention(
             q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, score_mod=score_mod,
             block_mask=block_mask, q_offset=q_offset, **softmax, **blocks,
@@ -274,11 +280,13 @@ def dot_product_attention(
     if isinstance(mask, MaskSpec) and (one_query or not fused):
         mask = mask.dense()  # the fused path keeps a spec to pass a causal flag
     if one_query:
+        paths.reached("one_query")
         return one_query_attention(
             q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale, score_mod=score_mod,
             q_offset=q_offset, **softmax,
         )  # fmt: skip
     if not fused:
+        paths.reached("reference")
         if score_mod is not None:
             logits_fn = _with_score_mod(score_mod, logits_fn, q_BTNH, k_BSKH, q_offset)
         out_BTNH, weights_BNTS = reference_attention(
@@ -286,6 +294,7 @@ def dot_product_attention(
             dropout_rate=dropout_rate, dropout_key=dropout_key, **softmax,
         )  # fmt: skip
         return (out_BTNH, weights_BNTS) if return_weights else out_BTNH
+    paths.reached("cudnn" if implementation == "cudnn" else "xla")
     return _fused_attention(
         q_BTNH, k_BSKH, v_BSKH, mask=mask, bias=bias, scale=scale,
         implementation=implementation, backend=backend,
@@ -320,12 +329,15 @@ def _fused_kernel(q_BTNH, k_BSKH, v_BSKH, mask, scale, backend, softmax):
             q_BTNH, k_BSKH, v_BSKH, backend=backend, score_mod=None, mask=mask, scale=scale,
             block_k=None, num_splits=None, interpret=False, **softmax,
         )  # fmt: skip
+        if run is not None:
+            paths.reached("decode")
         return None if run is None else run()
     kwargs = dict(score_mod=None, mask=mask, block_mask=None, scale=scale, block_q=None,
                   block_k=None, interpret=False, **softmax)  # fmt: skip
     for name in flex.AUTO_KERNELS.get(backend, ()):
         fn, given = flex._covers(name, q_BTNH, k_BSKH, v_BSKH, kwargs)
         if fn is not None:
-            return fn(q_BTNH, k_BSKH, v_BSKH, **given)
+            paths.reached(name)
+            return flex.runner(fn, (q_BTNH, k_BSKH, v_BSKH), given)()
         flex.say(flex._fallback(given, "XLA's attention"))
     return None

@@ -70,6 +70,8 @@ from jax.sharding import PartitionSpec as P
 from attnlab.ops.attention import dot_product_attention
 from attnlab.ops.ring import ring_attention
 from attnlab.ops.shards import chunk_mask, fold_key, prepare, vary_like
+from attnlab.ops.shards import fit_axes as _fit
+from attnlab.ops.shards import spec_axes as _spec_axes
 
 __all__ = [
     "METHODS",
@@ -180,22 +182,6 @@ def all_gather_attention(
         dropout_rate=dropout_rate,
         dropout_key=fold_key(dropout_key, lax.axis_index(axis_name)),
     )
-
-
-def _fit(mesh, axes, size, taken=()):
-    """The axes among ``axes`` (larger than 1, not ``taken``) that evenly split ``size``:
-    greedily, as ``sharding.constrain`` places an activation."""
-    out = []
-    for axis in axes:
-        if axis in taken or mesh.shape[axis] == 1:
-            continue
-        if size % (math.prod(mesh.shape[a] for a in out) * mesh.shape[axis]) == 0:
-            out.append(axis)
-    return tuple(out)
-
-
-def _spec_axes(axes):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def context_parallel_attention(

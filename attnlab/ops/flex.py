@@ -40,7 +40,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from attnlab.ops import paths, score_mods
+from attnlab.ops import kernel_mesh, paths, score_mods
 from attnlab.ops.block_mask import BlockMask
 from attnlab.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
 from attnlab.ops.dense_attention import (
@@ -109,6 +109,13 @@ def _covers(name, q_BTNH, k_BSKH, v_BSKH, kwargs):
             kwargs["score_mod"] = _shifted(kwargs["score_mod"], q_offset)
     asked = {k: v for k, v in kwargs.items() if _accepts(supports, k)}
     reason = supports(q_BTNH, k_BSKH, v_BSKH, **asked)
+    on_mesh = name == "pallas_tpu" and kernel_mesh.current_mesh() is not None
+    if reason is None and on_mesh and kernel_mesh.reads_arrays_per_row(kwargs.get("score_mod")):
+        reason = (
+            "score_mod: closes over an array read per row and head (e.g. FoX's gate), "
+            "which the Mosaic TPU kernel cannot read by a shard's rows inside a mesh; "
+            "falling back to chunked"
+        )
     return (fn, kwargs) if reason is None else (None, reason)
 
 
@@ -327,7 +334,7 @@ def _choose(
             kwargs["q_offset"] = q_offset
         fn, given = _covers(impl, *qkv, kwargs)
         if fn is not None:
-            return chosen(impl, partial(fn, *qkv, **given))
+            return chosen(impl, runner(fn, qkv, given))
         fallbacks.append(_fallback(given, f"the next path ({_next(candidates, impl)!r})"))
     raise AssertionError("unreachable: the chunked path ends every candidate list")
 
@@ -350,4 +357,14 @@ def decode_kernel(q_BTNH, k_BSKH, v_BSKH, *, backend, **kwargs):
     if fn is None:
         say(_fallback(given, "the one-query path"))
         return None
-    return lambda: fn(q_BTNH, k_BSKH, v_BSKH, **given)
+    return runner(fn, (q_BTNH, k_BSKH, v_BSKH), given)
+
+
+def runner(fn, qkv, given):
+    """``() -> out_BTNH``: kernel ``fn`` on ``qkv`` with keywords ``given``; under a mesh
+    inside ``shard_map`` (``attnlab.ops.kernel_mesh``: a kernel is opaque to the
+    partitioner)."""
+    mesh = kernel_mesh.current_mesh()
+    if mesh is None:
+        return partial(fn, *qkv, **given)
+    return partial(kernel_mesh.partitioned, fn, *qkv, given, mesh)

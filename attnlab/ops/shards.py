@@ -1,12 +1,32 @@
-"""What the context-parallel methods share about a sequence split over devices: the mask of
+"""What the sharded attention paths share: the mesh axes an array's batch or heads split over,
+and, for a sequence split over devices (context parallelism), the mask of
 one (query chunk, key chunk) pair evaluated from positions, keys that vary over the mesh's
 manual axes, dropout keys folded per chunk, and the shape check of q/k/v."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+def fit_axes(mesh, axes, size, taken=()) -> tuple[str, ...]:
+    """The axes among ``axes`` (larger than 1, not ``taken``) that evenly split ``size``:
+    greedily, as ``sharding.constrain`` places an activation."""
+    out = []
+    for axis in axes:
+        if axis not in mesh.shape or axis in taken or mesh.shape[axis] == 1:
+            continue
+        if size % (math.prod(mesh.shape[a] for a in out) * mesh.shape[axis]) == 0:
+            out.append(axis)
+    return tuple(out)
+
+
+def spec_axes(axes):
+    """A ``PartitionSpec`` entry for ``axes``: None, one axis, or a tuple of them."""
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def chunk_mask(

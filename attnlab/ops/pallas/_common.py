@@ -8,6 +8,7 @@ Inside a kernel program a block of logits is ``[tq, tk]``; ``b`` and ``h`` are s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -308,6 +309,16 @@ def triton_params(interpret, num_warps, num_stages=2):
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def eager():
+    """``jax.ensure_compile_time_eval()`` (tables of a mask known while tracing are computed
+    then), except inside ``shard_map``, where eager ops on arrays of the manual mesh are
+    refused: there the tables are traced."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.manual_axes:
+        return contextlib.nullcontext()
+    return jax.ensure_compile_time_eval()
 
 
 def is_pow2(x, least=1):

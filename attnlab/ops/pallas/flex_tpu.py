@@ -23,6 +23,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attnlab.errors import ConfigError
 from attnlab.ops.masks import MaskSpec
@@ -142,8 +143,10 @@ def _visit_tables(bm, transpose, bound=None):
     count = pc + fc
     last = jnp.clip(jnp.minimum(t_, count[:, None] - 1), 0, n - 1)
     index = jnp.take_along_axis(order, last, 1)
-    try:  # tables known while tracing: as many steps as the longest row
+    try:  # tables known while tracing: as many steps as the longest row (sliced on the
+        # host: inside a shard_map a concrete array's slicing asks for a mesh sharding)
         steps = max(int(jax.device_get(count.max())), 1)
+        index = np.asarray(jax.device_get(index))
     except (jax.errors.ConcretizationTypeError, TypeError):
         steps = n if bound is None else min(bound, n)
     return (index[:, :steps].reshape(-1), count, pc), steps
@@ -175,7 +178,7 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     bq, bk = default_blocks(T, S)
-    with jax.ensure_compile_time_eval():
+    with cm.eager():
         bm = cm.resolve_block_mask(mask, block_mask, T, S, block_q or bq, block_k or bk)
         bound_q, bound_k = _window_bounds(mask, bm)
         tables_q, steps_q = _visit_tables(bm, False, bound_q)

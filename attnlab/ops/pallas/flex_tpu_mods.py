@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from attnlab.ops.pallas import _common as cm
 from attnlab.ops.pallas import _refmod
 
 ROLES = ("b", "h", "q", "k")
@@ -131,7 +132,7 @@ def _roles_of(records, n, ndim):
 def plan_score_mod(sm, *, B, N, tq, tk, T_pad, S_pad) -> Plan:
     """How each of ``sm``'s closed-over arrays is read (see the module docstring)."""
     jaxpr = sm.jaxpr
-    with jax.ensure_compile_time_eval():
+    with cm.eager():
         records = [
             (p, _record_gathers(jaxpr, sm.consts, p, tq, tk))
             for p in _probe_args(B, N, tq, tk, T_pad, S_pad)
