@@ -161,3 +161,20 @@ def test_attnlab_lower_takes_every_experiment(experiment, platform):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "train_step: lowered for" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_attnlab_lower_on_a_mesh_shards_the_kernels(platform):
+    """On a data x fsdp x tensor mesh of fake devices the kernels run inside ``shard_map``
+    (a Mosaic TPU kernel cannot be partitioned by the compiler), and both steps lower."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnlab.cli", "lower", "--config", "experiments/char_lm.py",
+         "--platform", platform, "--mesh", "data=2,fsdp=2,tensor=2",
+         "--config.model.attention_impl=" + {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}[platform],
+         "--config.model.attention_block_q=128", "--config.model.attention_block_k=128"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kernel = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}[platform]
+    assert f"train_step: layers.0-3.attn: {kernel}" in proc.stdout, proc.stdout
+    assert "train_step: lowered for" in proc.stdout, proc.stdout
