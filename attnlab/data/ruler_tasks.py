@@ -22,8 +22,8 @@ Tasks (``TASKS``):
 ``niah_multiquery``
     4 needles with 4 keys; all 4 keys are asked.
 ``vt``
-    variable tracking: ``VAR A = 12345.`` then 4 hops ``VAR B = A.`` (and a distractor
-    chain), asked for every variable that holds the value.
+    variable tracking (RULER's default: one chain): ``VAR A = 12345.`` then 4 hops
+    ``VAR B = A.`` at sorted depths in noise, asked for every variable that holds the value.
 ``cwe``, ``fwe``
     common words (3 words 8x more frequent than the rest of a numbered word list) and
     frequent words (3 most frequent of Zipf-distributed coded words), asked for the 3.
@@ -188,28 +188,12 @@ def _name(rng, taken):
 
 
 def _vt(task, rng, length, encode, lines):
-    taken, chains = set(), []
-    values = [str(int(rng.integers(10_000, 100_000)))]
-    while len(values) < 2:
-        v = str(int(rng.integers(10_000, 100_000)))
-        values += [v] if v != values[0] else []
-    for value in values:  # the asked chain, then a distractor chain
-        names = [_name(rng, taken) for _ in range(HOPS + 1)]
-        chains.append(
-            (
-                names,
-                [f"VAR {names[0]} = {value}. "]
-                + [f"VAR {b} = {a}. " for a, b in zip(names[:-1], names[1:], strict=True)],
-            )
-        )
-    # Statements of both chains interleaved, each chain in its own order.
-    order = rng.permutation([0] * (HOPS + 1) + [1] * (HOPS + 1))
-    statements, next_of = [], [0, 0]
-    for c in order:
-        statements.append(chains[c][1][next_of[c]])
-        next_of[c] += 1
-    names = chains[0][0]
-    question = f"\nWhich variables hold {values[0]}? They are "
+    taken = set()
+    value = str(int(rng.integers(10_000, 100_000)))
+    names = [_name(rng, taken) for _ in range(HOPS + 1)]
+    statements = [f"VAR {names[0]} = {value}. "]
+    statements += [f"VAR {b} = {a}. " for a, b in zip(names[:-1], names[1:], strict=True)]
+    question = f"\nWhich variables hold {value}? They are "
     answer = " ".join(names) + ".\n"
     budget = length - len(encode(question)) - len(encode(answer))
     ids = [list(encode(s)) for s in statements]
@@ -219,7 +203,7 @@ def _vt(task, rng, length, encode, lines):
     filler = _fill(rng, encode, room, _haystack(rng, "noise", lines, None), [])
     cut = np.sort(rng.integers(0, len(filler) + 1, len(ids)))
     context, last = [], 0
-    for c, s in zip(cut, ids, strict=True):  # statements in order, at sorted depths
+    for c, s in zip(cut, ids, strict=True):  # the chain in order, at sorted depths
         context += filler[last:c] + s
         last = c
     context += filler[last:]
