@@ -69,19 +69,18 @@ most); the 4-layer 3:1 hybrid trains slowest (one seed 0.996 / 0.977 / 0.805).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import math
 import pathlib
 import statistics
 import typing
 
-from attnlab.experiment import ExperimentError, base_config
+from attnlab.evaluation import mqar
+from attnlab.evaluation.mqar import EVAL_STREAM, eval_pairs, mqar_accuracy, predictor  # noqa: F401
+from attnlab.experiment import ExperimentError, base_config, matched
 
 VARIANTS = ("small", "tiny", "zoology", "zoology_long", "catalogue")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
 EXTENDS = ("rope", "alibi", "none")  # positions that reach past the training length
-EVAL_STREAM = 2  # batch_rng stream of the extrapolation rows (training draws stream 0)
 # Settings of the recurrent rows (a layer kind with its own settings is a block of
 # ``ModelConfig.block_pattern``; a block of one kind is a plain stack): Mamba-2 keeps a state
 # of 16 per channel, as Zoology's Mamba-2 rows (8 to 24), not its default 128. The sparse
@@ -228,62 +227,11 @@ def _holds(have, want) -> bool:
     return json.dumps(have, sort_keys=True) == json.dumps(want, sort_keys=True)
 
 
-@functools.lru_cache(maxsize=1024)
-def _count(fields_json: str):
-    """``count_params`` of a model config (as JSON), or the one-line reason it is invalid."""
-    from attnlab import ModelConfig, count_params
-    from attnlab.errors import ConfigError
-
-    try:
-        return count_params(ModelConfig.from_dict(json.loads(fields_json)))
-    except ConfigError as e:
-        return str(e)
-
-
-def _fields(model, **changes) -> str:
-    fields = model.to_dict() if hasattr(model, "to_dict") else dict(model)
-    fields.update(changes)
-    return json.dumps(fields, sort_keys=True)
-
-
 def matched_sizes(model, names=None) -> dict:
-    """``{row: {"d_model", "d_ff", "params", "ratio"}}``: for each row (``zoo_rows()``, or a
-    registered mixer's name), the ``d_model`` (a multiple of ``2 * n_heads``, so RoPE's head
-    dim stays even) whose parameter count is closest to ``mha``'s at ``model``'s size, then the
-    ``d_ff`` that brings it closest; ``{"error": ...}`` when none builds."""
-    table = zoo_rows()
-    names = list(table) if names is None else list(names)
-    target = _count(_fields(model, mixer="mha"))
-    if isinstance(target, str):
-        raise ExperimentError(f"model: {target}")
-    step, d = 2 * model["n_heads"], model["d_model"]
-    candidates = list(range(step, 4 * d + 1, step))
-    out = {}
-    for name in names:
-        fields = table.get(name, {"mixer": name})
-        count = lambda dm, f=fields, **more: _count(_fields(model, **f, d_model=dm, **more))
-        lo, hi = 0, len(candidates) - 1  # the first candidate whose count reaches the target
-        while lo < hi:
-            mid = (lo + hi) // 2
-            n = count(candidates[mid])
-            if isinstance(n, int) and n >= target:
-                hi = mid
-            else:
-                lo = mid + 1
-        tried = [candidates[i] for i in (lo - 1, lo) if i >= 0]
-        sized = [
-            (abs(math.log(n / target)), dm, n) for dm in tried if isinstance(n := count(dm), int)
-        ]
-        if not sized:
-            out[name] = {"error": count(d)}
-            continue
-        dm = min(sized)[1]
-        d_ff = (model["d_ff"] or 4 * d) * dm // d  # the FFN's width scales with d_model
-        per_column = count(dm, d_ff=d_ff + 1) - count(dm, d_ff=d_ff)
-        d_ff = max(1, d_ff + round((target - count(dm, d_ff=d_ff)) / per_column))
-        n = count(dm, d_ff=d_ff)
-        out[name] = {"d_model": dm, "d_ff": d_ff, "params": n, "ratio": round(n / target, 4)}
-    return out
+    """``attnlab.experiment.matched.matched_sizes`` of the zoo's rows (``zoo_rows()``, or a
+    registered mixer's name): each one's ``d_model``, ``d_ff``, parameters and ratio to
+    ``mha``'s."""
+    return matched.matched_sizes(model, zoo_rows(), names)
 
 
 def sweep(variant=None):
@@ -314,84 +262,10 @@ def _overrides(fields, prefix="model"):
     return out
 
 
-def eval_pairs(lo: int, hi: int) -> list[int]:
-    """The pair counts a trial trained on ``lo..hi`` pairs is scored at: both ends and every
-    power of two between."""
-    return sorted({lo, hi} | {2**k for k in range(hi.bit_length()) if lo <= 2**k <= hi})
-
-
-def predictor(run):
-    """The jitted ``(params, inputs) -> argmax token`` of the loaded ``run`` (one program per
-    length, shared by every pair count)."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.jit(lambda p, x: jnp.argmax(run.trainer.model(p)(x).logits, -1))
-
-
-def mqar_accuracy(
-    run, seq_len: int, *, pairs=None, rows: int = 256, batch_size: int = 64, seed: int = 0,
-    predict=None,
-):  # fmt: skip
-    """Teacher-forced accuracy of the loaded ``run`` on ``rows`` fresh MQAR rows of ``seq_len``
-    tokens with ``pairs`` pairs each (None: the run's own range) and the run's symbols."""
-    import numpy as np
-
-    from attnlab.data import batch_rng, synthetic
-
-    d, trainer = run.config.data, run.trainer
-    if seq_len > trainer.mcfg.max_len:
-        raise ExperimentError(f"seq_len {seq_len} exceeds the run's model.max_len")
-    predict = predict or predictor(run)
-    lo, hi = (d.min_len, d.max_len) if pairs is None else (pairs, pairs)
-    options = dict(num_symbols=d.num_symbols, min_len=lo, max_len=hi)
-    correct = total = 0.0
-    for i in range(math.ceil(rows / batch_size)):
-        batch = synthetic.mqar_batch(
-            batch_rng(seed, i, EVAL_STREAM), batch_size, seq_len, **options
-        )
-        hit = np.asarray(predict(run.params, batch["inputs"])) == batch["targets"]
-        correct += float((hit * batch["loss_mask"]).sum())
-        total += float(batch["loss_mask"].sum())
-    return correct / total
-
-
 def extrapolation(workdir, *, factors=FACTORS, rows: int = 256) -> dict:
-    """``{"seq_len", "pairs", "lengths", "accuracy"}`` of the run in ``workdir``:
-    ``accuracy[i][j]`` at ``pairs[i]`` pairs (``eval_pairs`` of its training range) and each
-    factor ``lengths[j]`` of its training length (only 1 for positions that do not extend);
-    cached in ``workdir/extrapolation.json``."""
-    from attnlab import runs
-
-    path = pathlib.Path(workdir) / "extrapolation.json"
-    if path.exists():
-        cached = json.loads(path.read_text())
-        if (cached.get("factors"), cached.get("rows")) == (list(factors), rows) and cached.get(
-            "pairs"
-        ):  # an older cache without pair counts is scored again
-            return cached
-    run = runs.load_run(workdir)
-    d = run.config.data
-    if d.kind != "mqar":
-        raise ExperimentError(f"{workdir} holds a data.kind={d.kind!r} run")
-    T = int(d.seq_len)
-    extends = _extends(run.trainer.mcfg)
-    lengths = [T * f for f in factors if (extends or f == 1) and T * f <= run.trainer.mcfg.max_len]
-    pairs, predict = eval_pairs(int(d.min_len), int(d.max_len)), predictor(run)
-    result = {
-        "step": run.step,
-        "seq_len": T,
-        "factors": list(factors),
-        "rows": rows,
-        "pairs": pairs,
-        "lengths": lengths,
-        "accuracy": [
-            [mqar_accuracy(run, t, pairs=p, rows=rows, predict=predict) for t in lengths]
-            for p in pairs
-        ],
-    }
-    path.write_text(json.dumps(result) + "\n")
-    return result
+    """``attnlab.evaluation.mqar.extrapolation`` of the run in ``workdir``: each pair count
+    at each factor of its training length (only 1 for positions that do not extend)."""
+    return mqar.extrapolation(workdir, factors=factors, rows=rows, extends=_extends)
 
 
 def _extends(mcfg) -> bool:
@@ -427,7 +301,7 @@ def report(sweep_dir, *, rows: int = 256, plot: bool = True) -> dict:
         d = config["data"]
         key = (row_of(config["model"]), d["min_len"], d["max_len"], d["seq_len"])
         scores = extrapolation(root / row["trial"], rows=rows)
-        params = _count(json.dumps(config["model"], sort_keys=True))
+        params = matched.param_count(json.dumps(config["model"], sort_keys=True))
         groups.setdefault(key, []).append((params, scores))
     table = []
     for (name, lo, hi, T), members in sorted(groups.items()):
