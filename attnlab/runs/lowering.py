@@ -240,10 +240,10 @@ def command(args, overrides) -> int:
 
     sizes = parse_mesh(args.mesh)
     n = int(np.prod(list(sizes.values()))) if sizes else 1
-    if n > 1:  # fake CPU devices, asked before JAX starts its backends
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+    if n > 1:  # fake CPU devices (the mesh's count), asked before JAX starts its backends
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                       os.environ.get("XLA_FLAGS", ""))  # fmt: skip
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     from attnlab import experiment
     from attnlab.devices import sharding
 
