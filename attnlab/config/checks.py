@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from attnlab.config import parametrization
 from attnlab.config.architectures import ARCHITECTURES, architecture
 from attnlab.contracts.ffn import get_ffn
@@ -23,7 +25,7 @@ NORMS = ("layernorm", "rmsnorm")
 # pre: x + f(norm(x)); post: norm(x + f(x)); sandwich: x + norm2(f(norm1(x))) (Gemma 2/3);
 # output: x + norm(f(x)) (OLMo 2).
 NORM_PLACEMENTS = ("pre", "post", "sandwich", "output")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 REMAT = ("none", "full", "dots")
 DECODE_LAYERS = ("auto", "unstacked", "scan")
 
@@ -176,9 +178,22 @@ def _check_choices(cfg) -> None:
     _choice(cfg, "attention_impl", IMPLEMENTATIONS)
     _choice(cfg, "dtype", DTYPES)
     _choice(cfg, "param_dtype", DTYPES)
+    _check_x64(cfg)
     _choice(cfg, "sinusoidal_layout", ("interleaved", "split"))
     _choice(cfg, "remat", REMAT)
     _choice(cfg, "decode_layers", DECODE_LAYERS)
+
+
+def _check_x64(cfg) -> None:
+    """float64 needs JAX's 64-bit mode, without which JAX silently computes in float32."""
+    for field in ("dtype", "param_dtype"):
+        if getattr(cfg, field) == "float64" and not jax.config.jax_enable_x64:
+            _fail(
+                field,
+                "float64",
+                "float64 needs JAX's 64-bit mode: set JAX_ENABLE_X64=1 before starting Python, "
+                "or call jax.config.update('jax_enable_x64', True) first",
+            )
 
 
 def _check_attention(cfg) -> None:

@@ -11,6 +11,7 @@ from attnlab.config import ModelConfig
 from attnlab.contracts.ffn import FFN, register_ffn
 from attnlab.nn import probe
 from attnlab.ops.linear import dense
+from attnlab.ops.precision import wide
 
 
 def normal(rngs: nnx.Rngs, shape, std, dtype):
@@ -50,7 +51,7 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding_VD[...], ids_BT, axis=0)
 
     def attend(self, x_BTD):
-        return dense(x_BTD, self.embedding_VD[...].T, out_dtype=jnp.float32)
+        return dense(x_BTD, self.embedding_VD[...].T, out_dtype=wide(x_BTD))
 
 
 class LearnedPositions(nnx.Module):

@@ -35,11 +35,12 @@ from attnlab.nn.mtp import MTP
 from attnlab.nn.registry import MODEL_CLASSES
 from attnlab.nn.stack import Stack, check_positions
 from attnlab.ops.linear import add_bias, dense, fold
+from attnlab.ops.precision import upcast, wide
 
 
 @struct.dataclass
 class ModelOutput:
-    logits: jax.Array  # [B, T, V] float32
+    logits: jax.Array  # [B, T, V] float32 (float64 for a float64 model)
     cache: KVCache | None = None
     weights: tuple | None = None  # per layer: {"self": [B,N,T,S], "cross": ...}
     hidden: jax.Array | None = None  # [B, T, D] last hidden state
@@ -106,12 +107,12 @@ class _LMHead(nnx.Module):
         if self.head_DV is None:
             logits_BTV = embed.attend(x_BTD)
         else:
-            logits_BTV = dense(x_BTD, self.head_DV[...], out_dtype=jnp.float32)
+            logits_BTV = dense(x_BTD, self.head_DV[...], out_dtype=wide(x_BTD))
         if self.bias_V is not None:
-            logits_BTV = add_bias(logits_BTV, self.bias_V[...].astype(jnp.float32))
+            logits_BTV = add_bias(logits_BTV, self.bias_V[...].astype(logits_BTV.dtype))
         if self.softcap is not None:
             logits_BTV = self.softcap * jnp.tanh(logits_BTV / self.softcap)
-        return constrain(logits_BTV.astype(jnp.float32), "batch", "length", "act_vocab")
+        return constrain(upcast(logits_BTV), "batch", "length", "act_vocab")
 
 
 def checked_ids(ids_BT, vocab_size: int):

@@ -48,6 +48,7 @@ from attnlab.nn import probe
 from attnlab.nn.layers import normal
 from attnlab.ops import moe
 from attnlab.ops.linear import add_bias, dense
+from attnlab.ops.precision import wide
 
 
 @register_ffn("moe")
@@ -147,7 +148,7 @@ class MoE(FFN):
     def route(self, x_TD):
         """``(expert_TA, weight_TA, scores_TE, logits_TE)`` of the flattened tokens."""
         s = self.settings
-        logits_TE = dense(x_TD, self.router_DE[...], out_dtype=jnp.float32)
+        logits_TE = dense(x_TD, self.router_DE[...], out_dtype=wide(x_TD))
         if self.b_router_E is not None:
             logits_TE = add_bias(logits_TE, self.b_router_E[...])
         bias = None if self.selection_bias_E is None else self.selection_bias_E[...]
@@ -229,7 +230,7 @@ class MoE(FFN):
             )
             if self.shared_expert_gate_D is not None:
                 w_D1 = self.shared_expert_gate_D[...][:, None]
-                score_T1 = jax.nn.sigmoid(dense(x_TD, w_D1, out_dtype=jnp.float32))
+                score_T1 = jax.nn.sigmoid(dense(x_TD, w_D1, out_dtype=wide(x_TD)))
                 shared_TD = shared_TD * score_T1.astype(shared_TD.dtype)
             y_TD = y_TD + shared_TD
         s = self.settings

@@ -42,6 +42,7 @@ from attnlab.nn.blocks import stacked
 from attnlab.nn.layers import LearnedPositions, Norm, RelativeBias
 from attnlab.nn.segments import NO_WINDOW, REMAT_POLICIES  # noqa: F401 - read from here too
 from attnlab.ops.linear import dropout, fold
+from attnlab.ops.precision import wide
 
 
 def _total_aux(aux):
@@ -159,7 +160,9 @@ class Stack(nnx.Module):
         if self.positions is not None:
             x_BTD = x_BTD + self.positions(positions_BT).astype(x_BTD.dtype)
         elif cfg.position == "sinusoidal":
-            table = ops.sinusoidal(cfg.max_len, cfg.d_model, layout=cfg.sinusoidal_layout)
+            table = ops.sinusoidal(
+                cfg.max_len, cfg.d_model, layout=cfg.sinusoidal_layout, dtype=wide(x_BTD)
+            )
             x_BTD = x_BTD + jnp.take(table, positions_BT, axis=0).astype(x_BTD.dtype)
         if self.embed_norm is not None:
             x_BTD = self.embed_norm(x_BTD)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlab.ops.linear import add_bias, dense, dropout
+from attnlab.ops.precision import upcast
 
 
 def relu(x):
@@ -50,14 +51,14 @@ def _with_saved_derivative(value_and_derivative):
 
 
 def _gelu_and_derivative(x):
-    x32 = x.astype(jnp.float32)
+    x32 = upcast(x)
     cdf = 0.5 * (1.0 + jax.lax.erf(x32 * (1.0 / math.sqrt(2.0))))
     pdf = jnp.exp(-0.5 * x32 * x32) * (1.0 / math.sqrt(2.0 * math.pi))
     return (x32 * cdf).astype(x.dtype), (cdf + x32 * pdf).astype(x.dtype)
 
 
 def _gelu_tanh_and_derivative(x):
-    x32 = x.astype(jnp.float32)
+    x32 = upcast(x)
     c = math.sqrt(2.0 / math.pi)
     t = jnp.tanh(c * (x32 + 0.044715 * x32**3))
     dt = (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x32 * x32)
@@ -67,7 +68,7 @@ def _gelu_tanh_and_derivative(x):
 
 
 def _silu_and_derivative(x):
-    x32 = x.astype(jnp.float32)
+    x32 = upcast(x)
     s = jax.nn.sigmoid(x32)
     return (x32 * s).astype(x.dtype), (s * (1.0 + x32 * (1.0 - s))).astype(x.dtype)
 
@@ -87,9 +88,9 @@ def swiglu(gate, up):
 
 def clamped_swiglu(gate, up, *, alpha=1.702, limit=7.0):
     """gpt-oss's gated unit: ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate,
-    limit)`` and ``u = clip(up, -limit, limit)``; computed in float32."""
-    g = jnp.minimum(gate.astype(jnp.float32), limit)
-    u = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    limit)`` and ``u = clip(up, -limit, limit)``; computed in at least float32."""
+    g = jnp.minimum(upcast(gate), limit)
+    u = jnp.clip(upcast(up), -limit, limit)
     return (g * jax.nn.sigmoid(alpha * g) * (u + 1)).astype(gate.dtype)
 
 
@@ -106,10 +107,10 @@ def geglu_tanh(gate, up):
 def xielu(x, alpha_p, alpha_n, *, beta=0.5, eps=-1e-6):
     """xIELU (Huang and Schlag 2024, Apertus): ``a_p x^2 + beta x`` for ``x > 0``, else
     ``a_n (expm1(min(x, eps)) - x) + beta x``, with ``a_p = softplus(alpha_p)`` and ``a_n =
-    beta + softplus(alpha_n)`` from the learned scalars; computed in float32."""
-    x32 = x.astype(jnp.float32)
-    a_p = jax.nn.softplus(jnp.asarray(alpha_p, jnp.float32))
-    a_n = beta + jax.nn.softplus(jnp.asarray(alpha_n, jnp.float32))
+    beta + softplus(alpha_n)`` from the learned scalars; computed in at least float32."""
+    x32 = upcast(x)
+    a_p = jax.nn.softplus(jnp.asarray(alpha_p, x32.dtype))
+    a_n = beta + jax.nn.softplus(jnp.asarray(alpha_n, x32.dtype))
     negative = a_n * (jnp.expm1(jnp.minimum(x32, eps)) - x32)
     return (jnp.where(x32 > 0, a_p * x32 * x32, negative) + beta * x32).astype(x.dtype)
 

@@ -5,7 +5,7 @@ Conventions (see ``attnlab.dims``): ``q_BTNH``, ``k_BSKH``, ``v_BSKH`` with K di
 ``[B, N|1, T, S]``, True = may attend, or a ``masks.MaskSpec`` describing one. ``bias`` is
 added to the logits and broadcastable to ``[B, N|1, T, S]``, or a ``positions.PositionBias``
 describing one. The dense implementations build descriptions with ``.dense()``; the chunked
-one evaluates them block by block. The softmax always runs in float32. A query row whose
+one evaluates them block by block. The softmax runs in at least float32. A query row whose
 keys are all masked gets an all-zero output and all-zero weights, with finite gradients.
 
 Two options change the softmax itself, on the reference, chunked and one-query paths (the
@@ -65,6 +65,7 @@ from attnlab.ops.dense_attention import (  # noqa: F401  (also read from here)
 )
 from attnlab.ops.masks import MaskSpec
 from attnlab.ops.positions import PositionBias
+from attnlab.ops.precision import wide
 
 # The fused kernels of ``attnlab.ops.flex`` (imported when asked; each falls back, named,
 # to the chunked path where it is absent or does not cover the call).
@@ -189,14 +190,14 @@ def dot_product_attention(
       bias: added to the logits, broadcastable to [B, N|1, T, S] (ALiBi, relative bias); or
         a ``PositionBias``.
       scale: logit scale; defaults to 1/sqrt(H).
-      return_weights: also return the attention weights [B, N, T, S] (float32).
+      return_weights: also return the attention weights [B, N, T, S] (at least float32).
       implementation: one of ``IMPLEMENTATIONS``.
       logits_fn: optional map of the whole logits (reference path only); an elementwise
         variant passes ``score_mod`` instead, which every path takes.
       dropout_rate, dropout_key: attention dropout on the weights (reference path); no
         dropout without a key.
       block_q, block_k: the blockwise implementations' block sizes (None: their defaults).
-      sinks: per-head sink logits [N] (float32), or None (see the module docstring).
+      sinks: per-head sink logits [N], or None (see the module docstring).
       softcap: ``c`` of the logit cap ``c * tanh(s / c)`` (a Python number), or None.
       backend: the platform ``"auto"`` chooses for ("cpu", "gpu", "tpu"); models pass the one
         they were built for, so nothing ambient changes the path. None: JAX's default backend.
@@ -274,8 +275,9 @@ def dot_product_attention(
         )  # fmt: skip
     if isinstance(bias, PositionBias):
         bias = bias.dense()
+    # jax.nn's XLA attention takes its softmax in float32: a float64 call keeps the reference.
     fused = not (return_weights or implementation == "reference" or logits_fn is not None
-                 or drop or changed or flexible)  # fmt: skip
+                 or drop or changed or flexible or wide(q_BTNH) != jnp.float32)  # fmt: skip
     one_query = implementation == "auto" and plain and T == 1 and backend == "cpu"
     if isinstance(mask, MaskSpec) and (one_query or not fused):
         mask = mask.dense()  # the fused path keeps a spec to pass a causal flag

@@ -16,7 +16,7 @@ acting on the state's key rows::
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
 
 A token with ``g = 0`` and ``beta = 0`` leaves ``S`` as it was (padding). Every form keeps
-the state in float32 and returns ``(o, S)``; shapes use ``attnlab.dims`` (N heads, H the
+the state in at least float32 and returns ``(o, S)``; shapes use ``attnlab.dims`` (N heads, H the
 key width, J the value width, C a chunk's length, I the chunks).
 
 The chunked form (the WY/UT transform of DeltaNet) solves each chunk's writes at once: with
@@ -36,13 +36,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.precision import upcast, wide
 from attnlab.ops.recurrent import HIGHEST, chunk_decays, chunk_size_for, from_chunks, to_chunks
 
-f32 = lambda x: x.astype(jnp.float32)
+f32 = upcast  # at least float32: float64 inputs stay float64
 
 
-def _initial(state_BNHJ, B, N, H, J):
-    return jnp.zeros((B, N, H, J), jnp.float32) if state_BNHJ is None else f32(state_BNHJ)
+def _initial(state_BNHJ, B, N, H, J, dtype):
+    return jnp.zeros((B, N, H, J), dtype) if state_BNHJ is None else f32(state_BNHJ)
 
 
 def _state_decay(g, k):
@@ -66,7 +67,7 @@ def delta_rule_step(q_BNH, k_BNH, v_BNJ, g_BN, beta_BN, state_BNHJ):
 def delta_rule_recurrent(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ=None):
     """The per-token recurrence (the reference form): ``(o_BTNJ, state_BNHJ)``."""
     B, _, N, H = k_BTNH.shape
-    S = _initial(state_BNHJ, B, N, H, v_BTNJ.shape[-1])
+    S = _initial(state_BNHJ, B, N, H, v_BTNJ.shape[-1], wide(v_BTNJ))
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
 
     def step(S, x):
@@ -187,7 +188,7 @@ def delta_rule_chunked(
         S = S * by_key + mm("BNCH,BNCJ->BNHJ", k_BNCH, u_BNCJ)
         return S, o_BNCJ
 
-    S = _initial(state_BNHJ, B, N, H, J)
+    S = _initial(state_BNHJ, B, N, H, J, wide(v_BTNJ))
     S, o_IBNCJ = jax.lax.scan(
         chunk, S, (u_IBNCJ, w_IBNCH, qk_IBNCC, q * decay_q, k * decay_k, chunk_decay)
     )

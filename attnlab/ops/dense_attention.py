@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from attnlab.ops import score_mods
 from attnlab.ops.linear import dropout
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
+from attnlab.ops.precision import upcast, wide
 
 
 def _check_shapes(q_BTNH, k_BSKH, v_BSKH):
@@ -69,11 +70,11 @@ def _softcap(logits, softcap):
 
 
 def _sinks_BKG(sinks_N, K, G):
-    """Per-head sink logits [N] as float32 [1, K, G] (query head n = k * G + g)."""
+    """Per-head sink logits [N] as [1, K, G] in at least float32 (query head n = k * G + g)."""
     sinks_N = jnp.asarray(sinks_N)
     if sinks_N.shape != (K * G,):
         raise ValueError(f"sinks: one logit per query head, [{K * G}]; got {sinks_N.shape}")
-    return sinks_N.astype(jnp.float32).reshape(1, K, G)
+    return upcast(sinks_N).reshape(1, K, G)
 
 
 def reference_attention(
@@ -104,11 +105,12 @@ def reference_attention(
     G = N // K
     scale = H**-0.5 if scale is None else scale
     q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+    acc = wide(q_BTNH, k_BSKH)  # float32, or float64 for a float64 model
     logits_BKGTS = (
-        jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) * scale
+        jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=acc) * scale
     )
     if bias is not None:
-        logits_BKGTS = logits_BKGTS + to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+        logits_BKGTS = logits_BKGTS + to_BKGTS(bias, B, K, G, T, S).astype(acc)
     logits_BKGTS = _softcap(logits_BKGTS, softcap)
     if logits_fn is not None:
         logits_BKGTS = logits_fn(logits_BKGTS)
@@ -151,11 +153,11 @@ def one_query_attention(
     scale = H**-0.5 if scale is None else scale
     q_BKGH = q_BTNH.reshape(B, K, G, H)
     k_BKSH, v_BKSH = jnp.swapaxes(k_BSKH, 1, 2), jnp.swapaxes(v_BSKH, 1, 2)
-    f32 = jnp.float32
-    logits_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=f32)
+    acc = wide(q_BTNH, k_BSKH)
+    logits_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=acc)
     logits_BKGS = logits_BKGS * scale
     if bias is not None:
-        logits_BKGS = logits_BKGS + to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(f32)
+        logits_BKGS = logits_BKGS + to_BKGTS(bias, B, K, G, 1, S)[:, :, :, 0].astype(acc)
     logits_BKGS = _softcap(logits_BKGS, softcap)
     if score_mod is not None:
         logits_BKGS = _one_query_mod(score_mod, logits_BKGS, q_offset)

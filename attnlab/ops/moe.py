@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 
 from attnlab.ops.activations import activation, is_gated
+from attnlab.ops.precision import upcast
 
 SCORES = ("softmax", "sigmoid")
 
 
 def router_scores(logits_TE, score: str):
-    logits_TE = logits_TE.astype(jnp.float32)
+    logits_TE = upcast(logits_TE)
     if score == "softmax":
         return jax.nn.softmax(logits_TE, axis=-1)
     if score == "sigmoid":
@@ -62,7 +63,7 @@ def route(
     scores_TE = router_scores(logits_TE, score)
     choice_TE = scores_TE
     if selection_bias_E is not None:
-        bias_E = jax.lax.stop_gradient(selection_bias_E.astype(jnp.float32))
+        bias_E = jax.lax.stop_gradient(selection_bias_E.astype(scores_TE.dtype))
         choice_TE = choice_TE + bias_E[None, :]
     if n_group > 1:
         keep_TE = _group_mask(choice_TE, n_group, topk_group)
@@ -85,9 +86,10 @@ def load_balancing_loss(scores_TE, expert_TA, valid_T=None):
     probability of ``e`` (sigmoid scores normalised per token first). 1 when uniform."""
     T, E = scores_TE.shape
     probs_TE = scores_TE / scores_TE.sum(-1, keepdims=True)
-    valid_T = jnp.ones((T,), jnp.float32) if valid_T is None else valid_T.astype(jnp.float32)
+    dtype = probs_TE.dtype
+    valid_T = jnp.ones((T,), dtype) if valid_T is None else valid_T.astype(dtype)
     n = jnp.maximum(valid_T.sum(), 1.0)
-    chosen_TE = jax.nn.one_hot(expert_TA, E, dtype=jnp.float32).sum(1)
+    chosen_TE = jax.nn.one_hot(expert_TA, E, dtype=dtype).sum(1)
     f_E = (chosen_TE * valid_T[:, None]).sum(0) / (n * expert_TA.shape[1])
     p_E = (probs_TE * valid_T[:, None]).sum(0) / n
     return E * jnp.sum(jax.lax.stop_gradient(f_E) * p_E)
@@ -95,10 +97,10 @@ def load_balancing_loss(scores_TE, expert_TA, valid_T=None):
 
 def router_z_loss(logits_TE, valid_T=None):
     """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)^2``."""
-    z_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1) ** 2
+    z_T = jax.nn.logsumexp(upcast(logits_TE), axis=-1) ** 2
     if valid_T is None:
         return z_T.mean()
-    valid_T = valid_T.astype(jnp.float32)
+    valid_T = valid_T.astype(z_T.dtype)
     return (z_T * valid_T).sum() / jnp.maximum(valid_T.sum(), 1.0)
 
 

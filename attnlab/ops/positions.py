@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnlab.ops.precision import upcast, wide
+
 
 def sinusoidal(num_positions, d, *, base=10000.0, layout="interleaved", dtype=jnp.float32):
     """[num_positions, d] sinusoidal table (computed in float64 with NumPy, then cast)."""
@@ -46,11 +48,11 @@ def sinusoidal(num_positions, d, *, base=10000.0, layout="interleaved", dtype=jn
     return jnp.asarray(table, dtype)
 
 
-def rope_inv_frequencies(head_dim, theta=10000.0):
-    """[H/2] inverse frequencies theta^(-2i/H)."""
+def rope_inv_frequencies(head_dim, theta=10000.0, *, dtype=jnp.float32):
+    """[H/2] inverse frequencies theta^(-2i/H), computed in ``dtype``."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=dtype) / head_dim))
 
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
@@ -139,12 +141,14 @@ def _yarn(inv, dim, theta, s: RopeScaling):
     return inv / s.factor * (1 - keep) + inv * keep
 
 
-def rope_frequencies(head_dim, theta=10000.0, scaling: RopeScaling | None = None, *, long=False):
+def rope_frequencies(
+    head_dim, theta=10000.0, scaling: RopeScaling | None = None, *, long=False, dtype=jnp.float32
+):
     """``(inv_h, attention_factor)``: the ``[H/2]`` inverse frequencies ``theta^(-2i/H)``
-    under ``scaling`` (float32, computed in float64) and the factor on the rotated dims;
-    ``long``: LongRoPE's factors for a call beyond ``original_max_len``."""
+    under ``scaling`` (in ``dtype``; scaled ones computed in float64) and the factor on the
+    rotated dims; ``long``: LongRoPE's factors for a call beyond ``original_max_len``."""
     if scaling is None:
-        return rope_inv_frequencies(head_dim, theta), 1.0
+        return rope_inv_frequencies(head_dim, theta, dtype=dtype), 1.0
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     theta = float(theta)  # scaled frequencies need a concrete base
@@ -166,16 +170,17 @@ def rope_frequencies(head_dim, theta=10000.0, scaling: RopeScaling | None = None
         inv = inv / factors
     else:
         raise ValueError(f"unknown RoPE scaling {s.kind!r}; use one of {ROPE_SCALINGS}")
-    return jnp.asarray(inv, jnp.float32), rope_attention_factor(s)
+    return jnp.asarray(inv, dtype), rope_attention_factor(s)
 
 
-def _rope_angles(H, positions_BT, theta, scaling):
-    """``(angles_BTh, attention_factor)``; LongRoPE picks its long factors for a call whose
-    positions pass ``original_max_len`` (as transformers decides per forward call)."""
-    positions = jnp.asarray(positions_BT, jnp.float32)
-    inv_h, factor = rope_frequencies(H, theta, scaling)
+def _rope_angles(H, positions_BT, theta, scaling, dtype=jnp.float32):
+    """``(angles_BTh, attention_factor)`` in ``dtype``; LongRoPE picks its long factors for a
+    call whose positions pass ``original_max_len`` (as transformers decides per forward
+    call)."""
+    positions = jnp.asarray(positions_BT, dtype)
+    inv_h, factor = rope_frequencies(H, theta, scaling, dtype=dtype)
     if scaling is not None and scaling.kind == "longrope":
-        long_h, _ = rope_frequencies(H, theta, scaling, long=True)
+        long_h, _ = rope_frequencies(H, theta, scaling, long=True, dtype=dtype)
         beyond = jnp.max(positions) + 1 > scaling.original_max_len
         inv_h = jnp.where(beyond, long_h, inv_h)
     return positions[..., None] * inv_h[None, None, :], factor
@@ -206,7 +211,7 @@ class RopeChoice:
 
 
 def apply_rope(x_BTNH, positions_BT, *, theta=10000.0, rotary_dim=None, scaling=None):
-    """Rotates ``x`` by its positions (half-split layout); computed in float32.
+    """Rotates ``x`` by its positions (half-split layout); computed in at least float32.
 
     ``rotary_dim`` (partial rotary, Phi-3): only the first ``rotary_dim`` head dims rotate,
     as a head of that size; the rest pass through. ``scaling``: a ``RopeScaling`` of the
@@ -215,10 +220,10 @@ def apply_rope(x_BTNH, positions_BT, *, theta=10000.0, rotary_dim=None, scaling=
         rotated = apply_rope(x_BTNH[..., :rotary_dim], positions_BT, theta=theta, scaling=scaling)
         return jnp.concatenate([rotated, x_BTNH[..., rotary_dim:]], -1)
     H = x_BTNH.shape[-1]
-    angles_BTh, factor = _rope_angles(H, positions_BT, theta, scaling)
+    x = upcast(x_BTNH)
+    angles_BTh, factor = _rope_angles(H, positions_BT, theta, scaling, x.dtype)
     sin_BT1h = jnp.sin(angles_BTh)[:, :, None, :] * factor
     cos_BT1h = jnp.cos(angles_BTh)[:, :, None, :] * factor
-    x = x_BTNH.astype(jnp.float32)
     x1, x2 = x[..., : H // 2], x[..., H // 2 :]
     out = jnp.concatenate([x1 * cos_BT1h - x2 * sin_BT1h, x2 * cos_BT1h + x1 * sin_BT1h], -1)
     return out.astype(x_BTNH.dtype)
@@ -243,7 +248,7 @@ def alibi_bias(slopes_N, q_positions_BT, k_positions_BS):
     """[B, N, T, S] ALiBi bias ``-slope * |q_pos - k_pos|``."""
     q = jnp.asarray(q_positions_BT)[:, None, :, None]
     k = jnp.asarray(k_positions_BS)[:, None, None, :]
-    return -slopes_N[None, :, None, None] * jnp.abs(q - k).astype(jnp.float32)
+    return -upcast(slopes_N)[None, :, None, None] * jnp.abs(q - k).astype(wide(slopes_N))
 
 
 def relative_position_bucket(
@@ -358,7 +363,7 @@ class PositionBias:
 
 
 def _alibi_entry(slopes_N, h, q_pos, k_pos):
-    return -slopes_N[h].astype(jnp.float32) * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+    return -upcast(slopes_N[h]) * jnp.abs(q_pos - k_pos).astype(wide(slopes_N))
 
 
 def _relative_entry(table_XN, h, q_pos, k_pos, *, bidirectional=True, max_distance=128):
@@ -366,7 +371,7 @@ def _relative_entry(table_XN, h, q_pos, k_pos, *, bidirectional=True, max_distan
         k_pos - q_pos, bidirectional=bidirectional, num_buckets=table_XN.shape[0],
         max_distance=max_distance,
     )  # fmt: skip
-    return table_XN[bucket, h].astype(jnp.float32)
+    return upcast(table_XN[bucket, h])
 
 
 # A bias function's value at one (head, query position, key position): what lets a

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.precision import upcast
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -30,16 +32,16 @@ def causal_conv(x_BTZ, w_WZ, bias_Z=None, state_BWZ=None, valid_BT=None):
     """
     B, T, Z = x_BTZ.shape
     W = w_WZ.shape[0]
-    x32_BTZ = x_BTZ.astype(jnp.float32)
+    x32_BTZ = upcast(x_BTZ)
     if valid_BT is not None:
         x32_BTZ = jnp.where(valid_BT[..., None], x32_BTZ, 0.0)
     if state_BWZ is None:
-        state_BWZ = jnp.zeros((B, W - 1, Z), jnp.float32)
-    xp_BSZ = jnp.concatenate([state_BWZ.astype(jnp.float32), x32_BTZ], axis=1)
-    w32_WZ = w_WZ.astype(jnp.float32)
+        state_BWZ = jnp.zeros((B, W - 1, Z), x32_BTZ.dtype)
+    xp_BSZ = jnp.concatenate([upcast(state_BWZ), x32_BTZ], axis=1)
+    w32_WZ = upcast(w_WZ)
     y_BTZ = sum(xp_BSZ[:, i : i + T] * w32_WZ[i][None, None, :] for i in range(W))
     if bias_Z is not None:
-        y_BTZ = y_BTZ + bias_Z.astype(jnp.float32)[None, None, :]
+        y_BTZ = y_BTZ + upcast(bias_Z)[None, None, :]
     if valid_BT is None:
         end_B = jnp.full((B,), T, jnp.int32)
     else:  # one past each row's last real token (0: none)
@@ -51,7 +53,7 @@ def causal_conv(x_BTZ, w_WZ, bias_Z=None, state_BWZ=None, valid_BT=None):
 
 def l2_normalize(x, *, eps=1e-6):
     """``x / sqrt(sum(x^2) + eps)`` over the last axis, in float32 (as FLA and Qwen3-Next)."""
-    x32 = x.astype(jnp.float32)
+    x32 = upcast(x)
     return x32 * jax.lax.rsqrt(jnp.sum(jnp.square(x32), axis=-1, keepdims=True) + eps)
 
 
@@ -65,13 +67,13 @@ def gated_rms_norm(
     ``norm_before_gate``: ``scale * norm(x) * silu(gate)`` (Qwen3-Next), else
     ``scale * norm(x * silu(gate))`` (Mamba-2).
     """
-    x32, silu = x.astype(jnp.float32), activation(gate.astype(jnp.float32))
+    x32, silu = upcast(x), activation(upcast(gate))
     if not norm_before_gate:
         x32 = x32 * silu
     size = x32.shape[-1] if group_size is None else group_size
     groups = x32.reshape(*x32.shape[:-1], x32.shape[-1] // size, size)
     groups = groups * jax.lax.rsqrt(jnp.mean(jnp.square(groups), -1, keepdims=True) + eps)
-    scale = scale.astype(jnp.float32)
+    scale = upcast(scale)
     y = groups.reshape(x32.shape) * scale.reshape((1,) * (x32.ndim - 1) + scale.shape)
     if norm_before_gate:
         y = y * silu

@@ -9,7 +9,7 @@ softplus), ``B`` and ``C`` ``[B, T, J]`` (shared by the channels). A token with 
 leaves the state as it was. Three forms, equal up to rounding: ``selective_scan_recurrent``
 (one step per token, ``lax.scan``), ``selective_scan_chunked`` (an associative scan inside
 each chunk of ``chunk_size`` tokens, the state carried between chunks) and
-``selective_scan_step`` (one token, for decoding). All compute in float32.
+``selective_scan_step`` (one token, for decoding). All compute in at least float32.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.precision import upcast, wide
+
 
 def _terms(x_BTZ, dt_BTZ, A_ZJ, B_BTJ):
     """The recurrence's per-token decay ``a`` and input ``b``, both ``[B, T, Z, J]``."""
-    f = lambda v: v.astype(jnp.float32)
+    f = upcast
     dt = f(dt_BTZ)
     a_BTZJ = jnp.exp(dt[..., None] * f(A_ZJ)[None, None])
     b_BTZJ = (dt * f(x_BTZ))[..., None] * f(B_BTJ)[:, :, None, :]
@@ -30,8 +32,8 @@ def _terms(x_BTZ, dt_BTZ, A_ZJ, B_BTJ):
 def selective_scan_step(x_BZ, dt_BZ, A_ZJ, B_BJ, C_BJ, state_BZJ):
     """One token: ``(y_BZ, state_BZJ)``."""
     a, b = _terms(x_BZ[:, None], dt_BZ[:, None], A_ZJ, B_BJ[:, None])
-    state = a[:, 0] * state_BZJ.astype(jnp.float32) + b[:, 0]
-    return jnp.einsum("BZJ,BJ->BZ", state, C_BJ.astype(jnp.float32)), state
+    state = a[:, 0] * upcast(state_BZJ) + b[:, 0]
+    return jnp.einsum("BZJ,BJ->BZ", state, upcast(C_BJ)), state
 
 
 def selective_scan_recurrent(x_BTZ, dt_BTZ, A_ZJ, B_BTJ, C_BTJ, state_BZJ=None):
@@ -39,7 +41,7 @@ def selective_scan_recurrent(x_BTZ, dt_BTZ, A_ZJ, B_BTJ, C_BTJ, state_BZJ=None):
     Bsz, _, Z = x_BTZ.shape
     J = A_ZJ.shape[-1]
     if state_BZJ is None:
-        state_BZJ = jnp.zeros((Bsz, Z, J), jnp.float32)
+        state_BZJ = jnp.zeros((Bsz, Z, J), wide(x_BTZ, dt_BTZ))
 
     def step(state, xs):
         x, dt, b, c = xs
@@ -47,7 +49,7 @@ def selective_scan_recurrent(x_BTZ, dt_BTZ, A_ZJ, B_BTJ, C_BTJ, state_BZJ=None):
         return state, y
 
     xs = tuple(jnp.moveaxis(v, 1, 0) for v in (x_BTZ, dt_BTZ, B_BTJ, C_BTJ))
-    state, y_TBZ = jax.lax.scan(step, state_BZJ.astype(jnp.float32), xs)
+    state, y_TBZ = jax.lax.scan(step, upcast(state_BZJ), xs)
     return jnp.moveaxis(y_TBZ, 0, 1), state
 
 
@@ -56,7 +58,7 @@ def selective_scan_chunked(x_BTZ, dt_BTZ, A_ZJ, B_BTJ, C_BTJ, state_BZJ=None, *,
     Bsz, T, Z = x_BTZ.shape
     J = A_ZJ.shape[-1]
     if state_BZJ is None:
-        state_BZJ = jnp.zeros((Bsz, Z, J), jnp.float32)
+        state_BZJ = jnp.zeros((Bsz, Z, J), wide(x_BTZ, dt_BTZ))
     Q = min(chunk_size, T)
     pad = -T % Q
     padded = lambda v: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2))
@@ -73,9 +75,7 @@ def selective_scan_chunked(x_BTZ, dt_BTZ, A_ZJ, B_BTJ, C_BTJ, state_BZJ=None, *,
         a_BCZJ, u_BCZJ = _terms(x, dt, A_ZJ, b)
         decay_BCZJ, h_BCZJ = jax.lax.associative_scan(combine, (a_BCZJ, u_BCZJ), axis=1)
         h_BCZJ = h_BCZJ + decay_BCZJ * state[:, None]
-        return h_BCZJ[:, -1], jnp.einsum("BCZJ,BCJ->BCZ", h_BCZJ, c.astype(jnp.float32))
+        return h_BCZJ[:, -1], jnp.einsum("BCZJ,BCJ->BCZ", h_BCZJ, upcast(c))
 
-    state, y = jax.lax.scan(
-        chunk, state_BZJ.astype(jnp.float32), tuple(map(chunks, (x, dt, Bm, Cm)))
-    )
+    state, y = jax.lax.scan(chunk, upcast(state_BZJ), tuple(map(chunks, (x, dt, Bm, Cm))))
     return jnp.moveaxis(y, 0, 1).reshape(Bsz, -1, Z)[:, :T], state

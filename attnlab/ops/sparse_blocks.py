@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.ops.masks import MASK_VALUE
+from attnlab.ops.precision import upcast
 from attnlab.ops.sparse_index import top_k_mask
 
 
@@ -32,7 +33,7 @@ def top_blocks(score_BNTJ, allowed_BNTJ, forced_BNTJ, topk: int):
     """``[B, N, T, J]`` bool: per query, the ``forced`` blocks and the highest-scoring
     ``allowed`` ones, ``topk`` in all (the forced ones count; fewer when fewer are allowed).
     Forced blocks must be allowed."""
-    score = jnp.where(forced_BNTJ, jnp.inf, score_BNTJ.astype(jnp.float32))
+    score = jnp.where(forced_BNTJ, jnp.inf, upcast(score_BNTJ))
     return top_k_mask(jax.lax.stop_gradient(score), allowed_BNTJ, topk)
 
 
@@ -47,8 +48,8 @@ def block_means(k_BSKH, block: int):
     B, S, K, H = k_BSKH.shape
     J = n_blocks(S, block)
     pad = J * block - S
-    k = jnp.pad(k_BSKH.astype(jnp.float32), [(0, 0), (0, pad), (0, 0), (0, 0)])
-    sizes_J = jnp.minimum(block, S - jnp.arange(J) * block).astype(jnp.float32)
+    k = jnp.pad(upcast(k_BSKH), [(0, 0), (0, pad), (0, 0), (0, 0)])
+    sizes_J = upcast(jnp.minimum(block, S - jnp.arange(J) * block))
     return k.reshape(B, J, block, K, H).sum(2) / sizes_J[None, :, None, None]
 
 
@@ -60,7 +61,7 @@ def moba_selection(q_BTNH, k_BSKH, q_pos_BT, *, block: int, topk: int):
     K = k_BSKH.shape[2]
     mean_BJKH = block_means(k_BSKH, block)
     J = mean_BJKH.shape[1]
-    q_BTKGH = q_BTNH.astype(jnp.float32).reshape(B, T, K, N // K, -1)
+    q_BTKGH = upcast(q_BTNH).reshape(B, T, K, N // K, -1)
     score_BKGTJ = jnp.einsum("BTKGH,BJKH->BKGTJ", q_BTKGH, mean_BJKH)
     score_BNTJ = score_BKGTJ.reshape(B, N, T, J)
     own_BT1 = (jnp.asarray(q_pos_BT, jnp.int32) // block)[:, :, None]
@@ -105,14 +106,14 @@ def compressed_attention(q_BTNH, k_BCKH, v_BCKH, allowed_B1TC, *, scale: float):
     eq. 7's keys); a query with no allowed block gets zeros (output and probabilities)."""
     B, T, N, H = q_BTNH.shape
     K = k_BCKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H).astype(jnp.float32)
-    s_BKGTC = jnp.einsum("BTKGH,BCKH->BKGTC", q_BTKGH, k_BCKH.astype(jnp.float32)) * scale
+    q_BTKGH = upcast(q_BTNH.reshape(B, T, K, N // K, H))
+    s_BKGTC = jnp.einsum("BTKGH,BCKH->BKGTC", q_BTKGH, upcast(k_BCKH)) * scale
     s_BNTC = s_BKGTC.reshape(B, N, T, -1)
     s_BNTC = jnp.where(allowed_B1TC, s_BNTC, MASK_VALUE)
     p_BNTC = jax.nn.softmax(s_BNTC, axis=-1)
     p_BNTC = jnp.where(allowed_B1TC.any(-1, keepdims=True), p_BNTC, 0.0)
     p_BKGTC = p_BNTC.reshape(B, K, N // K, T, -1)
-    out_BTKGH = jnp.einsum("BKGTC,BCKH->BTKGH", p_BKGTC, v_BCKH.astype(jnp.float32))
+    out_BTKGH = jnp.einsum("BKGTC,BCKH->BTKGH", p_BKGTC, upcast(v_BCKH))
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype), p_BNTC
 
 

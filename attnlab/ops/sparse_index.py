@@ -27,6 +27,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.precision import upcast, wide
+
 
 def over_queries(fn, block_q: int | None, *xs_BT):
     """``fn(*xs_BT)`` computed ``block_q`` queries (axis 1 of every ``x``) at a time,
@@ -51,9 +53,9 @@ def over_queries(fn, block_q: int | None, *xs_BT):
 
 
 def index_scores(q_BTNH, k_BSH, w_BTN, *, scale, block_q: int | None = None):
-    """The indexer's scores ``I[b, t, s]`` (``[B, T, S]`` float32; see the module
+    """The indexer's scores ``I[b, t, s]`` (``[B, T, S]``, at least float32; see the module
     docstring), ``block_q`` queries at a time (``over_queries``)."""
-    f32 = jnp.float32
+    f32 = wide(q_BTNH, k_BSH)
     k_BSH = k_BSH.astype(f32)
 
     def scores(q_BTNH, w_BTN):
@@ -80,7 +82,7 @@ def top_k_mask(scores_BTS, allowed_BTS, k: int):
 def attention_target(logits_BNTS, support_BTS):
     """``p``: each head's softmax over the support, summed over the heads and
     L1-normalised (``[B, T, S]``; zero rows where a query has no support)."""
-    logits_BNTS = jnp.where(support_BTS[:, None], logits_BNTS.astype(jnp.float32), -jnp.inf)
+    logits_BNTS = jnp.where(support_BTS[:, None], upcast(logits_BNTS), -jnp.inf)
     top_BNT1 = jnp.max(logits_BNTS, axis=-1, keepdims=True)
     e_BNTS = jnp.exp(logits_BNTS - jnp.where(jnp.isfinite(top_BNT1), top_BNT1, 0.0))
     probs_BNTS = e_BNTS / jnp.maximum(e_BNTS.sum(-1, keepdims=True), 1e-30)
@@ -91,7 +93,7 @@ def attention_target(logits_BNTS, support_BTS):
 def indexer_kl(p_BTS, scores_BTS, support_BTS):
     """``KL(p || softmax(I))`` per query over the support (``[B, T]``; 0 without
     support). ``p`` is a target: pass it with its gradient stopped."""
-    scores_BTS = jnp.where(support_BTS, scores_BTS.astype(jnp.float32), -jnp.inf)
+    scores_BTS = jnp.where(support_BTS, upcast(scores_BTS), -jnp.inf)
     lse_BT1 = jax.nn.logsumexp(scores_BTS, axis=-1, keepdims=True)
     lse_BT1 = jnp.where(jnp.isfinite(lse_BT1), lse_BT1, 0.0)
     log_q_BTS = jnp.where(support_BTS, scores_BTS - lse_BT1, 0.0)

@@ -10,7 +10,7 @@ them to heads)::
     h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T
     y_t = h_t C_t                   (the module adds the skip D x_t)
 
-A token with ``dt = 0`` leaves ``h`` as it was (padding). The state is float32 throughout;
+A token with ``dt = 0`` leaves ``h`` as it was (padding). The state is at least float32 throughout;
 each form returns ``(y_BTNH, state_BNHJ)``.
 
 The chunked form: with the log-decay ``a = dt A``, its cumulative sum ``gam`` within a chunk
@@ -23,13 +23,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops.precision import upcast, wide
 from attnlab.ops.recurrent import HIGHEST, chunk_decays, chunk_size_for, from_chunks, to_chunks
 
-f32 = lambda x: x.astype(jnp.float32)
+f32 = upcast  # at least float32: float64 inputs stay float64
 
 
-def _initial(state_BNHJ, B, N, H, J):
-    return jnp.zeros((B, N, H, J), jnp.float32) if state_BNHJ is None else f32(state_BNHJ)
+def _initial(state_BNHJ, B, N, H, J, dtype):
+    return jnp.zeros((B, N, H, J), dtype) if state_BNHJ is None else f32(state_BNHJ)
 
 
 def ssd_step(x_BNH, dt_BN, A_N, B_BNJ, C_BNJ, state_BNHJ):
@@ -44,7 +45,7 @@ def ssd_step(x_BNH, dt_BN, A_N, B_BNJ, C_BNJ, state_BNHJ):
 def ssd_recurrent(x_BTNH, dt_BTN, A_N, B_BTNJ, C_BTNJ, state_BNHJ=None):
     """The per-token recurrence (the reference form): ``(y_BTNH, state_BNHJ)``."""
     B, _, N, H = x_BTNH.shape
-    S = _initial(state_BNHJ, B, N, H, B_BTNJ.shape[-1])
+    S = _initial(state_BNHJ, B, N, H, B_BTNJ.shape[-1], wide(x_BTNH))
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (x_BTNH, dt_BTN, B_BTNJ, C_BTNJ))
 
     def step(S, x):
@@ -79,6 +80,6 @@ def ssd_chunked(x_BTNH, dt_BTN, A_N, B_BTNJ, C_BTNJ, state_BNHJ=None, *, chunk_s
         S = S * decay_BN[..., None, None] + mm("BNCH,BNCJ->BNHJ", x_BNCH, b_BNCJ)
         return S, y_BNCH
 
-    S = _initial(state_BNHJ, B, N, H, J)
+    S = _initial(state_BNHJ, B, N, H, J, wide(x_BTNH))
     S, y_off_IBNCH = jax.lax.scan(chunk, S, (c_decayed, b_decayed, x_IBNCH, chunk_IBN))
     return from_chunks(jnp.moveaxis(y_diag_IBNCH + y_off_IBNCH, 2, 3), T), S

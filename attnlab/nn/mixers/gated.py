@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from attnlab.contracts.mixer import register_mixer
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.linear import dense
+from attnlab.ops.precision import wide
 
 KINDS = ("headwise", "elementwise")
 
@@ -48,8 +48,8 @@ class Gated(Attention):
 
     def output(self, out_BTNH, x_BTD=None):
         if self.gate_DN is not None:
-            gate_BTNH = dense(x_BTD, self.gate_DN[...], out_dtype=jnp.float32)[..., None]
+            gate_BTNH = dense(x_BTD, self.gate_DN[...], out_dtype=wide(x_BTD))[..., None]
         else:
-            gate_BTNH = dense(x_BTD, self.gate_DNH[...], out_dtype=jnp.float32)
+            gate_BTNH = dense(x_BTD, self.gate_DNH[...], out_dtype=wide(x_BTD))
         gated_BTNH = out_BTNH * jax.nn.sigmoid(gate_BTNH).astype(out_BTNH.dtype)
         return super().output(gated_BTNH, x_BTD)

@@ -42,6 +42,7 @@ from attnlab.nn.mixers.recurrent import (
 )
 from attnlab.ops import deltanet
 from attnlab.ops.linear import dense
+from attnlab.ops.precision import upcast
 from attnlab.ops.recurrent import gated_rms_norm, l2_normalize
 
 
@@ -149,9 +150,9 @@ class GatedDeltaNet(RecurrentMixer):
 
     def gates(self, b_BTN, a_BTN, valid_BT):
         """``(g_BTN, beta_BTN)`` in float32; a token that is not real gets 0 and 0."""
-        beta_BTN = jax.nn.sigmoid(b_BTN.astype(jnp.float32))
-        per_head = lambda p: p[...].astype(jnp.float32)[None, None, :]
-        dt_BTN = jax.nn.softplus(a_BTN.astype(jnp.float32) + per_head(self.dt_bias_N))
+        beta_BTN = jax.nn.sigmoid(upcast(b_BTN))
+        per_head = lambda p: upcast(p[...])[None, None, :]
+        dt_BTN = jax.nn.softplus(upcast(a_BTN) + per_head(self.dt_bias_N))
         g_BTN = -jnp.exp(per_head(self.A_log_N)) * dt_BTN
         if valid_BT is not None:
             g_BTN = jnp.where(valid_BT[..., None], g_BTN, 0.0)
@@ -167,7 +168,7 @@ class GatedDeltaNet(RecurrentMixer):
             x_BTD = jnp.where(valid_BT[..., None], x_BTD, jnp.zeros_like(x_BTD))
         mixed_BTZ, z_BTNJ, b_BTN, a_BTN = self.project(x_BTD)
         cache, mixed_BTZ = carried_conv(mixed_BTZ, call, valid_BT, self.conv_WZ[...])
-        mixed_BTZ = jax.nn.silu(mixed_BTZ.astype(jnp.float32))
+        mixed_BTZ = jax.nn.silu(upcast(mixed_BTZ))
         q, k, v = jnp.split(mixed_BTZ, [K * H, 2 * K * H], axis=-1)
         heads = lambda y: jnp.repeat(l2_normalize(y.reshape(B, T, K, H)), N // K, axis=2)
         q_BTNH, k_BTNH = heads(q) * H**-0.5, heads(k)

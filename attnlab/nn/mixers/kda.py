@@ -41,6 +41,7 @@ from attnlab.nn.mixers.recurrent import (
 )
 from attnlab.ops import deltanet
 from attnlab.ops.linear import dense
+from attnlab.ops.precision import upcast
 from attnlab.ops.recurrent import gated_rms_norm, l2_normalize
 
 
@@ -118,11 +119,11 @@ class KimiDeltaAttention(RecurrentMixer):
 
     def gates(self, x_BTD, valid_BT):
         """``(g_BTNH, beta_BTN)`` in float32; a token that is not real gets 0 and 0."""
-        f_BTNH = dense(dense(x_BTD, self.f_a_DR[...]), self.f_b_RNH[...]).astype(jnp.float32)
-        dt_BTNH = jax.nn.softplus(f_BTNH + self.dt_bias_NH[...].astype(jnp.float32)[None, None])
-        A_N = jnp.exp(self.A_log_N[...].astype(jnp.float32))
+        f_BTNH = upcast(dense(dense(x_BTD, self.f_a_DR[...]), self.f_b_RNH[...]))
+        dt_BTNH = jax.nn.softplus(f_BTNH + upcast(self.dt_bias_NH[...])[None, None])
+        A_N = jnp.exp(upcast(self.A_log_N[...]))
         g_BTNH = -A_N[None, None, :, None] * dt_BTNH
-        beta_BTN = jax.nn.sigmoid(dense(x_BTD, self.beta_DN[...]).astype(jnp.float32))
+        beta_BTN = jax.nn.sigmoid(upcast(dense(x_BTD, self.beta_DN[...])))
         if valid_BT is not None:
             g_BTNH = jnp.where(valid_BT[..., None, None], g_BTNH, 0.0)
             beta_BTN = jnp.where(valid_BT[..., None], beta_BTN, 0.0)
@@ -139,7 +140,7 @@ class KimiDeltaAttention(RecurrentMixer):
         mixed_BTZ = jnp.concatenate([flat(self.q_DNH), flat(self.k_DNH), flat(self.v_DNH)], -1)
         w_WZ = jnp.concatenate([self.q_conv_WZ[...], self.k_conv_WZ[...], self.v_conv_WZ[...]], 1)
         cache, mixed_BTZ = carried_conv(mixed_BTZ, call, valid_BT, w_WZ)
-        mixed_BTZ = jax.nn.silu(mixed_BTZ.astype(jnp.float32))
+        mixed_BTZ = jax.nn.silu(upcast(mixed_BTZ))
         q_BTNH, k_BTNH, v_BTNH = (y.reshape(B, T, N, H) for y in jnp.split(mixed_BTZ, 3, -1))
         q_BTNH, k_BTNH = l2_normalize(q_BTNH) * H**-0.5, l2_normalize(k_BTNH)
         g_BTNH, beta_BTN = self.gates(x_BTD, valid_BT)

@@ -38,6 +38,7 @@ from attnlab.nn.mixers.recurrent import FORMS, STATE_DTYPES, check_positive, tok
 from attnlab.ops import lightning
 from attnlab.ops.linear import dense
 from attnlab.ops.norms import rms_norm
+from attnlab.ops.precision import upcast
 
 
 @register_mixer("lightning")
@@ -103,13 +104,13 @@ class Lightning(Mixer):
         N, H = cfg.n_heads, cfg.head_dim
         return {"state": CacheEntry((N, H, H), s.state_dtype, ("act_heads", None, None))}
 
-    def slopes(self, call: MixerCall):
-        """``[N]`` float32 decay rates of the call's layer (0 without decay)."""
+    def slopes(self, call: MixerCall, dtype=jnp.float32):
+        """``[N]`` decay rates of the call's layer in ``dtype`` (0 without decay)."""
         N = self.norm_scale_NH.shape[0]
         if not self.settings.decay:
-            return jnp.zeros((N,), jnp.float32)
+            return jnp.zeros((N,), dtype)
         layer = 0 if call.layer is None else call.layer
-        return lightning.slopes(N, layer, self.n_layers)
+        return lightning.slopes(N, layer, self.n_layers, dtype)
 
     def __call__(self, x_BTD, call: MixerCall):
         s = self.settings
@@ -117,10 +118,10 @@ class Lightning(Mixer):
         N, H = self.norm_scale_NH.shape
         valid_BT = token_validity(call, T)
         cache = call.cache
-        qkv_BTNH = jax.nn.silu(dense(x_BTD, self.qkv_DNH[...]).astype(jnp.float32))
+        qkv_BTNH = jax.nn.silu(upcast(dense(x_BTD, self.qkv_DNH[...])))
         q_BTNH, k_BTNH, v_BTNH = jnp.split(qkv_BTNH, 3, axis=-1)
-        slope_N = self.slopes(call)
-        state = None if cache is None else cache.read("state").astype(jnp.float32)
+        slope_N = self.slopes(call, qkv_BTNH.dtype)
+        state = None if cache is None else upcast(cache.read("state"))
         if cache is not None and T == 1:  # a decode step
             valid_B = None if valid_BT is None else valid_BT[:, 0]
             o_BNH, state = lightning.lightning_step(
@@ -140,6 +141,6 @@ class Lightning(Mixer):
             cache = cache.put("state", state)
         scale = self.norm_scale_NH[...].reshape(N * H)
         o_BTZ = rms_norm(o_BTNH.reshape(B, T, N * H), scale, eps=s.norm_eps)
-        gate_BTNH = jax.nn.sigmoid(dense(x_BTD, self.gate_DNH[...]).astype(jnp.float32))
+        gate_BTNH = jax.nn.sigmoid(upcast(dense(x_BTD, self.gate_DNH[...])))
         o_BTNH = o_BTZ.reshape(B, T, N, H) * gate_BTNH
         return dense(o_BTNH.astype(x_BTD.dtype), self.out_NHD[...], n_in=2), cache, None

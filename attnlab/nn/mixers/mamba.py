@@ -43,6 +43,7 @@ from attnlab.nn.mixers.recurrent import (
 from attnlab.ops import selective_scan as scan
 from attnlab.ops.linear import add_bias, dense
 from attnlab.ops.norms import rms_norm
+from attnlab.ops.precision import upcast
 
 
 @register_mixer("mamba")
@@ -112,7 +113,7 @@ class Mamba(RecurrentMixer):
         }
 
     def _norm(self, x, scale):
-        return x if scale is None else rms_norm(x, scale[...].astype(jnp.float32), eps=self.eps)
+        return x if scale is None else rms_norm(x, upcast(scale[...]), eps=self.eps)
 
     def __call__(self, x_BTD, call: MixerCall):
         s = self.settings
@@ -125,16 +126,16 @@ class Mamba(RecurrentMixer):
         x_BTZ, z_BTZ = jnp.split(proj_BTZ, 2, axis=-1)
         bias = None if self.conv_bias_Z is None else self.conv_bias_Z[...]
         cache, x_BTZ = carried_conv(x_BTZ, call, valid_BT, self.conv_WZ[...], bias)
-        x_BTZ = jax.nn.silu(x_BTZ.astype(jnp.float32))
-        params_BTZ = dense(x_BTZ, self.x_proj_ZR[...].astype(jnp.float32))
+        x_BTZ = jax.nn.silu(upcast(x_BTZ))
+        params_BTZ = dense(x_BTZ, upcast(self.x_proj_ZR[...]))
         dt_BTR, b_BTJ, c_BTJ = jnp.split(params_BTZ, [R, R + J], axis=-1)
         dt_BTR = self._norm(dt_BTR, self.dt_norm_R)
         b_BTJ, c_BTJ = self._norm(b_BTJ, self.b_norm_J), self._norm(c_BTJ, self.c_norm_J)
-        dt_BTZ = dense(dt_BTR, self.dt_proj_RZ[...].astype(jnp.float32))
-        dt_BTZ = jax.nn.softplus(dt_BTZ + self.dt_bias_Z[...].astype(jnp.float32)[None, None, :])
+        dt_BTZ = dense(dt_BTR, upcast(self.dt_proj_RZ[...]))
+        dt_BTZ = jax.nn.softplus(dt_BTZ + upcast(self.dt_bias_Z[...])[None, None, :])
         if valid_BT is not None:
             dt_BTZ = jnp.where(valid_BT[..., None], dt_BTZ, 0.0)
-        A_ZJ = -jnp.exp(self.A_log_ZJ[...].astype(jnp.float32))
+        A_ZJ = -jnp.exp(upcast(self.A_log_ZJ[...]))
         state = self.initial_state(call)
         if cache is not None and T == 1:  # a decode step
             y_BZ, state = scan.selective_scan_step(
@@ -149,9 +150,7 @@ class Mamba(RecurrentMixer):
             )
         if cache is not None:
             cache = cache.put("state", state)
-        y_BTZ = (y_BTZ + self.D_Z[...].astype(jnp.float32)[None, None, :] * x_BTZ) * jax.nn.silu(
-            z_BTZ.astype(jnp.float32)
-        )
+        y_BTZ = (y_BTZ + upcast(self.D_Z[...])[None, None, :] * x_BTZ) * jax.nn.silu(upcast(z_BTZ))
         out_BTD = dense(y_BTZ.astype(x_BTD.dtype), self.out_proj_ZD[...])
         if self.out_proj_bias_D is not None:
             out_BTD = add_bias(out_BTD, self.out_proj_bias_D[...])

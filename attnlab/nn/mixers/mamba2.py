@@ -43,6 +43,7 @@ from attnlab.nn.mixers.recurrent import (
 )
 from attnlab.ops import ssd
 from attnlab.ops.linear import add_bias, dense
+from attnlab.ops.precision import upcast
 from attnlab.ops.recurrent import gated_rms_norm
 
 NORMS = ("gate_then_norm", "norm_then_gate", "none")
@@ -121,7 +122,7 @@ class Mamba2(RecurrentMixer):
         """``y`` gated by ``silu(z)``, normed as ``settings.norm`` says."""
         s = self.settings
         if s.norm == "none":
-            return y_BTZ * jax.nn.silu(z_BTZ.astype(jnp.float32))
+            return y_BTZ * jax.nn.silu(upcast(z_BTZ))
         return gated_rms_norm(
             y_BTZ, z_BTZ, self.norm_scale_Z[...], eps=self.eps,
             group_size=s.d_inner // s.n_groups, norm_before_gate=s.norm == "norm_then_gate",
@@ -140,8 +141,8 @@ class Mamba2(RecurrentMixer):
     def steps(self, dt_BTN, valid_BT):
         """``dt`` after softplus and the limits, in float32; 0 where a token is not real."""
         s = self.settings
-        bias_11N = self.dt_bias_N[...].astype(jnp.float32)[None, None, :]
-        dt_BTN = jax.nn.softplus(dt_BTN.astype(jnp.float32) + bias_11N)
+        bias_11N = upcast(self.dt_bias_N[...])[None, None, :]
+        dt_BTN = jax.nn.softplus(upcast(dt_BTN) + bias_11N)
         dt_BTN = jnp.clip(dt_BTN, s.dt_limit_min, s.dt_limit_max)
         return dt_BTN if valid_BT is None else jnp.where(valid_BT[..., None], dt_BTN, 0.0)
 
@@ -159,11 +160,11 @@ class Mamba2(RecurrentMixer):
         z_BTZ, xbc_BTZ, dt_BTN = jnp.split(proj_BTZ, [inner, 2 * inner + 2 * G * J], axis=-1)
         bias = None if self.conv_bias_Z is None else self.conv_bias_Z[...]
         cache, xbc_BTZ = carried_conv(xbc_BTZ, call, valid_BT, self.conv_WZ[...], bias)
-        xbc_BTZ = jax.nn.silu(xbc_BTZ.astype(jnp.float32))
+        xbc_BTZ = jax.nn.silu(upcast(xbc_BTZ))
         x_BTZ, b_BTZ, c_BTZ = jnp.split(xbc_BTZ, [inner, inner + G * J], axis=-1)
         x_BTNH = x_BTZ.reshape(B, T, N, P)
         groups = lambda y: jnp.repeat(y.reshape(B, T, G, J), N // G, axis=2)
-        A_N = -jnp.exp(self.A_log_N[...].astype(jnp.float32))
+        A_N = -jnp.exp(upcast(self.A_log_N[...]))
         args = (x_BTNH, self.steps(dt_BTN, valid_BT), A_N, groups(b_BTZ), groups(c_BTZ))
         state = self.initial_state(call)
         if cache is not None and T == 1:  # a decode step
@@ -177,7 +178,7 @@ class Mamba2(RecurrentMixer):
         probe.record("state", state)  # the final recurrent state, read-only
         if cache is not None:
             cache = cache.put("state", state)
-        y_BTNH = y_BTNH + self.D_N[...].astype(jnp.float32)[None, None, :, None] * x_BTNH
+        y_BTNH = y_BTNH + upcast(self.D_N[...])[None, None, :, None] * x_BTNH
         y_BTZ = self.gate(y_BTNH.reshape(B, T, inner), z_BTZ)
         out_BTD = dense(y_BTZ.astype(x_BTD.dtype), self.out_proj_ZD[...])
         if self.out_proj_bias_D is not None:

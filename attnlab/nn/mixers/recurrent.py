@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from attnlab.contracts.mixer import CacheEntry, Mixer, MixerCall, MixerSettings
 from attnlab.errors import ConfigError
 from attnlab.ops.masks import MaskSpec
+from attnlab.ops.precision import upcast
 from attnlab.ops.recurrent import causal_conv
 
 FORMS = ("chunked", "recurrent")
@@ -136,4 +137,4 @@ class RecurrentMixer(Mixer):
 
     def initial_state(self, call: MixerCall):
         """The cached recurrent state (float32), or None for a plain pass."""
-        return None if call.cache is None else call.cache.read("state").astype(jnp.float32)
+        return None if call.cache is None else upcast(call.cache.read("state"))

@@ -48,6 +48,7 @@ from attnlab.nn.mixers.mla import LatentAttention
 from attnlab.ops import sparse_index
 from attnlab.ops.chunked import DEFAULT_BLOCK_Q
 from attnlab.ops.linear import dense
+from attnlab.ops.precision import wide
 
 LOSS_FORMS = ("sparse", "dense")
 
@@ -146,7 +147,7 @@ class SparseAttention(LatentAttention):
         rope = lambda a: self._rope(a, call.positions_BT, call.rope_theta)
         q_BTNH = jnp.concatenate([rope(q_BTNH[..., :Hr]), q_BTNH[..., Hr:]], axis=-1)
         k_BTH = jnp.concatenate([rope(k_BTH[:, :, None, :Hr])[:, :, 0], k_BTH[..., Hr:]], -1)
-        w_BTN = dense(x_BTD, self.index_w_DN[...], out_dtype=jnp.float32)
+        w_BTN = dense(x_BTD, self.index_w_DN[...], out_dtype=wide(x_BTD))
         return q_BTNH, k_BTH, w_BTN * s.index_heads**-0.5
 
     @staticmethod
