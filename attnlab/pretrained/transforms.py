@@ -155,9 +155,10 @@ TRANSFORMS = {
     ),
     # A scalar stored as a one-entry vector [1] (xIELU's alpha_p, alpha_n).
     "scalar": Transform(lambda t: (1,), lambda x, t: (x.reshape(()),), lambda xs, t: xs[0][None]),
-    # A Gemma RMSNorm weight w, whose scale is 1 + w.
+    # A Gemma RMSNorm weight w, whose scale is 1 + w (in float64: the loader rounds once,
+    # to the model's dtype).
     "plus_one": Transform(
-        lambda t: t[0], lambda x, t: (x.astype(np.float32) + 1,), lambda xs, t: xs[0] - 1
+        lambda t: t[0], lambda x, t: (x.astype(np.float64) + 1,), lambda xs, t: xs[0] - 1
     ),
 }
 

@@ -71,8 +71,10 @@ def falcon_h1(c: dict) -> dict:
 
 
 def _scaled(tensors: dict, name: str, factor) -> None:
+    """``tensors[name]`` times ``factor``, in float64: the loader rounds once, to the model's
+    dtype (a float32 product would leave a float64 model float32's rounding)."""
     if name in tensors and not (isinstance(factor, float) and factor == 1.0):
-        tensors[name] = (tensors[name].astype(np.float32) * factor).astype(tensors[name].dtype)
+        tensors[name] = tensors[name].astype(np.float64) * factor
 
 
 def _mup_rows(c: dict) -> np.ndarray:
@@ -83,7 +85,7 @@ def _mup_rows(c: dict) -> np.ndarray:
     gj = c.get("mamba_n_groups", 1) * c.get("mamba_d_state", 256)
     sizes = (inner, inner, gj, gj, require(c, "mamba_n_heads"))
     m = [float(v) for v in c.get("ssm_multipliers") or (1.0,) * 5]
-    return np.concatenate([np.full(n, v, np.float32) for n, v in zip(sizes, m, strict=True)])
+    return np.concatenate([np.full(n, v, np.float64) for n, v in zip(sizes, m, strict=True)])
 
 
 def falcon_h1_multipliers(tensors: dict, c: dict) -> dict:

@@ -78,8 +78,10 @@ def granitemoehybrid(c: dict) -> dict:
 
 
 def _scaled(tensors: dict, name: str, factor: float) -> None:
+    """``tensors[name]`` times ``factor``, in float64: the loader rounds once, to the model's
+    dtype (a float32 product would leave a float64 model float32's rounding)."""
     if name in tensors and factor != 1.0:
-        tensors[name] = (tensors[name].astype(np.float32) * factor).astype(tensors[name].dtype)
+        tensors[name] = tensors[name].astype(np.float64) * factor
 
 
 def granite_multipliers(tensors: dict, c: dict) -> dict:

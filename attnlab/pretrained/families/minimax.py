@@ -102,9 +102,10 @@ def _factors(c: dict, sublayer: str) -> tuple[float, float]:
 
 
 def _scale(tensors: dict, name: str, factor: float) -> None:
+    """``tensors[name]`` times ``factor``, kept in float64: the loader rounds once, to the
+    model's dtype."""
     if factor != 1.0:
-        x = tensors[name]
-        tensors[name] = (x.astype(np.float64) * factor).astype(x.dtype)
+        tensors[name] = tensors[name].astype(np.float64) * factor
 
 
 _ATTN_IN = {
