@@ -4,7 +4,7 @@
 ``attnlab.ops.attention`` for the conventions) without building the ``[B, N, T, S]``
 logits: queries are cut into blocks of ``block_q`` and keys into blocks of ``block_k``,
 and each query block runs the online softmax over its key blocks (the FlashAttention
-recurrence, in float32): a running row maximum ``m``, normaliser ``denom`` and output
+recurrence, in at least float32): a running row maximum ``m``, normaliser ``denom`` and output
 accumulator, rescaled by ``exp(m_old - m_new)`` when the maximum grows.
 
 Memory is linear in T and S. The backward pass is a ``jax.custom_vjp`` whose residuals are
@@ -54,6 +54,7 @@ from attnlab.ops.block_mask import FULL, PARTIAL, BlockMask
 from attnlab.ops.chunked_blocks import Static, bias_block, mask_block, pad_axis, to_BKG
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
+from attnlab.ops.precision import upcast, wide
 
 # Measured on a 2-core CPU (benchmarks/attention.py, H=64): 128-256 blocks run the block
 # dots at about the speed of one dense [T, S] dot; 512 was 1.5x and 1024 3x slower (their
@@ -63,10 +64,11 @@ DEFAULT_BLOCK_K = 256
 
 
 def _scores(st: Static, q_blk, k_blk, bias, i, j):
-    """Block (i, j) logits in float32, scaled, biased and capped (before the score function
-    and the mask), and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
+    """Block (i, j) logits in at least float32, scaled, biased and capped (before the score
+    function and the mask), and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
     _, K, G, _, _ = q_blk.shape
-    s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=jnp.float32)
+    cdt = wide(q_blk, k_blk)  # float32, or float64 for a float64 model
+    s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=cdt)
     s = s * st.scale
     b = bias_block(bias, i, j, st, K, G)
     if b is not None:
@@ -87,7 +89,7 @@ def _mod_fn(st: Static, shape, q_off, i, j):
     q_idx = q_off[:, None] + jnp.minimum(i * tq + jnp.arange(tq, dtype=i32), st.T - 1)[None]
     kv_idx = jnp.minimum(j * tk + jnp.arange(tk, dtype=i32), st.S - 1)
     args = score_mods.indices(B, K, G, q_idx, kv_idx)
-    return lambda s, consts: st.score_mod(s, *args, *consts).astype(jnp.float32)
+    return lambda s, consts: st.score_mod(s, *args, *consts).astype(s.dtype)
 
 
 def _visit_order(kind):
@@ -112,6 +114,7 @@ def _loops(st: Static, body, n_full, n_any, carry):
 def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
     """(out [B, K, G, T, H], lse [B, K, G, T]) of padded, head-major inputs."""
     B, K, G, T_pad, H = q.shape
+    cdt = wide(q, k)  # float32, or float64 for a float64 model
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq = T_pad // tq
@@ -141,14 +144,14 @@ def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
                 "BKGts,BKsH->BKGtH",
                 p.astype(v.dtype),
                 v_blk,
-                preferred_element_type=jnp.float32,
+                preferred_element_type=cdt,
             )
             return m_new, denom, acc * correction[..., None] + pv
 
         init = (
-            jnp.full((B, K, G, tq), MASK_VALUE, jnp.float32),
-            jnp.zeros((B, K, G, tq), jnp.float32),
-            jnp.zeros((B, K, G, tq, H), jnp.float32),
+            jnp.full((B, K, G, tq), MASK_VALUE, cdt),
+            jnp.zeros((B, K, G, tq), cdt),
+            jnp.zeros((B, K, G, tq, H), cdt),
         )
         m, denom, acc = _loops(st, key_block, n_full[i], n_any[i], init)
         seen = denom > 0.0  # False: a fully masked row, whose output is zero
@@ -184,23 +187,24 @@ def _backward(st: Static, res, cotangents):
     q, k, v, mask, bias, bm, q_off, consts, out, lse = res
     dout, dlse = cotangents
     B, K, G, T_pad, H = q.shape
+    cdt = wide(q, k)  # float32, or float64 for a float64 model
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nk = S_pad // tk
     # D - d lse: the per-row term of dS (``d lse`` is zero on fully masked rows, lse = inf).
-    d_BKGT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1) - dlse
+    d_BKGT = jnp.sum(dout.astype(cdt) * out.astype(cdt), -1) - dlse
     dense_bias = bias is not None and not isinstance(bias, PositionBias)
     fn_bias = isinstance(bias, PositionBias)
     if dense_bias:
-        dbias0 = jnp.zeros(bias.shape, jnp.float32)
+        dbias0 = jnp.zeros(bias.shape, cdt)
     elif fn_bias:
-        dbias0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), bias.params)
+        dbias0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), cdt), bias.params)
     else:
         dbias0 = None
     # Only the float arrays the score function closes over take a gradient; the others
     # (integer offsets, boolean flags, positions) stay closed over in the pullback.
     wants = score_mods.differentiable(consts)
-    dconsts0 = tuple(jnp.zeros(c.shape, jnp.float32) for c in score_mods.floats(consts, wants))
+    dconsts0 = tuple(jnp.zeros(c.shape, cdt) for c in score_mods.floats(consts, wants))
     order, n_full, n_any = _visit_order(bm.kind_QK.T)  # query blocks per key block
 
     def key_block(carry, j):
@@ -229,20 +233,20 @@ def _backward(st: Static, res, cotangents):
                 "BKGts,BKGtH->BKsH",
                 p.astype(dout.dtype),
                 do_blk,
-                preferred_element_type=jnp.float32,
+                preferred_element_type=cdt,
             )
-            dp = jnp.einsum("BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=cdt)
             ds = p * (dp - d_blk[..., None])  # d logits (after the score function)
             if st.score_mod is not None:
                 ds, dc = mod_vjp(ds)
-                dconsts = tuple(a + g.astype(jnp.float32) for a, g in zip(dconsts, dc, strict=True))
+                dconsts = tuple(a + g.astype(cdt) for a, g in zip(dconsts, dc, strict=True))
             if dcap is not None:
                 ds = ds * dcap
             dq_blk = jnp.einsum(
                 "BKGts,BKsH->BKGtH",
                 ds.astype(k.dtype),
                 k_blk,
-                preferred_element_type=jnp.float32,
+                preferred_element_type=cdt,
             )
             start = i * tq
             dq = jax.lax.dynamic_update_slice_in_dim(
@@ -255,7 +259,7 @@ def _backward(st: Static, res, cotangents):
                 "BKGts,BKGtH->BKsH",
                 ds.astype(q.dtype),
                 q_blk,
-                preferred_element_type=jnp.float32,
+                preferred_element_type=cdt,
             )
             if dense_bias:
                 at = (
@@ -273,13 +277,13 @@ def _backward(st: Static, res, cotangents):
                 dbias = jax.tree.map(jnp.add, dbias, _bias_param_grad(bias, ds, i, j, st, K, G))
             return dk, dv, dq, dbias, dconsts
 
-        zeros = jnp.zeros((B, K, tk, H), jnp.float32)
+        zeros = jnp.zeros((B, K, tk, H), cdt)
         dk, dv, dq, dbias, dconsts = _loops(
             st, query_block, n_full[j], n_any[j], (zeros, zeros, dq, dbias, dconsts)
         )
         return (dq, dbias, dconsts), (dk, dv)
 
-    dq0 = jnp.zeros(q.shape, jnp.float32)
+    dq0 = jnp.zeros(q.shape, cdt)
     (dq, dbias, dconsts), (dk, dv) = jax.lax.scan(
         key_block, (dq0, dbias0, dconsts0), jnp.arange(nk, dtype=jnp.int32)
     )
@@ -307,7 +311,7 @@ def _bias_param_grad(bias: PositionBias, ds, i, j, st: Static, K, G):
     )
     ct = _reduce_to(ds, to_BKG(block, K, G).shape).reshape(block.shape)
     (grad,) = vjp(ct.astype(block.dtype))
-    return jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+    return jax.tree.map(lambda g: g.astype(ds.dtype), grad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -425,9 +429,9 @@ def chunked_attention(
     out, lse = _attention(st, q, k, v, mask, bias, block_mask, q_off, consts)
     out, lse = out[:, :, :, :T], lse[:, :, :, :T]  # [B, K, G, T, H], [B, K, G, T]
     if sinks is not None:  # the real keys' share (a fully masked row: lse = inf, out stays 0)
-        sink_1KG1 = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+        sink_1KG1 = upcast(sinks).reshape(1, K, G, 1)
         kept = jax.nn.sigmoid(lse - sink_1KG1)[..., None]
-        out = (out.astype(jnp.float32) * kept).astype(q.dtype)
+        out = (upcast(out) * kept).astype(q.dtype)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H)
 
 
