@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import reference as ref
 
-from attnlab.ops import MaskSpec, chunked, dot_product_attention, flex_attention
+from attnlab.ops import MaskSpec, chunked, dot_product_attention, flex, flex_attention
 from attnlab.ops.block_mask import BlockMask
 
 B, N, K, H = 2, 4, 2, 8
@@ -480,3 +480,37 @@ def test_verbose_prints_each_fallback_once(monkeypatch):
     assert stream.getvalue() == (
         "attention: mask: not expressible; falling back to the next path ('chunked')\n"
     )
+
+
+@pytest.mark.parametrize(
+    "implementation", ["reference", "chunked", "pallas_gpu", "pallas_tpu", "auto"]
+)
+def test_a_direct_call_with_a_cache_spec_gives_the_score_function_positions(implementation):
+    """``flex_attention`` called directly with ``MaskSpec.for_cache`` (queries continuing a
+    cache): ``q_idx`` and ``kv_idx`` are the tokens' positions on every path, the decode
+    kernel's included, checked against ``jax.nn.dot_product_attention`` with the same
+    distance bias built from explicit positions."""
+    rng = np.random.default_rng(3)
+    B, T, S, N, K, H = 2, 2, 24, 4, 2, 16
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
+    start = jnp.array([5, 17])
+    mod = lambda s, b, h, q_idx, kv_idx: s - 0.3 * (q_idx - kv_idx).astype(jnp.float32)
+    spec = MaskSpec.for_cache(T, S, start)
+    for Tq in (T, 1):  # a prefill chunk of two queries, and a decoding step (decode kernel)
+        spec = MaskSpec.for_cache(Tq, S, start)
+        with flex.paths.recording() as rec:
+            out = flex_attention(q[:, :Tq], k, v, mask=spec, score_mod=mod, backend="gpu",
+                                 implementation=implementation, interpret=True, block_q=8,
+                                 block_k=8)  # fmt: skip
+        if implementation == "auto":  # the GPU's kernels: flex for two queries, decode for one
+            assert [s.path for s in rec.steps] == ["pallas_gpu" if Tq > 1 else "decode"]
+        qp = np.asarray(start)[:, None] + np.arange(Tq)  # [B, Tq]
+        bias = -0.3 * (qp[:, None, :, None] - np.arange(S)[None, None, None, :])
+        allowed = np.arange(S)[None, None, None, :] <= qp[:, None, :, None]
+        expected = jax.nn.dot_product_attention(
+            q[:, :Tq], jnp.repeat(k, N // K, 2), jnp.repeat(v, N // K, 2),
+            bias=jnp.asarray(bias, jnp.float32), mask=jnp.asarray(allowed),
+        )  # fmt: skip
+        np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)

@@ -151,16 +151,6 @@ def _refuse_on_chunked(logits_fn, dropout_rate, implementation):
     )
 
 
-def with_positions(score_mod, mask):
-    """``score_mod`` seeing the positions a ``MaskSpec`` gives its queries and keys
-    (``score_mods.at_positions``: a cache's slots, a ring's wrapped keys, a later chunk's
-    queries), so every path below calls it with positions; as it is where the indices are
-    the positions already (an aligned spec, an array or no mask)."""
-    if score_mod is None or not isinstance(mask, MaskSpec) or mask.aligned:
-        return score_mod
-    return score_mods.at_positions(score_mod, mask.q_pos, mask.k_pos)
-
-
 def dot_product_attention(
     q_BTNH,
     k_BSKH,
@@ -224,7 +214,7 @@ def dot_product_attention(
     plain = not return_weights and logits_fn is None and not drop
     backend = paths.backend() if backend is None else backend
     changed = sinks is not None or softcap is not None  # the fused kernels have neither
-    score_mod = with_positions(score_mod, mask)  # its indices are the positions from here on
+    score_mod = score_mods.with_positions(score_mod, mask)  # indices are positions from here
     if isinstance(mask, MaskSpec) and mask.allowed is not None:
         mask = mask.dense()  # a choice of keys per query, which the paths take as an array
     q_offset = None

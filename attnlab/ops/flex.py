@@ -233,8 +233,9 @@ def flex_attention(
         anywhere and runs only there (on a CPU host, run a GPU or TPU kernel with
         ``interpret=True``).
       interpret: run a Pallas kernel in interpret mode (None: when ``backend`` is "cpu").
-      q_offset: added to the query indices the score function sees (an int or [B]): the
-        first query's index among the keys when the queries continue a cache.
+      q_offset: added to the query indices the score function sees (an int or [B]) where no
+        ``MaskSpec`` gives positions: with a ``MaskSpec`` that places the queries and keys
+        (``for_cache``, a ring's slots), the score function sees those positions instead.
     """
     chosen = _choose(
         q_BTNH, k_BSKH, v_BSKH, score_mod=score_mod, mask=mask, block_mask=block_mask,
@@ -276,6 +277,8 @@ def _choose(
     _check_mask(mask, T, S)
     if score_mod is not None:
         score_mods.check_signature(score_mod)
+        if isinstance(mask, MaskSpec) and not mask.aligned:  # it sees the spec's positions
+            score_mod, q_offset = score_mods.with_positions(score_mod, mask), None
     backend = paths.backend() if backend is None else backend
     interpret = backend == "cpu" if interpret is None else interpret
     plain = score_mod is None and sinks is None and softcap is None

@@ -169,6 +169,21 @@ def at_positions(score_mod, q_pos_BT, k_pos_BS):
     return mod
 
 
+def with_positions(score_mod, mask):
+    """``score_mod`` seeing the positions a ``MaskSpec`` gives its queries and keys
+    (``at_positions``: a cache's slots, a ring's wrapped keys, a later chunk's queries), so
+    every path below calls it with positions; as it is where the indices are the positions
+    already (an aligned spec, an array or no mask), or where it sees them already (this
+    function's result: wrapping twice would look the positions up as indices)."""
+    if score_mod is None or getattr(mask, "q_pos", None) is None or mask.aligned:
+        return score_mod
+    if getattr(score_mod, "sees_positions", False):
+        return score_mod
+    mod = at_positions(score_mod, mask.q_pos, mask.k_pos)
+    mod.sees_positions = True
+    return mod
+
+
 def apply(score_mod, score, b, h, q_idx, kv_idx):
     """``score_mod``'s logits in float32."""
     return score_mod(score, b, h, q_idx, kv_idx).astype(jnp.float32)
