@@ -514,3 +514,19 @@ def test_a_direct_call_with_a_cache_spec_gives_the_score_function_positions(impl
             bias=jnp.asarray(bias, jnp.float32), mask=jnp.asarray(allowed),
         )  # fmt: skip
         np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "pallas_gpu", "pallas_tpu"])
+def test_a_spec_with_an_allowed_choice_is_obeyed_on_every_path(implementation):
+    """``MaskSpec.allowed`` (a sparse mixer's choice of keys) reaches every path as the
+    dense mask it stands for, never dropped."""
+    rng = np.random.default_rng(5)
+    B, T, N, H = 1, 16, 2, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32) for _ in range(3))
+    allowed = jnp.asarray((rng.uniform(size=(B, 1, T, T)) < 0.5) | np.eye(T, dtype=bool))
+    spec = MaskSpec.for_sequence(T, causal=True).replace(allowed=allowed, aligned=True)
+    out = flex_attention(q, k, v, mask=spec, implementation=implementation, interpret=True,
+                         block_q=8, block_k=8)  # fmt: skip
+    dense = np.tril(np.ones((T, T), bool))[None, None] & np.asarray(allowed)
+    expected = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(dense))
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)

@@ -279,6 +279,8 @@ def _choose(
         score_mods.check_signature(score_mod)
         if isinstance(mask, MaskSpec) and not mask.aligned:  # it sees the spec's positions
             score_mod, q_offset = score_mods.with_positions(score_mod, mask), None
+    if isinstance(mask, MaskSpec) and mask.allowed is not None:
+        mask = mask.dense()  # a choice of keys no rule describes: every path takes it dense
     backend = paths.backend() if backend is None else backend
     interpret = backend == "cpu" if interpret is None else interpret
     plain = score_mod is None and sinks is None and softcap is None
