@@ -26,6 +26,7 @@ on_mesh = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow(reason="a second pytest process on 8 CPU devices runs every kernel twice")
 def test_kernels_on_a_mesh_equal_one_device_in_a_child_on_eight_cpu_devices():
     xla_flags.run_on_devices(__file__, timeout=600)
 
