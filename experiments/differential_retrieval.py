@@ -196,11 +196,17 @@ def main(argv=None):
     a = p.parse_args(argv)
     seeds, steps = arms.seeds_and_steps(a, SEEDS)
     runs = run(a.run, seeds=seeds, steps=steps or a.steps or None, rescore=a.rescore)
-    t = table(runs)
-    text = markdown(t, len(seeds))
-    figure = IMAGES / "differential_retrieval.png"
-    arms.report(a.run, "differential", runs, t, text, lambda path: plot(t, path), figure,
-                quick=a.quick)  # fmt: skip
+    arms.report(
+        a.run,
+        "differential",
+        runs,
+        table=table,
+        markdown=markdown,
+        plot=plot,
+        figure=IMAGES / "differential_retrieval.png",
+        n_seeds=len(seeds),
+        quick=a.quick,
+    )
 
 
 if __name__ == "__main__":

@@ -150,10 +150,17 @@ def main(argv=None):
         seeds = range(len(next(iter(runs.values()))))
     else:
         runs = run(a.run, seeds=seeds, steps=steps)
-    t = table(runs)
-    text = markdown(t, len(seeds))
-    figure = IMAGES / "gated_attention.png"
-    arms.report(a.run, "gated", runs, t, text, lambda path: plot(t, path), figure, quick=a.quick)
+    arms.report(
+        a.run,
+        "gated",
+        runs,
+        table=table,
+        markdown=markdown,
+        plot=plot,
+        figure=IMAGES / "gated_attention.png",
+        n_seeds=len(seeds),
+        quick=a.quick,
+    )
 
 
 if __name__ == "__main__":

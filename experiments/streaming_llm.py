@@ -243,11 +243,17 @@ def main(argv=None):
     a = arms.parser(__doc__).parse_args(argv)
     seeds, steps = arms.seeds_and_steps(a, SEEDS)
     runs = run(a.run, seeds=seeds, steps=steps)
-    t = table(runs)
-    text = markdown(t, len(seeds))
-    figure = IMAGES / "streaming_llm.png"
-    arms.report(a.run, "streaming", runs, t, text, lambda path: plot(t, path), figure,
-                quick=a.quick)  # fmt: skip
+    arms.report(
+        a.run,
+        "streaming",
+        runs,
+        table=table,
+        markdown=markdown,
+        plot=plot,
+        figure=IMAGES / "streaming_llm.png",
+        n_seeds=len(seeds),
+        quick=a.quick,
+    )
 
 
 if __name__ == "__main__":

@@ -41,12 +41,15 @@ def test_each_arm_trains_at_each_seed_and_reopens(tmp_path):
     assert again == runs
 
     drawn = []
-    t = {arm: arms.mean_std([r["loss"] for r in rs]) for arm, rs in runs.items()}
+    table = lambda runs: {arm: arms.mean_std([r["loss"] for r in rs]) for arm, rs in runs.items()}
+    markdown = lambda t, n: f"{len(t)} arms, {n} seeds\n"
+    plot = lambda t, path: drawn.append(path)
     figure = tmp_path / "docs" / "figure.png"
-    arms.report(tmp_path, "losses", runs, t, "text\n", drawn.append, figure, quick=True)
+    t = arms.report(tmp_path, "losses", runs, table=table, markdown=markdown, plot=plot,
+                    figure=figure, n_seeds=2, quick=True)  # fmt: skip
     assert drawn == [tmp_path / "figure.png"]  # quick: beside the runs, not in the docs
     assert json.loads((tmp_path / "losses.json").read_text())["table"]["base"] == list(t["base"])
-    assert (tmp_path / "losses.md").read_text() == "text\n"
+    assert (tmp_path / "losses.md").read_text() == "2 arms, 2 seeds\n"
     assert arms.read_runs(tmp_path, "losses") == runs
     assert np.isfinite([r["loss"] for rs in runs.values() for r in rs]).all()
 

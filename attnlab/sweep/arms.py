@@ -5,14 +5,12 @@ of a trained run, and its table and figure; this module trains every arm at ever
 turns the numbers into mean ± sample std, and writes the results::
 
     def main(argv=None):
-        p = arms.parser(__doc__)
-        a = p.parse_args(argv)
+        a = arms.parser(__doc__).parse_args(argv)
         seeds, steps = arms.seeds_and_steps(a, SEEDS)
         runs = arms.train_arms(get_config, ARMS, a.run, seeds=seeds, steps=steps,
                                measure=summary)
-        t = table(runs)
-        arms.report(a.run, "gated", runs, t, markdown(t, len(seeds)),
-                    lambda path: plot(t, path), IMAGES / "gated_attention.png", quick=a.quick)
+        arms.report(a.run, "gated", runs, table=table, markdown=markdown, plot=plot,
+                    figure=IMAGES / "gated_attention.png", n_seeds=len(seeds), quick=a.quick)
 
 Each run trains in ``DIR/<arm>_s<seed>`` (``attnlab.runs.train``, which resumes a run that
 stopped and trains nothing for one that finished); ``DIR/<name>.json`` holds the runs and
@@ -92,11 +90,15 @@ def read_runs(root, name: str) -> dict[str, list[dict]]:
     return json.loads((pathlib.Path(root) / f"{name}.json").read_text())["runs"]
 
 
-def report(root, name: str, runs, table, text: str, plot: Callable, figure, *, quick: bool):
-    """Writes ``root/<name>.json`` (runs and table) and ``root/<name>.md`` (``text``), draws
-    ``plot(path)`` to ``figure`` (to ``root`` under ``quick``) and prints ``text``."""
+def report(root, name: str, runs, *, table, markdown, plot, figure, n_seeds: int, quick: bool):
+    """``table(runs)`` written with the runs to ``root/<name>.json``, ``markdown(table,
+    n_seeds)`` to ``root/<name>.md`` and printed, and ``plot(table, path)`` drawn to
+    ``figure`` (to ``root`` under ``quick``). Returns the table."""
     root, figure = pathlib.Path(root), pathlib.Path(figure)
-    (root / f"{name}.json").write_text(json.dumps({"runs": runs, "table": table}, indent=2))
+    t = table(runs)
+    text = markdown(t, n_seeds)
+    (root / f"{name}.json").write_text(json.dumps({"runs": runs, "table": t}, indent=2))
     (root / f"{name}.md").write_text(text)
-    plot(root / figure.name if quick else figure)
+    plot(t, root / figure.name if quick else figure)
     print(text)
+    return t
