@@ -170,8 +170,8 @@ class Pretrained:
     def logits(
         self, input_ids, attention_mask=None, *, decoder_input_ids=None, token_type_ids=None
     ) -> jax.Array:
-        """Float32 logits ``[B, T, V]`` (decoder logits for encoder-decoder models, MLM
-        logits for encoders)."""
+        """Logits ``[B, T, V]``, float32 (float64 for a float64 model): decoder logits for
+        encoder-decoder models, MLM logits for encoders."""
         return self._forward(input_ids, attention_mask, decoder_input_ids, token_type_ids).logits
 
     def mlm_logits(self, input_ids, attention_mask=None, token_type_ids=None) -> jax.Array:
@@ -209,7 +209,8 @@ class Pretrained:
         stack: str | None = None,
         kind: str = "self",
     ) -> jax.Array:
-        """Attention weights ``[B, N, T, S]`` of one layer (float32, rows sum to 1).
+        """Attention weights ``[B, N, T, S]`` of one layer (float32 or the model's wider
+        dtype, rows sum to 1).
 
         Encoder-decoder models pick ``stack`` ("encoder" or "decoder", default "decoder")
         and, on the decoder, ``kind`` ("self" or "cross").
