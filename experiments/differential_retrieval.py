@@ -196,17 +196,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     seeds, steps = arms.seeds_and_steps(a, SEEDS)
     runs = run(a.run, seeds=seeds, steps=steps or a.steps or None, rescore=a.rescore)
-    arms.report(
-        a.run,
-        "differential",
-        runs,
-        table=table,
-        markdown=markdown,
-        plot=plot,
-        figure=IMAGES / "differential_retrieval.png",
-        n_seeds=len(seeds),
-        quick=a.quick,
-    )
+    figure = IMAGES / "differential_retrieval.png"
+    arms.report(a.run, "differential", runs, table=table, markdown=markdown, plot=plot,
+                figure=figure, n_seeds=len(seeds), quick=a.quick)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -150,17 +150,9 @@ def main(argv=None):
         seeds = range(len(next(iter(runs.values()))))
     else:
         runs = run(a.run, seeds=seeds, steps=steps)
-    arms.report(
-        a.run,
-        "gated",
-        runs,
-        table=table,
-        markdown=markdown,
-        plot=plot,
-        figure=IMAGES / "gated_attention.png",
-        n_seeds=len(seeds),
-        quick=a.quick,
-    )
+    figure = IMAGES / "gated_attention.png"
+    arms.report(a.run, "gated", runs, table=table, markdown=markdown, plot=plot,
+                figure=figure, n_seeds=len(seeds), quick=a.quick)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -243,17 +243,9 @@ def main(argv=None):
     a = arms.parser(__doc__).parse_args(argv)
     seeds, steps = arms.seeds_and_steps(a, SEEDS)
     runs = run(a.run, seeds=seeds, steps=steps)
-    arms.report(
-        a.run,
-        "streaming",
-        runs,
-        table=table,
-        markdown=markdown,
-        plot=plot,
-        figure=IMAGES / "streaming_llm.png",
-        n_seeds=len(seeds),
-        quick=a.quick,
-    )
+    figure = IMAGES / "streaming_llm.png"
+    arms.report(a.run, "streaming", runs, table=table, markdown=markdown, plot=plot,
+                figure=figure, n_seeds=len(seeds), quick=a.quick)  # fmt: skip
 
 
 if __name__ == "__main__":
