@@ -14,7 +14,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from attnlab.ops import score_mods
+from attnlab.ops import paths, score_mods
 from attnlab.ops.linear import dropout
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.precision import upcast, wide
@@ -203,5 +203,5 @@ def gpu_prefers_cudnn(q_BTNH, k_BSKH, mask, bias, backend: str) -> bool:
         and H % 8 == 0
         and H <= 128
         and q_BTNH.shape[1] % 64 == 0
-        and _nvidia_gpu()
+        and (paths.nvidia_target() or _nvidia_gpu())
     )
