@@ -46,6 +46,8 @@ import pathlib
 
 import numpy as np
 
+from attnlab.devices.sharding import block_rows as process_rows  # noqa: F401  (read here too)
+
 PACKING_BINS = 16  # rows packed at a time: more bins, less padding, more reordering
 # Batches a background thread keeps ready. None by default: packing a batch takes a few
 # milliseconds, a percent or two of a step, and a thread gained nothing measurable on the
@@ -62,16 +64,6 @@ def _grain():
     from attnlab.errors import optional_import
 
     return optional_import("grain", None, "text data (data.kind, data.pipeline)")
-
-
-def process_rows(batch_size: int, host=(0, 1)) -> slice:
-    """The rows of each global batch of ``batch_size`` rows that process ``host[0]`` of
-    ``host[1]`` reads: the ``host[0]``-th of ``host[1]`` equal contiguous blocks."""
-    index, count = host
-    if batch_size % count:
-        raise ValueError(f"train.batch_size={batch_size} must divide over {count} processes")
-    per = batch_size // count
-    return slice(index * per, (index + 1) * per)
 
 
 def window_batches(

@@ -326,11 +326,21 @@ def held_rows(mesh, rules, global_batch: int, process_of=None) -> dict[int, slic
     return out
 
 
+def block_rows(batch_size: int, host=(0, 1)) -> slice:
+    """The rows of each global batch of ``batch_size`` rows that process ``host[0]`` of
+    ``host[1]`` reads: the ``host[0]``-th of ``host[1]`` equal contiguous blocks."""
+    index, count = host
+    if batch_size % count:
+        raise ValueError(f"train.batch_size={batch_size} must divide over {count} processes")
+    per = batch_size // count
+    return slice(index * per, (index + 1) * per)
+
+
 def process_rows(global_batch: int, mesh=None, rules=None) -> slice:
     """The rows of a global batch that this process loads
-    (``attnlab.data.grain_pipeline.process_rows``), checked against the rows its devices
-    hold on ``mesh`` where one is given."""
-    from attnlab.data.grain_pipeline import process_rows as rows_of
+    (``block_rows``), checked against the rows its devices hold on ``mesh`` where one is
+    given."""
+    rows_of = block_rows
 
     n, i = jax.process_count(), jax.process_index()
     if global_batch % n:
