@@ -102,7 +102,7 @@ def sample_loop(
     limit_B = jnp.minimum(max_new, S - cache.lengths)
 
     def emit(state, logits_BV):
-        i = state.step
+        i, zero = state.step, jnp.int32(0)  # int32 indices, also under JAX's 64-bit mode
         live_B = ~state.done_B
         token_B = sample(logits_BV, jax.random.fold_in(key, i), sampling)
         token_B = jnp.where(live_B, token_B, pad_id)
@@ -110,11 +110,13 @@ def sample_loop(
         count_B = state.count_B + live_B.astype(jnp.int32)
         logits_BSV = state.logits_BSV
         if return_logits:
-            logits_BSV = jax.lax.dynamic_update_slice(logits_BSV, logits_BV[:, None], (0, i, 0))
+            logits_BSV = jax.lax.dynamic_update_slice(
+                logits_BSV, logits_BV[:, None], (zero, i, zero)
+            )
         return state.replace(
             step=i + 1,
             token_B=token_B,
-            tokens_BS=jax.lax.dynamic_update_slice(state.tokens_BS, token_B[:, None], (0, i)),
+            tokens_BS=jax.lax.dynamic_update_slice(state.tokens_BS, token_B[:, None], (zero, i)),
             logits_BSV=logits_BSV,
             count_B=count_B,
             eos_B=state.eos_B | eos_B,
@@ -126,7 +128,9 @@ def sample_loop(
         token_B=jnp.zeros((B,), jnp.int32),
         cache=cache,
         tokens_BS=jnp.full((B, S), pad_id, jnp.int32),
-        logits_BSV=jnp.zeros((B, S, logits_BV.shape[-1]), jnp.float32) if return_logits else None,
+        logits_BSV=jnp.zeros((B, S, logits_BV.shape[-1]), logits_BV.dtype)
+        if return_logits
+        else None,
         count_B=jnp.zeros((B,), jnp.int32),
         eos_B=jnp.zeros((B,), bool),
         done_B=limit_B <= 0,

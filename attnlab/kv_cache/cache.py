@@ -151,6 +151,13 @@ def cache_entries(cfg: ModelConfig) -> dict[str, CacheEntry]:
     return {name: entry for name, (entry, _) in cache_layout(cfg).items()}
 
 
+def entry_dtype(entry: CacheEntry, dtype) -> jnp.dtype:
+    """An entry's own dtype (a recurrent state's float32), else the cache's ``dtype``; a
+    float64 cache keeps every entry in float64, so a float64 model decodes in float64."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype == jnp.float64 else jnp.dtype(entry.dtype or dtype)
+
+
 def init_cache(
     cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, *, ring: bool | None = None
 ) -> KVCache:
@@ -178,7 +185,7 @@ def init_cache(
     layout = cache_layout(cfg)
     # One buffer per entry (not a shared zeros): a jitted step may then donate the cache.
     layers = {
-        name: jnp.zeros((n, batch_size, *e.sized(slots)), e.dtype or default)
+        name: jnp.zeros((n, batch_size, *e.sized(slots)), entry_dtype(e, default))
         for name, (e, n) in layout.items()
     }
     return KVCache(
@@ -241,6 +248,6 @@ def kv_cache_bytes(
     window = ring_size(cfg, max_len, ring)
     slots = window or max_len
     return sum(
-        n * batch_size * math.prod(e.sized(slots)) * jnp.dtype(e.dtype or dtype).itemsize
+        n * batch_size * math.prod(e.sized(slots)) * entry_dtype(e, dtype).itemsize
         for e, n in cache_layout(cfg).values()
     )
