@@ -42,6 +42,7 @@ from tiers import cases  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from attnlab.errors import ConfigError  # noqa: E402
+from attnlab.kv_cache import init_cache  # noqa: E402
 from attnlab.pretrained import load_pretrained  # noqa: E402
 
 F64_TOL = 1e-8
@@ -180,6 +181,21 @@ def test_shared_fixtures_in_float64_and_float32(shared_dir, name):
     ).eval()
     ids = np.load(folder / "reference.npz")["input_ids"]
     check(model, folder, ids, None, name)
+
+
+def test_float64_decodes_through_a_float64_cache(request):
+    """Falcon-H1 (attention and Mamba-2 states) decodes in float64: every cache entry is
+    float64 and the greedy tokens are the float64 forward's argmax."""
+    _, folder = checkpoint(request, "falcon_h1")
+    ids = np.random.default_rng(1).integers(3, V, (1, 6)).astype(np.int32)
+    with jax.enable_x64(True):
+        handle = load_pretrained(folder, dtype="float64")
+        cache = init_cache(handle.config, 1, 16)
+        assert {str(x.dtype) for x in jax.tree.leaves(cache.layers)} == {"float64"}
+        new = np.asarray(handle.generate(ids, 6).tokens)
+        logits = np.asarray(handle.logits(np.concatenate([ids, new[:, :-1]], 1)))
+    assert logits.dtype == np.float64
+    np.testing.assert_array_equal(logits[0, ids.shape[1] - 1 :].argmax(-1), new[0])
 
 
 def test_float64_without_64_bit_mode_says_how_to_turn_it_on(request):
