@@ -185,8 +185,8 @@ def with_positions(score_mod, mask):
 
 
 def apply(score_mod, score, b, h, q_idx, kv_idx):
-    """``score_mod``'s logits in float32."""
-    return score_mod(score, b, h, q_idx, kv_idx).astype(jnp.float32)
+    """``score_mod``'s logits in the dtype of ``score`` (at least float32)."""
+    return score_mod(score, b, h, q_idx, kv_idx).astype(score.dtype)
 
 
 def compose(first, then=None):

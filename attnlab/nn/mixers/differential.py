@@ -43,11 +43,12 @@ from attnlab.errors import ConfigError
 from attnlab.nn.layers import Norm
 from attnlab.nn.mixers.mha import Attention
 from attnlab.ops.linear import fold
+from attnlab.ops.precision import wide
 
 
-def lambda_init_schedule(layer):
+def lambda_init_schedule(layer, dtype=jnp.float32):
     """The paper's ``λ_init = 0.8 - 0.6 exp(-0.3 (l - 1))``, ``layer = l - 1`` (0-based)."""
-    return 0.8 - 0.6 * jnp.exp(-0.3 * jnp.asarray(layer, jnp.float32))
+    return 0.8 - 0.6 * jnp.exp(-0.3 * jnp.asarray(layer, dtype))
 
 
 def _pad_to(x, size):
@@ -135,14 +136,15 @@ class DifferentialAttention(Attention):
         return cache, (k1_BSKH, k2_BSKH), v_BSKH
 
     def lambdas(self, call: MixerCall):
-        """``(λ, λ_init)`` of this layer, float32 scalars."""
+        """``(λ, λ_init)`` of this layer, scalars in at least float32."""
+        dtype = wide(self.lambda_q1_H[...])
         if self.lambda_init is not None:
-            init = jnp.float32(self.lambda_init)
+            init = jnp.asarray(self.lambda_init, dtype)
         elif call.layer is None:
-            init = jnp.float32(0.8)
+            init = jnp.asarray(0.8, dtype)
         else:
-            init = lambda_init_schedule(call.layer)
-        dot = lambda a, b: jnp.sum(a[...].astype(jnp.float32) * b[...].astype(jnp.float32))
+            init = lambda_init_schedule(call.layer, dtype)
+        dot = lambda a, b: jnp.sum(a[...].astype(dtype) * b[...].astype(dtype))
         lam = jnp.exp(dot(self.lambda_q1_H, self.lambda_k1_H))
         lam = lam - jnp.exp(dot(self.lambda_q2_H, self.lambda_k2_H)) + init
         return lam, init

@@ -27,6 +27,7 @@ from attnlab.nn.layers import normal
 from attnlab.nn.mixers.mha import Attention
 from attnlab.ops import score_mods
 from attnlab.ops.linear import dense
+from attnlab.ops.precision import wide
 
 
 @register_mixer("fox")
@@ -66,10 +67,10 @@ class Forgetting(Attention):
         return {**super().cache_entries(cfg, settings), "log_forget": entry}
 
     def log_forget(self, x_BTD):
-        """``log f_t`` per head, ``[B, T, N]`` float32."""
-        logits_BTN = dense(x_BTD, self.fgate_DN[...], out_dtype=jnp.float32)
+        """``log f_t`` per head, ``[B, T, N]``, at least float32."""
+        logits_BTN = dense(x_BTD, self.fgate_DN[...], out_dtype=wide(x_BTD))
         return jax.nn.log_sigmoid(
-            logits_BTN + self.fgate_bias_N[...].astype(jnp.float32)[None, None]
+            logits_BTN + self.fgate_bias_N[...].astype(logits_BTN.dtype)[None, None]
         )
 
     def cumulative(self, x_BTD, cache):
