@@ -81,8 +81,9 @@ def lengths_of(variant=None):
     return [2, 4, 6, 8] if variant == "tiny" else [5, 10, 15, 20, 25, 30, 35, 40]
 
 
-def score_run(workdir, lengths, rows=128) -> dict:
-    """``{task: {length: exact match}}`` of the run in ``workdir``."""
+def score_run(workdir, lengths, rows=128, per_token=False) -> dict:
+    """``{task: {length: exact match}}`` of the run in ``workdir`` (``per_token``: the
+    fraction of answer tokens right)."""
     import jax
     import jax.numpy as jnp
 
@@ -104,31 +105,17 @@ def score_run(workdir, lengths, rows=128) -> dict:
                 rows=rows,
                 seq_len=seq_len,
                 num_symbols=int(d.num_symbols),
+                per_token=per_token,
             )
             for n in lengths
         }
     return out
 
 
-def report(root, *, variant=None, rows=128) -> dict:
-    """Scores every finished trial under ``root``; writes nope.json, nope.md and nope.png."""
-    root = pathlib.Path(root)
-    lengths = lengths_of(variant)
-    train_max = 4 if variant == "tiny" else TRAIN_MAX
-    results = {}
-    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
-        position = json.loads((trial / "config.json").read_text())["model"]["position"]
-        results[position] = score_run(trial, lengths, rows)
-    (root / "nope.json").write_text(json.dumps(results, indent=1))
+def _table(results, train_max) -> str:
     tasks = list(next(iter(results.values())))
-    lines = [
-        "| position | "
-        + " | ".join(f"{t} ≤{train_max} / >{train_max}" for t in tasks)
-        + " | mean >"
-        + str(train_max)
-        + " |",
-        "|---|" + "---|" * (len(tasks) + 1),
-    ]
+    head = " | ".join(f"{t} ≤{train_max} / >{train_max}" for t in tasks)
+    lines = [f"| position | {head} | mean >{train_max} |", "|---|" + "---|" * (len(tasks) + 1)]
     for pos, by_task in results.items():
         cells, beyond = [], []
         for t in tasks:
@@ -137,12 +124,30 @@ def report(root, *, variant=None, rows=128) -> dict:
             beyond += out
             cells.append(f"{sum(inside) / len(inside):.2f} / {sum(out) / len(out):.2f}")
         lines.append(f"| {pos} | " + " | ".join(cells) + f" | {sum(beyond) / len(beyond):.3f} |")
-    (root / "nope.md").write_text("\n".join(lines) + "\n")
-    _plot(results, lengths, train_max, root / "nope.png")
+    return "\n".join(lines) + "\n"
+
+
+def report(root, *, variant=None, rows=128) -> dict:
+    """Scores every finished trial under ``root`` (exact match and per-token accuracy);
+    writes nope.json, nope.md (both tables) and nope.png / nope_tokens.png."""
+    root = pathlib.Path(root)
+    lengths = lengths_of(variant)
+    train_max = 4 if variant == "tiny" else TRAIN_MAX
+    results = {"exact_match": {}, "token_accuracy": {}}
+    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
+        position = json.loads((trial / "config.json").read_text())["model"]["position"]
+        results["exact_match"][position] = score_run(trial, lengths, rows)
+        results["token_accuracy"][position] = score_run(trial, lengths, rows, per_token=True)
+    (root / "nope.json").write_text(json.dumps(results, indent=1))
+    text = "exact match\n\n" + _table(results["exact_match"], train_max)
+    text += "\nper-token accuracy\n\n" + _table(results["token_accuracy"], train_max)
+    (root / "nope.md").write_text(text)
+    _plot(results["exact_match"], lengths, train_max, root / "nope.png", "exact match")
+    _plot(results["token_accuracy"], lengths, train_max, root / "nope_tokens.png", "token acc.")
     return results
 
 
-def _plot(results, lengths, train_max, path):
+def _plot(results, lengths, train_max, path, ylabel):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +161,7 @@ def _plot(results, lengths, train_max, path):
         ax.axvline(train_max, color="grey", ls=":", lw=1)
         ax.set_title(t, fontsize=9)
         ax.set_xlabel("problem length")
-    axes[0].set_ylabel("exact match")
+    axes[0].set_ylabel(ylabel)
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

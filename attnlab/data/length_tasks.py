@@ -194,14 +194,18 @@ def length_task(cfg, workdir, host=(0, 1)) -> Task:
     )
 
 
-def teacher_forced_accuracy(predict, task, n, *, rows, seq_len, num_symbols, seed=0) -> float:
+def teacher_forced_accuracy(predict, task, n, *, rows, seq_len, num_symbols, seed=0,
+                            per_token=False) -> float:  # fmt: skip
     """Exact-match accuracy of ``predict(inputs) -> argmax ids`` on ``rows`` fresh rows of
     ``task`` at problem length ``n`` (a row counts when every answer token is the argmax:
-    what greedy decoding would write)."""
+    what greedy decoding would write); with ``per_token``, the fraction of answer tokens
+    (EOS included) that are the argmax."""
     rng = np.random.default_rng([seed, n, 9])
     batch = algorithmic_batch(
         task, rng, rows, seq_len, num_symbols=num_symbols, min_len=n, max_len=n
     )
     hit = np.asarray(predict(batch["inputs"])) == batch["targets"]
     mask = batch["loss_mask"] > 0
+    if per_token:
+        return float((hit & mask).sum() / mask.sum())
     return float(((hit | ~mask).all(axis=1)).mean())
