@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Finite stand-in for -inf in masked logits: softmax and its gradient stay free of NaN on
 # rows with every key masked (attention, chunked and ring attention share it).
@@ -29,7 +30,11 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _query_positions(T, offset):
-    """[B|1, T] absolute positions of T queries starting at ``offset``."""
+    """[B|1, T] absolute positions of T queries starting at ``offset`` (a NumPy array when
+    the offset is a Python int: known while tracing, so paths can see the positions are the
+    indices)."""
+    if isinstance(offset, int):
+        return offset + np.arange(T, dtype=np.int32)[None, :]
     offset = jnp.asarray(offset, jnp.int32)
     if offset.ndim == 0:
         offset = offset[None]
@@ -228,7 +233,7 @@ class MaskSpec:
         aligned = T == S and isinstance(offset, int) and offset == 0
         return cls(
             q_pos=_query_positions(T, offset),
-            k_pos=jnp.arange(S, dtype=jnp.int32)[None, :],
+            k_pos=np.arange(S, dtype=np.int32)[None, :],  # NumPy: known while tracing
             causal=causal,
             # A Python int stays one (static: a library kernel with a static mask, splash,
             # takes it inside jit); a traced window (one layer's, in a scan) stays traced.

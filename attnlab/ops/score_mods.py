@@ -157,16 +157,37 @@ def at_positions(score_mod, q_pos_BT, k_pos_BS):
     positions found there (indices outside ``[0, T)`` / ``[0, S)``, a kernel's padding,
     read the nearest end). ``dot_product_attention`` wraps a score function with the
     positions of its ``MaskSpec``."""
+    q_same, k_same = _counts_up(q_pos_BT), _counts_up(k_pos_BS)  # before jnp: still NumPy
     q_pos = jnp.asarray(q_pos_BT, jnp.int32)
     k_pos = jnp.asarray(k_pos_BS, jnp.int32)
     T, S = q_pos.shape[-1], k_pos.shape[-1]
 
     def mod(score, b, h, q_idx, kv_idx):
-        qp = q_pos[b if q_pos.shape[0] > 1 else 0, jnp.clip(q_idx, 0, T - 1)]
-        kp = k_pos[b if k_pos.shape[0] > 1 else 0, jnp.clip(kv_idx, 0, S - 1)]
+        # Positions that are the indices (a cache's slots 0..S-1, known while tracing) are
+        # taken as they are, and one query's position is read as one entry: a kernel then
+        # reads no gather of indices it would have to follow.
+        if q_same:
+            qp = q_idx
+        elif T == 1:
+            qp = q_pos[b if q_pos.shape[0] > 1 else 0, 0] + 0 * q_idx
+        else:
+            qp = q_pos[b if q_pos.shape[0] > 1 else 0, jnp.clip(q_idx, 0, T - 1)]
+        if k_same:
+            kp = kv_idx
+        else:
+            kp = k_pos[b if k_pos.shape[0] > 1 else 0, jnp.clip(kv_idx, 0, S - 1)]
         return score_mod(score, b, h, qp, kp)
 
     return mod
+
+
+def _counts_up(pos) -> bool:
+    """Whether ``pos`` is known while tracing and is ``0, 1, ..., n-1`` in every row."""
+    try:
+        a = np.asarray(pos)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return False
+    return bool(np.array_equal(a, np.broadcast_to(np.arange(a.shape[-1]), a.shape)))
 
 
 def with_positions(score_mod, mask):

@@ -24,6 +24,7 @@ plan says so and lowers the Pallas kernel in its place) and Tokamax's kernels.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import re
 
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab.errors import ConfigError, one_line
+from attnlab.errors import ConfigError, DataError, one_line
 from attnlab.ops import paths
 
 PLATFORMS = ("cuda", "rocm", "tpu", "cpu")
@@ -55,6 +56,7 @@ class Lowered:
     steps: dict[str, list[paths.Step]]
     failures: list[str]
     modules: dict[str, int]
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = []
@@ -149,7 +151,19 @@ def lower(cfg, platform: str, *, mesh=None) -> Lowered:
     if platform not in PLATFORMS:
         raise ConfigError(f"--platform {platform!r}: use one of {', '.join(PLATFORMS)}")
     mcfg = experiment.validate(cfg)
-    task = make_task(cfg.data)
+    notes = []
+    try:
+        task = make_task(cfg.data)
+    except DataError as e:  # the data is not on this machine: only the batch's shape matters
+        if cfg.data.get("kind", "text") != "text" or not cfg.data.get("path"):
+            raise
+        notes.append(
+            f"data: {one_line(e)}; lowered with the embedded corpus in its place (only the "
+            "batch's shape enters the program)"
+        )
+        cfg = copy.deepcopy(cfg)
+        cfg.data.path = ""
+        task = make_task(cfg.data)
     record, modules, failures = {}, {}, []
     with paths.target(platform) as backend:
         trainer = Trainer(cfg, mcfg, kind=task.kind, mesh=mesh)
@@ -176,6 +190,10 @@ def lower(cfg, platform: str, *, mesh=None) -> Lowered:
             B = int(cfg.train.batch_size)
             decoder = Decoder.for_graph(trainer.graphdef, mcfg)
             cache = jax.eval_shape(lambda: init_cache(mcfg, B, mcfg.max_len))
+            if architecture(mcfg).seq2seq:  # the decoder reads the encoded source's keys
+                src = jax.ShapeDtypeStruct(np.shape(batch["src"]), jnp.int32)
+                valid = jax.ShapeDtypeStruct(np.shape(batch["src"]), jnp.bool_)
+                cache = jax.eval_shape(decoder.encode_fn, state["params"], cache, src, valid)
             token = jax.ShapeDtypeStruct((B,), jnp.int32)
             args = (state["params"], cache, token)
             _trace("decode_step", decoder.decode_step, args, platform, record, modules,
@@ -185,7 +203,7 @@ def lower(cfg, platform: str, *, mesh=None) -> Lowered:
         for step in steps:
             if asked in _ASKED_KERNELS.get(backend, ()) and not step.kernel:
                 failures.append(_failure(program, step, asked))
-    return Lowered(platform, record, failures, modules)
+    return Lowered(platform, record, failures, modules, notes)
 
 
 def _failure(program, step, asked):
@@ -251,6 +269,8 @@ def command(args, overrides) -> int:
     cfg = experiment.load_config(args.config, overrides, imports=args.imports or ())
     mesh = sharding.mesh_from_config(cfg) if n > 1 else None
     result = lower(cfg, args.platform, mesh=mesh)
+    for line in result.notes:
+        print(line)
     for line in result.lines():
         print(line if args.verbose else line.split("; ")[0])
     for program, size in result.modules.items():

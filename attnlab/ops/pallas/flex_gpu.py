@@ -121,6 +121,14 @@ def supports(
             f"q_BTNH: head dim H={H} is not a power of two >= 16 (Triton tiles); "
             "falling back to chunked"
         )
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    for name, length, value in (("T", T, block_q), ("S", S, block_k)):
+        block = min(DEFAULT_BLOCK if value is None else value, length)  # a block is <= the length
+        if not interpret and not cm.is_pow2(block, 16):
+            return (
+                f"{name}={length}: shorter than the block, so the block is {block}, not a "
+                "power of two >= 16 (Triton tiles); falling back to chunked"
+            )
     return None
 
 
