@@ -14,6 +14,12 @@ answer: what greedy decoding writes) at lengths 5..40 on 128 fresh rows per task
 20-length row are never trained. The report writes ``DIR/nope.json``, ``DIR/nope.md`` (per
 task: accuracy in distribution, mean over 21..40) and ``DIR/nope.png``. docs/length.md has
 the figures.
+
+Measured on 2 shared CPU cores (load average 15-20): the sweep 25 min wall (about 3 min per
+trial), the report 7 min. At 400 steps no task is solved in distribution (exact match 0 on
+copy, reverse and addition; chance on parity and summation); mean per-token accuracy past
+length 20: T5 bias 0.378, NoPE 0.370, learned 0.329, RoPE 0.319, ALiBi 0.318, sinusoidal
+0.095.
 """
 
 from __future__ import annotations

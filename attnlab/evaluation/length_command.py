@@ -3,7 +3,8 @@
 ``--lengths 128,256,...`` alone writes ``length_eval.json`` and ``length_eval.png`` (loss
 against length per ``--context-mode``); with ``--tasks a,b`` it writes ``tasks.json`` and
 ``tasks.png`` (accuracy per task and length, the effective length) instead. ``--workdir``
-may name several runs, comma-separated: one line per run in the plot. Files go to ``--out``
+may name several runs, comma-separated (a directory whose own name holds a comma is one
+run): one line per run in the plot. Files go to ``--out``
 (default: the one run's directory, else the working directory). ``--write-harness DIR``
 writes the tasks as an lm-eval task folder instead (``attnlab.evaluation.ruler_harness``).
 """
@@ -109,7 +110,8 @@ def _scorables(args):
         return [length.from_pretrained(args.pretrained, rope_scaling=args.rope_scaling)]
     if args.workdir is None:
         raise ConfigError("--lengths needs --workdir RUN[,RUN...] or --pretrained DIR")
-    dirs = [d for d in args.workdir.split(",") if d]
+    whole = pathlib.Path(args.workdir).is_dir()  # a sweep's trial names hold commas
+    dirs = [args.workdir] if whole else [d for d in args.workdir.split(",") if d]
     return [length.from_workdir(d, args.step, rope_scaling=args.rope_scaling) for d in dirs]
 
 
