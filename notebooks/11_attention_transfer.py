@@ -91,7 +91,9 @@ print(json.dumps({k: results[k] for k in keys}, indent=1))
 # the teacher's layer input (`attnlab.train.distill`).
 
 # %%
-rows = [json.loads(x) for x in (WORK / "transfer" / "stage1" / "metrics.jsonl").read_text().split()]
+rows = [
+    json.loads(x) for x in (WORK / "transfer" / "stage1" / "metrics.jsonl").read_text().splitlines()
+]
 fig = Figure(figsize=(5, 3))
 ax = fig.subplots()
 for j, layer in enumerate(sorted(results["layers"], key=int)):

@@ -89,7 +89,7 @@ def plot_stage1(run_dir: pathlib.Path, out: pathlib.Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(x) for x in (run_dir / "stage1" / "metrics.jsonl").read_text().split()]
+    recs = [json.loads(x) for x in (run_dir / "stage1" / "metrics.jsonl").read_text().splitlines()]
     layers = json.loads((run_dir / "results.json").read_text())["layers"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     steps = [r["step"] for r in recs]
