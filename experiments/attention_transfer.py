@@ -41,7 +41,13 @@ VARIANTS = ("tiny",)
 def get_config(variant=None):
     c = base_config()
     c.name = "attention_transfer"
+    # The teacher decides the student's model; this group is char_lm's (the teacher of the
+    # measurements), what the commands that read any experiment (train a step, lower) see.
+    c.model.update(arch="decoder", vocab_size=256, d_model=128, n_layers=4, n_heads=4,
+                   max_len=128, position="rope", norm="rmsnorm", ffn="swiglu", d_ff=384,
+                   norm_bias=False)  # fmt: skip
     c.data.update(kind="text", path="", tokenizer="char", seq_len=128, max_chars=2_000_000)
+    c.train.update(steps=600, batch_size=16)
     c.train.update(seed=0)
     c.transfer = ConfigDict(
         dict(
@@ -72,7 +78,9 @@ def get_config(variant=None):
         dict(ce=1.0, kl=0.0, hidden=0.0, attention_mse=0.0, temperature=1.0, layers=())
     )
     if variant == "tiny":
+        c.model.update(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=32)
         c.data.update(seq_len=32, max_chars=50_000)
+        c.train.update(steps=3, batch_size=4)
         c.transfer.update(
             stage1_steps=3,
             stage2_steps=3,
