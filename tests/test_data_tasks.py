@@ -49,6 +49,8 @@ def _prepared_corpus() -> str:
 def _cfg(kind, **overrides):
     if kind == "prepared":
         overrides = {"path": _prepared_corpus(), **overrides}
+    if kind == "length_task":  # a kind that needs its tasks named
+        overrides = {"tasks": "copy,reverse", **overrides}
     return {"kind": kind, "seq_len": SEQ_LEN, "max_chars": 50_000, **overrides}
 
 
