@@ -52,7 +52,14 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks
 def pytest_collection_modifyitems(items):
+    import tiers
+
+    moved = set(tiers.MOVED)
+    for item in items:
+        if item.nodeid in moved:
+            item.add_marker(pytest.mark.slow(reason=tiers.MOVED_REASON))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
 
