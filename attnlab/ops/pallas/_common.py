@@ -321,6 +321,15 @@ def eager():
     return jax.ensure_compile_time_eval()
 
 
+def pad_to(x, axis, size):
+    """``x`` zero-padded along ``axis`` to ``size``."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
 def is_pow2(x, least=1):
     return isinstance(x, int) and x >= least and x & (x - 1) == 0
 

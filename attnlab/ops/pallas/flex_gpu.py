@@ -69,14 +69,6 @@ _F32 = jnp.float32
 DEFAULT_BLOCK = 64
 
 
-def _pad_to(x, axis, size):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def supports(
     q_BTNH,
     k_BSKH,
@@ -194,7 +186,7 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
     tables_q, tables_k = cm.split_tables(bm), cm.split_tables(bm, transpose=True)
 
     def to_layout(x, size):  # BTNH padded -> the kernel's layout
-        x = _pad_to(x, 1, size)
+        x = cm.pad_to(x, 1, size)
         return x.transpose(0, 2, 1, 3) if layout == "BNTH" else x
 
     def from_layout(x, size):
@@ -229,7 +221,7 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
         q, k, v, sinks, consts, aux, out, lse = res
         tables_q, tables_k, arrays = aux
         delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(_F32), out.astype(_F32))
-        delta = _pad_to(delta, 2, c.T_pad)
+        delta = cm.pad_to(delta, 2, c.T_pad)
         qp, kp, vp, dop = (to_layout(x, n) for x, n in ((q, c.T_pad), (k, c.S_pad),
                                                          (v, c.S_pad), (do, c.T_pad)))  # fmt: skip
         dq, dk, dv = backward(c, tables_q, tables_k, qp, kp, vp, dop.astype(q.dtype), lse,
@@ -245,10 +237,10 @@ def attention(q, k, v, *, score_mod=None, mask=None, block_mask=None, scale=None
                 const_grads(
                     c,
                     tables_q,
-                    _pad_to(q, 1, c.T_pad),
-                    _pad_to(k, 1, c.S_pad),
-                    _pad_to(v, 1, c.S_pad),
-                    _pad_to(do, 1, c.T_pad),
+                    cm.pad_to(q, 1, c.T_pad),
+                    cm.pad_to(k, 1, c.S_pad),
+                    cm.pad_to(v, 1, c.S_pad),
+                    cm.pad_to(do, 1, c.T_pad),
                     lse,
                     delta,
                     arrays,

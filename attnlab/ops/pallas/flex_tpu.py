@@ -121,7 +121,7 @@ def flex_attention_tpu(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, blo
 def _pad_queries(q, mask, S):
     """``q`` and ``mask`` over ``MIN_ROWS`` queries: the added rows repeat the last one's
     positions (a dense mask's are masked); their outputs are dropped."""
-    q = _pad_to(q, 1, MIN_ROWS)
+    q = cm.pad_to(q, 1, MIN_ROWS)
     if isinstance(mask, MaskSpec):
         mask = mask.padded(MIN_ROWS, S)
     elif mask is not None:
@@ -163,14 +163,6 @@ def _window_bounds(mask, bm):
         return None, None
     tq, tk = bm.block_q, bm.block_k
     return -(-(window + tq - 1) // tk) + 1, -(-(window + tk - 1) // tq) + 1
-
-
-def _pad_to(x, axis, size):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
 
 
 def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, block_q,
@@ -216,7 +208,7 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
         return tuple(mods.stream_array(st, consts[st.const], T_pad, S_pad) for st in plan.streams)
 
     def bnth(x, size):
-        return _pad_to(x, 1, size).transpose(0, 2, 1, 3)
+        return cm.pad_to(x, 1, size).transpose(0, 2, 1, 3)
 
     # The block tables and the mask's arrays (traced, inside a scan or jit) are inputs of
     # the custom VJP, never closed over, so they cannot leak out of its backward pass.
@@ -245,7 +237,7 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
         q, k, v, sinks, consts, aux, out, lse = res
         tables_q, tables_k, split, masks, kernel_masks = unpack(aux)
         delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(_F32), out.astype(_F32))
-        delta = _pad_to(delta, 2, T_pad)
+        delta = cm.pad_to(delta, 2, T_pad)
         delta_l = jnp.broadcast_to(delta[..., None], lse.shape)
         dq, dk, dv = tk_.backward(
             c, tables_q, tables_k, bnth(q, T_pad), bnth(k, S_pad), bnth(v, S_pad),
@@ -268,8 +260,8 @@ def _attention(q, k, v, *, score_mod, mask, block_mask, scale, sinks, softcap, b
                 has_sinks=sinks is not None, layout="BTNH", prefetch=False, interpret=True,
             )  # fmt: skip
             dconsts = tuple(_flex_grads.const_grads(
-                gc, split, _pad_to(q, 1, T_pad), _pad_to(k, 1, S_pad), _pad_to(v, 1, S_pad),
-                _pad_to(do, 1, T_pad), lse0, delta, masks, consts, wants,
+                gc, split, cm.pad_to(q, 1, T_pad), cm.pad_to(k, 1, S_pad), cm.pad_to(v, 1, S_pad),
+                cm.pad_to(do, 1, T_pad), lse0, delta, masks, consts, wants,
             ))  # fmt: skip
         return dq, dk, dv, dsinks, dconsts, tuple(None for _ in aux)
 
