@@ -3,7 +3,7 @@
 A batch is one global batch of ``train.batch_size`` rows whose content and row order depend
 on the seed and the step only, never on how many processes or devices read it: process ``i``
 of ``n`` keeps rows ``[i * B/n, (i + 1) * B/n)`` of it (``process_rows``), the rows its
-devices hold (``attnlab.devices.sharding.process_rows`` checks the mesh agrees), so one
+devices hold (``attnlab.devices.rows.process_rows`` checks the mesh agrees), so one
 process on one device, 8 devices and 2 processes x 4 devices train on the same batches, and
 a run resumed with another process count continues the same order.
 
@@ -46,7 +46,7 @@ import pathlib
 
 import numpy as np
 
-from attnlab.devices.sharding import block_rows as process_rows  # noqa: F401  (read here too)
+from attnlab.devices.rows import block_rows as process_rows  # noqa: F401  (read here too)
 
 PACKING_BINS = 16  # rows packed at a time: more bins, less padding, more reordering
 # Batches a background thread keeps ready. None by default: packing a batch takes a few

@@ -306,57 +306,6 @@ def _process_share(mesh, axes) -> int:
     return axis_size(mesh, tuple(axes)) // len(mine) if axes else 1
 
 
-def held_rows(mesh, rules, global_batch: int, process_of=None) -> dict[int, slice]:
-    """The rows of a global batch that each process's devices hold under the ``batch`` rule:
-    ``{process: rows}``; ``process_of(device)`` names a device's process (default its
-    ``process_index``). A process whose rows are not one contiguous block is an error."""
-    process_of = process_of or (lambda d: d.process_index)
-    where = batch_sharding(mesh, rules, 1).devices_indices_map((global_batch,))
-    held: dict[int, set[int]] = {}
-    for device, (rows,) in where.items():
-        held.setdefault(process_of(device), set()).update(range(*rows.indices(global_batch)))
-    out = {}
-    for p, rows in sorted(held.items()):
-        if len(rows) != max(rows) - min(rows) + 1:
-            raise MeshError(
-                f"the mesh puts rows {sorted(rows)} of the batch on process {p}, not one block: "
-                "order the mesh's devices by process"
-            )
-        out[p] = slice(min(rows), max(rows) + 1)
-    return out
-
-
-def block_rows(batch_size: int, host=(0, 1)) -> slice:
-    """The rows of each global batch of ``batch_size`` rows that process ``host[0]`` of
-    ``host[1]`` reads: the ``host[0]``-th of ``host[1]`` equal contiguous blocks."""
-    index, count = host
-    if batch_size % count:
-        raise ValueError(f"train.batch_size={batch_size} must divide over {count} processes")
-    per = batch_size // count
-    return slice(index * per, (index + 1) * per)
-
-
-def process_rows(global_batch: int, mesh=None, rules=None) -> slice:
-    """The rows of a global batch that this process loads
-    (``block_rows``), checked against the rows its devices hold on ``mesh`` where one is
-    given."""
-    rows_of = block_rows
-
-    n, i = jax.process_count(), jax.process_index()
-    if global_batch % n:
-        raise MeshError(f"train.batch_size={global_batch} must be divisible by the {n} processes")
-    rows = rows_of(global_batch, (i, n))
-    if mesh is not None and n > 1:
-        held = held_rows(mesh, rules or RULES, global_batch).get(i)
-        if held is not None and held != rows:
-            raise MeshError(
-                f"process {i} of {n} reads rows {rows.start}..{rows.stop - 1} of the batch but "
-                f"its devices hold rows {held.start}..{held.stop - 1}: order the mesh's devices "
-                "by process"
-            )
-    return rows
-
-
 def initialize_distributed(d) -> bool:
     """``jax.distributed.initialize`` from a ``distributed`` config group, before any other
     use of JAX; True when it ran. "auto" runs with a coordinator address, or auto-detects

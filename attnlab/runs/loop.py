@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab import experiment
-from attnlab.devices import sharding
+from attnlab.devices import rows, sharding
 from attnlab.errors import DivergenceError
 from attnlab.runs import extend as extending
 from attnlab.runs import surgery_run as surgery
@@ -189,7 +189,7 @@ class _Loop:
         self.tokens_per_step = self.batch_size * int(cfg.data.seq_len)
         self.lr_at = lr_multiplier(cfg.optim, trainer.total_steps)
         # This process's rows of the batch, the ones its devices hold.
-        self.rows = sharding.process_rows(self.batch_size, trainer.mesh, trainer.rules)
+        self.rows = rows.process_rows(self.batch_size, trainer.mesh, trainer.rules)
         self.window_start, self.window_steps = time.perf_counter(), 0
 
     def view(self, tree, i):
