@@ -16,7 +16,8 @@ def compilation_cache(where: str | os.PathLike | None = None) -> str | None:
 
     ``where`` defaults to ``$ATTNLAB_COMPILATION_CACHE``, else ``jax/`` in attnlab's user
     cache directory; ``"off"`` leaves the cache as it is and returns None. Every program is
-    kept, however quick to compile, so a second run of the same shapes compiles nothing.
+    kept, however quick to compile, so a second run of the same shapes compiles nothing
+    (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``, JAX's variable, keeps only slower ones).
     Call it before the first ``jit``; a call after it also works (JAX re-reads the setting).
     """
     where = os.fspath(where) if where is not None else os.environ.get(ENV, "")
@@ -30,7 +31,9 @@ def compilation_cache(where: str | os.PathLike | None = None) -> str | None:
     from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
     jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Every program is kept, unless JAX's own variable asks for a least compile time.
+    least = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax_cache.reset_cache()  # a process that compiled before this call picks the setting up
     return where
