@@ -69,6 +69,31 @@ def zeros_acc(mcfg=None, metrics=()):
     }
 
 
+def accumulate(acc, ok, step, loss_sum, tokens, grad_norm, values, metrics):
+    """``acc`` with one step's loss, tokens, gradient norm and metric ``values`` added when
+    ``ok`` (the step was finite), and the step counted among the non-finite ones when not
+    (``first_nonfinite``: the first such step, 1-based)."""
+    zero = jnp.zeros((), jnp.float32)
+    return {
+        "loss_sum": acc["loss_sum"] + jnp.where(ok, loss_sum, zero),
+        "tokens": acc["tokens"] + jnp.where(ok, tokens, zero),
+        "grad_norm_sum": acc["grad_norm_sum"] + jnp.where(ok, grad_norm, zero),
+        "steps": acc["steps"] + ok.astype(jnp.int32),
+        "nonfinite": acc["nonfinite"] + (~ok).astype(jnp.int32),
+        "first_nonfinite": jnp.where(
+            (acc["first_nonfinite"] == 0) & ~ok, step + 1, acc["first_nonfinite"]
+        ),
+        "metrics": {
+            m.name: jax.tree.map(
+                lambda a, c: jnp.where(ok, c, a),
+                acc["metrics"][m.name],
+                m.combine(acc["metrics"][m.name], values[m.name]),
+            )
+            for m in metrics
+        },
+    }
+
+
 def reconcile_acc(restored: dict, empty: dict) -> dict:
     """``empty`` (this run's accumulator) with the values of ``restored`` (a checkpoint's)
     wherever a leaf has the same path, shape and dtype: a metric added since the checkpoint

@@ -45,9 +45,11 @@ from attnlab.devices import sharding
 from attnlab.metrics import StepView
 from attnlab.nn import build_model, surgery
 from attnlab.nn.models import init_params
+from attnlab.train import programs
 from attnlab.train.objectives import check_batch_ids, loss_sums, model_output
 from attnlab.train.optim import layers_over_batch_devices, make_optimizer, set_optim_values
 from attnlab.train.state import (
+    accumulate,
     all_finite,
     init_compiler_options,
     init_program,
@@ -58,44 +60,6 @@ from attnlab.train.state import (
 
 _SEED = jax.ShapeDtypeStruct((), jnp.uint32)
 _INIT_PROGRAMS: dict = {}  # what an initialisation depends on -> (its jit, its optim group)
-
-
-def _stacked(train_step, eval_step, how: str):
-    """The steps over a leading trial axis: ``vmap`` batches the trials into each op (what
-    fills an accelerator); ``map`` runs them one after another inside one program, each at
-    its unbatched speed (on CPU, where XLA runs vmapped matmuls slower than the plain ones:
-    on 2 cores 8 trials of a small model took 197 ms a step vmapped and 122 ms mapped,
-    against 8 x 15.5 ms one after another)."""
-    if how == "vmap":
-        return jax.vmap(train_step), jax.vmap(eval_step, in_axes=(0, None))
-
-    def train_each(state, batch):
-        return jax.lax.map(lambda sb: train_step(*sb), (state, batch))
-
-    def eval_each(params, batch):
-        return jax.lax.map(lambda p: eval_step(p, batch), params)
-
-    return train_each, eval_each
-
-
-def _over_leaves(step, treedef):
-    """``step(state, batch)`` as a function of the state's leaves (a flat list)."""
-
-    def flat(leaves, batch):
-        state, metrics = step(jax.tree.unflatten(treedef, leaves), batch)
-        return jax.tree.leaves(state), metrics
-
-    flat.__name__ = getattr(step, "__name__", "train_step")  # the program's name in logs
-    return flat
-
-
-_LAST_PROGRAM: list = [None]  # an output of the last step program dispatched on CPU devices
-
-
-def _wait_for_last_program():
-    last, _LAST_PROGRAM[0] = _LAST_PROGRAM[0], None
-    if last is not None:
-        last.block_until_ready()
 
 
 class Trainer:
@@ -160,7 +124,7 @@ class Trainer:
             init = jax.jit(self._init_state, compiler_options=init_compiler_options(), **init_out)
             _INIT_PROGRAMS[shared] = (init, cfg.optim)
         self.jitted_init, self._init_optim = _INIT_PROGRAMS[shared]
-        # The step programs take the state's leaves (see ``_over_leaves``): one program
+        # The step programs take the state's leaves (``programs.over_leaves``): one program
         # serves ``train_step`` and the loop's ``flat_train_step``.
         self._state_out = step_out
         self.train_step = self._tree_step(stacked=False)
@@ -169,8 +133,8 @@ class Trainer:
         self.stack_by = stack_by or ("map" if jax.default_backend() == "cpu" else "vmap")
         if self.stack_by not in ("map", "vmap"):
             raise ValueError(f"stack_by={stack_by!r}: use 'map', 'vmap' or None")
-        stacked_train, stacked_eval = _stacked(self._train_step, self._eval_step, self.stack_by)
-        self._stacked_train = stacked_train
+        steps = programs.stacked(self._train_step, self._eval_step, self.stack_by)
+        self._stacked_train, stacked_eval = steps
         self._flat_steps: dict = {}
         self.stacked_train_step = self._tree_step(stacked=True)
         self.stacked_eval_step = self._checking(self._on_mesh(jax.jit(stacked_eval)))
@@ -192,7 +156,7 @@ class Trainer:
             if self._state_out and not stacked:
                 shardings, replicated = self._state_out["out_shardings"]
                 out = dict(out_shardings=(jax.tree.leaves(shardings), replicated))
-            jitted = jax.jit(_over_leaves(step, treedef), donate_argnums=0, **out)
+            jitted = jax.jit(programs.over_leaves(step, treedef), donate_argnums=0, **out)
             self._flat_steps[key] = self._on_mesh(jitted, batch_axis=1 if stacked else 0)
         return self._flat_steps[key]
 
@@ -251,32 +215,9 @@ class Trainer:
         }
 
     def _on_mesh(self, step, batch_axis: int = 0):
-        """``step(state_or_params, batch)`` with the batch placed and the mesh current.
-
-        On CPU devices one step program runs at a time: each call first waits for the one
-        before it (the caller's next batch is still prepared while a step runs). XLA:CPU
-        runs every device's share of a program on a pool with a thread per core, and
-        several programs in flight at once could each hold a pool thread in a collective
-        waiting for a share that no free thread was left to run: a loop that dispatched
-        steps without ever reading a result hung within 300 steps on 2 cores.
-        """
-        if self.mesh is None:
-            return step
-        one_at_a_time = self.mesh.devices.flat[0].platform == "cpu"
-
-        def run(x, batch):
-            placed = sharding.place_batch(batch, self.mesh, self.rules, axis=batch_axis)
-            if one_at_a_time:
-                _wait_for_last_program()
-            with sharding.activate(self.mesh, self.rules):
-                out = step(x, placed)
-            if one_at_a_time:
-                _LAST_PROGRAM[0] = jax.tree.leaves(out)[-1]  # a metric: never donated
-            return out
-
-        run.lower = step.lower
-        run.jitted = step  # for tracing on abstract values (attnlab lower)
-        return run
+        """``step(state_or_params, batch)`` with the batch placed and the mesh current, one
+        program at a time on CPU devices (``attnlab.train.programs.on_mesh``)."""
+        return programs.on_mesh(step, self.mesh, self.rules, batch_axis)
 
     def init_state(self):
         """The initial train state (sharded over the mesh when there is one)."""
@@ -383,26 +324,7 @@ class Trainer:
             params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
         else:
             params = new_params
-        acc = state["acc"]
-        zero = jnp.zeros((), jnp.float32)
-        acc = {
-            "loss_sum": acc["loss_sum"] + jnp.where(ok, loss_sum, zero),
-            "tokens": acc["tokens"] + jnp.where(ok, tokens, zero),
-            "grad_norm_sum": acc["grad_norm_sum"] + jnp.where(ok, grad_norm, zero),
-            "steps": acc["steps"] + ok.astype(jnp.int32),
-            "nonfinite": acc["nonfinite"] + (~ok).astype(jnp.int32),
-            "first_nonfinite": jnp.where(
-                (acc["first_nonfinite"] == 0) & ~ok, step + 1, acc["first_nonfinite"]
-            ),
-            "metrics": {
-                m.name: jax.tree.map(
-                    lambda a, c: jnp.where(ok, c, a),
-                    acc["metrics"][m.name],
-                    m.combine(acc["metrics"][m.name], values[m.name]),
-                )
-                for m in self.metrics
-            },
-        }
+        acc = accumulate(state["acc"], ok, step, loss_sum, tokens, grad_norm, values, self.metrics)
         new = {
             "params": params,
             "opt_state": opt_state,
@@ -439,13 +361,6 @@ class Trainer:
             totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
         t = jax.device_get(totals)
         if not stacked:
-            return _eval_record(t)
-        return [_eval_record({k: v[i] for k, v in t.items()}) for i in range(len(t["rows"]))]
-
-
-def _eval_record(t):
-    return {
-        "eval_loss": float(t["loss_sum"] / max(t["tokens"], 1.0)),
-        "eval_accuracy": float(t["correct"] / max(t["tokens"], 1.0)),
-        "eval_exact_match": float(t["rows_ok"] / max(t["rows"], 1.0)),
-    }
+            return programs.eval_record(t)
+        trials = range(len(t["rows"]))
+        return [programs.eval_record({k: v[i] for k, v in t.items()}) for i in trials]
