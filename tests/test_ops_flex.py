@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 import reference as ref
 
-from attnlab.ops import MaskSpec, chunked, dot_product_attention, flex, flex_attention
+from attnlab.ops import (
+    MaskSpec,
+    chunked,
+    chunked_backward,
+    dot_product_attention,
+    flex,
+    flex_attention,
+)
 from attnlab.ops.block_mask import BlockMask
 
 B, N, K, H = 2, 4, 2, 8
@@ -194,7 +201,8 @@ def _counting(monkeypatch):
         jax.debug.callback(lambda: bump("mask"))
         return original(*args)
 
-    monkeypatch.setattr(chunked, "mask_block", mask_block)
+    for passes in (chunked, chunked_backward):  # the forward pass and the backward one
+        monkeypatch.setattr(passes, "mask_block", mask_block)
 
     def score_mod(s, b, h, q_idx, kv_idx):
         jax.debug.callback(lambda: bump("score"))

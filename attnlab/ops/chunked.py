@@ -12,7 +12,9 @@ the inputs, the output and the per-row log-sum-exp; it recomputes each block's w
 ``p = exp(s - lse)`` and, looping over key blocks (and, inside, their query blocks), builds
 ``dV += p^T dO``, ``dS = p * (dO V^T - D)`` with ``D = rowsum(dO * O)``, ``dK += dS^T Q``
 and ``dQ += dS K``. Without it, JAX would save every block's weights for the backward pass,
-which is the ``[T, S]`` memory this function exists to avoid.
+which is the ``[T, S]`` memory this function exists to avoid. The backward pass is
+``attnlab.ops.chunked_backward``; the block pieces both passes use (logits, score function,
+mask and bias slices, the loops) are ``attnlab.ops.chunked_blocks``.
 
 Soft-capping (``softcap``, static) replaces each block's logits by ``c * tanh(s / c)``
 before masking, and the backward pass multiplies ``dS`` by ``1 - tanh^2(s / c)``. Sinks
@@ -50,8 +52,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.ops import score_mods
-from attnlab.ops.block_mask import FULL, PARTIAL, BlockMask
-from attnlab.ops.chunked_blocks import Static, bias_block, mask_block, pad_axis, to_BKG
+from attnlab.ops.block_mask import BlockMask
+from attnlab.ops.chunked_backward import backward
+from attnlab.ops.chunked_blocks import (
+    Static,
+    loops,
+    mask_block,
+    mod_fn,
+    pad_axis,
+    scores,
+    to_BKG,
+    visit_order,
+)
 from attnlab.ops.masks import MASK_VALUE, MaskSpec
 from attnlab.ops.positions import PositionBias
 from attnlab.ops.precision import upcast, wide
@@ -63,54 +75,6 @@ DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 
 
-def _scores(st: Static, q_blk, k_blk, bias, i, j):
-    """Block (i, j) logits in at least float32, scaled, biased and capped (before the score
-    function and the mask), and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
-    _, K, G, _, _ = q_blk.shape
-    cdt = wide(q_blk, k_blk)  # float32, or float64 for a float64 model
-    s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=cdt)
-    s = s * st.scale
-    b = bias_block(bias, i, j, st, K, G)
-    if b is not None:
-        s = s + b
-    dcap = None
-    if st.softcap is not None:
-        tanh = jnp.tanh(s / st.softcap)
-        s, dcap = st.softcap * tanh, 1.0 - tanh * tanh
-    return s, dcap
-
-
-def _mod_fn(st: Static, shape, q_off, i, j):
-    """Block (i, j)'s score function of ``(s, consts)``: ``st.score_mod`` with the block's
-    batch, head, query and key indices (padded queries and keys take the last real index,
-    so a function indexing a table by them stays in bounds; their entries are masked)."""
-    B, K, G, tq, tk = shape
-    i32 = jnp.int32
-    q_idx = q_off[:, None] + jnp.minimum(i * tq + jnp.arange(tq, dtype=i32), st.T - 1)[None]
-    kv_idx = jnp.minimum(j * tk + jnp.arange(tk, dtype=i32), st.S - 1)
-    args = score_mods.indices(B, K, G, q_idx, kv_idx)
-    return lambda s, consts: st.score_mod(s, *args, *consts).astype(s.dtype)
-
-
-def _visit_order(kind):
-    """Per row of a ``[rows, cols]`` table of kinds: the ``FULL`` columns first, then the
-    ``PARTIAL`` ones (each ascending), and the two counts, so one loop runs the full blocks
-    without evaluating the mask and a second the partial ones with it (the online softmax
-    and the gradient sums do not depend on the order); ``EMPTY`` columns are never visited."""
-    order = jnp.argsort(-kind.astype(jnp.int32), axis=1, stable=True).astype(jnp.int32)
-    n_full = (kind == FULL).sum(1).astype(jnp.int32)
-    return order, n_full, n_full + (kind == PARTIAL).sum(1).astype(jnp.int32)
-
-
-def _loops(st: Static, body, n_full, n_any, carry):
-    """``body(c, carry, masked)`` over ``c`` in ``[0, n_full)`` unmasked, then
-    ``[n_full, n_any)`` masked (one unmasked loop to ``n_any`` when every block is full)."""
-    if st.all_full:
-        return jax.lax.fori_loop(0, n_any, lambda c, x: body(c, x, False), carry)
-    carry = jax.lax.fori_loop(0, n_full, lambda c, x: body(c, x, False), carry)
-    return jax.lax.fori_loop(n_full, n_any, lambda c, x: body(c, x, True), carry)
-
-
 def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
     """(out [B, K, G, T, H], lse [B, K, G, T]) of padded, head-major inputs."""
     B, K, G, T_pad, H = q.shape
@@ -118,7 +82,7 @@ def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
     S_pad = k.shape[2]
     tq, tk = st.block_q, st.block_k
     nq = T_pad // tq
-    order, n_full, n_any = _visit_order(bm.kind_QK)
+    order, n_full, n_any = visit_order(bm.kind_QK)
 
     def query_block(_, i):
         q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
@@ -128,9 +92,9 @@ def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
             m, denom, acc = carry
-            s, _ = _scores(st, q_blk, k_blk, bias, i, j)
+            s, _ = scores(st, q_blk, k_blk, bias, i, j)
             if st.score_mod is not None:
-                s = _mod_fn(st, s.shape, q_off, i, j)(s, consts)
+                s = mod_fn(st, s.shape, q_off, i, j)(s, consts)
             allowed = mask_block(mask, i, j, st, S_pad) if masked else None
             if allowed is not None:
                 s = jnp.where(allowed, s, MASK_VALUE)
@@ -153,7 +117,7 @@ def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
             jnp.zeros((B, K, G, tq), cdt),
             jnp.zeros((B, K, G, tq, H), cdt),
         )
-        m, denom, acc = _loops(st, key_block, n_full[i], n_any[i], init)
+        m, denom, acc = loops(st, key_block, n_full[i], n_any[i], init)
         seen = denom > 0.0  # False: a fully masked row, whose output is zero
         out = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), jnp.inf)
@@ -163,155 +127,6 @@ def _forward(st: Static, q, k, v, mask, bias, bm: BlockMask, q_off, consts):
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, T_pad, H)
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, T_pad)
     return out, lse
-
-
-def _zero_cotangent(x):
-    """Zero cotangents for a pytree of non-differentiable inputs (masks, positions)."""
-
-    def zero(leaf):
-        leaf = jnp.asarray(leaf)
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            return jnp.zeros_like(leaf)
-        return np.zeros(leaf.shape, jax.dtypes.float0)
-
-    return jax.tree.map(zero, x)
-
-
-def _reduce_to(x, shape):
-    """``x`` summed over the axes where ``shape`` has 1 (the broadcast axes), keepdims."""
-    axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 != n)
-    return x.sum(axes, keepdims=True) if axes else x
-
-
-def _backward(st: Static, res, cotangents):
-    q, k, v, mask, bias, bm, q_off, consts, out, lse = res
-    dout, dlse = cotangents
-    B, K, G, T_pad, H = q.shape
-    cdt = wide(q, k)  # float32, or float64 for a float64 model
-    S_pad = k.shape[2]
-    tq, tk = st.block_q, st.block_k
-    nk = S_pad // tk
-    # D - d lse: the per-row term of dS (``d lse`` is zero on fully masked rows, lse = inf).
-    d_BKGT = jnp.sum(dout.astype(cdt) * out.astype(cdt), -1) - dlse
-    dense_bias = bias is not None and not isinstance(bias, PositionBias)
-    fn_bias = isinstance(bias, PositionBias)
-    if dense_bias:
-        dbias0 = jnp.zeros(bias.shape, cdt)
-    elif fn_bias:
-        dbias0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), cdt), bias.params)
-    else:
-        dbias0 = None
-    # Only the float arrays the score function closes over take a gradient; the others
-    # (integer offsets, boolean flags, positions) stay closed over in the pullback.
-    wants = score_mods.differentiable(consts)
-    dconsts0 = tuple(jnp.zeros(c.shape, cdt) for c in score_mods.floats(consts, wants))
-    order, n_full, n_any = _visit_order(bm.kind_QK.T)  # query blocks per key block
-
-    def key_block(carry, j):
-        dq, dbias, dconsts = carry
-        k_blk = jax.lax.dynamic_slice_in_dim(k, j * tk, tk, 2)
-        v_blk = jax.lax.dynamic_slice_in_dim(v, j * tk, tk, 2)
-
-        def query_block(c, inner, masked):
-            i = order[j, c]
-            q_blk = jax.lax.dynamic_slice_in_dim(q, i * tq, tq, 3)
-            do_blk = jax.lax.dynamic_slice_in_dim(dout, i * tq, tq, 3)
-            lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * tq, tq, 3)
-            d_blk = jax.lax.dynamic_slice_in_dim(d_BKGT, i * tq, tq, 3)
-
-            dk, dv, dq, dbias, dconsts = inner
-            s, dcap = _scores(st, q_blk, k_blk, bias, i, j)
-            if st.score_mod is not None:
-                mod = _mod_fn(st, s.shape, q_off, i, j)
-                with_floats = lambda s, f: mod(s, score_mods.merge(consts, f, wants))
-                s, mod_vjp = jax.vjp(with_floats, s, score_mods.floats(consts, wants))
-            allowed = mask_block(mask, i, j, st, S_pad) if masked else None
-            p = jnp.exp(s - lse_blk[..., None])  # zero on fully masked rows (lse = inf)
-            if allowed is not None:
-                p = jnp.where(allowed, p, 0.0)
-            dv = dv + jnp.einsum(
-                "BKGts,BKGtH->BKsH",
-                p.astype(dout.dtype),
-                do_blk,
-                preferred_element_type=cdt,
-            )
-            dp = jnp.einsum("BKGtH,BKsH->BKGts", do_blk, v_blk, preferred_element_type=cdt)
-            ds = p * (dp - d_blk[..., None])  # d logits (after the score function)
-            if st.score_mod is not None:
-                ds, dc = mod_vjp(ds)
-                dconsts = tuple(a + g.astype(cdt) for a, g in zip(dconsts, dc, strict=True))
-            if dcap is not None:
-                ds = ds * dcap
-            dq_blk = jnp.einsum(
-                "BKGts,BKsH->BKGtH",
-                ds.astype(k.dtype),
-                k_blk,
-                preferred_element_type=cdt,
-            )
-            start = i * tq
-            dq = jax.lax.dynamic_update_slice_in_dim(
-                dq,
-                jax.lax.dynamic_slice_in_dim(dq, start, tq, 3) + st.scale * dq_blk,
-                start,
-                3,
-            )
-            dk = dk + st.scale * jnp.einsum(
-                "BKGts,BKGtH->BKsH",
-                ds.astype(q.dtype),
-                q_blk,
-                preferred_element_type=cdt,
-            )
-            if dense_bias:
-                at = (
-                    0,
-                    0,
-                    0,
-                    start if bias.shape[3] != 1 else 0,
-                    j * tk if bias.shape[4] != 1 else 0,
-                )
-                block = _reduce_to(ds, bias.shape)
-                dbias = jax.lax.dynamic_update_slice(
-                    dbias, jax.lax.dynamic_slice(dbias, at, block.shape) + block, at
-                )
-            elif fn_bias:
-                dbias = jax.tree.map(jnp.add, dbias, _bias_param_grad(bias, ds, i, j, st, K, G))
-            return dk, dv, dq, dbias, dconsts
-
-        zeros = jnp.zeros((B, K, tk, H), cdt)
-        dk, dv, dq, dbias, dconsts = _loops(
-            st, query_block, n_full[j], n_any[j], (zeros, zeros, dq, dbias, dconsts)
-        )
-        return (dq, dbias, dconsts), (dk, dv)
-
-    dq0 = jnp.zeros(q.shape, cdt)
-    (dq, dbias, dconsts), (dk, dv) = jax.lax.scan(
-        key_block, (dq0, dbias0, dconsts0), jnp.arange(nk, dtype=jnp.int32)
-    )
-    head_major = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, K, S_pad, H)
-    dk, dv = head_major(dk).astype(k.dtype), head_major(dv).astype(v.dtype)
-    if dense_bias:
-        dbias = dbias.astype(bias.dtype)
-    elif fn_bias:
-        dparams = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), dbias, bias.params)
-        dbias = _zero_cotangent(bias).replace(params=dparams)
-    grads = iter(dconsts)
-    dconsts = tuple(
-        next(grads).astype(jnp.result_type(c)) if w else score_mods.no_gradient(c)
-        for c, w in zip(consts, wants, strict=True)
-    )
-    zero = _zero_cotangent
-    return dq.astype(q.dtype), dk, dv, zero(mask), dbias, zero(bm), zero(q_off), dconsts
-
-
-def _bias_param_grad(bias: PositionBias, ds, i, j, st: Static, K, G):
-    """Cotangent of ``bias.params`` from block (i, j)'s logit cotangent ``ds``."""
-    block, vjp = jax.vjp(
-        lambda p: bias.block(i * st.block_q, st.block_q, j * st.block_k, st.block_k, p),
-        bias.params,
-    )
-    ct = _reduce_to(ds, to_BKG(block, K, G).shape).reshape(block.shape)
-    (grad,) = vjp(ct.astype(block.dtype))
-    return jax.tree.map(lambda g: g.astype(ds.dtype), grad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -324,7 +139,7 @@ def _attention_fwd(st, q, k, v, mask, bias, bm, q_off, consts):
     return (out, lse), (q, k, v, mask, bias, bm, q_off, consts, out, lse)
 
 
-_attention.defvjp(_attention_fwd, _backward)
+_attention.defvjp(_attention_fwd, backward)
 
 
 def _static(name, value):

@@ -1,6 +1,8 @@
 """The blocks of the chunked path (``attnlab.ops.chunked``): what the custom VJP holds
-static and a block's slice of a mask or bias (``attnlab.ops.block_mask`` says which
-(query block, key block) pairs a loop visits and which of them need their mask)."""
+static, a block's slice of a mask or bias, its logits and score function, and the loops
+over the blocks a row visits (``attnlab.ops.block_mask`` says which (query block, key
+block) pairs a loop visits and which of them need their mask). The forward pass
+(``chunked``) and the backward pass (``chunked_backward``) both build on these."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attnlab.ops import score_mods
+from attnlab.ops.block_mask import FULL, PARTIAL
 from attnlab.ops.masks import MaskSpec
 from attnlab.ops.positions import PositionBias
+from attnlab.ops.precision import wide
 
 
 class Static(NamedTuple):
@@ -76,3 +81,51 @@ def bias_block(bias, i, j, st: Static, K, G, params=None):
         b = bias.block(i * st.block_q, st.block_q, j * st.block_k, st.block_k, params)
         return to_BKG(b, K, G).astype(jnp.float32)
     return slice_TS(bias, i, j, st).astype(jnp.float32)
+
+
+def scores(st: Static, q_blk, k_blk, bias, i, j):
+    """Block (i, j) logits in at least float32, scaled, biased and capped (before the score
+    function and the mask), and the cap's derivative ``1 - tanh^2(s / c)`` (None without a cap)."""
+    _, K, G, _, _ = q_blk.shape
+    cdt = wide(q_blk, k_blk)  # float32, or float64 for a float64 model
+    s = jnp.einsum("BKGtH,BKsH->BKGts", q_blk, k_blk, preferred_element_type=cdt)
+    s = s * st.scale
+    b = bias_block(bias, i, j, st, K, G)
+    if b is not None:
+        s = s + b
+    dcap = None
+    if st.softcap is not None:
+        tanh = jnp.tanh(s / st.softcap)
+        s, dcap = st.softcap * tanh, 1.0 - tanh * tanh
+    return s, dcap
+
+
+def mod_fn(st: Static, shape, q_off, i, j):
+    """Block (i, j)'s score function of ``(s, consts)``: ``st.score_mod`` with the block's
+    batch, head, query and key indices (padded queries and keys take the last real index,
+    so a function indexing a table by them stays in bounds; their entries are masked)."""
+    B, K, G, tq, tk = shape
+    i32 = jnp.int32
+    q_idx = q_off[:, None] + jnp.minimum(i * tq + jnp.arange(tq, dtype=i32), st.T - 1)[None]
+    kv_idx = jnp.minimum(j * tk + jnp.arange(tk, dtype=i32), st.S - 1)
+    args = score_mods.indices(B, K, G, q_idx, kv_idx)
+    return lambda s, consts: st.score_mod(s, *args, *consts).astype(s.dtype)
+
+
+def visit_order(kind):
+    """Per row of a ``[rows, cols]`` table of kinds: the ``FULL`` columns first, then the
+    ``PARTIAL`` ones (each ascending), and the two counts, so one loop runs the full blocks
+    without evaluating the mask and a second the partial ones with it (the online softmax
+    and the gradient sums do not depend on the order); ``EMPTY`` columns are never visited."""
+    order = jnp.argsort(-kind.astype(jnp.int32), axis=1, stable=True).astype(jnp.int32)
+    n_full = (kind == FULL).sum(1).astype(jnp.int32)
+    return order, n_full, n_full + (kind == PARTIAL).sum(1).astype(jnp.int32)
+
+
+def loops(st: Static, body, n_full, n_any, carry):
+    """``body(c, carry, masked)`` over ``c`` in ``[0, n_full)`` unmasked, then
+    ``[n_full, n_any)`` masked (one unmasked loop to ``n_any`` when every block is full)."""
+    if st.all_full:
+        return jax.lax.fori_loop(0, n_any, lambda c, x: body(c, x, False), carry)
+    carry = jax.lax.fori_loop(0, n_full, lambda c, x: body(c, x, False), carry)
+    return jax.lax.fori_loop(n_full, n_any, lambda c, x: body(c, x, True), carry)
