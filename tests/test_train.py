@@ -10,6 +10,7 @@ from tiers import cases
 
 from attnlab import experiment, train
 from attnlab.data import make_task
+from attnlab.train import lora
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((REPO / "experiments").glob("*.py"))
@@ -41,12 +42,13 @@ def test_every_experiment_builds_and_takes_a_step(path, tmp_path):
     task = make_task(cfg.data, tmp_path)
     trainer = train.Trainer(cfg, mcfg, kind=task.kind)
     state = trainer.init_state()
-    before = jax.tree.map(np.asarray, state["params"])
+    before = jax.tree.map(np.asarray, lora.trained(state))  # with LoRA (lora.rank), adapters
     state, metrics = trainer.train_step(state, task.train_batch(0, 0, int(cfg.train.batch_size)))
     assert math.isfinite(float(metrics["loss"])) and int(state["step"]) == 1
+    after = jax.tree.leaves(lora.trained(state))
     moved = [
         not np.array_equal(a, np.asarray(b))
-        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"]), strict=True)
+        for a, b in zip(jax.tree.leaves(before), after, strict=True)
     ]
     assert any(moved)
 

@@ -20,6 +20,16 @@ A weight's matrix form is read from its shape suffix as Muon reads it: a leading
 (a stack's) is a batch axis; ``q_DNH`` maps its first axis to the rest, ``o_NHD`` its
 leading axes to the last. ``A`` is ``[L?, I, r]`` (Kaiming-uniform, as the reference
 implementation), ``B`` ``[L?, r, O]`` (zeros), so training starts at the base model.
+
+Any run trains adapters when its ``lora.rank`` is above 0 (``attnlab.train.Trainer``): the
+train state then holds the frozen parameters under ``"params"`` and the adapters under
+``"lora"`` (``trained``), the optimiser's state is the adapters', and the model's weights are
+``weights(spec, params, adapters)``. Under muP (``model.parametrization``) each factor takes
+the learning-rate multiplier of a matrix of its own shape (``lr_multipliers``): ``A`` (from
+the weight's input to ``r``) that of a read-out, ``B`` (from ``r`` to the weight's output)
+that of an input weight, so with Adam ``A``'s rate falls as ``base_fan_in / fan_in`` and
+``B``'s stays (LoRA+'s ``lr_B / lr_A`` growing with the width, Hayou et al. 2024); at the
+base width both are 1. ``alpha / r`` and ``A``'s initialisation do not change with width.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import dataclasses
 import fnmatch
 import json
 import math
+import os
 import pathlib
 import zlib
 
@@ -116,19 +127,24 @@ def matrix_form(path, x) -> tuple[int, int, int] | None:
 
 def targets(spec: LoraSpec, params) -> dict:
     """``{path: (shape, (lead, n_in, n_out))}`` of the weights ``spec`` adapts; a
-    ``ConfigError`` naming ``lora.targets`` when none matches."""
-    out = {}
+    ``ConfigError`` naming ``lora.targets`` when a pattern matches none, listing those
+    there are."""
+    out, matrices = {}, []
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         name, form = path_name(path), matrix_form(path, x)
-        if form is not None and any(fnmatch.fnmatchcase(name, p) for p in spec.patterns()):
-            out[name] = (tuple(x.shape), form)
-    if not out:
-        some = [path_name(p) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+        if form is not None:
+            matrices.append(name)
+            if any(fnmatch.fnmatchcase(name, p) for p in spec.patterns()):
+                out[name] = (tuple(x.shape), form)
+    idle = [t for t, p in zip(spec.targets, spec.patterns(), strict=True)
+            if not any(fnmatch.fnmatchcase(n, p) for n in matrices)]  # fmt: skip
+    if idle:
         _fail(
             "targets",
             spec.targets,
-            f"it matches no weight matrix of the model; use names among {sorted(ALIASES)} or "
-            f"path globs such as '*attn.q_DNH' (its weights include {some[:3]})",
+            f"{', '.join(map(repr, idle))} matches no weight matrix of the model; use names "
+            f"among {sorted(ALIASES)} or path globs over its weight matrices: "
+            f"{', '.join(matrices)}",
         )
     return out
 
@@ -175,6 +191,80 @@ def merge(spec: LoraSpec, params, adapters: dict, key=None):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+def abstract(spec: LoraSpec, params) -> dict:
+    """The adapters' shapes and dtypes for ``params`` (abstract or concrete); checks
+    ``lora.targets``."""
+    return jax.eval_shape(lambda: init(spec, params, jax.random.key(0)))
+
+
+def trained(state: dict):
+    """What a train state's optimiser trains: its adapters, or its parameters without LoRA."""
+    return state["lora"] if "lora" in state else state["params"]
+
+
+def weights(spec: LoraSpec | None, params, adapters, key=None):
+    """The model's parameters: ``adapters`` themselves without LoRA (``spec`` None, the
+    parameters are what trains), else ``merge(spec, params, adapters, key)``."""
+    return adapters if spec is None else merge(spec, params, adapters, key)
+
+
+def nested(adapters: dict) -> dict:
+    """``adapters`` as a tree nested like the parameters (``{"decoder": {"layers": ...}}``,
+    each weight's ``{"a", "b"}`` at its path), for what reads parameter paths."""
+    out: dict = {}
+    for name, ad in adapters.items():
+        node = out
+        for key in name.split("."):
+            node = node.setdefault(key, {})
+        node.update(ad)
+    return out
+
+
+def lr_multipliers(spec: LoraSpec, mcfg, rule: str, adapters: dict) -> dict:
+    """Each factor's learning-rate multiplier under ``model.parametrization`` and the
+    optimiser's rule (``attnlab.nn.parametrization.RULES``), as the module docstring says."""
+    from attnlab.nn import parametrization as mup
+
+    is_scale = lambda v: isinstance(v, mup.Scale)
+    flat = jax.tree_util.tree_flatten_with_path(mup.scales(mcfg), is_leaf=is_scale)[0]
+    table = {path_name(p): s for p, s in flat}
+    r, rate = spec.rank, mup.RULES[rule]
+    out = {}
+    for name in adapters:
+        s = table[name]
+        a = mup.Scale("readout", s.fan_in, r, s.base_fan_in, r, False)
+        b = mup.Scale("input", r, s.fan_out, r, s.base_fan_out, False)
+        out[name] = {"a": rate(a), "b": rate(b)}
+    return out
+
+
+def multipliers(spec: LoraSpec | None, mcfg, adapters):
+    """``make_optimizer``'s ``multipliers``: ``rule -> lr_multipliers`` with LoRA, else None
+    (the parameters' own)."""
+    if spec is None:
+        return None
+    return lambda rule: lr_multipliers(spec, mcfg, rule, adapters)
+
+
+def check(cfg) -> None:
+    """The ``lora`` group of a run's config against the rest: one ``ConfigError`` line."""
+    spec = spec_from(cfg.get("lora"))
+    if spec is None:
+        return
+    if (cfg.get("freeze") or {}).get("mode", "none") != "none":
+        raise ConfigError(
+            f"freeze.mode={cfg.freeze.mode!r} is invalid with lora.rank={spec.rank}: LoRA "
+            "freezes every parameter and trains the adapters alone; set "
+            "--config.freeze.mode=none (or --config.lora.rank=0)"
+        )
+    name = cfg.optim.get("name", "adamw")
+    if name == "muon":
+        raise ConfigError(
+            f"optim.name={name!r} is invalid with lora.rank={spec.rank}: the adapters' "
+            "factors are no weights Muon reads; use --config.optim.name=adamw (or lion)"
+        )
+
+
 def count(adapters: dict) -> int:
     """The adapters' parameter count."""
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(adapters)))
@@ -183,11 +273,20 @@ def count(adapters: dict) -> int:
 def save(path, spec: LoraSpec, adapters: dict) -> pathlib.Path:
     """Writes the adapters alone (and their spec) to ``path`` (``.npz``); returns it."""
     path = pathlib.Path(path)
-    arrays = {f"{n}/{ab}": np.asarray(v) for n, ad in adapters.items() for ab, v in ad.items()}
+    arrays = {f"{n}/{ab}": _host(v) for n, ad in adapters.items() for ab, v in ad.items()}
     arrays["__spec__"] = np.frombuffer(json.dumps(dataclasses.asdict(spec)).encode(), np.uint8)
-    with open(path, "wb") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:  # then renamed: a reader never sees half a file
         np.savez(f, **arrays)
+    os.replace(tmp, path)
     return path
+
+
+def _host(x):
+    """A host copy of an adapter (replicated over processes: its own shard is the whole)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_shards[0].data)
+    return np.asarray(x)
 
 
 def load(path) -> tuple[LoraSpec, dict]:

@@ -110,18 +110,21 @@ def decay_mask(params, decay_embeddings: bool = False):
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
-def make_optimizer(o, total_steps: int, params, model=None):
+def make_optimizer(o, total_steps: int, params, model=None, multipliers=None):
     """The registered optimiser ``optim.name`` (hyperparameters injected into the state),
     after global-norm clipping, times the schedule; each parameter's update times its
     learning-rate multiplier when ``model`` (its ``ModelConfig``) is not in the standard
-    parametrisation (``attnlab.nn.parametrization``)."""
+    parametrisation (``attnlab.nn.parametrization``). ``multipliers(rule)`` gives those of
+    ``params`` when they are not the model's own (LoRA's adapters,
+    ``attnlab.train.lora.multipliers``)."""
     opt = get_optimizer(o.get("name", "adamw"))
     mask = decay_mask(params, o.decay_embeddings)
     if model is None or parametrization.is_standard(model):
         core = opt.build(o, params, mask)
     else:
         check_rule(o, model)
-        scale = parametrization.scale_updates(parametrization.lr_multipliers(model, opt.rule))
+        table = multipliers or (lambda rule: parametrization.lr_multipliers(model, rule))
+        scale = parametrization.scale_updates(table(opt.rule))
         if opt.scale_inside:
             core = opt.build(o, params, mask, scale=scale)
         else:

@@ -1,5 +1,10 @@
 """The train state: a dict ``{"params", "opt_state", "step", "acc", "key"}``, pure pytrees.
 
+With LoRA (``lora.rank`` above 0, ``attnlab.train.lora``) it also holds the adapters under
+``"lora"``: ``"params"`` stay frozen and ``"opt_state"`` is the adapters' alone. On a mesh
+the adapters and their optimiser state are replicated (``state_shardings``): they are small,
+and their names carry no axes.
+
 ``acc`` accumulates the loss and gradient norm between log lines *inside* the state, so a
 run resumed from a checkpoint logs exactly what the uninterrupted run logs; its
 ``"metrics"`` holds each registered metric's accumulator (``attnlab.metrics``), by
@@ -15,9 +20,14 @@ import json
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from attnlab.devices import sharding
 from attnlab.nn.models import init_params
+from attnlab.train import lora as lora_lib
 from attnlab.train.optim import INJECTED
+
+LORA_STREAM = 0x4C6F5241  # the adapters' initialisation key: fold_in(seed's key, this)
 
 
 def init_compiler_options() -> dict:
@@ -27,25 +37,42 @@ def init_compiler_options() -> dict:
     return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
 
 
-def init_program(mcfg, tx, metrics=()):
+def init_program(mcfg, tx, metrics=(), lora=None):
     """The train state as a function of the seed: a closure over the model config, the
-    optimiser and the metrics alone, so the cache of shared programs keeps no trainer alive."""
+    optimiser, the metrics and the ``LoraSpec`` (None: no adapters) alone, so the cache of
+    shared programs keeps no trainer alive."""
 
     def init(seed):
-        return state_around(mcfg, tx, init_params(mcfg, seed), seed, metrics)
+        return state_around(mcfg, tx, init_params(mcfg, seed), seed, metrics, lora)
 
     return init
 
 
-def state_around(mcfg, tx, params, seed, metrics=()):
-    """The train state at step 0 around ``params``."""
-    return {
+def state_around(mcfg, tx, params, seed, metrics=(), lora=None):
+    """The train state at step 0 around ``params``; with ``lora`` fresh adapters on them."""
+    key = jax.random.key(seed)
+    state = {
         "params": params,
-        "opt_state": tx.init(params),
         "step": jnp.zeros((), jnp.int32),
         "acc": zeros_acc(mcfg, metrics),
-        "key": jax.random.key_data(jax.random.key(seed)),
+        "key": jax.random.key_data(key),
     }
+    if lora is not None:
+        state["lora"] = lora_lib.init(lora, params, jax.random.fold_in(key, LORA_STREAM))
+    state["opt_state"] = tx.init(lora_lib.trained(state))
+    return state
+
+
+def state_shardings(abstract, mesh, rules):
+    """Where each leaf of a train state lies on ``mesh`` (``sharding.tree_shardings``); a
+    LoRA state's adapters and optimiser state replicated."""
+    if "lora" not in abstract:
+        return sharding.tree_shardings(abstract, mesh, rules)
+    own = ("lora", "opt_state")
+    rest = {k: v for k, v in abstract.items() if k not in own}
+    out = sharding.tree_shardings(rest, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return {**out, **{k: jax.tree.map(lambda _: replicated, abstract[k]) for k in own}}
 
 
 def optim_structure(o) -> str:

@@ -16,6 +16,11 @@ Their gradients are zeroed first, so the logged ``grad_norm`` and the clipping's
 are the trained parameters' alone.
 ``state_around(params)`` is the state at step 0 around given parameters (a surgery run's).
 
+With ``lora.rank`` above 0 (``attnlab.train.lora``) the parameters are frozen and the step
+differentiates and updates the adapters alone (``lora.trained(state)``); the model it runs
+is the parameters with the adapters merged (rank dropout drawn from the step's key), and
+``weights(state)`` is that model's parameters for evaluation, samples and loading.
+
 What a step computes besides the loss comes from the metric registry
 (``attnlab.metrics``): the config's ``train.metrics`` and those the model implies
 (a mixture of experts' router losses, multi-token prediction). Forward metrics read each
@@ -31,6 +36,8 @@ program, the default on CPU); evaluation batches are shared by the trials.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +52,7 @@ from attnlab.devices import sharding
 from attnlab.metrics import StepView
 from attnlab.nn import build_model, surgery
 from attnlab.nn.models import init_params
-from attnlab.train import programs
+from attnlab.train import lora, programs
 from attnlab.train.objectives import check_batch_ids, loss_sums, model_output
 from attnlab.train.optim import layers_over_batch_devices, make_optimizer, set_optim_values
 from attnlab.train.state import (
@@ -55,6 +62,7 @@ from attnlab.train.state import (
     init_program,
     optim_structure,
     state_around,
+    state_shardings,
     zeros_acc,
 )
 
@@ -88,7 +96,12 @@ class Trainer:
         abstract_model = nnx.eval_shape(lambda: build_model(self.mcfg, rngs=nnx.Rngs(0)))
         self.graphdef = nnx.graphdef(abstract_model)
         abstract_params = jax.eval_shape(lambda: init_params(self.mcfg, jnp.uint32(0)))
-        self.tx = make_optimizer(cfg.optim, self.total_steps, abstract_params, self.mcfg)
+        # ``lora``: adapters train on the frozen parameters (``attnlab.train.lora``)
+        self.lora = lora.spec_from(cfg.get("lora"))
+        trained = lora.abstract(self.lora, abstract_params) if self.lora else abstract_params
+        multipliers = lora.multipliers(self.lora, self.mcfg, trained)
+        self.tx = make_optimizer(cfg.optim, self.total_steps, trained, self.mcfg, multipliers)
+        self._merge = jax.jit(functools.partial(lora.weights, self.lora))
         # ``freeze``: updates zeroed on the selected parameters (the state stays the tx's)
         self.frozen = surgery.freeze_mask(self.mcfg, cfg.get("freeze", {}), abstract_params)
         if self.frozen is not None:
@@ -104,12 +117,12 @@ class Trainer:
         self.update_metrics = [m for m in self.metrics if m.phase == "update"]
         needs = {n for m in self.forward_metrics for n in m.needs}
         self.collect = tuple(sorted(needs))
-        self._init_state = init_program(self.mcfg, self.tx, tuple(self.metrics))
+        self._init_state = init_program(self.mcfg, self.tx, tuple(self.metrics), self.lora)
         init_out, step_out = {}, {}
         if self.mesh is not None:
             self.check_batch(int(cfg.train.batch_size), "train.batch_size")
             abstract = jax.eval_shape(self._init_state, _SEED)
-            self.state_shardings = sharding.tree_shardings(abstract, self.mesh, self.rules)
+            self.state_shardings = state_shardings(abstract, self.mesh, self.rules)
             replicated = NamedSharding(self.mesh, PartitionSpec())
             init_out = dict(out_shardings=self.state_shardings)
             step_out = dict(out_shardings=(self.state_shardings, replicated))
@@ -117,7 +130,7 @@ class Trainer:
         # argument) and optimiser values (set afterwards): a sweep's trials compile it once.
         shared = (repr(self.mcfg), optim_structure(cfg.optim), self.total_steps, kind)
         shared += (self.mesh, repr(sorted(self.rules.items())))
-        shared += (tuple(m.name for m in self.metrics),)
+        shared += (tuple(m.name for m in self.metrics), repr(self.lora))
         if shared not in _INIT_PROGRAMS:
             if len(_INIT_PROGRAMS) >= 16:
                 _INIT_PROGRAMS.clear()
@@ -234,7 +247,8 @@ class Trainer:
     def state_around(self, params):
         """The initial train state with ``params`` (a surgery run's) for the model's own:
         the optimiser's state initialised around them, sharded as ``init_state``'s."""
-        init = lambda p, seed: state_around(self.mcfg, self.tx, p, seed, tuple(self.metrics))
+        metrics = tuple(self.metrics)
+        init = lambda p, seed: state_around(self.mcfg, self.tx, p, seed, metrics, self.lora)
         if self.mesh is None:
             return jax.jit(init)(params, np.uint32(self.seed))
         with sharding.activate(self.mesh, self.rules):
@@ -255,6 +269,11 @@ class Trainer:
     def model(self, params):
         return nnx.merge(self.graphdef, params)
 
+    def weights(self, state):
+        """The model's parameters in a train state: ``state["params"]``, with LoRA the
+        adapters merged into them (one jitted merge, the same for every reader)."""
+        return self._merge(state["params"], state["lora"]) if self.lora else state["params"]
+
     def objective(self, params, batch, key=None):
         """``(objective, (ce_sum, tokens, readings))`` of one micro-batch: the summed
         cross-entropy plus, per counted token, each weighted forward metric's loss
@@ -274,17 +293,19 @@ class Trainer:
                 objective = objective + n * m.weight * m.as_loss(m.finish(readings[m.name]))
         return objective, (s, n, readings)
 
-    def _grads(self, params, batch, key):
-        """One micro-batch: ``(ce_sum, tokens, grads, readings)``."""
-        f = lambda p: self.objective(p, batch, key)
-        (_, (s, n, readings)), g = jax.value_and_grad(f, has_aux=True)(params)
+    def _grads(self, trained, batch, key, params=None):
+        """One micro-batch: ``(ce_sum, tokens, grads, readings)`` of what trains (the
+        parameters, or with LoRA the adapters on ``params``)."""
+        f = lambda t: self.objective(lora.weights(self.lora, params, t, key), batch, key)
+        (_, (s, n, readings)), g = jax.value_and_grad(f, has_aux=True)(trained)
         return s, n, g, readings
 
     def _train_step(self, state, batch):
         params, step = state["params"], state["step"]
+        trained = lora.trained(state)  # the parameters, or with LoRA the adapters
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), step)
         if self.accum == 1:
-            loss_sum, tokens, grads, readings = self._grads(params, batch, key)
+            loss_sum, tokens, grads, readings = self._grads(trained, batch, key, params)
         else:  # accumulate summed gradients over micro-batches, then normalise once
             micro = jax.tree.map(
                 lambda x: x.reshape((self.accum, x.shape[0] // self.accum) + x.shape[1:]), batch
@@ -293,12 +314,12 @@ class Trainer:
 
             def body(carry, inputs):
                 i, mb = inputs
-                s, n, g, r = self._grads(params, mb, jax.random.fold_in(key, i))
+                s, n, g, r = self._grads(trained, mb, jax.random.fold_in(key, i), params)
                 s0, n0, g0, r0 = carry
                 r = {k: combine[k](r0[k], r[k]) for k in r}
                 return (s0 + s, n0 + n, jax.tree.map(jnp.add, g0, g), r), None
 
-            zero = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            zero = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, trained))
             zero += ({m.name: m.reading_zeros() for m in self.forward_metrics},)
             (loss_sum, tokens, grads, readings), _ = jax.lax.scan(
                 body, zero, (jnp.arange(self.accum), micro)
@@ -310,28 +331,32 @@ class Trainer:
         grad_norm = optax.tree.norm(grads)
         if self.muon:  # each batch device orthogonalises its share of the layers
             grads = layers_over_batch_devices(grads)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], params)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], trained)
         if self.muon:
             updates = layers_over_batch_devices(updates)
         if self.update_metrics:
-            view = StepView(self.mcfg, params=params, grads=grads, updates=updates)
+            named = lora.nested if self.lora else (lambda t: t)  # read by parameter paths
+            view = StepView(self.mcfg, params=lora.weights(self.lora, params, trained),
+                            grads=named(grads), updates=named(updates))  # fmt: skip
             for m in self.update_metrics:
                 values[m.name] = m.finish(m.normalise(m.value(view)))
-        new_params = optax.apply_updates(params, updates)
+        new_trained = optax.apply_updates(trained, updates)
         ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
         if self.skip_nonfinite:  # a non-finite step changes nothing but the counters
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-            params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
+            trained, opt_state = keep(new_trained, trained), keep(opt_state, state["opt_state"])
         else:
-            params = new_params
+            trained = new_trained
         acc = accumulate(state["acc"], ok, step, loss_sum, tokens, grad_norm, values, self.metrics)
         new = {
-            "params": params,
+            "params": trained,
             "opt_state": opt_state,
             "step": step + 1,
             "acc": acc,
             "key": state["key"],
         }
+        if self.lora:  # the parameters as they were, the adapters trained
+            new["params"], new["lora"] = params, trained
         out = {"loss": loss_sum / jnp.maximum(tokens, 1.0), "grad_norm": grad_norm}
         return new, {**out, "metrics": values}
 
