@@ -78,13 +78,17 @@ def test_a_cache_written_past_its_capacity_in_an_nnx_jit_loop_raises_one_line():
         "end are dropped and its logits are wrong): pass a larger max_len to init_cache, or "
         "use a ring cache (init_cache(..., ring=True)) for a sliding-window model"
     )
-    # the plain nnx.jit loop: no error, the returned cache flags the row, and its program
-    # holds no check at all (nothing traced for it: the jitted call keeps its fast dispatch)
+    # the plain nnx.jit loop raises the eager line when it runs (tests/test_cache_overflow.py);
+    # over a cache built to flag instead: no error, the returned cache flags the row, and its
+    # program holds no check at all (the jitted call keeps its fast dispatch)
     plain = nnx.jit(body)
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match=r"row 0 asks for 9 "):
+        plain(model, jnp.asarray([[3]]), cache)
+    cache = cache.replace(on_overflow="flag")
     _, over = plain(model, jnp.asarray([[3]]), cache)
     assert np.asarray(over.overflow).tolist() == [True]
     jaxpr = jax.make_jaxpr(lambda ids, cache: body(model, ids, cache))(jnp.asarray([[3]]), cache)
-    assert "check" not in str(jaxpr) and not jaxpr.effects
+    assert "check" not in str(jaxpr) and "callback" not in str(jaxpr) and not jaxpr.effects
 
 
 # 3 -------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""A cache refuses writes past its capacity (eager) or flags them (jit); absolute position
-tables refuse positions past their end instead of returning NaN logits."""
+"""A cache refuses writes past its capacity (eager) or flags them (jit, ``on_overflow="flag"``);
+absolute position tables refuse positions past their end instead of returning NaN logits."""
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,8 @@ def test_a_prefill_past_the_capacity_is_refused_but_padding_does_not_count(rope_
 
 
 def test_under_jit_the_returned_cache_flags_the_rows_that_overflowed(rope_lm, step):
-    cache = step(jnp.asarray(IDS_B12[:, :8]), init_cache(rope_lm.cfg, 2, 8))
+    # on_overflow="raise" (the default) would raise instead (tests/test_cache_overflow.py)
+    cache = step(jnp.asarray(IDS_B12[:, :8]), init_cache(rope_lm.cfg, 2, 8, on_overflow="flag"))
     assert not np.asarray(cache.overflow).any()  # exactly full is not an overflow
     check_capacity(cache)
     for t in range(8, 12):

@@ -21,6 +21,7 @@ from attnlab.decode.loops import phases
 from attnlab.decode.options import GenerateOptions
 from attnlab.decode.recompute import recompute_loop
 from attnlab.errors import DecodeError
+from attnlab.ops.precision import wide
 
 STOP_REASONS = ("eos", "max_new_tokens", "capacity")
 
@@ -75,8 +76,9 @@ def result(prefix_rows, out, n, pad_id, logits=None, scores=None) -> GenerationR
         for b in range(B)
     ]
     if logits is not None:
-        full = np.zeros((B, n, logits.shape[-1]), np.float32)
-        full[:, :m] = np.asarray(logits)[:, :m]
+        logits = np.asarray(logits)  # float32, float64 for a float64 model
+        full = np.zeros((B, n, logits.shape[-1]), logits.dtype)
+        full[:, :m] = logits[:, :m]
         logits = full
     return GenerationResult(tokens, sequences, count, reasons, logits, scores)
 
@@ -104,11 +106,13 @@ def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring=None)
     """Places a generation on ``mesh`` (rows padded to the batch axes, the cache sharded:
     rows over the batch axes, kv heads over ``tensor`` where they divide), or leaves it on
     the default device when there is no mesh of several devices. ``ring``: as for
-    ``init_cache``."""
+    ``init_cache``. The capacity is checked on the host before (stopped rows may still
+    feed the step a pad token past it), so the cache only flags an overflow
+    (``on_overflow="flag"``): the loop holds no host callback."""
     B = tokens_BT.shape[0]
     as_jnp = lambda x: None if x is None else jnp.asarray(x)
     if mesh is None or mesh.size == 1:
-        cache = kv_cache.init_cache(cfg, B, cap, ring=ring)
+        cache = kv_cache.init_cache(cfg, B, cap, ring=ring, on_overflow="flag")
         lengths = jnp.asarray(lengths_B, jnp.int32)
         return Placed(params, cache, as_jnp(tokens_BT), lengths, as_jnp(src), as_jnp(valid), B,
                       contextlib.nullcontext())  # fmt: skip
@@ -126,7 +130,7 @@ def on_mesh(mesh, cfg, params, tokens_BT, lengths_B, src, valid, cap, ring=None)
             x, sharding.NamedSharding(mesh, sharding.P(rules["batch"], *[None] * (x.ndim - 1)))
         )
     )
-    cache = kv_cache.init_cache(cfg, B + pad, cap, ring=ring)
+    cache = kv_cache.init_cache(cfg, B + pad, cap, ring=ring, on_overflow="flag")
     entries = kv_cache.cache_entries(cfg)
 
     def place(name, x):  # rows over the batch axes, the entry's own axes where they divide
@@ -341,7 +345,7 @@ def _recomputed(graphdef, params, cfg, inputs: _Inputs, specials, opts: Generate
         inputs.valid,
         jax.random.key(opts.seed),
         *specials,
-        opts.sampling.traced(),
+        opts.sampling.traced(wide(cfg.dtype)),
         return_logits=opts.return_logits,
     )
     return out, dict(logits=out["logits_BSV"])
@@ -374,7 +378,7 @@ def _cached(graphdef, params, cfg, inputs: _Inputs, specials, opts: GenerateOpti
             return out, dict(scores=np.asarray(out["score_B"]))
         out = decoder.sample_loop(
             placed.params, cache, logits_BV, jax.random.key(opts.seed), *specials,
-            opts.sampling.traced(), return_logits=opts.return_logits,
+            opts.sampling.traced(wide(cfg.dtype)), return_logits=opts.return_logits,
         )  # fmt: skip
     out = placed.cut(out)
     return out, dict(logits=out["logits_BSV"])

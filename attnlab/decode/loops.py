@@ -16,6 +16,7 @@ from flax import struct
 
 from attnlab import kv_cache
 from attnlab.decode.sampling import SamplingConfig, sample
+from attnlab.ops.precision import wide
 
 
 def phases(capacity: int, smallest: int = 128, most: int = 4) -> list[int]:
@@ -185,9 +186,10 @@ def beam_loop(
     """
     B, S = cache.batch_size, cache.capacity
     W, V = num_beams, logits_BV.shape[-1]
+    f = wide(logits_BV)  # the scores' dtype: float32, float64 for a float64 model
 
     def norm(length):
-        return length.astype(jnp.float32) ** length_penalty
+        return length.astype(f) ** length_penalty
 
     def expand(state, logp_BWV):
         i = state.step
@@ -226,12 +228,12 @@ def beam_loop(
         token_BW=jnp.zeros((B, W), jnp.int32),
         cache=kv_cache.repeat_rows(cache, W),
         alive_BWS=jnp.full((B, W, S), pad_id, jnp.int32),
-        alive_lp_BW=first_lp_BW.astype(jnp.float32),
+        alive_lp_BW=first_lp_BW.astype(f),
         best_BS=jnp.full((B, S), pad_id, jnp.int32),
-        best_score_B=jnp.full((B,), -jnp.inf, jnp.float32),
+        best_score_B=jnp.full((B,), -jnp.inf, f),
         best_len_B=jnp.zeros((B,), jnp.int32),
     )
-    logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    logp_BV = jax.nn.log_softmax(logits_BV.astype(f), axis=-1)
     state = expand(state, jnp.broadcast_to(logp_BV[:, None], (B, W, V)))
 
     def cond(state):
@@ -242,7 +244,7 @@ def beam_loop(
 
     def body(state):
         logits_BTV, cache = step_fn(state.token_BW.reshape(B * W, 1), state.cache)
-        logp_BWV = jax.nn.log_softmax(logits_BTV[:, 0].astype(jnp.float32), axis=-1)
+        logp_BWV = jax.nn.log_softmax(logits_BTV[:, 0].astype(f), axis=-1)
         return expand(state.replace(cache=cache), logp_BWV.reshape(B, W, V))
 
     state = while_in_phases(cond, body, state, lambda s: jnp.max(s.cache.lengths), split=split)

@@ -22,6 +22,7 @@ from flax import nnx, struct
 
 from attnlab.decode.loops import sample_loop
 from attnlab.decode.sampling import SamplingConfig
+from attnlab.ops.precision import upcast
 
 
 @struct.dataclass
@@ -51,7 +52,7 @@ def last_logits_fn(model, src_BS=None, src_valid_BS=None):
         else:  # the decoder is causal: what lies past a position cannot matter
             h_BWD = model(src_BS, ids_BW, src_valid_BS=src_valid_BS).hidden
         h_B1D = jnp.take_along_axis(h_BWD, (lengths_B - 1)[:, None, None], axis=1)
-        return model.head(h_B1D, model.embed.tokens)[:, 0].astype(jnp.float32)
+        return upcast(model.head(h_B1D, model.embed.tokens)[:, 0])
 
     return last_logits
 

@@ -1,6 +1,7 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p and min-p.
 
-Conventions: ``logits_BV`` are float32, one row per sequence. A filter keeps the logits of
+Conventions: ``logits_BV`` are float32 (float64 for a float64 model: filters compute in
+``attnlab.ops.precision.wide`` of the logits), one row per sequence. A filter keeps the logits of
 the tokens it allows and sets the others to ``-inf``; filters compose in a fixed order,
 each acting on the distribution the previous one left:
 
@@ -26,6 +27,7 @@ import numpy as np
 from flax import struct
 
 from attnlab.errors import DecodeError
+from attnlab.ops.precision import upcast, wide
 
 
 def _concrete(x) -> bool:
@@ -57,13 +59,16 @@ class SamplingConfig:
         """Whether the temperature is 0 (only for concrete values)."""
         return self.temperature == 0.0
 
-    def traced(self) -> SamplingConfig:
-        """The same settings as fixed-dtype NumPy scalars: one compiled program for all."""
+    def traced(self, dtype=np.float32) -> SamplingConfig:
+        """The same settings as fixed-dtype NumPy scalars: one compiled program for all.
+        ``dtype``: that of the floating settings, the logits' (``wide``: float64 for a
+        float64 model, whose temperature would otherwise be rounded to float32)."""
+        real = np.dtype(dtype).type
         return SamplingConfig(
-            np.float32(self.temperature),
+            real(self.temperature),
             np.int32(self.top_k),
-            np.float32(self.top_p),
-            np.float32(self.min_p),
+            real(self.top_p),
+            real(self.min_p),
         )
 
 
@@ -104,16 +109,17 @@ def min_p_filter(logits_BV, min_p):
     if _concrete(min_p) and min_p <= 0.0:
         return logits_BV
     top_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
-    log_min_p = jnp.log(jnp.maximum(min_p, jnp.finfo(jnp.float32).tiny))
+    log_min_p = jnp.log(jnp.maximum(min_p, jnp.finfo(wide(logits_BV)).tiny))
     return _keep(logits_BV, (min_p <= 0.0) | (logits_BV >= top_B1 + log_min_p))
 
 
 def filter_logits(logits_BV, sampling: SamplingConfig):
-    """Temperature-scaled logits with the tokens the filters reject set to ``-inf``."""
-    logits_BV = logits_BV.astype(jnp.float32)
+    """Temperature-scaled logits with the tokens the filters reject set to ``-inf``, in
+    ``wide(logits_BV)`` (float32, float64 for float64 logits)."""
+    logits_BV = upcast(logits_BV)
     t = sampling.temperature
     if not (_concrete(t) and t == 0.0):
-        logits_BV = logits_BV / jnp.where(t > 0, t, 1.0).astype(jnp.float32)
+        logits_BV = logits_BV / jnp.where(t > 0, t, 1.0).astype(logits_BV.dtype)
     logits_BV = top_k_filter(logits_BV, sampling.top_k)
     logits_BV = top_p_filter(logits_BV, sampling.top_p)
     return min_p_filter(logits_BV, sampling.min_p)

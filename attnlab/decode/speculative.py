@@ -71,7 +71,7 @@ def _speculate(graphdef, params, prompt_BP, n_new, depth):
     cfg = model.cfg
     B, P = prompt_BP.shape
     L = P + n_new + depth + 1
-    out = model(prompt_BP, cache=init_cache(cfg, B, L))
+    out = model(prompt_BP, cache=init_cache(cfg, B, L, on_overflow="flag"))  # fits: _check
     tokens_BL = jnp.zeros((B, L), jnp.int32).at[:, :P].set(prompt_BP)
     tokens_BL = tokens_BL.at[:, P].set(jnp.argmax(out.logits[:, -1], -1).astype(jnp.int32))
     hidden_BLD = jnp.zeros((B, L, cfg.d_model), out.hidden.dtype).at[:, :P].set(out.hidden)

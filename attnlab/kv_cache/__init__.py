@@ -37,6 +37,15 @@ the pytree's structure, so a jitted function compiles one program for each):
   real tokens. Phased loops (``truncate``/``paste``) make no sense for a ring and refuse
   one; row reordering (``take_rows``, ``repeat_rows``) works on both.
 
+A write past a linear cache's capacity (a row asking for more than ``S`` tokens) is
+never silent: an eager call raises a ``DecodeError`` before writing. Under ``jit`` the
+writes past the end are dropped, and the cache's static ``on_overflow`` (``init_cache``)
+chooses what else happens: ``"raise"`` (the default) makes the program call back to the
+host, only then, and raise the same line (``raise_on_overflow``); ``"flag"`` adds nothing
+and leaves the returned cache's ``overflow`` set (for programs lowered for another platform
+or exported, and loops that check the capacity on the host, as ``generate`` does).
+``attnlab.decode.checks.checked_jit`` raises it with ``checkify`` whatever the choice.
+
 Memory: the sum over entries of ``L * B * prod(shape) * itemsize`` (``kv_cache_bytes``),
 ``2 * L * B * S * K * H * itemsize`` for the built-in attention, with ``S = W`` for a ring.
 """
@@ -51,6 +60,7 @@ from attnlab.kv_cache.cache import (
     init_cache,
     join_layers,
     kv_cache_bytes,
+    raise_on_overflow,
     split_layers,
 )
 from attnlab.kv_cache.ring import (  # noqa: F401 - the ring's names, where callers look for them
@@ -75,6 +85,7 @@ __all__ = [
     "layer_arrays",
     "LayerCache",
     "paste",
+    "raise_on_overflow",
     "repeat_rows",
     "Ring",
     "ring_positions",

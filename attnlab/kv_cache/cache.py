@@ -15,9 +15,13 @@ from attnlab.config import ModelConfig
 from attnlab.config.architectures import architecture
 from attnlab.config.layer_kinds import stack_plan
 from attnlab.contracts.mixer import CacheEntry
-from attnlab.errors import DecodeError, traced_check
+from attnlab.errors import DecodeError, checking_traced, traced_check
 from attnlab.kv_cache.ring import ring_size
 from attnlab.kv_cache.slots import layer_arrays
+from attnlab.ops import paths
+
+# What a traced call that writes past a linear cache's capacity does (``init_cache``).
+ON_OVERFLOW = ("raise", "flag")
 
 
 @struct.dataclass
@@ -27,7 +31,9 @@ class KVCache:
     ``layers`` maps each role the variant declares to its stacked ``[L, B, *shape]``
     array; ``lengths`` ``[B]`` counts the tokens each row has seen; ``cross`` and
     ``src_valid`` hold an encoder-decoder's cross-attention keys, values and source
-    validity. ``window`` (static) is a ring buffer's slot count, None for a linear cache.
+    validity. ``window`` (static) is a ring buffer's slot count, None for a linear cache;
+    ``on_overflow`` (static) what a traced write past a linear cache's capacity does
+    (``init_cache``).
     """
 
     # Role -> [L, B, *shape]; inside a generation loop over separate blocks, a tuple of L
@@ -41,6 +47,7 @@ class KVCache:
     slot_axes: tuple = struct.field(pytree_node=False, default=())
     window: int | None = struct.field(pytree_node=False, default=None)
     max_len: int | None = struct.field(pytree_node=False, default=None)
+    on_overflow: str = struct.field(pytree_node=False, default="raise")
 
     @property
     def k(self):
@@ -88,8 +95,9 @@ class KVCache:
 
         ``lengths`` keeps counting past the capacity while the writes past it are dropped,
         so such a row's logits from its ``capacity``-th token on are wrong, and the flag
-        stays set. Under ``jit``, where a call cannot raise, it is the one sign of a write
-        past the end (``check_capacity`` turns it into the error). A ring never overflows.
+        stays set. It is the one sign of a write past the end under ``jit`` with
+        ``on_overflow="flag"`` (``check_capacity`` turns it into the error); with
+        ``"raise"`` such a call raises. A ring never overflows.
         """
         if self.ring or self.slots is None:
             return jnp.zeros(self.lengths.shape, bool)
@@ -159,14 +167,40 @@ def entry_dtype(entry: CacheEntry, dtype) -> jnp.dtype:
 
 
 def init_cache(
-    cfg: ModelConfig, batch_size: int, max_len: int, dtype=None, *, ring: bool | None = None
+    cfg: ModelConfig,
+    batch_size: int,
+    max_len: int,
+    dtype=None,
+    *,
+    ring: bool | None = None,
+    on_overflow: str = "raise",
 ) -> KVCache:
     """An empty cache for ``batch_size`` rows of up to ``max_len`` tokens.
 
     ``ring``: a ring buffer of ``ModelConfig.sliding_window`` slots (True), a linear cache
     of ``max_len`` slots (False), or a ring whenever the config allows one and ``max_len``
     exceeds the window (None). ``dtype`` is that of entries that do not name their own.
+
+    ``on_overflow``: what a call traced under ``jit`` (a hand-written ``nnx.jit`` or
+    ``jax.jit`` decoding loop) does when it writes past a linear cache's capacity. An eager
+    call raises a ``DecodeError`` before any write either way, and so does a call through
+    ``attnlab.decode.checks.checked_jit``; a ring never overflows.
+
+    * ``"raise"`` (the default): the call raises when it runs. The program tests the new
+      lengths against the capacity and only then calls back to the host
+      (``raise_on_overflow``), so it keeps its fast dispatch and nothing leaves the device
+      otherwise; the error JAX raises (``JaxRuntimeError``, or a ``ValueError``) ends with
+      the ``DecodeError`` line.
+    * ``"flag"``: nothing is added to the program; the writes past the end are dropped and
+      the returned cache's ``overflow`` flags the rows (``check_capacity`` raises on it).
+      For programs lowered for another platform or exported, which cannot hold a host
+      callback, and for loops that check the capacity on the host (``generate``).
     """
+    if on_overflow not in ON_OVERFLOW:
+        raise ValueError(
+            f"on_overflow={on_overflow!r} must be 'raise' (a traced write past the capacity "
+            "raises) or 'flag' (it sets the returned cache's overflow)"
+        )
     if not architecture(cfg).generates:
         raise ValueError(f"ModelConfig.arch={cfg.arch!r} has no causal decoder: nothing to cache")
     if max_len > cfg.max_len:
@@ -194,6 +228,18 @@ def init_cache(
         slot_axes=tuple((name, e.slot_axis) for name, (e, _) in layout.items()),
         window=window,
         max_len=max_len,
+        on_overflow=on_overflow,
+    )
+
+
+def _past_end(capacity: int, held_B, need_B) -> str:
+    """The line for a row of ``need_B`` (``held_B`` before the call) past ``capacity``."""
+    b = int(np.argmax(need_B))
+    need, held = int(need_B[b]), int(held_B[b])
+    return (
+        f"the cache holds {capacity} tokens per row but row {b} asks for {need} ({held} held "
+        f"+ {need - held} new): pass a larger max_len to init_cache, or use a ring cache "
+        "(init_cache(..., ring=True)) for a sliding-window model"
     )
 
 
@@ -203,10 +249,10 @@ def check_capacity(cache: KVCache, new_B=0) -> None:
 
     Model calls check their tokens with it before the first write; ``check_capacity(cache)``
     after a jitted loop reports the rows whose writes went past the end (``overflow``).
-    Nothing to check for a ring (it wraps by design). Traced values cannot raise: inside
-    ``attnlab.decode.checks.checked_jit`` they are a ``checkify`` check that raises this error
-    after the call (``attnlab.errors.traced_check``); elsewhere nothing is added to the
-    program, and the returned cache's ``overflow`` flags the rows.
+    Nothing to check for a ring (it wraps by design). Traced values cannot raise here:
+    inside ``attnlab.decode.checks.checked_jit`` they are a ``checkify`` check that raises
+    this error after the call (``attnlab.errors.traced_check``); elsewhere the call's new
+    cache goes through ``raise_on_overflow`` (``init_cache``'s ``on_overflow``).
     """
     if cache.ring or cache.slots is None:
         return
@@ -224,13 +270,52 @@ def check_capacity(cache: KVCache, new_B=0) -> None:
     held_B = np.asarray(cache.lengths)
     need_B = held_B + np.asarray(new_B)
     if (need_B > cache.capacity).any():
-        b = int(np.argmax(need_B))
-        raise DecodeError(
-            f"the cache holds {cache.capacity} tokens per row but row {b} asks for "
-            f"{int(need_B[b])} ({int(held_B[b])} held + {int(need_B[b] - held_B[b])} new): "
-            "pass a larger max_len to init_cache, or use a ring cache (init_cache(..., "
-            "ring=True)) for a sliding-window model"
-        )
+        raise DecodeError(_past_end(cache.capacity, held_B, need_B))
+
+
+def raise_on_overflow(cache: KVCache, held_B) -> KVCache:
+    """``cache``, just written by a traced call (``held_B``: its ``lengths`` before), made
+    to raise when the program runs if a row went past a linear cache's capacity.
+
+    With ``on_overflow="raise"``: a ``lax.cond`` on ``any(lengths > capacity)`` whose taken
+    branch alone calls the host (``jax.pure_callback``, which raises the ``DecodeError``
+    there), its zero result added to ``lengths`` so the program keeps it. A pure callback
+    has no effect to order, so the jitted call keeps its fast dispatch. Nothing is added
+    for ``"flag"``, a ring, concrete lengths (the eager call has checked them), inside
+    ``checked_jit`` (its ``checkify`` check reports it) or while a program is built for
+    another platform (``attnlab.ops.paths.lowering_only``: a host callback cannot be
+    lowered for it).
+    """
+    if (
+        cache.on_overflow != "raise"
+        or cache.ring
+        or cache.slots is None
+        or not isinstance(cache.lengths, jax.core.Tracer)
+        or checking_traced()
+        or paths.lowering_only()
+    ):
+        return cache
+    capacity = cache.capacity
+
+    def fail(held_B, need_B):
+        need_B = np.asarray(need_B)  # a batched cond runs this branch for every row
+        if (need_B > capacity).any():
+            raise DecodeError(_past_end(capacity, np.asarray(held_B), need_B))
+        return np.zeros((), np.int32)
+
+    lengths_B = cache.lengths
+    zero = jax.lax.cond(
+        jnp.any(lengths_B > capacity),
+        lambda: jax.pure_callback(
+            fail,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            jnp.asarray(held_B, jnp.int32),
+            lengths_B,
+            vmap_method="sequential",
+        ),
+        lambda: jnp.zeros((), jnp.int32),
+    )
+    return cache.replace(lengths=lengths_B + zero)
 
 
 def kv_cache_bytes(

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from attnlab.metrics import register_metric
 from attnlab.metrics.base import Metric
 from attnlab.metrics.groups import path_names
+from attnlab.ops.precision import wide
 
 _STACKS = ("encoder", "decoder")
 _SEGMENTS = ("prefix", "layers")
@@ -49,10 +50,11 @@ def _at(params, names):
 
 
 def head_products(q_RDNH, k_RDKH, scale):
-    """``[R]``: per repeat, the largest per-head Frobenius-norm product times ``scale``."""
-    f32 = jnp.float32
-    q_RN = jnp.sqrt(jnp.sum(jnp.square(q_RDNH.astype(f32)), axis=(1, 3)))
-    k_RK = jnp.sqrt(jnp.sum(jnp.square(k_RDKH.astype(f32)), axis=(1, 3)))
+    """``[R]``: per repeat, the largest per-head Frobenius-norm product times ``scale``
+    (float32, float64 for float64 weights)."""
+    f = wide(q_RDNH, k_RDKH)
+    q_RN = jnp.sqrt(jnp.sum(jnp.square(q_RDNH.astype(f)), axis=(1, 3)))
+    k_RK = jnp.sqrt(jnp.sum(jnp.square(k_RDKH.astype(f)), axis=(1, 3)))
     G = q_RN.shape[1] // k_RK.shape[1]
     return jnp.max(q_RN * jnp.repeat(k_RK, G, axis=1), axis=1) * scale
 

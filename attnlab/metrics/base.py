@@ -31,6 +31,9 @@ leaves the metric observed only. The term added per counted token is ``weight *
 as_loss(value)`` (``as_loss``: the sum of the value's leaves unless the metric says
 otherwise).
 
+Precision. A metric computes and accumulates in ``Metric.dtype``: float32, float64 for a
+float64 model (``attnlab.ops.precision.wide`` of the model's dtypes).
+
 Selection. ``train.metrics`` names the metrics to compute; those whose ``implied(mcfg)`` is
 true (a mixture of experts' router losses, multi-token prediction) are always on.
 """
@@ -44,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnlab.ops.precision import wide
+
 REDUCTIONS = ("mean", "sum", "max")
 PHASES = ("forward", "update")
 
@@ -51,7 +56,7 @@ PHASES = ("forward", "update")
 @dataclasses.dataclass(frozen=True)
 class StepView:
     """What a metric reads. Forward phase: ``model``, ``batch``, ``kind``, ``out`` (the
-    ``ModelOutput``, with ``stats``), ``targets``, ``mask`` (the loss mask, float32) and
+    ``ModelOutput``, with ``stats``), ``targets``, ``mask`` (the loss mask, ``wide``) and
     ``tokens`` (counted tokens of the micro-batch), ``key``. Update phase: ``params`` (before
     the update), ``grads`` (normalised per token, clipped or not as the optimiser sees
     them), ``updates`` (what the optimiser adds to the parameters)."""
@@ -99,6 +104,12 @@ class Metric:
         return cls.loss_weight
 
     @property
+    def dtype(self) -> jnp.dtype:
+        """What the metric computes and accumulates in: float32, float64 for a model that
+        computes or keeps its parameters in float64."""
+        return wide(self.mcfg.dtype, self.mcfg.param_dtype)
+
+    @property
     def joins_loss(self) -> bool:
         """Whether this metric adds to the objective (a weight other than None or 0)."""
         return bool(self.weight)
@@ -127,7 +138,7 @@ class Metric:
         """The empty accumulator of one step value (``reduce``'s identity)."""
         fill = -jnp.inf if self.reduce == "max" else 0.0
         return jax.tree.map(
-            lambda s: jnp.full(s, fill, jnp.float32), self.shape(self.mcfg), is_leaf=_is_shape
+            lambda s: jnp.full(s, fill, self.dtype), self.shape(self.mcfg), is_leaf=_is_shape
         )
 
     def reading_zeros(self):
@@ -138,16 +149,16 @@ class Metric:
         return z
 
     def normalise(self, reading):
-        """``value``'s output as float32 arrays; a mean's counts shaped like its sums (a
-        scalar count applies to every leaf)."""
-        f32 = lambda x: jnp.asarray(x, jnp.float32)
+        """``value``'s output as arrays of ``dtype``; a mean's counts shaped like its sums
+        (a scalar count applies to every leaf)."""
+        cast = lambda x: jnp.asarray(x, self.dtype)
         if self.reduce != "mean":
-            return jax.tree.map(f32, reading)
+            return jax.tree.map(cast, reading)
         sums, counts = reading
-        sums = jax.tree.map(f32, sums)
+        sums = jax.tree.map(cast, sums)
         if jax.tree.structure(counts) != jax.tree.structure(sums):
-            counts = jax.tree.map(lambda s: jnp.broadcast_to(f32(counts), s.shape), sums)
-        return sums, jax.tree.map(f32, counts)
+            counts = jax.tree.map(lambda s: jnp.broadcast_to(cast(counts), s.shape), sums)
+        return sums, jax.tree.map(cast, counts)
 
     def combine(self, a, b):
         """Two readings (or two step values) combined by ``reduce``."""

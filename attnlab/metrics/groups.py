@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlab.metrics.base import Metric
+from attnlab.ops.precision import wide
 
 # (group, test on the path's names), first match wins.
 GROUPS = (
@@ -44,11 +45,13 @@ def group_names(params) -> tuple[str, ...]:
 
 
 def group_norms(tree, groups) -> dict:
-    """``{group: L2 norm of the group's leaves}`` (float32)."""
-    squares = dict.fromkeys(groups, jnp.zeros((), jnp.float32))
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    """``{group: L2 norm of the group's leaves}`` (float32, float64 for float64 leaves)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    dtype = wide(*(x for _, x in leaves))
+    squares = dict.fromkeys(groups, jnp.zeros((), dtype))
+    for path, x in leaves:
         g = group_of(path)
-        squares[g] = squares[g] + jnp.sum(jnp.square(x.astype(jnp.float32)))
+        squares[g] = squares[g] + jnp.sum(jnp.square(x.astype(dtype)))
     return {g: jnp.sqrt(s) for g, s in squares.items()}
 
 

@@ -39,4 +39,4 @@ class MoELoadBalance(Metric):
 
     def value(self, view):
         aux = view.out.aux or {}
-        return jnp.sum(aux[self.aux_key]).astype(jnp.float32), 1.0
+        return jnp.sum(aux[self.aux_key]).astype(self.dtype), 1.0

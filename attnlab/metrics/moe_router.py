@@ -27,8 +27,8 @@ class MoERouter(Metric):
     def value(self, view):
         aux = view.out.aux
         return {
-            "tokens_per_expert": jnp.sum(aux["tokens_per_expert"], axis=0).astype(jnp.float32),
-            "dropped": jnp.sum(aux["dropped"]).astype(jnp.float32),
+            "tokens_per_expert": jnp.sum(aux["tokens_per_expert"], axis=0).astype(self.dtype),
+            "dropped": jnp.sum(aux["dropped"]).astype(self.dtype),
         }
 
     def record(self, value):

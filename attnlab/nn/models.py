@@ -26,7 +26,7 @@ from attnlab import _moved, ops
 from attnlab.config import ModelConfig
 from attnlab.devices.sharding import constrain
 from attnlab.errors import DecodeError
-from attnlab.kv_cache import KVCache, check_capacity
+from attnlab.kv_cache import KVCache, check_capacity, raise_on_overflow
 from attnlab.nn import parametrization, probe
 from attnlab.nn.build import build_model, count_params, init_params  # noqa: F401 (their old home)
 from attnlab.nn.layers import Embed, Norm, normal
@@ -65,8 +65,9 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
     New tokens sit at ``cache.lengths + t`` (or ``0..T-1`` without a cache). With a cache,
     ``valid_BS`` (right-padded) marks each row's real new tokens: lengths advance by their
     number, and a ring buffer stores only them (padding would overwrite real tokens).
-    Returns ``(x_BTD, new_cache, weights)``. A write past a linear cache's capacity raises
-    in an eager call; under ``jit`` it sets the returned cache's ``overflow``.
+    Returns ``(x_BTD, new_cache, weights, aux, stats)``. A write past a linear cache's
+    capacity raises in an eager call; under ``jit`` it sets the returned cache's
+    ``overflow`` and, as the cache's ``on_overflow`` chooses, raises when the program runs.
     """
     B, T, _ = x_BTD.shape
     if cache is not None and not isinstance(valid_BS, jax.core.Tracer):
@@ -77,7 +78,12 @@ def _run_decoder(stack, x_BTD, positions_BT, cache, *, valid_BS=None, **kw):
             if cache is None
             else cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         )
-    return stack(x_BTD, positions_BT=positions_BT, valid_BS=valid_BS, cache=cache, **kw)
+    x_BTD, new_cache, *rest = stack(
+        x_BTD, positions_BT=positions_BT, valid_BS=valid_BS, cache=cache, **kw
+    )
+    if cache is not None:
+        new_cache = raise_on_overflow(new_cache, cache.lengths)
+    return (x_BTD, new_cache, *rest)
 
 
 class _LMHead(nnx.Module):
