@@ -23,6 +23,7 @@ from attnlab.decode.checks import checked_jit
 from attnlab.errors import DecodeError
 from attnlab.kv_cache import check_capacity
 from attnlab.ops import paths
+from attnlab.train.state import zeros_acc
 
 SMALL = dict(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=16)
 LINE = (
@@ -34,7 +35,8 @@ LINE = (
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(ModelConfig(**SMALL), seed=0)
+    """A sliding-window model: its caches are linear up to the window, or a ring."""
+    return build_model(ModelConfig(**SMALL, sliding_window=4), seed=0)
 
 
 def _body(model, ids, cache):
@@ -95,12 +97,11 @@ def test_eager_and_checked_jit_calls_raise_a_decode_error_either_way(model, on_o
     assert str(e.value).startswith("the cache holds 4 tokens per row but a row asks for 5 ")
 
 
-def test_a_ring_cache_never_raises():
-    model = build_model(ModelConfig(**SMALL, sliding_window=3), seed=0)
+def test_a_ring_cache_never_raises(model):
     step = nnx.jit(_body)
-    cache = init_cache(model.cfg, 1, 8, ring=True)  # 3 slots, 8 positions
+    cache = init_cache(model.cfg, 1, 8, ring=True)  # 4 slots, 8 positions
     assert cache.ring and cache.on_overflow == "raise"
-    for _ in range(5):  # past the window: the ring wraps by design
+    for _ in range(6):  # past the window: the ring wraps by design
         _, cache = step(model, jnp.asarray([[3]]), cache)
     assert np.asarray(cache.overflow).tolist() == [False]
     jaxpr = jax.make_jaxpr(lambda ids, cache: _body(model, ids, cache))(jnp.asarray([[3]]), cache)
@@ -171,6 +172,40 @@ def test_the_metrics_of_a_float64_model_compute_in_float64():
         want = (qn * np.repeat(kn, 2, axis=1)).max(1) * 0.5
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(got, want, rtol=1e-15)
+        acc = zeros_acc(cfg, [metric])  # the train state's accumulators
+        assert {acc[k].dtype for k in ("loss_sum", "tokens", "grad_norm_sum")} == {np.dtype("f8")}
     for dtype in ("bfloat16", "float32"):  # as before: float32
         metric = MoELoadBalance(ModelConfig(**SMALL, dtype=dtype))
         assert metric.dtype == jnp.float32 and metric.zeros().dtype == jnp.float32
+        assert zeros_acc(metric.mcfg, [metric])["loss_sum"].dtype == jnp.float32
+
+
+@pytest.mark.slow(reason="compiles a float64 train step and eval step (~13 s on 2 loaded cores)")
+def test_a_float64_train_step_and_evaluation_accumulate_in_float64():
+    from test_bad_inputs_startup import TINY
+
+    from attnlab import experiment
+    from attnlab.train import Trainer
+
+    B, T = 2, 8
+    rng = np.random.default_rng(0)
+    batch = dict(inputs=rng.integers(0, 256, (B, T), dtype=np.int32),
+                 targets=rng.integers(0, 256, (B, T), dtype=np.int32),
+                 loss_mask=np.ones((B, T)))  # fmt: skip
+    with jax.enable_x64(True):
+        overrides = ["model.dtype=float64", "model.param_dtype=float64", "model.n_layers=1",
+                     f"train.batch_size={B}", f"data.seq_len={T}"]  # fmt: skip
+        trainer = Trainer(experiment.load_config(TINY, ["--config." + o for o in overrides]))
+        state = trainer.init_state()
+        logits = np.asarray(trainer.model(state["params"])(jnp.asarray(batch["inputs"])).logits)
+        state, out = trainer.train_step(state, batch)
+        assert out["loss"].dtype == jnp.float64
+        assert {k: v.dtype for k, v in state["acc"].items() if k != "metrics"} == {
+            "loss_sum": jnp.float64, "tokens": jnp.float64, "grad_norm_sum": jnp.float64,
+            "steps": jnp.int32, "nonfinite": jnp.int32, "first_nonfinite": jnp.int32,
+        }  # fmt: skip
+        before = trainer.evaluate(jax.tree.map(jnp.asarray, state["params"]), [batch])
+    want = -np.take_along_axis(_log_softmax(logits), batch["targets"][..., None], -1).mean()
+    assert logits.dtype == np.float64
+    assert abs(float(out["loss"]) - want) < 1e-12  # the step's loss, before its update
+    assert np.isfinite(before["eval_loss"])

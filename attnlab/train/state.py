@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from attnlab.devices import sharding
 from attnlab.nn.models import init_params
+from attnlab.ops.precision import wide
 from attnlab.train import lora as lora_lib
 from attnlab.train.optim import INJECTED
 
@@ -83,12 +84,13 @@ def optim_structure(o) -> str:
 
 def zeros_acc(mcfg=None, metrics=()):
     """The empty accumulator of the train state (cleared after each log line), with one
-    entry per metric of ``metrics`` (``attnlab.metrics``) under ``"metrics"``."""
-    del mcfg  # the metrics know the model
+    entry per metric of ``metrics`` (``attnlab.metrics``) under ``"metrics"``; float32, or
+    float64 for a float64 ``mcfg`` (as ``Metric.dtype``)."""
+    f = jnp.float32 if mcfg is None else wide(mcfg.dtype, mcfg.param_dtype)
     return {
-        "loss_sum": jnp.zeros((), jnp.float32),
-        "tokens": jnp.zeros((), jnp.float32),
-        "grad_norm_sum": jnp.zeros((), jnp.float32),
+        "loss_sum": jnp.zeros((), f),
+        "tokens": jnp.zeros((), f),
+        "grad_norm_sum": jnp.zeros((), f),
         "steps": jnp.zeros((), jnp.int32),
         "nonfinite": jnp.zeros((), jnp.int32),
         "first_nonfinite": jnp.zeros((), jnp.int32),
@@ -100,7 +102,7 @@ def accumulate(acc, ok, step, loss_sum, tokens, grad_norm, values, metrics):
     """``acc`` with one step's loss, tokens, gradient norm and metric ``values`` added when
     ``ok`` (the step was finite), and the step counted among the non-finite ones when not
     (``first_nonfinite``: the first such step, 1-based)."""
-    zero = jnp.zeros((), jnp.float32)
+    zero = jnp.zeros((), acc["loss_sum"].dtype)
     return {
         "loss_sum": acc["loss_sum"] + jnp.where(ok, loss_sum, zero),
         "tokens": acc["tokens"] + jnp.where(ok, tokens, zero),

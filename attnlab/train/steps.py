@@ -52,6 +52,7 @@ from attnlab.devices import sharding
 from attnlab.metrics import StepView
 from attnlab.nn import build_model, surgery
 from attnlab.nn.models import init_params
+from attnlab.ops.precision import wide
 from attnlab.train import lora, programs
 from attnlab.train.objectives import check_batch_ids, loss_sums, model_output
 from attnlab.train.optim import layers_over_batch_devices, make_optimizer, set_optim_values
@@ -282,7 +283,7 @@ class Trainer:
         model = self.model(params)
         out, targets, mask = model_output(model, batch, self.kind, key, self.collect)
         ce_BT = optax.softmax_cross_entropy_with_integer_labels(out.logits, targets)
-        mask = mask.astype(jnp.float32)
+        mask = mask.astype(wide(out.logits))  # float32, float64 for a float64 model
         s, n = (ce_BT * mask).sum(), mask.sum()
         view = StepView(self.mcfg, model=model, batch=batch, kind=self.kind, out=out,
                         targets=targets, mask=mask, tokens=n, key=key)  # fmt: skip
@@ -366,15 +367,15 @@ class Trainer:
 
     def _eval_step(self, params, batch):
         s, n, (logits, targets, mask) = loss_sums(self.model(params), batch, self.kind)
-        correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * mask
+        correct = (jnp.argmax(logits, -1) == targets).astype(wide(logits)) * mask
         real = mask.sum(-1) > 0  # rows that pad a batch to the mesh count for nothing
-        rows_ok = ((correct.sum(-1) == mask.sum(-1)) & real).astype(jnp.float32)
+        rows_ok = ((correct.sum(-1) == mask.sum(-1)) & real).astype(wide(logits))
         return {
             "loss_sum": s,
             "tokens": n,
             "correct": correct.sum(),
             "rows_ok": rows_ok.sum(),
-            "rows": real.astype(jnp.float32).sum(),
+            "rows": real.astype(wide(logits)).sum(),
         }
 
     def evaluate(self, params, batches, *, stacked: bool = False):
