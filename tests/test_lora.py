@@ -2,9 +2,11 @@
 NumPy); merged weights give the outputs of the adapted forward pass, and reloaded from the
 small adapter file too; a stage trains the adapters alone and resumes bitwise; on 8 fake
 CPU devices (sharded parameters) it equals one device; targets that match nothing fail in
-one line."""
+one line. A run's Trainer with adapters (``lora.rank``) on 8 devices (parameters sharded,
+adapters replicated) trains as on one (the rest of a LoRA run: ``tests/test_lora_runs.py``)."""
 
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +15,11 @@ import pytest
 import xla_flags
 from flax import nnx
 
-from attnlab import ModelConfig, build_model
+from attnlab import ModelConfig, build_model, experiment
+from attnlab.data import make_task
 from attnlab.devices import sharding
 from attnlab.errors import ConfigError
-from attnlab.train import distill, lora
+from attnlab.train import Trainer, distill, lora
 
 CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
 on_mesh = pytest.mark.skipif(not CHILD, reason="runs in the child process with 8 CPU devices")
@@ -171,3 +174,33 @@ def test_on_eight_devices_it_equals_one():
     assert len(jax.devices()) == 8
     for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@on_mesh
+def test_a_lora_trainer_on_eight_devices_trains_as_on_one():
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "char_lm.py"
+    cfg = experiment.load_config(f"{path}:tiny", [
+        "--config.lora.rank=3", '--config.lora.targets=("q","v","ffn")',
+        "--config.lora.dropout=0.25", "--config.optim.learning_rate=0.03",
+        "--config.optim.warmup_steps=1", "--config.train.batch_size=8",
+    ])  # fmt: skip
+    task = make_task(cfg.data, None)
+    batches = [task.train_batch(0, i, 8) for i in range(3)]
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    out = []
+    for trainer in (Trainer(cfg), Trainer(cfg, mesh=mesh)):
+        state, losses = trainer.init_state(), []
+        for b in batches:
+            state, m = trainer.train_step(state, b)
+            losses.append(float(m["loss"]))
+        out.append((state, losses))
+    (one, losses1), (many, losses8) = out
+    np.testing.assert_allclose(losses8, losses1, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(one["lora"]), jax.tree.leaves(many["lora"]), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(many["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))  # frozen on both
+    q = many["params"]["decoder"]["layers"]["attn"]["q_DNH"]
+    assert any(a is not None for a in q.sharding.spec)  # the base sharded
+    for x in jax.tree.leaves(many["lora"]) + jax.tree.leaves(many["opt_state"]):
+        assert x.sharding.is_fully_replicated  # the adapters and their moments replicated

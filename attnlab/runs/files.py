@@ -1,6 +1,14 @@
 """A run directory's file names, and reading its checkpoints: what both a training run
 (``attnlab.runs.workdir``) and a run loaded back (``attnlab.runs.loading``, and through it a
-surgery run's source) need, so neither imports the other for them."""
+surgery run's source) need, so neither imports the other for them.
+
+A LoRA run (``lora.rank`` above 0, ``attnlab.train.lora``) never changes its parameters: its
+checkpoints hold the rest of the state (the adapters, their optimiser state, the step, the
+accumulators, the key), ``DIR/lora_base/`` the frozen parameters, written once with the
+first checkpoint, and ``DIR/lora_adapters.npz`` the newest checkpoint's adapters alone
+(``lora.load`` reads it). Restoring puts the parameters back in the state, so a resumed run
+never reads the model it started from again.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +19,12 @@ import jax
 
 from attnlab.errors import CheckpointError, WorkdirError
 from attnlab.runs.checkpoint import Checkpointer, CorruptCheckpointError
+from attnlab.train import lora
 from attnlab.train.state import reconcile_acc
 
 METRICS_FILE, SAMPLES_FILE, CONFIG_FILE = "metrics.jsonl", "samples.jsonl", "config.json"
 LOCK_FILE, CHECKPOINTS = "lock", "checkpoints"
+LORA_BASE, LORA_ADAPTERS = "lora_base", lora.FILE  # a LoRA run's (the module docstring)
 
 
 def is_writer() -> bool:
@@ -49,14 +59,14 @@ def restore_newest(
     errors, reasons = [], []
     for step in sorted(steps, reverse=True):
         try:
-            state = _restore_fitting_acc(ckpt, abstract, step, empty_acc)
+            state = _restore_fitting_acc(ckpt, saved_part(abstract), step, empty_acc)
         except CorruptCheckpointError as e:
             if len(steps) == 1:
                 raise
             errors.append(step)
             reasons.append(e.reason)
             continue
-        if not bool(all_finite(state["params"])):
+        if not bool(all_finite(lora.trained(state))):
             older = [s for s in ckpt.all_steps() if s < step]
             raise CheckpointError(
                 f"checkpoint step {step} in {ckpt.directory} holds non-finite parameters (the "
@@ -64,11 +74,39 @@ def restore_newest(
             )
         if errors:
             _report_unreadable(ckpt, errors, reasons, step, move_aside)
+        if "lora" in abstract:
+            state["params"] = restore_base(ckpt.directory.parent, abstract["params"])
         return state, step
     raise CheckpointError(
         f"no checkpoint in {ckpt.directory} can be restored (steps {errors} are unreadable: "
         f"{reasons[0] if reasons else ''}); train again in a new --workdir"
     )
+
+
+def saved_part(state: dict) -> dict:
+    """What a checkpoint holds of a train state: all of it, or a LoRA state's without its
+    frozen parameters (``LORA_BASE`` holds them)."""
+    return {k: v for k, v in state.items() if k != "params"} if "lora" in state else state
+
+
+def save_base(workdir: pathlib.Path, params) -> None:
+    """Writes a LoRA run's frozen parameters to ``DIR/lora_base/`` (replacing what is there)."""
+    with Checkpointer(workdir / LORA_BASE, max_to_keep=1) as ckpt:
+        for step in ckpt.all_steps():
+            ckpt.delete(step)
+        ckpt.save(0, params, force=True)
+
+
+def restore_base(workdir: pathlib.Path, abstract_params):
+    """A LoRA run's frozen parameters, from ``DIR/lora_base/``."""
+    where = workdir / LORA_BASE
+    if not where.is_dir():
+        raise CheckpointError(
+            f"{where} is missing: a LoRA run's checkpoints hold its adapters and that folder "
+            "its frozen parameters; restore it from a backup, or train again in a new --workdir"
+        )
+    with Checkpointer(where) as ckpt:
+        return ckpt.restore(abstract_params, 0)
 
 
 def set_aside_unfinished(ckpt: Checkpointer, steps: list[int]) -> list[int]:

@@ -40,7 +40,9 @@ from attnlab.train import Trainer
 class Run:
     """A trained run reopened from its work directory at one checkpoint.
 
-    ``model`` is the NNX model holding the checkpoint's parameters (``params``);
+    ``model`` is the NNX model holding the checkpoint's parameters (``params``; a LoRA run's
+    with its adapters merged, as its evaluations saw them, so decoding and export read an
+    ordinary model);
     ``metrics`` the rows of ``metrics.jsonl`` up to ``step``; ``tokenizer`` the task's
     tokenizer (None for synthetic tasks, whose ids are their symbols).
     """
@@ -178,12 +180,13 @@ def load_run(workdir, step: int | None = None) -> Run:
     path = workdir / METRICS_FILE
     lines = path.read_text().splitlines() if path.is_file() else []
     rows = [json.loads(line) for line in lines if line.strip()]
+    params = trainer.weights(state)  # a LoRA run's: its adapters merged
     return Run(
         workdir=workdir,
         config=cfg,
         step=int(step),
-        model=trainer.model(state["params"]),
-        params=state["params"],
+        model=trainer.model(params),
+        params=params,
         tokenizer=task.tokenizer,
         metrics=[r for r in rows if r.get("step", 0) <= step],
         trainer=trainer,

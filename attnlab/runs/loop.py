@@ -33,7 +33,7 @@ from attnlab.runs.preflight import preflight
 from attnlab.runs.progress import Progress
 from attnlab.runs.sampling import sample_text
 from attnlab.runs.tracking import Profiler, Tracker, describe, summary
-from attnlab.train import injected_hyperparams, lr_multiplier, zeros_acc
+from attnlab.train import injected_hyperparams, lora, lr_multiplier, zeros_acc
 
 # Metrics of the evaluation that mean nothing for a task: not printed (still logged).
 NOT_PRINTED = {"text": ("eval_exact_match",)}
@@ -88,7 +88,8 @@ def open_runs(cfgs, workdirs, *, step=None, allow_changes=False, extend=False):
 
 def divergence(trainer, run, acc, params, step) -> DivergenceError | None:
     """The error of a run whose steps since the last log line (``acc``, on the host) or
-    whose ``params`` are not finite; None when the state may be saved."""
+    whose trained ``params`` (a LoRA run's adapters) are not finite; None when the state may
+    be saved."""
     bad = int(acc["nonfinite"]) > 0 and not trainer.skip_nonfinite
     if not bad and bool(trainer.all_finite(params)):
         return None
@@ -107,7 +108,7 @@ def divergence(trainer, run, acc, params, step) -> DivergenceError | None:
 def save_checked(trainer, run, step, state):
     """Saves ``state`` unless it diverged, in which case the run fails and nothing is written."""
     acc = jax.device_get(state["acc"])
-    run.failure = divergence(trainer, run, acc, state["params"], step)
+    run.failure = divergence(trainer, run, acc, lora.trained(state), step)
     if run.failure is None:
         run.save(step, state)
     else:  # the record that shows the divergence (sweeps collect the run as failed)
@@ -231,7 +232,8 @@ class _Loop:
         )
         evals = None
         if do_eval:
-            evals = self.trainer.evaluate(state["params"], self.eval_batches, stacked=self.stacked)
+            weights = self.trainer.weights(state)  # a LoRA run's: its adapters merged
+            evals = self.trainer.evaluate(weights, self.eval_batches, stacked=self.stacked)
             evals = evals if self.stacked else [evals]
         logged = []
         for i, r in self.active():
@@ -256,7 +258,7 @@ class _Loop:
             record.update(self.trainer.metric_records(a))  # the registered metrics
             if do_eval:
                 record.update(evals[i])
-                self._sample(state, i, r, step)
+                self._sample(weights, i, r, step)
             r.log(record, METRICS_FILE)
             r.tracker.metrics(record)
             r.record = record
@@ -269,8 +271,8 @@ class _Loop:
         self.window_start, self.window_steps = time.perf_counter(), 0
         return logged
 
-    def _sample(self, state, i, r, step):
-        text = sample_text(self.trainer, r.task, self.view(state["params"], i), r.cfg, step)
+    def _sample(self, weights, i, r, step):
+        text = sample_text(self.trainer, r.task, self.view(weights, i), r.cfg, step)
         if text is not None:
             r.log({"step": step, "text": text}, SAMPLES_FILE)
             r.tracker.sample(step, text)

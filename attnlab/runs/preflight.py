@@ -32,6 +32,8 @@ from attnlab.runs.files import (
     CHECKPOINTS,
     CONFIG_FILE,
     LOCK_FILE,
+    LORA_ADAPTERS,
+    LORA_BASE,
     METRICS_FILE,
     SAMPLES_FILE,
     check_workdir,
@@ -81,6 +83,8 @@ def written_paths(cfg) -> tuple[list[str], list[str]]:
     folders += [TB_DIR] if track.get("tensorboard", True) else []
     folders += [WANDB_DIR] if track.get("wandb_project") else []
     files = [CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, SAMPLES_FILE, LOCK_FILE]
+    if (cfg.get("lora") or {}).get("rank"):
+        folders, files = folders + [LORA_BASE], files + [LORA_ADAPTERS]
     return folders, files
 
 

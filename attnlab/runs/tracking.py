@@ -210,6 +210,15 @@ def describe(run, trainer, devices=None, *, verbose: bool = False) -> str:
         + (f", from step {run.start}" if run.start else ""),
         data,
     ]
+    if trainer.lora is not None:
+        from attnlab.train import lora
+
+        spec, adapters = trainer.lora, trainer.abstract_state()["lora"]
+        lines.append(
+            f"lora: rank {spec.rank}, alpha {spec.alpha:g} on {len(adapters)} weights "
+            f"({', '.join(spec.targets)}): {lora.count(adapters):,} trained parameters, "
+            "the rest frozen"
+        )
     if len(devices) > 1 or jax.process_count() > 1 or verbose:
         kinds = sorted({d.device_kind for d in devices})
         lines.append(

@@ -2,8 +2,10 @@
 
 ``DIR/config.json`` is the resolved config (``attnlab train --config DIR/config.json``
 repeats the run), ``DIR/metrics.jsonl`` and ``DIR/samples.jsonl`` hold one JSON record per
-logged step, ``DIR/checkpoints/`` the orbax checkpoints. A resumed run first drops the records
-logged after its checkpoint, so they are logged again exactly once.
+logged step, ``DIR/checkpoints/`` the orbax checkpoints (a LoRA run's frozen parameters are
+``DIR/lora_base/``, its adapters alone ``DIR/lora_adapters.npz``: ``attnlab.runs.files``).
+A resumed run first drops the records logged after its checkpoint, so they are logged again
+exactly once.
 
 Opening a run writes nothing: the directory, config, data, tokenizer and model are checked
 first, and only ``Run.begin`` (once the run is known to start) takes ``DIR/lock`` (an
@@ -42,15 +44,18 @@ from attnlab.runs.files import (
     CHECKPOINTS,
     CONFIG_FILE,
     LOCK_FILE,
+    LORA_ADAPTERS,
     METRICS_FILE,
     SAMPLES_FILE,
     check_workdir,
     is_writer,
     restore_newest,
+    save_base,
+    saved_part,
     set_aside_corrupt,
     set_aside_unfinished,
 )
-from attnlab.train import set_optim_values
+from attnlab.train import lora, set_optim_values
 
 # Values that may change when a run resumes (they change no state and no step's result).
 FREE_ON_RESUME = ("name", "experiment_file", "imports", "eval.", "checkpoint.")
@@ -121,10 +126,11 @@ def check_config(workdir: pathlib.Path, cfg, allow_changes: bool = False) -> lis
     ``allow_changes``."""
     changes = config_changes(pathlib.Path(workdir), cfg)
     saved_path = pathlib.Path(workdir) / CONFIG_FILE
-    fixed = [c for c in changes if c.startswith(("model.", "data."))]
+    # the model, the data, and what the state holds (LoRA's adapters, of a rank, where)
+    fixed = [c for c in changes if c.startswith(("model.", "data.", "lora.rank", "lora.targets"))]
     if fixed:
         raise experiment.ExperimentError(
-            f"{workdir} holds a run with a different model/data config (differs in "
+            f"{workdir} holds a run with a different model/data/LoRA config (differs in "
             f"{[c.split(':')[0] for c in fixed]}); use a new --workdir, or repeat the run with "
             f"--config {saved_path}"
         )
@@ -208,6 +214,7 @@ class Run:
         self.held: set[str] = set()
         self.saved_config: bytes | None = None  # config.json as begin found it
         self.layout: str | None = None  # where it trains (``sharding.layout``), once known
+        self.base_saved = False  # a LoRA run's frozen parameters are in DIR/lora_base
 
     def begin(self):
         """Locks the directory and writes the config and tokenizer: the run starts."""
@@ -298,6 +305,7 @@ class Run:
             self.ckpt, abstract, steps, trainer.all_finite, move_aside=True,
             empty_acc=trainer.empty_acc(),
         )  # fmt: skip
+        self.base_saved = True  # (a LoRA run's, restored from there)
         if self.requested is not None:  # the newer steps this run will write again
             set_aside_corrupt(self.ckpt, self.start)
         metadata = self.ckpt.restore_metadata(self.start)
@@ -332,7 +340,15 @@ class Run:
         meta["layout"] = self.layout
         # The input pipeline's position, the same on every process (the global batch's).
         meta["data_state"] = self.task.data_state()
-        self.ckpt.save(step, state, metadata=meta, force=True)
+        if "lora" in state:  # the frozen parameters once, the adapters alone beside
+            if not self.base_saved:
+                save_base(self.workdir, state["params"])
+                self.base_saved = True
+            if is_writer():
+                lora.save(
+                    self.workdir / LORA_ADAPTERS, lora.spec_from(self.cfg.lora), state["lora"]
+                )
+        self.ckpt.save(step, saved_part(state), metadata=meta, force=True)
 
     def log(self, record: dict, file: str = METRICS_FILE):
         append_jsonl(self.workdir / file, record)

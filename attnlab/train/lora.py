@@ -169,8 +169,8 @@ def init(spec: LoraSpec, params, key) -> dict:
 def delta(spec: LoraSpec, adapter: dict, shape, keep_R=None):
     """``(alpha / r) A B`` in the weight's shape (``keep_R``: rank dropout's 0/1 mask)."""
     a, b = adapter["a"], adapter["b"]
-    if keep_R is not None:
-        a = a * (keep_R / (1.0 - spec.dropout))
+    if keep_R is not None:  # A's columns, in every layer of a stack
+        a = a * (keep_R / (1.0 - spec.dropout)).astype(a.dtype).reshape((1,) * (a.ndim - 1) + (-1,))
     return (spec.scale * jnp.matmul(a, b)).reshape(shape)
 
 
@@ -185,7 +185,7 @@ def merge(spec: LoraSpec, params, adapters: dict, key=None):
         keep = None
         if key is not None and spec.dropout > 0:
             k = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-            keep = jax.random.bernoulli(k, 1.0 - spec.dropout, (spec.rank, 1))
+            keep = jax.random.bernoulli(k, 1.0 - spec.dropout, (spec.rank,))
         return (w + delta(spec, adapters[name], w.shape, keep).astype(w.dtype)).astype(w.dtype)
 
     return jax.tree_util.tree_map_with_path(one, params)
