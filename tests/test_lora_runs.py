@@ -15,6 +15,7 @@ from flax import nnx
 from attnlab import experiment, runs
 from attnlab.data import make_task
 from attnlab.errors import ConfigError
+from attnlab.runs import surgery_run
 from attnlab.runs.checkpoint import Checkpointer
 from attnlab.runs.files import LORA_ADAPTERS, LORA_BASE, restore_base
 from attnlab.train import Trainer, lora
@@ -100,6 +101,20 @@ def test_under_mup_each_factor_takes_its_own_rate_and_the_loss_falls():
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.05, losses
     assert max(losses[1:]) < losses[0]
     assert bool(trainer.all_finite(state["lora"]))
+
+
+def test_adapters_start_on_another_run_named_by_surgery_run(tiny_lm_run):
+    """A pretrained model to adapt is a surgery run's source (``surgery.run``, or a Hugging
+    Face folder as ``surgery.pretrained``) with no mixer replaced: its parameters, frozen."""
+    cfg = surgery_run.resolve(tiny(f"--config.surgery.run={tiny_lm_run}"))
+    trainer = Trainer(cfg)
+    state = surgery_run.initial_state(cfg, trainer)
+    source = runs.load_run(tiny_lm_run).params
+    for x, y in zip(jax.tree.leaves(source), jax.tree.leaves(state["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    for x, y in zip(jax.tree.leaves(source), jax.tree.leaves(trainer.weights(state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))  # B = 0: the source's model
+    assert sorted(state["lora"]) == sorted(trainer.abstract_state()["lora"])
 
 
 DETERMINISTIC = ("step", "train_loss", "learning_rate", "grad_norm", "eval_loss")
