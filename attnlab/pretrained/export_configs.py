@@ -85,6 +85,23 @@ def window_fields(cfg: ModelConfig) -> dict:
     return {"sliding_window": sizes.pop() if sizes else cfg.max_len, "layer_types": types}
 
 
+def rope_by_layer_type(cfg: ModelConfig, layer_types: list, family: str) -> dict:
+    """``rope_parameters`` of a family with a RoPE base per layer type (``layer_types``, as
+    ``window_fields`` writes them): the full layers' with the scaling, the sliding layers'
+    plain; a ValueError when two layers of one type differ."""
+    thetas = cfg.layer_rope_thetas(cfg.n_layers)
+    types = ("full_attention", "sliding_attention")
+    by_type = {k: {t for t, kk in zip(thetas, layer_types, strict=True) if kk == k} for k in types}
+    if any(len(v) > 1 for v in by_type.values()):
+        raise ValueError(f"{family} has one RoPE base per layer type")
+    full = by_type["full_attention"].pop() if by_type["full_attention"] else cfg.rope_theta
+    local = by_type["sliding_attention"].pop() if by_type["sliding_attention"] else cfg.rope_theta
+    return {
+        "full_attention": {**rope_parameters(cfg), "rope_theta": full},
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+    }
+
+
 def experts(cfg, **fixed) -> dict:
     """``num_local_experts`` and ``num_experts_per_tok`` (ffn_variant "moe" only)."""
     s = cfg.ffn_settings

@@ -29,6 +29,7 @@ __all__ = [
     "TRANSFORMS",
     "Mapping",
     "Rule",
+    "deepseek_experts",
     "ends",
     "gated_ffn",
     "linear_attention",
@@ -121,6 +122,24 @@ def gated_ffn(hf=f"{L}.mlp", ours=f"{A}.ffn"):
         (f"{hf}.gate_proj.weight", f"{ours}.w_gate_DF", "linear"),
         (f"{hf}.up_proj.weight", f"{ours}.w_in_DF", "linear"),
         (f"{hf}.down_proj.weight", f"{ours}.w_out_FD", "linear"),
+    ]
+
+
+def deepseek_experts(hf=f"{L}.mlp", names=("gate_proj", "up_proj", "down_proj")):
+    """DeepSeek-style experts under ``hf``: the SwiGLU FFN of the dense first layers, then a
+    router with its selection bias, per-expert FFNs (``names``: their gate, up and down
+    projections) and shared experts."""
+    gate, up, down = names
+    return [
+        *gated_ffn(hf),
+        (f"{hf}.gate.weight", f"{A}.ffn.router_DE", "linear"),
+        (f"{hf}.gate.e_score_correction_bias", f"{A}.ffn.selection_bias_E"),
+        (f"{hf}.experts.{gate}.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
+        (f"{hf}.experts.{up}.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
+        (f"{hf}.experts.{down}.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
+        (f"{hf}.shared_experts.gate_proj.weight", f"{A}.ffn.shared_gate_DF", "linear"),
+        (f"{hf}.shared_experts.up_proj.weight", f"{A}.ffn.shared_in_DF", "linear"),
+        (f"{hf}.shared_experts.down_proj.weight", f"{A}.ffn.shared_out_FD", "linear"),
     ]
 
 

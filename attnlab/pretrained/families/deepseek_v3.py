@@ -12,7 +12,16 @@ from attnlab.pretrained.export_configs import base_config, experts
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import reject, require
-from attnlab.pretrained.mappings import IGNORE, A, L, Mapping, ends, gated_ffn, norm_row, table
+from attnlab.pretrained.mappings import (
+    IGNORE,
+    A,
+    L,
+    Mapping,
+    deepseek_experts,
+    ends,
+    norm_row,
+    table,
+)
 
 
 def deepseek_v3(c: dict) -> dict:
@@ -64,6 +73,25 @@ def deepseek_moe_settings(c: dict) -> dict:
     )
 
 
+def latent_rows(hf: str, ours: str) -> list:
+    """Table rows of latent attention's compressions: transformers' ``hf`` -> attnlab's
+    ``mla`` at ``ours`` (the queries' down and up projections with the norm between, the
+    shared keys' and values' down projection beside the RoPE key, its norm, their up
+    projections)."""
+    return [
+        (f"{hf}.q_a_proj.weight", f"{ours}.q_down_DR", "linear"),
+        norm_row(f"{hf}.q_a_layernorm", f"{ours}.q_norm"),
+        (f"{hf}.q_b_proj.weight", f"{ours}.q_up_RNH", "linear_to_heads"),
+        (
+            f"{hf}.kv_a_proj_with_mqa.weight",
+            (f"{ours}.kv_down_DR", f"{ours}.k_rope_DH"),
+            "fused_linear",
+        ),
+        norm_row(f"{hf}.kv_a_layernorm", f"{ours}.kv_norm"),
+        (f"{hf}.kv_b_proj.weight", (f"{ours}.k_up_RNH", f"{ours}.v_up_RNH"), "kv_b_to_heads"),
+    ]
+
+
 # DeepSeek-V3: multi-head latent attention; dense FFNs in the first layers, then a router
 # (with its selection bias), per-expert FFNs and shared experts.
 _M = f"{L}.self_attn"
@@ -73,27 +101,10 @@ DEEPSEEK_V3 = Mapping(
         ends(),
         norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
         (f"{_M}.q_proj.weight", f"{A}.attn.q_DNH", "linear_to_heads"),
-        (f"{_M}.q_a_proj.weight", f"{A}.attn.q_down_DR", "linear"),
-        norm_row(f"{_M}.q_a_layernorm", f"{A}.attn.q_norm"),
-        (f"{_M}.q_b_proj.weight", f"{A}.attn.q_up_RNH", "linear_to_heads"),
-        (
-            f"{_M}.kv_a_proj_with_mqa.weight",
-            (f"{A}.attn.kv_down_DR", f"{A}.attn.k_rope_DH"),
-            "fused_linear",
-        ),
-        norm_row(f"{_M}.kv_a_layernorm", f"{A}.attn.kv_norm"),
-        (f"{_M}.kv_b_proj.weight", (f"{A}.attn.k_up_RNH", f"{A}.attn.v_up_RNH"), "kv_b_to_heads"),
+        latent_rows(_M, f"{A}.attn"),
         (f"{_M}.o_proj.weight", f"{A}.attn.o_NHD", "linear_from_heads"),
         norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
-        gated_ffn(),
-        (f"{L}.mlp.gate.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{L}.mlp.gate.e_score_correction_bias", f"{A}.ffn.selection_bias_E"),
-        (f"{L}.mlp.experts.gate_proj.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{L}.mlp.experts.up_proj.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{L}.mlp.experts.down_proj.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
-        (f"{L}.mlp.shared_experts.gate_proj.weight", f"{A}.ffn.shared_gate_DF", "linear"),
-        (f"{L}.mlp.shared_experts.up_proj.weight", f"{A}.ffn.shared_in_DF", "linear"),
-        (f"{L}.mlp.shared_experts.down_proj.weight", f"{A}.ffn.shared_out_FD", "linear"),
+        deepseek_experts(),
     ),
     ignore=IGNORE,
 )
@@ -125,6 +136,23 @@ def deepseek_rope_layout(tensors: dict, c: dict) -> dict:
     return out
 
 
+def deepseek_moe_fields(cfg) -> dict:
+    """config.json's fields of ``cfg``'s DeepSeek-style experts (``deepseek_moe_settings``
+    read back)."""
+    s = cfg.ffn_settings
+    return dict(
+        n_routed_experts=s.n_experts,
+        num_experts_per_tok=s.top_k,
+        moe_intermediate_size=s.d_expert or cfg.d_ff,
+        n_group=s.n_group,
+        topk_group=s.topk_group,
+        n_shared_experts=s.n_shared,
+        first_k_dense_replace=s.dense_layers,
+        routed_scaling_factor=s.routed_scaling,
+        norm_topk_prob=s.renormalize,
+    )
+
+
 def mla_fields(m) -> dict:
     """config.json's latent-attention sizes of resolved ``mla`` settings ``m``."""
     return dict(
@@ -141,21 +169,10 @@ def deepseek_v3_writer(cfg):
     written in attnlab's half-split layout (``rope_interleave`` false)."""
     if cfg.mixer != "mla":
         raise ValueError(f"mixer={cfg.mixer!r}: DeepSeek-V3 attends with mla")
-    m, s = cfg.mixer_settings.resolved(cfg), cfg.ffn_settings
+    m = cfg.mixer_settings.resolved(cfg)
     out = {**base_config(cfg, "deepseek_v3", "DeepseekV3ForCausalLM"), **experts(cfg)}
     del out["head_dim"], out["num_local_experts"]
-    out.update(
-        **mla_fields(m),
-        rope_interleave=False,
-        n_routed_experts=s.n_experts,
-        moe_intermediate_size=s.d_expert or cfg.d_ff,
-        n_group=s.n_group,
-        topk_group=s.topk_group,
-        n_shared_experts=s.n_shared,
-        first_k_dense_replace=s.dense_layers,
-        routed_scaling_factor=s.routed_scaling,
-        norm_topk_prob=s.renormalize,
-    )
+    out.update(**mla_fields(m), rope_interleave=False, **deepseek_moe_fields(cfg))
     return out
 
 

@@ -11,7 +11,9 @@ output logits (``logits_softcap``).
 
 from __future__ import annotations
 
-from attnlab.pretrained.export_configs import base_config, rope_parameters, window_fields
+import functools
+
+from attnlab.pretrained.export_configs import base_config, rope_by_layer_type, window_fields
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
@@ -167,44 +169,21 @@ def gemma2_writer(cfg):
 
 def gemma3_text_writer(cfg):
     out = {**_gemma(cfg, "gemma3_text", "Gemma3ForCausalLM"), **window_fields(cfg)}
-    thetas = cfg.layer_rope_thetas(cfg.n_layers)
-    kinds = out["layer_types"]
-    by_kind = {k: {t for t, kk in zip(thetas, kinds, strict=True) if kk == k} for k in set(kinds)}
-    if any(len(v) > 1 for v in by_kind.values()):
-        raise ValueError("Gemma 3 has one RoPE base per layer type")
-    full = by_kind.get("full_attention", {cfg.rope_theta}).pop()
-    local = by_kind.get("sliding_attention", {cfg.rope_theta}).pop()
-    out["rope_parameters"] = {
-        "full_attention": {**rope_parameters(cfg), "rope_theta": full},
-        "sliding_attention": {"rope_type": "default", "rope_theta": local},
-    }
+    out["rope_parameters"] = rope_by_layer_type(cfg, out["layer_types"], "Gemma 3")
     return out
 
 
-register_family(
-    Family(
-        "gemma",
-        config=lambda c: gemma(c, "gemma"),
-        mapping=GEMMA1,
-        write=gemma_writer,
-        architectures=("Gemma",),
+for _family, _mapping, _write, _prefix in (
+    ("gemma", GEMMA1, gemma_writer, "Gemma"),
+    ("gemma2", GEMMA, gemma2_writer, "Gemma2"),
+    ("gemma3_text", GEMMA, gemma3_text_writer, "Gemma3"),
+):
+    register_family(
+        Family(
+            _family,
+            config=functools.partial(gemma, family=_family),
+            mapping=_mapping,
+            write=_write,
+            architectures=(_prefix,),
+        )
     )
-)
-register_family(
-    Family(
-        "gemma2",
-        config=lambda c: gemma(c, "gemma2"),
-        mapping=GEMMA,
-        write=gemma2_writer,
-        architectures=("Gemma2",),
-    )
-)
-register_family(
-    Family(
-        "gemma3_text",
-        config=lambda c: gemma(c, "gemma3_text"),
-        mapping=GEMMA,
-        write=gemma3_text_writer,
-        architectures=("Gemma3",),
-    )
-)

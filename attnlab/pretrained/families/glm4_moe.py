@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from attnlab.pretrained.export_configs import base_config
-from attnlab.pretrained.families.deepseek_v3 import deepseek_moe_settings
+from attnlab.pretrained.families.deepseek_v3 import deepseek_moe_fields, deepseek_moe_settings
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import require
@@ -18,8 +18,8 @@ from attnlab.pretrained.mappings import (
     A,
     L,
     Mapping,
+    deepseek_experts,
     ends,
-    gated_ffn,
     linear_attention,
     norm_row,
     table,
@@ -43,7 +43,6 @@ def without_mtp_layers(tensors: dict, c: dict) -> dict:
     return {name: x for name, x in tensors.items() if keep(name)}
 
 
-_X = f"{L}.mlp"
 GLM4_MOE = Mapping(
     prefix="model.",
     rules=table(
@@ -53,15 +52,7 @@ GLM4_MOE = Mapping(
         norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm"),
         norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm"),
         norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
-        gated_ffn(),
-        (f"{_X}.gate.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{_X}.gate.e_score_correction_bias", f"{A}.ffn.selection_bias_E"),
-        (f"{_X}.experts.gate_proj.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{_X}.experts.up_proj.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{_X}.experts.down_proj.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
-        (f"{_X}.shared_experts.gate_proj.weight", f"{A}.ffn.shared_gate_DF", "linear"),
-        (f"{_X}.shared_experts.up_proj.weight", f"{A}.ffn.shared_in_DF", "linear"),
-        (f"{_X}.shared_experts.down_proj.weight", f"{A}.ffn.shared_out_FD", "linear"),
+        deepseek_experts(),
     ),
     ignore=IGNORE,
 )
@@ -77,19 +68,7 @@ def glm4_moe_writer(cfg):
     out["rope_parameters"]["partial_rotary_factor"] = (
         cfg.rotary_dim or cfg.head_dim
     ) / cfg.head_dim
-    out.update(
-        use_qk_norm=cfg.qk_norm,
-        n_routed_experts=s.n_experts,
-        num_experts_per_tok=s.top_k,
-        moe_intermediate_size=s.d_expert or cfg.d_ff,
-        n_group=s.n_group,
-        topk_group=s.topk_group,
-        n_shared_experts=s.n_shared,
-        first_k_dense_replace=s.dense_layers,
-        routed_scaling_factor=s.routed_scaling,
-        norm_topk_prob=s.renormalize,
-        num_nextn_predict_layers=0,
-    )
+    out.update(use_qk_norm=cfg.qk_norm, **deepseek_moe_fields(cfg), num_nextn_predict_layers=0)
     return out
 
 

@@ -22,7 +22,7 @@ import re
 
 from attnlab.config.layer_kinds import stack_plan
 from attnlab.pretrained.export_configs import single_mixers
-from attnlab.pretrained.families.deepseek_v3 import mla_fields
+from attnlab.pretrained.families.deepseek_v3 import latent_rows, mla_fields
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
@@ -32,7 +32,16 @@ from attnlab.pretrained.hf_base import (
     reject,
     require,
 )
-from attnlab.pretrained.mappings import IGNORE, A, L, Mapping, ends, gated_ffn, norm_row, table
+from attnlab.pretrained.mappings import (
+    IGNORE,
+    A,
+    L,
+    Mapping,
+    deepseek_experts,
+    ends,
+    norm_row,
+    table,
+)
 
 _KINDS = ("linear_attention", "full_attention")
 LATENT_EPS = 1e-6  # transformers' latent norms keep their default eps, not rms_norm_eps
@@ -156,7 +165,7 @@ def kimi_linear(c: dict) -> dict:
     )
 
 
-_S, _X, _F = f"{L}.self_attn", f"{A}.attn", f"{L}.mlp"
+_S, _X = f"{L}.self_attn", f"{A}.attn"
 KIMI_LINEAR = Mapping(
     prefix="model.",
     rules=table(
@@ -181,26 +190,9 @@ KIMI_LINEAR = Mapping(
         (f"{_S}.g_b_proj.weight", f"{_X}.g_b_RNH", "linear_to_heads"),
         (f"{_S}.o_norm.weight", f"{_X}.norm_scale_H"),
         # Latent attention.
-        (f"{_S}.q_a_proj.weight", f"{_X}.q_down_DR", "linear"),
-        norm_row(f"{_S}.q_a_layernorm", f"{_X}.q_norm"),
-        (f"{_S}.q_b_proj.weight", f"{_X}.q_up_RNH", "linear_to_heads"),
-        (
-            f"{_S}.kv_a_proj_with_mqa.weight",
-            (f"{_X}.kv_down_DR", f"{_X}.k_rope_DH"),
-            "fused_linear",
-        ),
-        norm_row(f"{_S}.kv_a_layernorm", f"{_X}.kv_norm"),
-        (f"{_S}.kv_b_proj.weight", (f"{_X}.k_up_RNH", f"{_X}.v_up_RNH"), "kv_b_to_heads"),
+        latent_rows(_S, _X),
         # The dense first layers, then the router, experts and shared expert.
-        gated_ffn(_F),
-        (f"{_F}.gate.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{_F}.gate.e_score_correction_bias", f"{A}.ffn.selection_bias_E"),
-        (f"{_F}.experts.w1.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{_F}.experts.w3.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{_F}.experts.w2.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
-        (f"{_F}.shared_experts.gate_proj.weight", f"{A}.ffn.shared_gate_DF", "linear"),
-        (f"{_F}.shared_experts.up_proj.weight", f"{A}.ffn.shared_in_DF", "linear"),
-        (f"{_F}.shared_experts.down_proj.weight", f"{A}.ffn.shared_out_FD", "linear"),
+        deepseek_experts(names=("w1", "w3", "w2")),
     ),
     ignore=IGNORE,
 )

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 
-from attnlab.config.layer_kinds import stack_plan
-from attnlab.pretrained.export_configs import single_mixers
-from attnlab.pretrained.families.mamba2 import MAMBA2_MAX_LEN
+from attnlab.pretrained.families.mamba2 import (
+    ssm_config_json,
+    ssm_decoder,
+    ssm_mapping,
+    ssm_mixer_settings,
+)
 from attnlab.pretrained.family import Family, register_family
-from attnlab.pretrained.hf_base import common_fields, reject, require
-from attnlab.pretrained.mappings import Mapping, table
+from attnlab.pretrained.hf_base import reject, require
 
 
 def mamba_settings(c: dict, prefix: str = "") -> dict:
@@ -36,24 +38,7 @@ def mamba_settings(c: dict, prefix: str = "") -> dict:
 def mamba(c: dict) -> dict:
     """``MambaConfig`` -> a decoder of ``mamba`` layers without FFN."""
     reject(c, "hidden_act", lambda v: v not in (None, "silu"), "Mamba gates with silu only")
-    return common_fields(
-        c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=require(c, "hidden_size"),
-        n_layers=require(c, "num_hidden_layers"),
-        n_heads=1,
-        max_len=MAMBA2_MAX_LEN,
-        position="none",
-        norm="rmsnorm",
-        norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
-        norm_placement="pre",
-        final_norm=True,
-        mixer="mamba",
-        mixer_settings=mamba_settings(c),
-        ffn_variant="none",
-        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-    )
+    return ssm_decoder(c, "mamba", mamba_settings, tie=True)
 
 
 def mamba_rows(hf: str, ours: str) -> list:
@@ -73,55 +58,23 @@ def mamba_rows(hf: str, ours: str) -> list:
     ]
 
 
-_L = "backbone.layers.{i}"
-MAMBA = Mapping(
-    prefix="backbone.",
-    rules=table(
-        ("backbone.embeddings.weight", "embed.tokens.embedding_VD"),
-        ("backbone.norm_f.weight", "decoder.final_norm.scale_D"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        (
-            f"{_L}.norm.weight",
-            ("decoder.layers.{i}.attn_norm.scale_D", "decoder.layers.{i}.ffn_norm.scale_D"),
-            "norm_and_unused",
-        ),
-        mamba_rows(f"{_L}.mixer", "decoder.layers.{i}.attn"),
-    ),
-    ignore=("lm_head.weight",),
-)
+MAMBA = ssm_mapping(mamba_rows)
 
 
 def mamba_writer(cfg):
     """Every layer one ``mamba`` mixer with no FFN."""
-    mixers = single_mixers(cfg, "Mamba", {"mamba": None})
-    if any(k.ffn_variant != "none" for k in stack_plan(cfg, cfg.n_layers).kinds):
-        raise ValueError("ffn_variant: Mamba's layers have no FFN ('none')")
-    if cfg.arch != "decoder":
-        raise ValueError(f"arch={cfg.arch!r}: export-hf writes decoder-only models")
-    s = mixers[0].mixer_settings.resolved(cfg)
+    s = ssm_mixer_settings(cfg, "Mamba", "mamba")
     if s.inner_norms:
         raise ValueError("mixer_settings.inner_norms: Mamba has no norms on dt, B and C")
-    return {
-        "model_type": "mamba",
-        "architectures": ["MambaForCausalLM"],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
+    keys = {
         "state_size": s.state_size,
         "expand": s.expand,
         "conv_kernel": s.conv_kernel,
         "time_step_rank": s.dt_rank,
         "use_bias": s.use_bias,
         "use_conv_bias": s.use_conv_bias,
-        "time_step_min": s.time_step_min,
-        "time_step_max": s.time_step_max,
-        "time_step_floor": s.time_step_floor,
-        "layer_norm_epsilon": cfg.norm_eps,
-        "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "pad_token_id": cfg.pad_id,
-        "dtype": "float32",
     }
+    return ssm_config_json(cfg, s, "mamba", keys)
 
 
 register_family(

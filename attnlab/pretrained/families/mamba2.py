@@ -80,13 +80,18 @@ def mamba2(c: dict) -> dict:
     """``Mamba2Config`` -> a decoder of ``mamba2`` layers without FFN."""
     reject(c, "hidden_act", lambda v: v not in (None, "silu"), "Mamba-2 gates with silu only")
     reject(c, "rms_norm", lambda v: v is False, "the gated RMSNorm is always applied")
-    D = require(c, "hidden_size")
-    settings = mamba2_settings(c)
+    return ssm_decoder(c, "mamba2", mamba2_settings, tie=False)
+
+
+def ssm_decoder(c: dict, mixer: str, settings, *, tie: bool) -> dict:
+    """The fields of a Mamba checkpoint's model: a pre-norm decoder of ``mixer`` layers
+    (``settings(c)``) without FFN or positions; ``tie`` is ``tie_word_embeddings``'s
+    default."""
     return common_fields(
         c,
         arch="decoder",
         vocab_size=require(c, "vocab_size"),
-        d_model=D,
+        d_model=require(c, "hidden_size"),
         n_layers=require(c, "num_hidden_layers"),
         n_heads=1,
         max_len=MAMBA2_MAX_LEN,
@@ -95,10 +100,10 @@ def mamba2(c: dict) -> dict:
         norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
         norm_placement="pre",
         final_norm=True,
-        mixer="mamba2",
-        mixer_settings=settings,
+        mixer=mixer,
+        mixer_settings=settings(c),
         ffn_variant="none",
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", tie)),
     )
 
 
@@ -118,50 +123,67 @@ def mamba2_rows(hf: str, ours: str) -> list:
     ]
 
 
-_L = "backbone.layers.{i}"
-_M = "decoder.layers.{i}.attn"
-MAMBA2 = Mapping(
-    prefix="backbone.",
-    rules=table(
-        ("backbone.embeddings.weight", "embed.tokens.embedding_VD"),
-        ("backbone.norm_f.weight", "decoder.final_norm.scale_D"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        (
-            f"{_L}.norm.weight",
-            ("decoder.layers.{i}.attn_norm.scale_D", "decoder.layers.{i}.ffn_norm.scale_D"),
-            "norm_and_unused",
+def ssm_mapping(rows) -> Mapping:
+    """The tensor table of a Mamba checkpoint whose mixers' rows are ``rows(hf, ours)``: each
+    layer's one norm is the mixer's (the unused FFN norm filled), no FFN."""
+    L = "backbone.layers.{i}"
+    return Mapping(
+        prefix="backbone.",
+        rules=table(
+            ("backbone.embeddings.weight", "embed.tokens.embedding_VD"),
+            ("backbone.norm_f.weight", "decoder.final_norm.scale_D"),
+            ("lm_head.weight", "head.head_DV", "linear"),
+            (
+                f"{L}.norm.weight",
+                ("decoder.layers.{i}.attn_norm.scale_D", "decoder.layers.{i}.ffn_norm.scale_D"),
+                "norm_and_unused",
+            ),
+            rows(f"{L}.mixer", "decoder.layers.{i}.attn"),
         ),
-        mamba2_rows(f"{_L}.mixer", _M),
-    ),
-    ignore=("lm_head.weight",),
-)
+        ignore=("lm_head.weight",),
+    )
 
 
-def mamba2_writer(cfg):
-    """Every layer one ``mamba2`` mixer with no FFN (``ffn_variant="none"``)."""
-    mixers = single_mixers(cfg, "Mamba-2", {"mamba2": None})
+MAMBA2 = ssm_mapping(mamba2_rows)
+
+
+def ssm_mixer_settings(cfg, name: str, mixer: str):
+    """The resolved settings of a decoder whose every layer is one ``mixer`` with no FFN,
+    which a Mamba checkpoint (family ``name``) can hold; anything else raises."""
+    mixers = single_mixers(cfg, name, {mixer: None})
     if any(k.ffn_variant != "none" for k in stack_plan(cfg, cfg.n_layers).kinds):
-        raise ValueError("ffn_variant: Mamba-2's layers have no FFN ('none')")
+        raise ValueError(f"ffn_variant: {name}'s layers have no FFN ('none')")
     if cfg.arch != "decoder":
         raise ValueError(f"arch={cfg.arch!r}: export-hf writes decoder-only models")
-    s = mixers[0].mixer_settings.resolved(cfg)
+    return mixers[0].mixer_settings.resolved(cfg)
+
+
+def ssm_config_json(cfg, s, model_type: str, keys: dict, **extra) -> dict:
+    """The config.json of a Mamba checkpoint of ``cfg`` with mixer settings ``s``: the
+    family's ``model_type``, its mixer ``keys`` and ``extra`` keys among the shared ones."""
     return {
-        "model_type": "mamba2",
-        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": model_type,
+        "architectures": [f"{model_type.capitalize()}ForCausalLM"],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
-        **mamba2_keys(s, MAMBA2_KEYS),
+        **keys,
         "time_step_min": s.time_step_min,
         "time_step_max": s.time_step_max,
         "time_step_floor": s.time_step_floor,
         "layer_norm_epsilon": cfg.norm_eps,
         "hidden_act": "silu",
-        "rms_norm": True,
+        **extra,
         "tie_word_embeddings": cfg.tie_embeddings,
         "pad_token_id": cfg.pad_id,
         "dtype": "float32",
     }
+
+
+def mamba2_writer(cfg):
+    """Every layer one ``mamba2`` mixer with no FFN (``ffn_variant="none"``)."""
+    s = ssm_mixer_settings(cfg, "Mamba-2", "mamba2")
+    return ssm_config_json(cfg, s, "mamba2", mamba2_keys(s, MAMBA2_KEYS), rms_norm=True)
 
 
 register_family(

@@ -5,7 +5,7 @@ on the full layers, the sliding ones rotate unscaled on their own base."""
 
 from __future__ import annotations
 
-from attnlab.pretrained.export_configs import base_config, rope_parameters, window_fields
+from attnlab.pretrained.export_configs import base_config, rope_by_layer_type, window_fields
 from attnlab.pretrained.families.olmo2 import OLMO2, olmo2_config
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
@@ -60,16 +60,7 @@ def olmo3(c: dict) -> dict:
 
 def olmo3_writer(cfg):
     out = {**base_config(cfg, "olmo3", "Olmo3ForCausalLM"), **window_fields(cfg)}
-    thetas, kinds = cfg.layer_rope_thetas(cfg.n_layers), out["layer_types"]
-    by_kind = {k: {t for t, kk in zip(thetas, kinds, strict=True) if kk == k} for k in _TYPES}
-    if any(len(v) > 1 for v in by_kind.values()):
-        raise ValueError("OLMo 3 has one RoPE base per layer type")
-    full = by_kind["full_attention"].pop() if by_kind["full_attention"] else cfg.rope_theta
-    local = by_kind["sliding_attention"].pop() if by_kind["sliding_attention"] else cfg.rope_theta
-    out["rope_parameters"] = {
-        "full_attention": {**rope_parameters(cfg), "rope_theta": full},
-        "sliding_attention": {"rope_type": "default", "rope_theta": local},
-    }
+    out["rope_parameters"] = rope_by_layer_type(cfg, out["layer_types"], "OLMo 3")
     return out
 
 
