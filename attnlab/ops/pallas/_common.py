@@ -1,6 +1,7 @@
-"""What the Pallas attention kernels share: the converted ``score_mod``, the mask as kernel
-inputs and its evaluation on one block, the block tables split into partial and full blocks,
-and the checks behind each module's ``supports``.
+"""What the Pallas attention kernels share: the converted ``score_mod``, the block grid of a
+call (``Blocks``), the mask as kernel inputs and its evaluation on one block, the block
+tables split into partial and full blocks, and the checks behind each module's
+``supports``.
 
 Inside a kernel program a block of logits is ``[tq, tk]``; ``b`` and ``h`` are scalars and
 ``q_idx``/``kv_idx`` the ``[tq, 1]`` / ``[1, tk]`` query and key indices of the block.
@@ -155,6 +156,41 @@ def scores(s0, softcap, mod, b, h, q_idx, kv_idx, consts):
     """Logits after the softcap and the ``score_mod``, from the scaled ``q.k`` ``s0``."""
     s = s0 if softcap is None else softcap * jnp.tanh(s0 / softcap)
     return s if mod is None else mod(s, b, h, q_idx, kv_idx, *consts)
+
+
+# ------------------------------------------------------------------------------------------
+# The block grid of a call
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """What a flex kernel's static description starts with: the batch, the query and key
+    lengths, the query and key-value heads, the head dim, and the block grid (``nq`` blocks
+    of ``tq`` queries, ``nk`` of ``tk`` keys)."""
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    tq: int
+    tk: int
+    nq: int
+    nk: int
+
+    @property
+    def G(self):
+        return self.N // self.K
+
+    @property
+    def T_pad(self):
+        return self.nq * self.tq
+
+    @property
+    def S_pad(self):
+        return self.nk * self.tk
 
 
 # ------------------------------------------------------------------------------------------

@@ -22,19 +22,9 @@ _F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(cm.Blocks):
     """The static description of one call."""
 
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    tq: int
-    tk: int
-    nq: int
-    nk: int
     scale: float
     softcap: float | None
     mod: Callable | None  # on values (the JAX pass for the arrays' gradients)
@@ -49,18 +39,6 @@ class Config:
     prefetch: bool  # block tables as scalar prefetch (Mosaic TPU)
     interpret: bool
     count: bool = False
-
-    @property
-    def G(self):
-        return self.N // self.K
-
-    @property
-    def T_pad(self):
-        return self.nq * self.tq
-
-    @property
-    def S_pad(self):
-        return self.nk * self.tk
 
 
 # ------------------------------------------------------------------------------------------

@@ -39,19 +39,9 @@ LANES = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(cm.Blocks):
     """The static description of one call (padded sizes ``nq * tq``, ``nk * tk``)."""
 
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    tq: int
-    tk: int
-    nq: int
-    nk: int
     steps_q: int  # visits per query block (the longest row of the block mask)
     steps_k: int  # visits per key block (the longest column)
     scale: float
@@ -64,18 +54,6 @@ class Config:
     dense_shape: tuple
     has_sinks: bool
     interpret: bool
-
-    @property
-    def G(self):
-        return self.N // self.K
-
-    @property
-    def T_pad(self):
-        return self.nq * self.tq
-
-    @property
-    def S_pad(self):
-        return self.nk * self.tk
 
 
 # ------------------------------------------------------------------------------------------
