@@ -1,16 +1,18 @@
 """Checks every attention variant (``attnlab.contracts.mixer``) must pass, shared by the variants'
 tests: cached decoding (prefill of ragged prompts, then one token at a time) equals one full forward
 pass; generation with the cache equals generation by recomputation; gradients stay finite
-when whole rows are masked."""
+when whole rows are masked; bad settings are one-line errors naming the field."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import attnlab
 from attnlab import ModelConfig, build_model, init_cache
 from attnlab.decode import Decoder
+from attnlab.errors import ConfigError
 
 TINY = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16, init_std=0.3)
 
@@ -98,3 +100,14 @@ def beam_scores_match_forward(cfg: ModelConfig, *, seed: int = 2, num_beams: int
         at = len(prompt) - 1 + np.arange(len(beams.tokens[b]))
         want = float(np.sum(logp[at, beams.tokens[b]]))
         np.testing.assert_allclose(beams.scores[b], want, atol=1e-4)
+
+
+def one_line_config_error(words, **fields):
+    """``ModelConfig(**fields)`` raises a ``ConfigError`` of one line holding each of
+    ``words`` (the field and what it takes)."""
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(**fields)
+    message = str(info.value)
+    assert "\n" not in message, message
+    for word in words:
+        assert word in message, message

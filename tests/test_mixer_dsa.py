@@ -274,10 +274,9 @@ def test_its_indexer_loss_is_a_step_metric_with_the_settings_weight():
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
-    with pytest.raises(ConfigError) as info:
-        ModelConfig(**{**DSA, "mixer_settings": dict(SETTINGS, **changes)})
-    message = str(info.value)
-    assert "\n" not in message and all(w in message for w in words), message
+    mixer_checks.one_line_config_error(
+        words, **{**DSA, "mixer_settings": dict(SETTINGS, **changes)}
+    )
     with pytest.raises(ConfigError, match=r"ModelConfig.causal=False.*set causal=True"):
         ModelConfig(**DSA, causal=False)
     with pytest.raises(ConfigError, match=r"ModelConfig.position='alibi'.*set position='rope'"):

@@ -426,12 +426,8 @@ def test_cache_entries_are_fixed_size_state_named_by_role(mixer, dtype):
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(mixer, changes, words):
-    with pytest.raises(ConfigError) as info:
-        tiny(mixer, mixer_settings={**SETTINGS[mixer], **changes})
-    message = str(info.value)
-    assert "\n" not in message
-    for word in words:
-        assert word in message
+    base = dict(mixer_checks.TINY, position="none", mixer=mixer)
+    mixer_checks.one_line_config_error(words, **base, mixer_settings={**SETTINGS[mixer], **changes})
 
 
 def test_a_recurrent_layer_refuses_an_encoder_and_packed_documents():

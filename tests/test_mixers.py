@@ -16,7 +16,6 @@ from flax import nnx
 import attnlab
 from attnlab import ModelConfig, build_model, experiment, runs
 from attnlab.contracts.mixer import CacheEntry, MixerCall, MixerSettings, register_mixer
-from attnlab.errors import ConfigError
 from attnlab.nn.mixers.mha import Attention
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -178,12 +177,7 @@ def test_layer_pattern_sets_each_layers_window_and_rope_base():
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
-    with pytest.raises(ConfigError) as info:
-        ModelConfig(**{**mixer_checks.TINY, **changes})
-    message = str(info.value)
-    assert "\n" not in message
-    for word in words:
-        assert word in message
+    mixer_checks.one_line_config_error(words, **{**mixer_checks.TINY, **changes})
 
 
 def test_registration_checks_the_class():
