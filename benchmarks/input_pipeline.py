@@ -176,10 +176,7 @@ def main():
                 row["packed_token_fraction"] = round(float((b["segment_ids"] > 0).mean()), 4)
             report["pipelines"][variant] = row
             print(json.dumps({variant: row}), flush=True)
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(report, indent=1) + "\n")
+    machine.print_json(report, args.out)
 
 
 if __name__ == "__main__":

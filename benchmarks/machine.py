@@ -225,6 +225,11 @@ def emit(out: dict, path: str | None = None, indent: int = 1) -> None:
     """Print a benchmark's JSON with the load average at its end in ``out["machine"]``, and
     write it to ``path`` (``--out``) when given."""
     out["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    print_json(out, path, indent)
+
+
+def print_json(out: dict, path: str | None = None, indent: int = 1) -> None:
+    """Print ``out`` as JSON, and write it to ``path`` (``--out``) when given."""
     text = json.dumps(out, indent=indent)
     print(text)
     if path:

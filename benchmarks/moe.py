@@ -29,7 +29,6 @@ top_k x d_expert) per second over the matmul rate at the step's own shape
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -167,10 +166,7 @@ def main():
         machine=host,
         limits=limits,
     )
-    print(json.dumps(report, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(json.dumps(report, indent=1) + "\n")
+    machine.print_json(report, a.out)
 
 
 if __name__ == "__main__":

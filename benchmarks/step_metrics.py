@@ -24,7 +24,6 @@ whether the tokens equal greedy ``generate``'s, and the wall time of both.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import time
 
@@ -164,10 +163,7 @@ def main(argv=None):
     )
     if a.speculative:
         out["speculative"] = speculative(a.speculative)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.out:
-        pathlib.Path(a.out).write_text(text + "\n")
+    machine.print_json(out, a.out, indent=2)
 
 
 if __name__ == "__main__":
