@@ -1,7 +1,8 @@
 """Strict JAX for the whole suite, the two tiers, and the location of the shared fixtures.
 
 ``python -m pytest`` runs the fast tier; ``-m slow`` runs the tests marked
-``@pytest.mark.slow(reason=...)``, ``-m ""`` both. A property test draws its first few
+``@pytest.mark.slow(reason=...)``, ``-m ""`` both; ``.ci/run`` leaves the ``long`` ones
+(``tests/tiers.py``) to ``.ci/long``. A property test draws its first few
 examples in the fast tier and all of them in the slow tier (``test_fuzz.py``).
 """
 
@@ -60,6 +61,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid in moved:
             item.add_marker(pytest.mark.slow(reason=tiers.MOVED_REASON))
+        if tiers.in_long(item.nodeid):
+            item.add_marker(pytest.mark.long(reason=tiers.LONG_REASON))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
 

@@ -97,3 +97,16 @@ MOVED = (
     "tests/test_pretrained_moe.py::test_logits_match_transformers_with_left_padding[gpt_oss]",  # 8 s
 )
 MOVED_REASON = "among the fast tier's costliest tests (tests/tiers.py: MOVED), run with the slow tier"
+
+
+# What ``.ci/run`` leaves to ``bash .ci/long``: each entry a test id, a test function (all its
+# cases) or a file, beyond the 20 minutes CI has for the install, the site and the fast, slow,
+# lowering and cluster tiers. Each has a representative that CI runs (named beside it).
+LONG: tuple[str, ...] = ()
+LONG_REASON = "beyond .ci/run's time (tests/tiers.py: LONG); bash .ci/long runs it"
+
+
+def in_long(nodeid: str) -> bool:
+    """Whether ``nodeid`` is, or lies in, an entry of ``LONG``."""
+    base = nodeid.split("[", 1)[0]
+    return any(nodeid == e or base == e or nodeid.startswith(e + "::") for e in LONG)
