@@ -11,7 +11,6 @@ program flat in the number of repeats, 8 fake devices == one, and the config's e
 
 import dataclasses
 import json
-import os
 import pathlib
 import time
 
@@ -23,6 +22,7 @@ import pytest
 import xla_flags
 from flax import nnx
 from tiers import cases
+from xla_flags import on_mesh
 
 import attnlab
 from attnlab import ModelConfig, build_model, init_cache, kv_cache, ops
@@ -33,7 +33,6 @@ from attnlab.nn.layers import normal
 from attnlab.ops.linear import dense
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
 
 
 @attnlab.register_mixer("short_conv_decay", overwrite=True)
@@ -467,12 +466,10 @@ def test_bad_patterns_get_one_line_errors_naming_the_field(change, words):
 
 @pytest.mark.slow(reason="a second pytest process on 8 CPU devices compiles sharded programs")
 def test_hybrid_on_eight_cpu_devices():
-    if CHILD:
-        pytest.skip("this is the child process")
     xla_flags.run_on_devices(__file__, "-m", "", "-k", "mesh_like_one_device")
 
 
-@pytest.mark.skipif(not CHILD, reason="runs in the child process with 8 CPU devices")
+@on_mesh
 def test_hybrid_trains_and_decodes_on_a_mesh_like_one_device():
     from test_sharding import batches, run_steps, tiny
 

@@ -8,22 +8,16 @@ kernels run in interpret mode. ``attnlab lower --mesh`` lowers the same calls fo
 (a Mosaic TPU kernel cannot be partitioned by the compiler at all).
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import xla_flags
+from xla_flags import on_mesh
 
 from attnlab.devices import sharding
 from attnlab.ops import flex, score_mods
 from attnlab.ops.masks import MaskSpec
-
-CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
-on_mesh = pytest.mark.skipif(
-    not CHILD, reason="runs in the child process with 8 CPU devices (see the test below)"
-)
 
 
 @pytest.mark.slow(reason="a second pytest process on 8 CPU devices runs every kernel twice")

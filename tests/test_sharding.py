@@ -15,22 +15,17 @@ import jax
 import numpy as np
 import pytest
 import xla_flags
+from xla_flags import CHILD, on_mesh
 
 from attnlab import experiment
 from attnlab.devices import sharding
 from attnlab.train import Trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
-on_mesh = pytest.mark.skipif(
-    not CHILD, reason="runs in the child process with 8 CPU devices (see the test above)"
-)
 
 
 @pytest.mark.slow(reason="a second pytest process on 8 CPU devices compiles every sharded program")
 def test_mesh_tests_pass_on_eight_cpu_devices():
-    if CHILD:
-        pytest.skip("this is the child process")
     xla_flags.run_on_devices(__file__)
 
 

@@ -6,7 +6,6 @@ The tests that need a mesh run in a child process with 8 fake CPU devices, start
 ``test_metrics_on_eight_cpu_devices``; in the parent they skip, saying so.
 """
 
-import os
 import pathlib
 
 import decoder_reference as dref
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import xla_flags
 from flax import nnx
+from xla_flags import on_mesh
 
 from attnlab import experiment
 from attnlab.devices import sharding
@@ -24,10 +24,6 @@ from attnlab.train import Trainer, loss_sums
 from attnlab.train.state import reconcile_acc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
-on_mesh = pytest.mark.skipif(
-    not CHILD, reason="runs in the child process with 8 CPU devices (see the test below)"
-)
 ALL = (
     "attn_max_logit", "attn_qk_norm", "attn_entropy", "attn_first_share", "residual_rms",
     "residual_max", "grad_norms", "update_norms",
@@ -186,8 +182,6 @@ def test_a_run_resumes_with_a_metric_its_checkpoint_was_written_without(tmp_path
 
 @pytest.mark.slow(reason="a second pytest process on 8 CPU devices compiles the sharded steps")
 def test_metrics_on_eight_cpu_devices():
-    if CHILD:
-        pytest.skip("this is the child process")
     xla_flags.run_on_devices(__file__, "-k", "mesh or devices")
 
 

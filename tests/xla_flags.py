@@ -13,7 +13,12 @@ library or the CLI.
 import os
 import pathlib
 
+import pytest
+
 COMPILE = "--xla_cpu_use_fusion_emitters=false"
+# This process is the child ``run_on_devices`` starts (its mesh tests run here).
+CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
+on_mesh = pytest.mark.skipif(not CHILD, reason="runs in run_on_devices' child on 8 CPU devices")
 
 
 def session() -> str:
@@ -32,9 +37,13 @@ def run_on_devices(test_file: str, *pytest_args: str, n: int = 8, timeout: int =
     """Runs ``test_file`` in a child pytest process on ``n`` fake CPU devices, with
     ``ATTNLAB_MESH_CHILD=1`` so that its mesh tests run there (they skip in the parent),
     ``pytest_args`` added to the child's command line, and
-    fails with the end of the child's output unless every selected test passed."""
+    fails with the end of the child's output unless every selected test passed. In the child
+    itself it skips (the test that calls it may be selected there too)."""
     import subprocess
     import sys
+
+    if CHILD:
+        pytest.skip("this is the child process")
 
     tests = pathlib.Path(__file__).resolve().parent
     env = dict(os.environ, ATTNLAB_MESH_CHILD="1", XLA_FLAGS=devices(n))
