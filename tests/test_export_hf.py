@@ -16,14 +16,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to read the exported folders"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
+from hf_reference import hf_logits, torch, transformers
 from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf  # noqa: E402
 from test_pretrained_open import left_padded  # noqa: E402
 from tiers import cases  # noqa: E402
 
@@ -106,8 +100,7 @@ def transformers_logits(folder, ids, mask):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, attn_implementation="eager", dtype=torch.float32
     )
-    with torch.no_grad():
-        return model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    return hf_logits(model, ids, mask)
 
 
 @pytest.mark.parametrize(
@@ -147,9 +140,8 @@ def export_round_trips(model, folder, out):
     exported = type(model).from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
     ids, mask = left_padded(np.random.default_rng(3))
     real = mask.astype(bool)
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
-        got = exported.eval()(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+    expected = hf_logits(model, ids, mask)[real]
+    got = hf_logits(exported.eval(), ids, mask)[real]
     assert max_diff(got, expected) <= TOL
     assert same_params_bitwise(load_pretrained(out).model, handle.model)
 

@@ -20,18 +20,13 @@ with the same logits. Their published sizes: ``test_pretrained_catalogue_sizes``
 
 import numpy as np
 import pytest
+from hf_reference import built_once, hf_logits, tiny_model, torch, transformers
+from test_export_hf import export_round_trips
+from test_pretrained import max_diff
+from test_pretrained_hf import perturb
+from test_pretrained_open import greedy_matches_transformers, left_padded
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_export_hf import export_round_trips  # noqa: E402
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
-
-from attnlab.pretrained import (  # noqa: E402
+from attnlab.pretrained import (
     convert,
     export_model,
     load_pretrained,
@@ -314,31 +309,25 @@ SLOW = "a family's checkpoint built by transformers, loaded twice and compiled (
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (transformers model, folder), built lazily once per module."""
-    built = {}
 
-    def get(name):
-        if name not in built:
-            config_cls, model_cls, kwargs, _ = SPECS[name]
-            config = getattr(transformers, config_cls)(**kwargs)
-            seed = 31 + NAMES.index(name)
-            torch.manual_seed(seed)
-            model = getattr(transformers, model_cls)._from_config(
-                config, attn_implementation="eager", dtype=torch.float32
-            )
-            gen = torch.Generator().manual_seed(100 + seed)
-            perturb(model, gen)
-            with torch.no_grad():  # the selection bias and xIELU's scalars off their init
-                for n, p in [*model.named_parameters(), *model.named_buffers()]:
-                    if n.endswith(("e_score_correction_bias", "alpha_p", "alpha_n")):
-                        p.add_(0.5 * torch.randn(p.shape, generator=gen))
-            model.eval()
-            model.generation_config.eos_token_id = None
-            folder = tmp_path_factory.mktemp(name)
-            model.save_pretrained(folder)
-            built[name] = model, folder
-        return built[name]
+    def build(name):
+        config_cls, model_cls, kwargs, _ = SPECS[name]
+        config = getattr(transformers, config_cls)(**kwargs)
+        seed = 31 + NAMES.index(name)
+        return tiny_model(
+            model_cls, config, seed, (_perturb, 100 + seed), attn_implementation="eager"
+        )
 
-    return get
+    return built_once(tmp_path_factory, build)
+
+
+def _perturb(model, gen):
+    """``perturb``, then the selection bias and xIELU's scalars off their init."""
+    perturb(model, gen)
+    with torch.no_grad():
+        for n, p in [*model.named_parameters(), *model.named_buffers()]:
+            if n.endswith(("e_score_correction_bias", "alpha_p", "alpha_n")):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
 
 
 @pytest.mark.slow(reason=SLOW)
@@ -346,8 +335,7 @@ def checkpoints(tmp_path_factory):
 def test_logits_match_transformers_and_the_feature_matters(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = left_padded(np.random.default_rng(0))
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    expected = hf_logits(model, ids, mask)
     handle = load_pretrained(folder)
     assert handle.family == name
     real = mask.astype(bool)
@@ -391,9 +379,8 @@ def test_export_round_trips(checkpoints, tmp_path, name):
     )
     ids, mask = left_padded(np.random.default_rng(3))
     real = mask.astype(bool)
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
-        got = exported.eval()(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+    expected = hf_logits(model, ids, mask)[real]
+    got = hf_logits(exported.eval(), ids, mask)[real]
     assert max_diff(got, expected) <= TOL
 
 

@@ -21,12 +21,7 @@ eight unpadded rows of 32 tokens: padding is the family tests' subject, rounding
 import jax
 import numpy as np
 import pytest
-
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
+from hf_reference import torch, transformers
 from test_pretrained_catalogue import NAMES as CATALOGUE  # noqa: E402
 from test_pretrained_catalogue import checkpoints as catalogue_checkpoints  # noqa: E402, F401
 from test_pretrained_hf import SPECS as HF_SPECS  # noqa: E402

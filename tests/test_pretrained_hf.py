@@ -12,16 +12,19 @@ import re
 
 import numpy as np
 import pytest
-
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
+from hf_reference import (  # hf: read from here by the other checkpoint tests
+    built_once,
+    generate_greedy,
+    hf,
+    hf_logits,
+    tiny_model,
+    torch,
+    transformers,
 )
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
+from test_pretrained import cached_greedy, max_diff
+from tiers import cases
 
-from test_pretrained import cached_greedy, max_diff  # noqa: E402
-from tiers import cases  # noqa: E402
-
-from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
+from attnlab.pretrained import convert, load_pretrained, read_tensors
 
 TOL = 1e-4
 HAS_DECODE = importlib.util.find_spec("attnlab.decode") is not None
@@ -140,28 +143,19 @@ def perturb(model, gen):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (transformers model, folder), built lazily once per module."""
-    built = {}
 
-    def get(name):
-        if name not in built:
-            config_cls, model_cls, kwargs = SPECS[name]
-            config = getattr(transformers, config_cls)(**kwargs)
-            seed = 1 + list(SPECS).index(name)
-            torch.manual_seed(seed)
-            model = getattr(transformers, model_cls)._from_config(
-                config, attn_implementation="eager", dtype=torch.float32
-            )
-            perturb(model, torch.Generator().manual_seed(100 + seed))
-            model.eval()
-            gen = model.generation_config
-            for key in ("forced_bos_token_id", "forced_eos_token_id", "eos_token_id"):
-                setattr(gen, key, None)
-            folder = tmp_path_factory.mktemp(name)
-            model.save_pretrained(folder)
-            built[name] = model, folder
-        return built[name]
+    def build(name):
+        config_cls, model_cls, kwargs = SPECS[name]
+        config = getattr(transformers, config_cls)(**kwargs)
+        seed = 1 + list(SPECS).index(name)
+        model = tiny_model(
+            model_cls, config, seed, (perturb, 100 + seed), attn_implementation="eager"
+        )
+        model.generation_config.forced_bos_token_id = None
+        model.generation_config.forced_eos_token_id = None
+        return model
 
-    return get
+    return built_once(tmp_path_factory, build)
 
 
 def batch(name, rng):
@@ -176,10 +170,6 @@ def batch(name, rng):
 
 def hf_ids(x):
     return np.asarray(x, np.int32)
-
-
-def hf(x):
-    return torch.as_tensor(np.asarray(x), dtype=torch.long)
 
 
 def attended_rows(mask, window):
@@ -205,8 +195,7 @@ SEQ2SEQ = ["bart", "t5_v1_1", "t5"]
 def test_decoder_logits_match_transformers(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = batch(name, np.random.default_rng(0))
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    expected = hf_logits(model, ids, mask)
     handle = load_pretrained(folder)
     assert handle.family == name
     logits = np.asarray(handle.logits(ids, mask))
@@ -253,18 +242,8 @@ def test_greedy_matches_transformers_generate(checkpoints, name):
     seq2seq = handle.config.arch == "encoder_decoder"
     n, length = 10, 9
     prompt = np.random.default_rng(2).integers(3, V, (1, length)).astype(np.int32)
-    with torch.no_grad():
-        # No HF cache: its cache assumes as many decoder layers as encoder layers (t5_v1_1).
-        out = model.generate(
-            hf(prompt),
-            attention_mask=torch.ones_like(hf(prompt)),
-            do_sample=False,
-            num_beams=1,
-            max_new_tokens=n,
-            use_cache=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
+    # No HF cache: its cache assumes as many decoder layers as encoder layers (t5_v1_1).
+    out = generate_greedy(model, hf(prompt), n)
     expected = out.sequences.numpy()[:, 1 if seq2seq else length :]
     expected_logits = torch.stack(out.logits, 1).numpy()
     assert expected.shape == (1, n)

@@ -23,21 +23,16 @@ Skipped without transformers and torch (the ``hf`` extra)."""
 
 import numpy as np
 import pytest
+from hf_reference import built_once, hf_logits, tiny_model, transformers
+from test_export_hf import export_round_trips
+from test_pretrained import max_diff
+from test_pretrained_hf import perturb
+from test_pretrained_open import greedy_matches_transformers, left_padded
+from test_pretrained_ssm import perturb_ssm
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_export_hf import export_round_trips  # noqa: E402
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
-from test_pretrained_ssm import perturb_ssm  # noqa: E402
-
-from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
-from attnlab.pretrained.configs import model_config_from_hf  # noqa: E402
-from attnlab.pretrained.hf_base import UnsupportedCheckpointError, prefix_and_block  # noqa: E402
+from attnlab.pretrained import convert, load_pretrained, read_tensors
+from attnlab.pretrained.configs import model_config_from_hf
+from attnlab.pretrained.hf_base import UnsupportedCheckpointError, prefix_and_block
 
 TOL = 1e-4
 V = 96
@@ -89,26 +84,16 @@ CHECKPOINTS = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """``name -> (transformers model, folder)`` of ``CHECKPOINTS[name]``, built once."""
-    built = {}
 
-    def get(name):
-        if name not in built:
-            family, changes = CHECKPOINTS[name]
-            config = getattr(transformers, f"{family}Config")(**{**BASES[family], **changes})
-            torch.manual_seed(61)
-            model = getattr(transformers, f"{family}ForCausalLM")._from_config(
-                config, attn_implementation="eager", dtype=torch.float32
-            )
-            perturb(model, torch.Generator().manual_seed(161))
-            perturb_ssm(model, torch.Generator().manual_seed(261))
-            model.eval()
-            model.generation_config.eos_token_id = None
-            folder = tmp_path_factory.mktemp(name)
-            model.save_pretrained(folder)
-            built[name] = model, folder
-        return built[name]
+    def build(name):
+        family, changes = CHECKPOINTS[name]
+        config = getattr(transformers, f"{family}Config")(**{**BASES[family], **changes})
+        perturbs = (perturb, 161), (perturb_ssm, 261)
+        return tiny_model(
+            f"{family}ForCausalLM", config, 61, *perturbs, attn_implementation="eager"
+        )
 
-    return get
+    return built_once(tmp_path_factory, build)
 
 
 def logits_match(model, folder):
@@ -117,8 +102,7 @@ def logits_match(model, folder):
     logits there."""
     ids, mask = left_padded(np.random.default_rng(0))
     real = mask.astype(bool)
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+    expected = hf_logits(model, ids, mask)[real]
     handle = load_pretrained(folder)
     assert handle.family == model.config.model_type
     diff = max_diff(np.asarray(handle.logits(ids, mask))[real], expected)
@@ -220,8 +204,7 @@ def test_nemotron_h_greedy_with_cache_matches_and_its_squared_relu_matters(check
     greedy_matches_transformers(model, folder)
     ids, mask = left_padded(np.random.default_rng(0))
     real = mask.astype(bool)
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()[real]
+    expected = hf_logits(model, ids, mask)[real]
     handle = load_pretrained(folder)
     other = convert(handle.hf_config, read_tensors(folder), handle.config.replace(ffn="relu"))
     assert max_diff(other(ids, valid_BT=real).logits[real], expected) > 1e-3

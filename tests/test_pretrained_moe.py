@@ -14,20 +14,15 @@ Qwen3-MoE-shaped attnlab models are also exported and read back by transformers.
 
 import numpy as np
 import pytest
+from hf_reference import built_once, hf_logits, tiny_model, torch, transformers
+from test_export_hf import perturbed, transformers_logits
+from test_pretrained import max_diff
+from test_pretrained_hf import perturb
+from test_pretrained_open import greedy_matches_transformers, left_padded
+from tiers import cases
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_export_hf import perturbed, transformers_logits  # noqa: E402
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
-from tiers import cases  # noqa: E402
-
-from attnlab.config import ModelConfig  # noqa: E402
-from attnlab.pretrained import convert, export_model, load_pretrained, read_tensors  # noqa: E402
+from attnlab.config import ModelConfig
+from attnlab.pretrained import convert, export_model, load_pretrained, read_tensors
 
 TOL = 1e-4
 V = 96
@@ -126,29 +121,17 @@ def perturb_buffers(model, gen):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    built = {}
 
-    def get(name):
-        if name not in built:
-            config_cls, model_cls, kwargs = SPECS[name]
-            config = getattr(transformers, config_cls)(**kwargs)
-            seed = 31 + list(SPECS).index(name)
-            torch.manual_seed(seed)
-            model = getattr(transformers, model_cls)._from_config(
-                config, attn_implementation="eager", dtype=torch.float32
-            )
-            perturb(model, torch.Generator().manual_seed(100 + seed))
-            perturb_buffers(model, torch.Generator().manual_seed(200 + seed))
-            model.eval()
-            model.generation_config.eos_token_id = None
-            folder = tmp_path_factory.mktemp(name)
-            # Mixtral is written in shards (model.safetensors.index.json), as large ones are.
-            shards = {"max_shard_size": "100KB"} if name == "mixtral" else {}
-            model.save_pretrained(folder, **shards)
-            built[name] = model, folder
-        return built[name]
+    def build(name):
+        config_cls, model_cls, kwargs = SPECS[name]
+        config = getattr(transformers, config_cls)(**kwargs)
+        seed = 31 + list(SPECS).index(name)
+        perturbs = (perturb, 100 + seed), (perturb_buffers, 200 + seed)
+        return tiny_model(model_cls, config, seed, *perturbs, attn_implementation="eager")
 
-    return get
+    # Mixtral is written in shards (model.safetensors.index.json), as large ones are.
+    shards = lambda name: {"max_shard_size": "100KB"} if name == "mixtral" else {}
+    return built_once(tmp_path_factory, build, shards)
 
 
 MOE_SLOW = "a mixture-of-experts checkpoint built and its routed forward compiled (~9 s)"
@@ -160,8 +143,7 @@ FAST = "gpt_oss"
 def test_logits_match_transformers_with_left_padding(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = left_padded(np.random.default_rng(0))
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    expected = hf_logits(model, ids, mask)
     if name == "mixtral":
         assert (folder / "model.safetensors.index.json").is_file()
         assert len(list(folder.glob("model-*.safetensors"))) > 1

@@ -13,17 +13,12 @@ check that the feature matters: loading without it gives other logits.
 
 import numpy as np
 import pytest
+from hf_reference import built_once, generate_greedy, hf_logits, tiny_model, torch, transformers
+from test_pretrained import max_diff
+from test_pretrained_hf import hf, perturb
+from tiers import cases
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from tiers import cases  # noqa: E402
-
-from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
+from attnlab.pretrained import convert, load_pretrained, read_tensors
 
 TOL = 1e-4
 V = 96
@@ -91,26 +86,16 @@ NAMES = list(SPECS)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (transformers model, folder), built lazily once per module."""
-    built = {}
 
-    def get(name):
-        if name not in built:
-            config_cls, model_cls, kwargs, _ = SPECS[name]
-            config = getattr(transformers, config_cls)(**kwargs)
-            seed = 11 + NAMES.index(name)
-            torch.manual_seed(seed)
-            model = getattr(transformers, model_cls)._from_config(
-                config, attn_implementation="eager", dtype=torch.float32
-            )
-            perturb(model, torch.Generator().manual_seed(100 + seed))
-            model.eval()
-            model.generation_config.eos_token_id = None
-            folder = tmp_path_factory.mktemp(name)
-            model.save_pretrained(folder)
-            built[name] = model, folder
-        return built[name]
+    def build(name):
+        config_cls, model_cls, kwargs, _ = SPECS[name]
+        config = getattr(transformers, config_cls)(**kwargs)
+        seed = 11 + NAMES.index(name)
+        return tiny_model(
+            model_cls, config, seed, (perturb, 100 + seed), attn_implementation="eager"
+        )
 
-    return get
+    return built_once(tmp_path_factory, build)
 
 
 def left_padded(rng):
@@ -132,8 +117,7 @@ LOGITS_SLOW = "one more open family's checkpoint built and compiled"
 def test_logits_match_transformers_with_left_padding(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = left_padded(np.random.default_rng(0))
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    expected = hf_logits(model, ids, mask)
     handle = load_pretrained(folder)
     assert handle.family == name
     real = mask.astype(bool)
@@ -154,17 +138,7 @@ def greedy_matches_transformers(model, folder, *, length=9, n=16, vocab=V):
     logits agree to ``TOL``."""
     handle = load_pretrained(folder)
     prompt = np.random.default_rng(2).integers(3, vocab, (1, length)).astype(np.int32)
-    with torch.no_grad():
-        out = model.generate(
-            hf(prompt),
-            attention_mask=torch.ones_like(hf(prompt)),
-            do_sample=False,
-            num_beams=1,
-            max_new_tokens=n,
-            use_cache=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
+    out = generate_greedy(model, hf(prompt), n)
     expected = out.sequences.numpy()[:, length:]
     assert len(set(expected[0].tolist())) >= 2  # not one token repeated
     result = handle.generate(prompt, n, eos_id=None, return_logits=True)

@@ -6,21 +6,16 @@ the same logits."""
 
 import numpy as np
 import pytest
+from hf_reference import built_once, hf_logits, tiny_model, torch, transformers
+from test_export_hf import transformers_logits
+from test_pretrained import max_diff
+from test_pretrained_hf import perturb
+from test_pretrained_moe import SPECS, TOL
+from test_pretrained_open import greedy_matches_transformers, left_padded
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_export_hf import transformers_logits  # noqa: E402
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_moe import SPECS, TOL  # noqa: E402
-from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
-
-from attnlab.config.layer_kinds import stack_plan  # noqa: E402
-from attnlab.pretrained import export_model, load_pretrained  # noqa: E402
-from attnlab.pretrained.configs import model_config_from_hf  # noqa: E402
+from attnlab.config.layer_kinds import stack_plan
+from attnlab.pretrained import export_model, load_pretrained
+from attnlab.pretrained.configs import model_config_from_hf
 
 # Sparse in layers 1 and 3 (decoder_sparse_step 2), layer 3 listed dense as well: dense,
 # sparse, dense, dense. A regular alternation: dense, sparse, dense, sparse.
@@ -52,23 +47,10 @@ def test_the_layers_transformers_builds_dense_are_dense(case):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    built = {}
-
-    def get(case):
-        if case not in built:
-            torch.manual_seed(7)
-            model = transformers.Qwen3MoeForCausalLM._from_config(
-                _config(case), attn_implementation="eager", dtype=torch.float32
-            )
-            perturb(model, torch.Generator().manual_seed(8))
-            model.eval()
-            model.generation_config.eos_token_id = None
-            folder = tmp_path_factory.mktemp(case)
-            model.save_pretrained(folder)
-            built[case] = model, folder
-        return built[case]
-
-    return get
+    build = lambda case: tiny_model(
+        "Qwen3MoeForCausalLM", _config(case), 7, (perturb, 8), attn_implementation="eager"
+    )
+    return built_once(tmp_path_factory, build)
 
 
 @pytest.mark.slow(reason="a mixture-of-experts checkpoint built, loaded, decoded, exported")
@@ -79,8 +61,7 @@ def test_interleaved_checkpoint_loads_decodes_and_exports_as_transformers(
     model, folder = checkpoint(case)
     ids, mask = left_padded(np.random.default_rng(0))
     real = mask.astype(bool)
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    expected = hf_logits(model, ids, mask)
     handle = load_pretrained(folder)
     assert handle.family == "qwen3_moe"
     assert max_diff(np.asarray(handle.logits(ids, mask))[real], expected[real]) <= TOL

@@ -16,20 +16,15 @@ transformers and torch (the ``hf`` extra)."""
 
 import numpy as np
 import pytest
+from hf_reference import tiny_model, torch, transformers
+from test_export_hf import export_round_trips
+from test_pretrained import max_diff
+from test_pretrained_hf import hf, perturb
+from test_pretrained_open import greedy_matches_transformers, left_padded
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_export_hf import export_round_trips  # noqa: E402
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
-
-from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
-from attnlab.pretrained.configs import model_config_from_hf  # noqa: E402
-from attnlab.pretrained.hf_base import UnsupportedCheckpointError  # noqa: E402
+from attnlab.pretrained import convert, load_pretrained, read_tensors
+from attnlab.pretrained.configs import model_config_from_hf
+from attnlab.pretrained.hf_base import UnsupportedCheckpointError
 
 TOL = 1e-4
 V = 96
@@ -50,13 +45,9 @@ QWEN3_NEXT = dict(
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
-    torch.manual_seed(51)
-    model = transformers.Qwen3NextForCausalLM._from_config(
-        config, attn_implementation="eager", dtype=torch.float32
+    model = tiny_model(
+        "Qwen3NextForCausalLM", config, 51, (perturb, 151), attn_implementation="eager"
     )
-    perturb(model, torch.Generator().manual_seed(151))
-    model.eval()
-    model.generation_config.eos_token_id = None
     folder = tmp_path_factory.mktemp("qwen3_next")
     model.save_pretrained(folder)
     exact = transformers.Qwen3NextForCausalLM._from_config(

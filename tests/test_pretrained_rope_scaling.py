@@ -16,20 +16,15 @@ Phi-3-shaped models with these scalings are exported and read back by transforme
 
 import numpy as np
 import pytest
+from hf_reference import built_once, hf_logits, tiny_model, torch, transformers
+from test_pretrained import max_diff
+from test_pretrained_hf import hf, perturb
+from test_pretrained_moe import SPECS as MOE_SPECS
+from test_pretrained_moe import perturb_buffers
+from test_pretrained_open import _BASE, greedy_matches_transformers, left_padded
+from test_pretrained_open import SPECS as OPEN_SPECS
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_moe import SPECS as MOE_SPECS  # noqa: E402
-from test_pretrained_moe import perturb_buffers  # noqa: E402
-from test_pretrained_open import _BASE, greedy_matches_transformers, left_padded  # noqa: E402
-from test_pretrained_open import SPECS as OPEN_SPECS  # noqa: E402
-
-from attnlab.pretrained import convert, load_pretrained, read_tensors  # noqa: E402
+from attnlab.pretrained import convert, load_pretrained, read_tensors
 
 TOL = 1e-4
 V = _BASE["vocab_size"]
@@ -102,27 +97,15 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    built = {}
 
-    def get(name):
-        if name not in built:
-            _, config_cls, model_cls, kwargs = SPECS[name]
-            config = getattr(transformers, config_cls)(**kwargs)
-            seed = 51 + list(SPECS).index(name)
-            torch.manual_seed(seed)
-            model = getattr(transformers, model_cls)._from_config(
-                config, attn_implementation="eager", dtype=torch.float32
-            )
-            perturb(model, torch.Generator().manual_seed(100 + seed))
-            perturb_buffers(model, torch.Generator().manual_seed(200 + seed))
-            model.eval()
-            model.generation_config.eos_token_id = None
-            folder = tmp_path_factory.mktemp(name)
-            model.save_pretrained(folder)
-            built[name] = model, folder
-        return built[name]
+    def build(name):
+        _, config_cls, model_cls, kwargs = SPECS[name]
+        config = getattr(transformers, config_cls)(**kwargs)
+        seed = 51 + list(SPECS).index(name)
+        perturbs = (perturb, 100 + seed), (perturb_buffers, 200 + seed)
+        return tiny_model(model_cls, config, seed, *perturbs, attn_implementation="eager")
 
-    return get
+    return built_once(tmp_path_factory, build)
 
 
 @pytest.mark.slow(reason="a scaled-RoPE checkpoint built and compiled, then again unscaled")
@@ -130,8 +113,7 @@ def checkpoints(tmp_path_factory):
 def test_logits_match_transformers_with_left_padding(checkpoints, name):
     model, folder = checkpoints(name)
     ids, mask = left_padded(np.random.default_rng(0))
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    expected = hf_logits(model, ids, mask)
     handle = load_pretrained(folder)
     assert handle.family == SPECS[name][0]
     params = SPECS[name][3]["rope_parameters"]

@@ -6,20 +6,15 @@ without transformers and torch (the ``hf`` extra)."""
 
 import numpy as np
 import pytest
+from hf_reference import hf_logits, tiny_model, torch, transformers
+from test_export_hf import export_round_trips
+from test_pretrained import max_diff
+from test_pretrained_hf import perturb
+from test_pretrained_open import greedy_matches_transformers, left_padded
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
-)
-torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
-
-from test_export_hf import export_round_trips  # noqa: E402
-from test_pretrained import max_diff  # noqa: E402
-from test_pretrained_hf import hf, perturb  # noqa: E402
-from test_pretrained_open import greedy_matches_transformers, left_padded  # noqa: E402
-
-from attnlab.errors import ConfigError  # noqa: E402
-from attnlab.pretrained import load_pretrained  # noqa: E402
-from attnlab.pretrained.configs import model_config_from_hf  # noqa: E402
+from attnlab.errors import ConfigError
+from attnlab.pretrained import load_pretrained
+from attnlab.pretrained.configs import model_config_from_hf
 
 TOL = 1e-4
 V = 96
@@ -47,12 +42,7 @@ def perturb_ssm(model, gen):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     config = transformers.Mamba2Config(**MAMBA2)
-    torch.manual_seed(41)
-    model = transformers.Mamba2ForCausalLM._from_config(config, dtype=torch.float32)
-    perturb(model, torch.Generator().manual_seed(141))
-    perturb_ssm(model, torch.Generator().manual_seed(241))
-    model.eval()
-    model.generation_config.eos_token_id = None
+    model = tiny_model("Mamba2ForCausalLM", config, 41, (perturb, 141), (perturb_ssm, 241))
     folder = tmp_path_factory.mktemp("mamba2")
     model.save_pretrained(folder)
     return model, folder
@@ -61,8 +51,7 @@ def checkpoint(tmp_path_factory):
 def test_mamba2_logits_match_transformers_with_left_padding(checkpoint):
     model, folder = checkpoint
     ids, mask = left_padded(np.random.default_rng(0))
-    with torch.no_grad():
-        expected = model(hf(ids), attention_mask=hf(mask)).logits.numpy()
+    expected = hf_logits(model, ids, mask)
     handle = load_pretrained(folder)
     cfg = handle.config
     assert handle.family == "mamba2" and cfg.mixer == "mamba2" and cfg.ffn_variant == "none"
