@@ -9,7 +9,7 @@ with three seeds each: the positions change the program, the seeds do not, so
     attnlab sweep --config experiments/attention_variants.py --workdir runs/positions
 """
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 from attnlab.sweep import grid
 
 
@@ -36,9 +36,7 @@ def get_config(variant=None):
     if variant == "tiny":
         c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=16)
         c.data.update(seq_len=16, max_len=4)
-        c.train.update(steps=3, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=3, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=3)
+        tiny_run(c)
     return c
 
 

@@ -76,7 +76,7 @@ import typing
 
 from attnlab.evaluation import mqar
 from attnlab.evaluation.mqar import EVAL_STREAM, eval_pairs, mqar_accuracy, predictor  # noqa: F401
-from attnlab.experiment import ExperimentError, base_config, matched
+from attnlab.experiment import ExperimentError, base_config, matched, run_script, tiny_run
 
 VARIANTS = ("small", "tiny", "zoology", "zoology_long", "catalogue")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
@@ -187,9 +187,7 @@ def get_config(variant=None):
         c.model.update(vocab_size=4 + 8, d_model=16, n_layers=1, n_heads=2)
         c.data.update(num_symbols=8)
         c.optim.update(warmup_steps=1)
-        c.train.update(steps=2, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=2, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=2)
+        tiny_run(c, steps=2)
     return c
 
 
@@ -383,11 +381,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-
-    from attnlab.errors import AttnlabError
-
-    try:
-        main()
-    except AttnlabError as e:  # expected errors: the message alone, as the attnlab command
-        sys.exit(f"attention_zoo.py: error: {e}")
+    run_script(main, __file__)

@@ -6,7 +6,7 @@ so packing never mixes documents; ``:tiny_docs`` is the same twin on the embedde
 into short documents (``data.path="embedded:documents"``), so each packed row holds several.
 """
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 
 VARIANTS = ("tiny", "tiny_docs")
 
@@ -44,6 +44,4 @@ def get_config(variant=None):
 def tiny(c):
     c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)
     c.data.update(seq_len=32, max_chars=50_000)
-    c.train.update(steps=3, batch_size=4, log_every_steps=1)
-    c.eval.update(every_steps=3, batches=1, batch_size=4, sample_tokens=8)
-    c.checkpoint.update(every_steps=3)
+    tiny_run(c, sample_tokens=8)

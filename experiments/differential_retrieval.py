@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 from attnlab.sweep import arms, grid
 
 ARMS = {"mha": {"mixer": "mha"}, "differential": {"mixer": "differential"}}
@@ -82,9 +82,7 @@ def get_config(variant=None):
     c.track.update(tensorboard=False)
     if variant == "tiny":
         c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64)
-        c.train.update(steps=3, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=3, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=3)
+        tiny_run(c)
     return c
 
 

@@ -29,7 +29,7 @@ import json
 import pathlib
 
 from attnlab.data import length_tasks
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 
 VARIANTS = ("tiny",)
 POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
@@ -70,9 +70,7 @@ def get_config(variant=None):
     if variant == "tiny":
         c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=64)
         c.data.update(seq_len=length_tasks.row_len("addition", 4) - 1, max_len=4)
-        c.train.update(steps=2, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=2, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=2)
+        tiny_run(c, steps=2)
     return c
 
 

@@ -29,7 +29,7 @@ import argparse
 import json
 import pathlib
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 
 VARIANTS = ("tiny",)
 POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
@@ -63,9 +63,7 @@ def get_config(variant=None):
     if variant == "tiny":
         c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=64)
         c.data.update(seq_len=16, max_chars=20_000)
-        c.train.update(steps=2, batch_size=2, log_every_steps=1)
-        c.eval.update(every_steps=2, batches=1, batch_size=2)
-        c.checkpoint.update(every_steps=2)
+        tiny_run(c, steps=2, batch_size=2)
     return c
 
 

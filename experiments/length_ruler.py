@@ -32,7 +32,7 @@ import argparse
 import json
 import pathlib
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 
 VARIANTS = ("tiny",)
 TRAIN_LEN = 192
@@ -79,9 +79,7 @@ def get_config(variant=None):
         c.model.update(d_model=16, n_heads=2, d_ff=32)
         c.data.update(tasks="passkey", seq_len=128)
         c.model.update(max_len=128)
-        c.train.update(steps=2, batch_size=2, log_every_steps=1)
-        c.eval.update(every_steps=2, batches=1, batch_size=2)
-        c.checkpoint.update(every_steps=2)
+        tiny_run(c, steps=2, batch_size=2)
     return c
 
 

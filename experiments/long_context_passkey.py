@@ -42,7 +42,7 @@ import math
 import pathlib
 
 from attnlab.data import synthetic
-from attnlab.experiment import ExperimentError, base_config
+from attnlab.experiment import ExperimentError, base_config, run_script, tiny_run
 
 VARIANTS = ("tiny", "short")
 NUM_SYMBOLS, KEY_LEN = 64, 4
@@ -83,9 +83,7 @@ def get_config(variant=None):
     if variant == "tiny":
         c.model.update(d_model=32, n_heads=2, max_len=64)
         c.data.update(seq_len=64)
-        c.train.update(steps=2, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=2, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=2)
+        tiny_run(c, steps=2)
     return c
 
 
@@ -262,11 +260,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-
-    from attnlab.errors import AttnlabError
-
-    try:
-        main()
-    except AttnlabError as e:  # expected errors: the message alone, as the attnlab command
-        sys.exit(f"long_context_passkey.py: error: {e}")
+    run_script(main, __file__)

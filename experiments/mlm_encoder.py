@@ -1,6 +1,6 @@
 """Encoder-only (BERT-style, post-norm) masked language model on the embedded corpus."""
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 
 
 def get_config(variant=None):
@@ -33,7 +33,5 @@ def get_config(variant=None):
     if variant == "tiny":
         c.model.update(d_model=32, n_layers=1, n_heads=2, max_len=32)
         c.data.update(seq_len=32, max_chars=20_000)
-        c.train.update(steps=3, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=3, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=3)
+        tiny_run(c)
     return c

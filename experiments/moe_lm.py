@@ -14,7 +14,7 @@ z-losses, each expert's share of the assignments and the dropped assignments (0)
 log line (``metrics.jsonl``); ``docs/moe.md`` reports the measured losses.
 """
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 
 VARIANTS = ("tiny", "dense", "dense_tiny")
 EXPERTS, TOP_K, D_EXPERT = 8, 2, 96
@@ -46,9 +46,7 @@ def get_config(variant=None):
     if variant in ("tiny", "dense_tiny"):
         c.model.update(d_model=32, n_layers=2, n_heads=2, d_ff=2 * 16, max_len=32)
         c.data.update(seq_len=32, max_chars=50_000)
-        c.train.update(steps=3, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=3, batches=1, batch_size=4, sample_tokens=8)
-        c.checkpoint.update(every_steps=3)
+        tiny_run(c, sample_tokens=8)
     if variant not in ("dense", "dense_tiny"):
         c.model.ffn_variant = "moe"
         d_expert = c.model.d_ff // TOP_K

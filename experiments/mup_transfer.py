@@ -19,7 +19,7 @@ work directory; docs/guides/parametrization.md shows a run.
 
 import sys
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 from attnlab.sweep import grid
 
 WIDTHS = (32, 64, 128)
@@ -79,9 +79,7 @@ def get_config(variant=None):
     if variant == "tiny":
         c.model.update(d_model=16, base_width=16, n_layers=1, n_heads=2, max_len=16)
         c.data.update(seq_len=16, max_chars=20_000)
-        c.train.update(steps=3, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=3, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=3)
+        tiny_run(c)
     return c
 
 

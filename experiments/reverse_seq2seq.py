@@ -6,7 +6,7 @@ Evaluation reports the exact-match rate on held-out sequences (a fixed evaluatio
 no training step draws from); it reaches 100% within 1000 steps on 2 CPU cores.
 """
 
-from attnlab.experiment import base_config
+from attnlab.experiment import base_config, tiny_run
 
 
 def get_config(variant=None):
@@ -35,7 +35,5 @@ def get_config(variant=None):
     c.checkpoint.update(every_steps=500)
     if variant == "tiny":
         c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64)
-        c.train.update(steps=3, batch_size=8, log_every_steps=1)
-        c.eval.update(every_steps=3, batches=1, batch_size=8)
-        c.checkpoint.update(every_steps=3)
+        tiny_run(c, batch_size=8)
     return c

@@ -173,7 +173,7 @@ machine decides.
 
 import pathlib
 
-from attnlab.experiment import import_experiment
+from attnlab.experiment import import_experiment, tiny_run
 
 # The recipe (the docstring's tables say what each value bought).
 SEQ_LEN, BATCH, STEPS = 32, 24, 265
@@ -206,7 +206,5 @@ def get_config(variant=None):
     if variant == "tiny":
         c.model.update(max_len=16)
         c.data.update(seq_len=16)
-        c.train.update(steps=3, batch_size=4, log_every_steps=1)
-        c.eval.update(every_steps=3, batches=1, batch_size=4)
-        c.checkpoint.update(every_steps=3)
+        tiny_run(c)
     return c

@@ -34,6 +34,7 @@ from ml_collections import config_dict
 from attnlab.contracts.ffn import get_ffn
 from attnlab.contracts.mixer import get_mixer
 from attnlab.errors import ConfigError
+from attnlab.experiment.harness import run_script, tiny_run  # noqa: F401  (read as attnlab.experiment.*)
 from attnlab.experiment.schema import (  # noqa: F401  (read as attnlab.experiment.*)
     ExperimentError,
     _load_python,
