@@ -1,18 +1,8 @@
-"""Typed, frozen, validated model configuration.
+"""Typed, frozen, validated model configuration: ``ModelConfig`` (``attnlab.config.model``),
+its fields by group (``attnlab.config.groups``) and the rules they follow
+(``attnlab.config.checks``)."""
 
-One ``ModelConfig`` describes all three architectures (``arch``): a decoder-only language
-model, an encoder-only masked language model and the 2017 encoder-decoder. Every
-architectural choice is a field; ``validate`` (run on construction) rejects inconsistent
-values with a ``ValueError`` that names the field and the fix.
-"""
-
-from __future__ import annotations
-
-import dataclasses
-from typing import Any
-
-from attnlab.config.architectures import architecture
-from attnlab.config.checks import (  # noqa: F401  (the choices, read from here too)
+from attnlab.config.checks import (
     ARCHS,
     DECODE_LAYERS,
     DTYPES,
@@ -20,298 +10,44 @@ from attnlab.config.checks import (  # noqa: F401  (the choices, read from here 
     NORMS,
     POSITIONS,
     REMAT,
-    _derivations,
-    _fail,
     rope_scaling_of,
     validate,
     validate_raw,
 )
-from attnlab.config.layer_kinds import BlockPattern
-from attnlab.contracts.ffn import make_ffn_settings
-from attnlab.contracts.mixer import make_settings
+from attnlab.config.groups import (
+    GROUPS,
+    AttentionConfig,
+    EmbeddingConfig,
+    ExecutionConfig,
+    FFNConfig,
+    NormConfig,
+    PositionConfig,
+    StackConfig,
+    TrainingConfig,
+)
+from attnlab.config.model import UNSTACKED_DECODE_MAX_LAYERS, LayerSpec, ModelConfig
 
-# Beyond this many decoder layers, "auto" decoding scans: the unrolled loop body's compile
-# time grows with depth (about 0.5 s a layer on a 2-core CPU) and stops paying for itself.
-UNSTACKED_DECODE_MAX_LAYERS = 12
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerSpec:
-    """What one layer of ``ModelConfig.layer_pattern`` changes: its sliding window (None:
-    global attention), its RoPE base (None: ``ModelConfig.rope_theta``) and whether it
-    rotates at all (``rope=False``: a NoPE layer, no positions in its attention)."""
-
-    window: int | None = None
-    rope_theta: float | None = None
-    rope: bool = True
-
-    @classmethod
-    def of(cls, value) -> LayerSpec:
-        if isinstance(value, LayerSpec):
-            return value
-        if isinstance(value, dict):
-            unknown = sorted(set(value) - {"window", "rope_theta", "rope"})
-            if unknown:
-                _fail(
-                    "layer_pattern",
-                    value,
-                    f"unknown key(s) {unknown}: use window, rope_theta, rope",
-                )
-            return cls(**value)
-        if value in ("global", None):
-            return cls()
-        _fail("layer_pattern", value, "list dicts {'window': W, 'rope_theta': R} or 'global'")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """All architectural choices of an attnlab model.
-
-    Fields left as None take a value derived from the others on construction, and
-    ``replace`` derives them again: ``n_kv_heads`` from ``n_heads`` (MHA; fewer gives GQA,
-    1 gives MQA), ``head_dim`` is ``d_model // n_heads``, ``d_ff`` is ``4 * d_model``,
-    ``n_decoder_layers`` is ``n_layers``, ``final_norm`` is False for post-norm (else True) and
-    ``attn_scale`` is ``head_dim ** -0.5``. ``to_dict`` writes them as None again.
-
-    Execution: ``scan_layers`` applies each stack's layers (parameters stacked on a leading
-    layer axis) with ``lax.scan``, so the traced program does not grow with depth; False
-    unrolls the same parameters in a Python loop. ``remat`` rematerialises each layer in
-    the backward pass: ``"none"``, ``"full"`` (save only the layer inputs) or ``"dots"``
-    (save the outputs of the weight matmuls, recompute the rest). ``attention_impl`` picks
-    the attention implementation (``attnlab.ops.attention``); ``"chunked"`` is blockwise with
-    memory linear in the sequence length, its blocks ``attention_block_q``/``_k``; the default
-    ``"auto"`` takes the chunked path on CPU from 128 queries on (measured faster there),
-    cuDNN on an NVIDIA GPU for plain causal 16-bit self-attention (``gpu_prefers_cudnn``),
-    a fused kernel of ``attnlab.ops.flex`` where one is installed and covers the call (with
-    a score function: the chunked path where none does), and XLA's fused path otherwise;
-    ``"pallas_gpu"``, ``"pallas_tpu"``, ``"splash"`` and ``"tokamax"`` ask for a kernel
-    (blocks as for ``"chunked"``), falling back, named under ``--verbose``, to the chunked
-    path.
-
-    ``decode_layers`` is how the generation loops (sampling, beam search) run the decoder:
-    ``"unstacked"`` slices the stacked weights into separate blocks once per call and
-    unrolls the layers in the loop body, so each token reads every weight where it lies
-    (fastest per token; the program grows with depth); ``"scan"`` scans the stacked
-    weights at every token (program flat in depth, but each step slices every layer's
-    weights: on CPU, a copy); ``"auto"`` is ``"unstacked"`` up to
-    ``UNSTACKED_DECODE_MAX_LAYERS`` decoder layers and ``"scan"`` beyond.
-
-    ``block_pattern`` makes a hybrid stack: an optional prefix of layer kinds and a block
-    of kinds repeated to fill ``n_layers``, each kind its own mixer(s) and FFN
-    (``attnlab.config.layer_kinds``); None is the one-kind stack of ``mixer`` and ``ffn_variant``.
-
-    ``context_parallel`` is how self-attention runs when the mesh splits the sequence
-    (``mesh.context > 1``; see ``attnlab.ops.context_parallel``): ``"ring"`` passes
-    key/value chunks round the devices, ``"all_gather"`` gathers them all on each device.
-    ``context_load_balance`` gives causal stacks the zigzag layout under the ring, so every
-    device does the same work. Neither changes anything on a mesh without a context axis.
-    """
-
-    arch: str = "decoder"
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_decoder_layers: int | None = None  # encoder_decoder only; defaults to n_layers
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    d_ff: int | None = None
-    max_len: int = 256  # longest sequence the positions (and a KV cache) may reach
-
-    position: str = "learned"
-    position_offset: int = 0  # learned tables whose row 0 is position -offset (BART: 2)
-    sinusoidal_layout: str = "interleaved"  # or "split" (all sines, then all cosines)
-    rope_theta: float = 10000.0
-    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim head dims (None: all)
-    # RoPE frequencies stretched for a longer context: a dict of attnlab.ops.RopeScaling's
-    # fields, e.g. {"kind": "yarn", "factor": 32.0, "original_max_len": 4096}; None: plain.
-    rope_scaling: Any = None
-    relative_buckets: int = 32
-    relative_max_distance: int = 128
-
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    norm_placement: str = "pre"
-    norm_bias: bool = True  # LayerNorm with a bias (ignored by rmsnorm)
-    final_norm: bool | None = None  # defaults to False for post-norm, else True
-    embedding_norm: bool = False  # a norm right after the embeddings (BERT, BART)
-    qk_norm: bool = False  # RMS-normalise q and k per head (Qwen3)
-    qk_norm_scope: str = "head"  # or "projection": over all heads at once (OLMo 2)
-
-    ffn: str = "gelu"
-    ffn_variant: str = "dense"  # the FFN module: attnlab.registered_ffns() ("moe")
-    ffn_settings: Any = None  # the FFN variant's Settings (a dict of its fields; None: defaults)
-    attn_bias: bool = False  # biases on the q/k/v projections
-    out_bias: bool = False  # bias on the attention output projection
-    ffn_bias: bool = False
-
-    tie_embeddings: bool = True
-    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model)
-    logits_bias: bool = False  # a learned bias on the output logits
-    logits_scale: float = 1.0  # multiplies the final hidden state before the output head
-    logits_softcap: float | None = None  # caps output logits at c * tanh(z / c) (Gemma 2)
-    type_vocab_size: int = 0  # token-type (segment) embeddings, BERT-style; 0 = none
-    mlm_transform: bool = True  # encoder: dense -> activation -> norm before the MLM head
-
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    causal: bool = True  # decoder self-attention is causal; False only for ablations
-    sliding_window: int | None = None
-    sliding_window_layers: tuple[int, ...] | None = None  # layers with a window; None = all
-    attn_scale: float | None = None  # logit scale; defaults to head_dim ** -0.5
-    attention_impl: str = "auto"
-    attention_block_q: int | None = None  # blockwise only: query block (None: its default)
-    attention_block_k: int | None = None  # blockwise only: key block (None: its default)
-    attention_fn: str = "softmax"  # a score function from attnlab.attention_variants()
-    mixer: str = "mha"  # the self-attention variant: attnlab.registered_mixers()
-    mixer_settings: Any = None  # the variant's Settings (a dict of its fields; None: defaults)
-    # Per-layer window and RoPE base, repeated over the layers (Gemma's 5 local : 1 global):
-    # a list of {"window": W | None, "rope_theta": R | None}; replaces sliding_window(_layers).
-    layer_pattern: tuple | None = None
-    # The stack as an optional prefix of layer kinds and a repeating block of them (hybrid
-    # stacks; attnlab.config.layer_kinds): {"prefix": [...], "block": [...]}, a BlockPattern once
-    # built. None: the mixer and FFN above in every layer.
-    block_pattern: dict | None = None
-    context_parallel: str = "ring"  # self-attention over mesh.context > 1: or "all_gather"
-    context_load_balance: bool = True  # zigzag layout for causal stacks under the ring
-
-    # Multi-token prediction (DeepSeek-V3): this many sequential modules after a decoder,
-    # module k predicting the token k + 1 ahead (attnlab.nn.mtp); 0: none.
-    mtp_depth: int = 0
-
-    scan_layers: bool = True
-    remat: str = "none"
-    decode_layers: str = "auto"  # how generation loops run the decoder's layers
-
-    dtype: str = "float32"  # activation / compute dtype
-    param_dtype: str = "float32"
-    init_std: float = 0.02
-    pad_id: int = 0
-
-    # How initialisation, learning rates and the forward multipliers follow width and depth
-    # (attnlab.nn.parametrization): "standard", "mup" or "completep", relative to the base
-    # width (None: d_model) and base depth (None: n_layers) where they equal the standard.
-    parametrization: str = "standard"
-    base_width: int | None = None
-    base_depth: int | None = None
-    residual_scale: float = 1.0  # multiplies every residual branch (CompleteP sets it)
-
-    # Names of the fields that were None and got derived values (not part of equality).
-    _derived: frozenset = dataclasses.field(
-        default=frozenset(), init=False, repr=False, compare=False
-    )
-
-    def __post_init__(self):
-        if isinstance(self.sliding_window_layers, list):
-            object.__setattr__(self, "sliding_window_layers", tuple(self.sliding_window_layers))
-        if self.layer_pattern is not None:
-            if not isinstance(self.layer_pattern, (list, tuple)) or not self.layer_pattern:
-                _fail("layer_pattern", self.layer_pattern, "a non-empty list of layer specs")
-            pattern = tuple(LayerSpec.of(v) for v in self.layer_pattern)
-            object.__setattr__(self, "layer_pattern", pattern)
-        if self.block_pattern is not None:
-            object.__setattr__(self, "block_pattern", BlockPattern.of(self.block_pattern))
-        if not isinstance(self.mixer, str):
-            _fail("mixer", self.mixer, "name a registered mixer (attnlab.registered_mixers())")
-        object.__setattr__(self, "mixer_settings", make_settings(self.mixer, self.mixer_settings))
-        if not isinstance(self.ffn_variant, str):
-            _fail(
-                "ffn_variant", self.ffn_variant, "name a registered FFN (attnlab.registered_ffns())"
-            )
-        settings = make_ffn_settings(self.ffn_variant, self.ffn_settings)
-        object.__setattr__(self, "ffn_settings", settings)
-        object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
-        validate_raw(self)
-        derived = set()
-        for name, value in _derivations(self):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-                derived.add(name)
-        object.__setattr__(self, "_derived", frozenset(derived))
-        validate(self)
-
-    @property
-    def decode_unstacked(self) -> bool:
-        """Whether generation loops run the decoder's layers unstacked (``decode_layers``)."""
-        if self.decode_layers == "auto":
-            return self.stack_layers <= UNSTACKED_DECODE_MAX_LAYERS
-        return self.decode_layers == "unstacked"
-
-    @property
-    def stack_layers(self) -> int:
-        """Layers of the stack that a KV cache serves (the decoder's)."""
-        return architecture(self).stack_layers(self)
-
-    def layer_windows(self, n_layers: int) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None: full attention): the one place this rule is
-        read, from ``layer_pattern`` or ``sliding_window``/``sliding_window_layers``."""
-        if self.layer_pattern is not None:
-            p = self.layer_pattern
-            return tuple(p[i % len(p)].window for i in range(n_layers))
-        chosen = self.sliding_window_layers
-        return tuple(
-            self.sliding_window if chosen is None or i in chosen else None for i in range(n_layers)
-        )
-
-    def layer_rope_thetas(self, n_layers: int) -> tuple[float, ...]:
-        """Each layer's RoPE base, from ``layer_pattern`` or ``rope_theta``."""
-        p = self.layer_pattern
-        if p is None:
-            return (self.rope_theta,) * n_layers
-        return tuple(p[i % len(p)].rope_theta or self.rope_theta for i in range(n_layers))
-
-    def layer_ropes(self, n_layers: int) -> tuple[tuple, ...]:
-        """Each layer's ``(rope_theta, rope_scaling)``: ``rope_scaling`` scales the layers
-        on the model's base; a layer with a base of its own (``layer_pattern``) rotates
-        unscaled (Gemma 3's local layers); a NoPE layer (``rope=False``) is ``(None, None)``."""
-        p = self.layer_pattern
-        spec = lambda i: p[i % len(p)] if p is not None else LayerSpec()
-        thetas = self.layer_rope_thetas(n_layers)
-        return tuple(
-            (None, None)
-            if not spec(i).rope
-            else (thetas[i], None if spec(i).rope_theta is not None else self.rope_scaling)
-            for i in range(n_layers)
-        )
-
-    def replace(self, **changes) -> ModelConfig:
-        """A copy with ``changes``; fields that were derived are derived again (and a new
-        ``mixer`` takes its default settings unless ``mixer_settings`` is given)."""
-        values = self.to_dict()
-        if "mixer" in changes and changes["mixer"] != self.mixer:
-            values["mixer_settings"] = None
-        if "ffn_variant" in changes and changes["ffn_variant"] != self.ffn_variant:
-            values["ffn_settings"] = None
-        values.update(changes)
-        return ModelConfig(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as given: derived ones are None, so ``from_dict`` derives them again;
-        the variant's settings and the layer pattern as plain dicts."""
-        out = {
-            f.name: None if f.name in self._derived else getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.init
-        }
-        out["mixer_settings"] = self.mixer_settings.to_dict()
-        out["ffn_settings"] = self.ffn_settings.to_dict()
-        if self.layer_pattern is not None:
-            out["layer_pattern"] = [dataclasses.asdict(p) for p in self.layer_pattern]
-        if self.rope_scaling is not None:
-            scaling = dataclasses.asdict(self.rope_scaling)
-            out["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
-                                   for k, v in scaling.items()}  # fmt: skip
-        if self.block_pattern is not None:
-            out["block_pattern"] = self.block_pattern.to_dict()
-        return out
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """The config ``to_dict`` (or ``config.json``) wrote; an unknown key is an error."""
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(
-                f"ModelConfig has no field(s) {unknown}; valid fields are {sorted(names)}"
-            )
-        return cls(**values)
+__all__ = [
+    "ARCHS",
+    "AttentionConfig",
+    "DECODE_LAYERS",
+    "DTYPES",
+    "EmbeddingConfig",
+    "ExecutionConfig",
+    "FFNConfig",
+    "GROUPS",
+    "LayerSpec",
+    "ModelConfig",
+    "NORMS",
+    "NORM_PLACEMENTS",
+    "NormConfig",
+    "POSITIONS",
+    "PositionConfig",
+    "REMAT",
+    "StackConfig",
+    "TrainingConfig",
+    "UNSTACKED_DECODE_MAX_LAYERS",
+    "rope_scaling_of",
+    "validate",
+    "validate_raw",
+]
