@@ -187,9 +187,10 @@ def base_config() -> ConfigDict:
     # Parameters kept unchanged by the optimiser (attnlab.nn.surgery.freeze): "none", the
     # "selected" layers, or every parameter but the selected layers' ("others").
     c.freeze = ConfigDict(dict(mode="none", layers=layer_selection(), part="layer"))
-    # Low-rank adapters (attnlab.train.lora): rank 0 trains the parameters themselves; above
-    # 0 they are frozen and adapters of that rank train on the ``targets`` (short names q, k,
-    # v, o, ffn, mixer, or globs over parameter paths), the update (alpha / rank) A B.
+    # Low-rank adapters (attnlab.train.lora; the group checked by experiment.lora_spec): rank
+    # 0 trains the parameters themselves; above 0 they are frozen and adapters of that rank
+    # train on the ``targets`` (short names q, k, v, o, ffn, mixer, or globs over parameter
+    # paths), the update (alpha / rank) A B.
     c.lora = ConfigDict(dict(rank=0, alpha=16.0, targets=("q", "k", "v", "o"), dropout=0.0))
     return c
 
@@ -339,9 +340,9 @@ def validate(cfg: ConfigDict) -> ModelConfig:
 
         surgery.check_freeze(mcfg, cfg.freeze)
     if "lora" in cfg:  # its values, and the groups it cannot go with (its targets: Trainer)
-        from attnlab.train import lora
+        from attnlab.experiment import lora_spec
 
-        lora.check(cfg)
+        lora_spec.check(cfg)
     return mcfg
 
 
