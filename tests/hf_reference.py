@@ -1,8 +1,9 @@
 """Tiny random checkpoints that transformers writes, for the tests that load them (nothing is
 downloaded): transformers and torch (importing this module skips the importing test module
-without them, the ``hf`` extra), a model built from a config with its weights moved off their
-init (``tiny_model``), each saved once per test module (``built_once``), and what to compare
-with: transformers' logits (``hf_logits``) and greedy generation (``generate_greedy``)."""
+without them, the ``hf`` extra), a model built from a config (``DECODER``'s fields, changed per
+family) with its weights moved off their init (``tiny_model``), each saved once per test
+module (``built_once``), and what to compare with: transformers' logits (``hf_logits``) and
+greedy generation (``generate_greedy``)."""
 
 import numpy as np
 import pytest
@@ -11,6 +12,22 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers (and torch) are needed to write reference checkpoints"
 )
 torch = pytest.importorskip("torch", reason="transformers needs torch to build the models")
+
+V = 96  # the tiny checkpoints' vocabulary
+# A tiny decoder's config.json fields (2 layers, GQA 4:2); each family's tests change some.
+DECODER = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.125,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def hf(x):

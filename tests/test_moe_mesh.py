@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import xla_flags
+from test_sharding import batches
 from xla_flags import on_mesh
 
 from attnlab import experiment
@@ -33,18 +34,6 @@ def tiny_moe():
     cfg.train.update(batch_size=8, steps=6)
     cfg.optim.warmup_steps = 2
     return cfg
-
-
-def batches(n, B=8, T=16, V=64):
-    rng = np.random.default_rng(0)
-    return [
-        {
-            "inputs": rng.integers(0, V, (B, T), dtype=np.int32),
-            "targets": rng.integers(0, V, (B, T), dtype=np.int32),
-            "loss_mask": np.ones((B, T), np.float32),
-        }
-        for _ in range(n)
-    ]
 
 
 def run(trainer, data):

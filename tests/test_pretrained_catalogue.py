@@ -20,7 +20,7 @@ with the same logits. Their published sizes: ``test_pretrained_catalogue_sizes``
 
 import numpy as np
 import pytest
-from hf_reference import built_once, hf_logits, tiny_model, torch, transformers
+from hf_reference import DECODER, V, built_once, hf_logits, tiny_model, torch, transformers
 from test_export_hf import export_round_trips
 from test_pretrained import max_diff
 from test_pretrained_hf import perturb
@@ -35,20 +35,7 @@ from attnlab.pretrained import (
 )
 
 TOL = 1e-4
-V = 96
-_BASE = dict(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.125,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_BASE = dict(DECODER, hidden_size=32, intermediate_size=64)
 
 # name -> (config class, model class, kwargs, [config.json changes that drop one feature]);
 # a change's "drop" lists stored names of tensors the plainer config has no place for, its

@@ -12,10 +12,12 @@ import re
 
 import numpy as np
 import pytest
-from hf_reference import (  # hf: read from here by the other checkpoint tests
+from hf_reference import (
+    DECODER,
+    V,
     built_once,
     generate_greedy,
-    hf,
+    hf,  # read from here by the other checkpoint tests
     hf_logits,
     tiny_model,
     torch,
@@ -28,22 +30,8 @@ from attnlab.pretrained import convert, load_pretrained, read_tensors
 
 TOL = 1e-4
 HAS_DECODE = importlib.util.find_spec("attnlab.decode") is not None
-V = 96
 
-_DECODER = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.125,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_DECODER = dict(DECODER, rms_norm_eps=1e-6)
 _SEQ2SEQ = dict(vocab_size=V, pad_token_id=1, eos_token_id=2, decoder_start_token_id=0)
 
 SPECS = {

@@ -14,7 +14,7 @@ Qwen3-MoE-shaped attnlab models are also exported and read back by transformers.
 
 import numpy as np
 import pytest
-from hf_reference import built_once, hf_logits, tiny_model, torch, transformers
+from hf_reference import DECODER, V, built_once, hf_logits, tiny_model, torch, transformers
 from test_export_hf import perturbed, transformers_logits
 from test_pretrained import max_diff
 from test_pretrained_hf import perturb
@@ -25,20 +25,7 @@ from attnlab.config import ModelConfig
 from attnlab.pretrained import convert, export_model, load_pretrained, read_tensors
 
 TOL = 1e-4
-V = 96
-_BASE = dict(
-    vocab_size=V,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.25,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_BASE = dict(DECODER, hidden_size=32, intermediate_size=48, initializer_range=0.25)
 SPECS = {
     "mixtral": (
         "MixtralConfig",

@@ -13,7 +13,16 @@ check that the feature matters: loading without it gives other logits.
 
 import numpy as np
 import pytest
-from hf_reference import built_once, generate_greedy, hf_logits, tiny_model, torch, transformers
+from hf_reference import (
+    DECODER,
+    V,
+    built_once,
+    generate_greedy,
+    hf_logits,
+    tiny_model,
+    torch,
+    transformers,
+)
 from test_pretrained import max_diff
 from test_pretrained_hf import hf, perturb
 from tiers import cases
@@ -21,20 +30,7 @@ from tiers import cases
 from attnlab.pretrained import convert, load_pretrained, read_tensors
 
 TOL = 1e-4
-V = 96
-_BASE = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    initializer_range=0.125,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_BASE = DECODER
 
 # name -> (config class, model class, kwargs, {ModelConfig field: value that drops the feature})
 SPECS = {
