@@ -2,7 +2,8 @@
 dense attention on one device: the pure functions, models' losses and gradients, training.
 
 The checks on a mesh run in a child process with 8 fake CPU devices, started by the first
-test, as in ``test_sharding.py``; in the parent they skip.
+test, as in ``test_sharding.py``; in the parent they skip. The child runs
+``test_context_parallel_score_mods.py`` too (score functions on these paths).
 """
 
 import os
@@ -29,7 +30,8 @@ on_mesh = pytest.mark.skipif(
 def test_context_parallel_tests_pass_on_eight_cpu_devices():
     if CHILD:
         pytest.skip("this is the child process")
-    xla_flags.run_on_devices(__file__, timeout=600)
+    score_mods = pathlib.Path(__file__).with_name("test_context_parallel_score_mods.py")
+    xla_flags.run_on_devices(__file__, str(score_mods), timeout=600)
 
 
 # Without devices -----------------------------------------------------------------------------

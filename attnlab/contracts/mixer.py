@@ -112,7 +112,8 @@ class Mixer(nnx.Module):
     name: ClassVar[str] = ""
     Settings: ClassVar[type[MixerSettings]] = MixerSettings
     # Whether the variant's maths is softmax attention over K/V blocks, so the stack may
-    # hand it a sequence split over the mesh's context axis (a ``ContextMask``).
+    # hand it a sequence split over the mesh's context axis (a ``ContextMask``, whose
+    # ``attend`` takes a ``score_mod`` and a ``softcap`` as well).
     context_parallel: ClassVar[bool] = False
 
     @classmethod

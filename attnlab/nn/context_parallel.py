@@ -21,13 +21,19 @@ tokens, placed by the ``length -> context`` rule of ``sharding.RULES``.
   calls ``ContextMask.attend``; masks and biases are evaluated per chunk pair, from
   positions. (The stack's dense masks for the other paths are unused then, so ``jit``
   removes them: no ``[T, S]`` array is computed.)
+* A mixer's score function (``score_mod``, ``attnlab.ops.score_mods``; ``mixer="fox"``'s
+  forget gate) and ``softcap`` go to the ring or the all-gather with the layer's call:
+  ``q_idx``/``kv_idx`` are the tokens' indices in the sequence (``index_BT``, in the
+  layout the layers run in), as the dense path gives them, and ``b``/``h`` the global
+  batch row and head. A per-token array such a function reads by index is put in token
+  order with ``ContextMask.token_order``.
 
 Dense attention remains for cached decoding (a KV cache is not split along the sequence),
-``return_weights``, and attention variants other than ``"softmax"`` (they see dense masks;
-GSPMD places them as it can). The sequence length must be a multiple of the context axis
-(twice it in the zigzag layout). Dropout inside a zigzag stack draws its bits in that
-order, and attention dropout per chunk pair: the distribution of one device's dropout,
-not its bits.
+``return_weights``, attention functions other than ``"softmax"`` (they see dense masks;
+GSPMD places them as it can), and stacks with a mixer whose ``context_parallel`` is
+False. The sequence length must be a multiple of the context axis (twice it in the
+zigzag layout). Dropout inside a zigzag stack draws its bits in that order, and attention
+dropout per chunk pair: the distribution of one device's dropout, not its bits.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from attnlab import ops
 from attnlab.contracts.mixer import get_mixer
@@ -83,8 +91,11 @@ class ContextParallel:
     def describe(self, stack, positions_BT, valid_BS, segment_ids_BT) -> ContextMask:
         """The self-attention mask of ``stack`` as a description (arguments as entered)."""
         bias_fn, bias_params = position_bias(stack)
+        T = positions_BT.shape[1]
+        order = cp.zigzag_indices(T, self.mesh.shape[AXIS]) if self.zigzag else np.arange(T)
         return ContextMask(
             positions_BT=positions_BT,
+            index_BT=jnp.asarray(order, jnp.int32)[None],
             valid_BS=valid_BS,
             segment_ids_BT=segment_ids_BT,
             bias_params=bias_params,
@@ -143,7 +154,7 @@ def plan(stack, T: int, *, cached: bool, return_weights: bool) -> ContextParalle
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["positions_BT", "valid_BS", "segment_ids_BT", "window", "bias_params"],
+    data_fields=["positions_BT", "index_BT", "valid_BS", "segment_ids_BT", "window", "bias_params"],
     meta_fields=["plan", "bias_fn"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +163,7 @@ class ContextMask:
     per chunk pair from positions inside ``ContextMask.attend``."""
 
     positions_BT: Any
+    index_BT: Any  # [1, T] each token's index in the sequence, in the layers' layout
     valid_BS: Any
     segment_ids_BT: Any
     bias_params: Any
@@ -164,7 +176,15 @@ class ContextMask:
         full attention in a stack where other layers have one)."""
         return dataclasses.replace(self, window=window) if self.plan.windowed else self
 
-    def attend(self, q_BTNH, k_BSKH, v_BSKH, *, scale, dropout_rate=0.0, dropout_key=None):
+    def token_order(self, x_BT):
+        """A per-token array ``[B, T, ...]`` of the layers' layout in token order (as a
+        score function reads it by ``q_idx``/``kv_idx``)."""
+        return self.plan.leave(x_BT)
+
+    def attend(
+        self, q_BTNH, k_BSKH, v_BSKH, *, scale, dropout_rate=0.0, dropout_key=None,
+        score_mod=None, softcap=None,
+    ):  # fmt: skip
         plan = self.plan
         return cp.context_parallel_attention(
             q_BTNH,
@@ -181,6 +201,10 @@ class ContextMask:
             k_valid_BS=self.valid_BS,
             bias_fn=self.bias_fn,
             bias_params=self.bias_params,
+            score_mod=score_mod,
+            softcap=softcap,
+            q_index_BT=self.index_BT,
+            k_index_BS=self.index_BT,
             scale=scale,
             load_balance=plan.zigzag,
             implementation=plan.implementation,

@@ -7,9 +7,9 @@ values of the same T/C tokens. Two ways to attend, both pure functions called in
 * ``ring_attention`` (``attnlab.ops.ring``): each device keeps its queries and passes its
   key/value chunk round the ring (``lax.ppermute`` to the next device, C - 1 times), with
   the chunk's positions, segment ids and validity. Each visit updates an online softmax
-  in float32 (running max, normaliser and unnormalised output), so no device ever holds
-  more than two chunks of keys. The transfer of the next chunk does not depend on the work on the
-  current one, so XLA can overlap them.
+  in at least float32 (running max, normaliser and unnormalised output; float64 for
+  float64 inputs), so no device ever holds more than two chunks of keys. The transfer of
+  the next chunk does not depend on the work on the current one, so XLA can overlap them.
 * ``all_gather_attention``: each device gathers every key and value (``lax.all_gather``)
   and attends its queries over all of them in one dense call (``dot_product_attention``,
   any implementation): one collective instead of C - 1, but the whole K/V and a ``[T/C,
@@ -18,11 +18,16 @@ values of the same T/C tokens. Two ways to attend, both pure functions called in
 Masks are never ``[T, S]`` arrays: ``chunk_mask`` evaluates causal, sliding-window,
 segment (packed documents) and key-validity rules for one (query chunk, key chunk) pair
 from the chunks' positions, and a position bias (ALiBi, T5 relative) is a function of the
-positions, ``bias_fn(q_pos_BT, k_pos_BS)``, evaluated per pair too. Because every rule
-reads positions rather than array indices, the functions do not care how tokens are laid
-out over the devices. A query row whose keys are all masked gives zeros (finite
-gradients), as ``dot_product_attention`` does. K/V keep their K heads (GQA/MQA): queries
-are grouped ``[.., K, G, ..]``, never K/V repeated.
+positions, ``bias_fn(q_pos_BT, k_pos_BS)``, evaluated per pair too. So is a score function,
+``score_mod(score, b, h, q_idx, kv_idx)`` (``attnlab.ops.score_mods``, as
+``dot_product_attention`` takes it), with ``q_idx``/``kv_idx`` the tokens' true indices
+(their positions unless others are given) and, through ``context_parallel_attention``,
+``b``/``h`` the global batch row and query head; the arrays it closes over are replicated
+on every device, and values and gradients (to q, k, v and those arrays) are the dense
+path's. Because every rule reads positions rather than array indices, the functions do
+not care how tokens are laid out over the devices. A query row whose keys are all masked
+gives zeros (finite gradients), as ``dot_product_attention`` does. K/V keep their K heads
+(GQA/MQA): queries are grouped ``[.., K, G, ..]``, never K/V repeated.
 
 Load balancing. Under a causal mask the device holding the last chunk of a contiguous
 split attends to everything and the first to almost nothing, and a ring moves at the pace
@@ -67,8 +72,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from attnlab.ops import score_mods
 from attnlab.ops.attention import dot_product_attention
+from attnlab.ops.precision import wide
 from attnlab.ops.ring import ring_attention
+from attnlab.ops.shard_scores import block_indices, trace, vary_floats
 from attnlab.ops.shards import chunk_mask, fold_key, prepare, vary_like
 from attnlab.ops.shards import fit_axes as _fit
 from attnlab.ops.shards import spec_axes as _spec_axes
@@ -143,6 +151,9 @@ def all_gather_attention(
     k_segment_BS=None,
     k_valid_BS=None,
     bias_fn: Callable | None = None,
+    score_mod: Callable | None = None,
+    q_index_BT=None,
+    k_index_BS=None,
     scale=None,
     axis_name="context",
     load_balance=True,
@@ -153,15 +164,27 @@ def all_gather_attention(
     """This device's queries over every device's keys, gathered (``lax.all_gather``);
     inside ``shard_map`` over ``axis_name``. The arguments are those of
     ``ring_attention`` (``load_balance`` is accepted and changes nothing: the work is the
-    same on every device), plus the ``dot_product_attention`` implementation."""
+    same on every device), plus the ``dot_product_attention`` implementation; with a
+    ``score_mod``, the reference one, the function applied to the ``[T/C, S]`` logits at
+    once (``logits_fn``: its index arrays are those of one ring block)."""
     del load_balance
-    _, scale = prepare(q_BTNH, k_BSKH, v_BSKH, scale)
+    (_, T, _, _, K, G), scale = prepare(q_BTNH, k_BSKH, v_BSKH, scale)
 
     def gather(x):
         return None if x is None else lax.all_gather(x, axis_name, axis=1, tiled=True)
 
-    k_pos_BS = jnp.broadcast_to(k_pos_BS, (k_pos_BS.shape[0], k_BSKH.shape[1]))
-    all_pos_BS = gather(k_pos_BS)
+    rows = lambda x, L: jnp.broadcast_to(x, (x.shape[0], L))
+    all_pos_BS = gather(rows(k_pos_BS, k_BSKH.shape[1]))
+    logits_fn = None
+    if score_mod is not None:  # called with the tokens' indices, wherever they lie
+        q_meta, k_meta = {"pos": rows(q_pos_BT, T)}, {"pos": all_pos_BS}
+        if q_index_BT is not None:
+            q_meta["index"] = rows(q_index_BT, T)
+        if k_index_BS is not None:
+            k_meta["index"] = gather(rows(k_index_BS, k_BSKH.shape[1]))
+        idx = block_indices(q_BTNH.shape[0], K, G, q_meta, k_meta)
+        logits_fn = lambda s_BKGTS: score_mods.apply(score_mod, s_BKGTS, *idx)
+        implementation = "reference"
     mask = chunk_mask(
         q_pos_BT,
         all_pos_BS,
@@ -177,6 +200,7 @@ def all_gather_attention(
         gather(v_BSKH),
         mask=mask,
         bias=None if bias_fn is None else bias_fn(q_pos_BT, all_pos_BS),
+        logits_fn=logits_fn,
         scale=scale,
         implementation=implementation,
         dropout_rate=dropout_rate,
@@ -200,6 +224,10 @@ def context_parallel_attention(
     k_valid_BS=None,
     bias_fn: Callable | None = None,
     bias_params=None,
+    score_mod: Callable | None = None,
+    softcap: float | None = None,
+    q_index_BT=None,
+    k_index_BS=None,
     scale=None,
     load_balance=True,
     implementation="reference",
@@ -221,6 +249,12 @@ def context_parallel_attention(
     ``bias_fn(bias_params, q_pos_BT, k_pos_BS) -> [B|1, N, T, S]`` is a position bias whose
     parameters have the heads on their last axis (ALiBi slopes ``[N]``, a relative table
     ``[X, N]``); they are split with the heads. ``window`` may be traced.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` sees global arrays' indices: ``b`` the batch
+    row, ``h`` the query head (each shard's offset added), ``q_idx``/``kv_idx`` the tokens'
+    ``q_index_BT``/``k_index_BS`` (default: the positions), so it may index the global
+    arrays it closes over (each device holds them whole). ``softcap`` caps the biased
+    logits at ``c * tanh(s / c)`` before it.
     """
     if method not in METHODS:
         raise ValueError(f"context parallelism method={method!r}: use one of {METHODS}")
@@ -240,6 +274,8 @@ def context_parallel_attention(
         heads, shards, slice_kv = (), 1, False  # no head split fits both: keep heads whole
     b, c, h = _spec_axes(batch), axis_name, _spec_axes(heads)
     rows = lambda x: b if x.shape[0] > 1 else None
+    if softcap is not None:
+        score_mod = score_mods.compose(score_mods.softcap(float(softcap)), score_mod)
     args = {"q": q_BTNH, "k": k_BSKH, "v": v_BSKH, "q_pos": q_pos_BT, "k_pos": k_pos_BS}
     specs = {
         "q": P(b, c, h, None),
@@ -251,6 +287,8 @@ def context_parallel_attention(
     optional = {
         "q_segment": q_segment_BT,
         "k_segment": k_segment_BS,
+        "q_index": None if score_mod is None else q_index_BT,
+        "k_index": None if score_mod is None else k_index_BS,
         "k_valid": k_valid_BS,
         "window": None if window is None else jnp.asarray(window, jnp.int32),
         "bias_params": bias_params,
@@ -266,6 +304,16 @@ def context_parallel_attention(
             specs[name] = P(*([None] * (x.ndim - 1)), h)
         else:
             specs[name] = P(rows(x), c)
+    mod = None
+    if score_mod is not None:  # traced here: its arrays enter shard_map as inputs
+        n = 2 if method == "ring" and load_balance else 1
+        q_idx = q_pos_BT if q_index_BT is None else q_index_BT
+        k_idx = k_pos_BS if k_index_BS is None else k_index_BS
+        shards_of = lambda axes: math.prod(mesh.shape[a] for a in axes)
+        local = (B // shards_of(batch), T // C, N // shards, 1 if slice_kv else K // shards)
+        example = _score_example(*local, n, method == "ring", q_idx, k_idx, wide(q_BTNH, k_BSKH))
+        mod, args["mod_args"] = trace(score_mod, example)
+        specs["mod_args"] = tuple(P() for _ in args["mod_args"])  # whole on every device
     attend = ring_attention if method == "ring" else all_gather_attention
     extra = {} if method == "ring" else {"implementation": implementation}
 
@@ -280,6 +328,12 @@ def context_parallel_attention(
             # devices once, not at every block that reads it.
             params = vary_like(a["bias_params"], like=a["q"])
             local_bias = functools.partial(bias_fn, params)
+        local_mod = None
+        if mod is not None:  # this shard's rows and heads at their global indices
+            b0 = lax.axis_index(batch) * a["q"].shape[0] if batch else 0
+            h0 = lax.axis_index(heads) * a["q"].shape[2] if heads else 0
+            mod_args = vary_floats(a["mod_args"], like=a["q"])  # one psum of their gradient
+            local_mod = lambda s, b, h, q, k: mod(s, b + b0, h + h0, q, k, *mod_args)
         key = a.get("dropout_key")
         if key is not None and batch + heads:
             key = jax.random.fold_in(key, lax.axis_index(batch + heads))
@@ -295,6 +349,9 @@ def context_parallel_attention(
             k_segment_BS=a.get("k_segment"),
             k_valid_BS=a.get("k_valid"),
             bias_fn=local_bias,
+            score_mod=local_mod,
+            q_index_BT=a.get("q_index"),
+            k_index_BS=a.get("k_index"),
             scale=scale,
             axis_name=axis_name,
             load_balance=load_balance,
@@ -304,6 +361,23 @@ def context_parallel_attention(
         )
 
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=specs["q"])(args)
+
+
+def _score_example(B, T, N, K, n, ring, q_idx_BT, k_idx_BS, dtype):
+    """A score function's arguments for one block of one device (``B`` rows, ``T``
+    tokens, ``N`` query and ``K`` kv heads): a ring block of ``T/n`` queries and keys, or
+    the all-gather's ``T`` queries over every key; the indices' rows as the arrays'."""
+    t = T // n
+    s = t if ring else q_idx_BT.shape[1]
+    rows = lambda x: 1 if x.shape[0] == 1 else B
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    return (
+        jnp.zeros((B, K, N // K, t, s), dtype),
+        zeros(B, 1, 1, 1, 1),
+        zeros(1, K, N // K, 1, 1),
+        zeros(rows(q_idx_BT), 1, 1, t, 1),
+        zeros(rows(k_idx_BS), 1, 1, 1, s),
+    )
 
 
 def zigzag(tree, *, mesh, inverse=False, axis_name="context", batch_axes=("data", "fsdp")):

@@ -4,6 +4,15 @@ round the mesh's context axis, with an online softmax and a custom VJP.
 The algorithm, the layouts and the memory it keeps are described in
 ``attnlab.ops.context_parallel``, which calls it under ``shard_map``; the mask of one (query
 chunk, key chunk) pair is ``ops.shards.chunk_mask``, evaluated from positions.
+
+A score function (``score_mod(score, b, h, q_idx, kv_idx)``, ``attnlab.ops.score_mods``)
+changes each block's logits after the bias and before the mask, with the block's tokens'
+indices (their positions unless others are given) travelling with the chunks. The arrays
+it closes over, of any dtype, are hoisted out and made varying like the queries
+(``attnlab.ops.shard_scores``), so the custom backward pass pulls each block's ``dS`` back
+through the function (``jax.vjp``) and sums the float arrays' gradients with no collective
+inside the skip's ``lax.cond``. Logits, the online softmax and the gradients are in
+``precision.wide`` of the inputs: float32 for bfloat16 and float32, float64 for float64.
 """
 
 from __future__ import annotations
@@ -20,9 +29,11 @@ from jax import lax
 from attnlab.ops import score_mods
 from attnlab.ops.attention import to_BKGTS
 from attnlab.ops.masks import MASK_VALUE
+from attnlab.ops.precision import wide
+from attnlab.ops.shard_scores import block_indices, hoist, modded
 from attnlab.ops.shards import chunk_mask, fold_key, prepare, vary_like
 
-META = ("pos", "segment", "valid")  # what travels with a key chunk besides k and v
+META = ("pos", "segment", "valid", "index")  # what travels with a key chunk besides k and v
 
 
 def _meta_mask(q_meta, k_meta, causal, window):
@@ -63,23 +74,37 @@ class _Ring:
     rate: float  # attention dropout; 0 for none
     key_impl: Any  # the dropout key's PRNG implementation
     bias: Callable | None  # bias(q_pos, k_pos, *bias_args), its arrays hoisted
+    mod: Callable | None  # mod(score, b, h, q_idx, kv_idx, *mod_args), its arrays hoisted
 
 
-def _logits(ring, q_BTKGH, k_BSKH, q_meta, k_meta, window, bias_args):
-    """One block's float32 logits, scaled, biased and masked, and its ``[B|1,1,1,T,S]`` mask."""
+def _scores(ring, q_BTKGH, k_BSKH, q_meta, k_meta, bias_args):
+    """One block's logits in ``wide`` of the inputs, scaled and biased (before the score
+    function and the mask)."""
     B, T, K, G, _ = q_BTKGH.shape
     S = k_BSKH.shape[1]
-    s_BKGTS = jnp.einsum(
-        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-    ) * jnp.float32(ring.scale)
+    cdt = wide(q_BTKGH, k_BSKH)
+    s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=cdt)
+    s_BKGTS = s_BKGTS * jnp.asarray(ring.scale, cdt)
     if ring.bias is not None:
         bias = ring.bias(q_meta["pos"], k_meta["pos"], *bias_args)
-        s_BKGTS = s_BKGTS + to_BKGTS(bias, B, K, G, T, S).astype(jnp.float32)
+        s_BKGTS = s_BKGTS + to_BKGTS(bias, B, K, G, T, S).astype(cdt)
+    return s_BKGTS
+
+
+def _masked(s_BKGTS, q_meta, k_meta, ring, window):
+    """``s`` with the masked entries at ``MASK_VALUE``, and the ``[B|1,1,1,T,S]`` mask."""
     mask = _meta_mask(q_meta, k_meta, ring.causal, window)
     if mask is None:
         return s_BKGTS, None
     mask_B11TS = mask[:, :, None]
     return jnp.where(mask_B11TS, s_BKGTS, MASK_VALUE), mask_B11TS
+
+
+def _logits(ring, q_BTKGH, k_BSKH, q_meta, k_meta, window, bias_args, mod_args):
+    """One block's logits, scaled, biased, modified and masked, and its mask."""
+    s_BKGTS = _scores(ring, q_BTKGH, k_BSKH, q_meta, k_meta, bias_args)
+    s_BKGTS = modded(ring.mod, s_BKGTS, q_meta, k_meta, mod_args)
+    return _masked(s_BKGTS, q_meta, k_meta, ring, window)
 
 
 def _keep(ring, key_data, me, src, i, j, shape):
@@ -98,13 +123,16 @@ def _blocks(n, block, carry):
     return lax.scan(block, carry, jnp.arange(n * n))[0]
 
 
-def _ring_forward(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data):
+def _ring_forward(
+    ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data
+):
     """The ring's output and each query's log-sum-exp ``[n, B, K, G, T/n]``."""
     n, name = ring.n, ring.axis_name
     C, me = lax.axis_size(name), lax.axis_index(name)
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     G = N // K
+    cdt = wide(q_BTNH, k_BSKH)
     q_nBTKGH = _parts(q_BTNH.reshape(B, T, K, G, H), n)
     q_meta_n = jax.tree.map(lambda x: _parts(x, n), q_meta)
 
@@ -119,7 +147,9 @@ def _ring_forward(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_ar
 
             def update(st):
                 m_BKGT, l_BKGT, acc_BKGTH = st
-                s_BKGTS, mask = _logits(ring, q_nBTKGH[i], chunk["k"], q_m, k_m, window, bias_args)
+                s_BKGTS, mask = _logits(
+                    ring, q_nBTKGH[i], chunk["k"], q_m, k_m, window, bias_args, mod_args
+                )
                 m_new_BKGT = jnp.maximum(m_BKGT, s_BKGTS.max(-1))
                 correction_BKGT = jnp.exp(m_BKGT - m_new_BKGT)
                 p_BKGTS = jnp.exp(s_BKGTS - m_new_BKGT[..., None])
@@ -133,7 +163,7 @@ def _ring_forward(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_ar
                     "BKGTS,BSKH->BKGTH",
                     p_BKGTS.astype(chunk["v"].dtype),
                     chunk["v"],
-                    preferred_element_type=jnp.float32,
+                    preferred_element_type=cdt,
                 )
                 return m_new_BKGT, l_BKGT, acc_BKGTH * correction_BKGT[..., None] + pv_BKGTH
 
@@ -154,7 +184,7 @@ def _ring_forward(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_ar
         passed = jax.tree.map(lambda x: lax.ppermute(x, name, ring_perm), kv)
         return (visit(stats, kv, (me - s) % C), passed), None
 
-    zero_nBKGTH = jnp.zeros_like(jnp.moveaxis(q_nBTKGH, 2, 4), jnp.float32)
+    zero_nBKGTH = jnp.zeros_like(jnp.moveaxis(q_nBTKGH, 2, 4), cdt)
     zero_nBKGT = zero_nBKGTH[..., 0]
     stats = (zero_nBKGT + MASK_VALUE, zero_nBKGT, zero_nBKGTH)  # m, l, acc of each part
     kv = {"k": k_BSKH, "v": v_BSKH, **kv_meta}
@@ -169,14 +199,13 @@ def _ring_forward(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_ar
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data):
-    return _ring_forward(
-        ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data
-    )[0]
+def _ring(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data):
+    args = (q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data)
+    return _ring_forward(ring, *args)[0]
 
 
-def _ring_fwd(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data):
-    args = (q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data)
+def _ring_fwd(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data):
+    args = (q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data)
     out_BTNH, lse_nBKGT = _ring_forward(ring, *args)
     return out_BTNH, (args, out_BTNH, lse_nBKGT)
 
@@ -185,60 +214,72 @@ def _ring_bwd(ring, residuals, dout_BTNH):
     """Gradients by a second trip round the ring: the key/value chunks travel again, each
     with the gradient of its keys and values accumulated so far, which a last transfer
     brings home. Probabilities are recomputed from the saved log-sum-exp."""
-    (q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, key_data), out, lse = residuals
+    args, out, lse = residuals
+    q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data = args
     n, name = ring.n, ring.axis_name
     C, me = lax.axis_size(name), lax.axis_index(name)
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     G = N // K
+    cdt = wide(q_BTNH, k_BSKH)
     split = lambda x: _parts(x.reshape(B, T, K, G, H), n)
-    q_nBTKGH, do_nBTKGH = split(q_BTNH), split(dout_BTNH).astype(jnp.float32)
-    delta_nBKGT = jnp.einsum("nBTKGH,nBTKGH->nBKGT", do_nBTKGH, split(out).astype(jnp.float32))
+    q_nBTKGH, do_nBTKGH = split(q_BTNH), split(dout_BTNH).astype(cdt)
+    delta_nBKGT = jnp.einsum("nBTKGH,nBTKGH->nBKGT", do_nBTKGH, split(out).astype(cdt))
     q_meta_n = jax.tree.map(lambda x: _parts(x, n), q_meta)
-    scale = jnp.float32(ring.scale)
+    scale = jnp.asarray(ring.scale, cdt)
+    wants = score_mods.differentiable(bias_args)  # integer and boolean arrays take none
+    mod_wants = score_mods.differentiable(mod_args)
+    mod_floats = score_mods.floats(mod_args, mod_wants)
 
     def visit(carry, kv, src):
-        dq_nBTKGH, dkv, d_args = carry
+        dq_nBTKGH, dkv, d_args, d_mod = carry
         kv_n = jax.tree.map(lambda x: _parts(x, n), kv)
 
         def block(carry, ij):
-            dq_nBTKGH, dkv_n, d_args = carry
+            dq_nBTKGH, dkv_n, d_args, d_mod = carry
             i, j = ij // n, ij % n
             chunk, q_m = _take(kv_n, j), _take(q_meta_n, i)
             k_m = {key: chunk[key] for key in META if key in chunk}
             q_BTKGH, do_BTKGH = q_nBTKGH[i], do_nBTKGH[i]
             k_BSKH, v_BSKH = chunk["k"], chunk["v"]
 
-            def grads(_):
-                s_BKGTS, mask = _logits(ring, q_BTKGH, k_BSKH, q_m, k_m, window, bias_args)
+            def grads(d_mod):
+                s_BKGTS = _scores(ring, q_BTKGH, k_BSKH, q_m, k_m, bias_args)
+                if ring.mod is not None:  # pulled back per block; its arrays vary like q
+                    mod = lambda s, f: modded(
+                        ring.mod, s, q_m, k_m, score_mods.merge(mod_args, f, mod_wants)
+                    )
+                    s_BKGTS, mod_vjp = jax.vjp(mod, s_BKGTS, mod_floats)
+                s_BKGTS, mask = _masked(s_BKGTS, q_m, k_m, ring, window)
                 p_BKGTS = jnp.exp(s_BKGTS - lse[i][..., None])
                 if mask is not None:
                     p_BKGTS = jnp.where(mask, p_BKGTS, 0.0)
-                dp_BKGTS = jnp.einsum(
-                    "BTKGH,BSKH->BKGTS", do_BTKGH, v_BSKH, preferred_element_type=jnp.float32
-                )
+                wide_ = dict(preferred_element_type=cdt)
+                dp_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", do_BTKGH, v_BSKH, **wide_)
                 used_BKGTS = p_BKGTS
                 if ring.rate:
                     keep = _keep(ring, key_data, me, src, i, j, p_BKGTS.shape)
                     used_BKGTS = jnp.where(keep, p_BKGTS / (1.0 - ring.rate), 0.0)
                     dp_BKGTS = jnp.where(keep, dp_BKGTS / (1.0 - ring.rate), 0.0)
                 ds_BKGTS = p_BKGTS * (dp_BKGTS - delta_nBKGT[i][..., None])
-                f32 = dict(preferred_element_type=jnp.float32)
-                dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds_BKGTS, k_BSKH, **f32) * scale
-                dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds_BKGTS, q_BTKGH, **f32) * scale
-                dv = jnp.einsum("BKGTS,BTKGH->BSKH", used_BKGTS, do_BTKGH, **f32)
-                return dq, dk, dv, ds_BKGTS
+                if ring.mod is not None:  # d logits before the score function
+                    ds_BKGTS, dm = mod_vjp(ds_BKGTS)
+                    d_mod = tuple(a + g.astype(a.dtype) for a, g in zip(d_mod, dm, strict=True))
+                dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds_BKGTS, k_BSKH, **wide_) * scale
+                dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds_BKGTS, q_BTKGH, **wide_) * scale
+                dv = jnp.einsum("BKGTS,BTKGH->BSKH", used_BKGTS, do_BTKGH, **wide_)
+                return dq, dk, dv, ds_BKGTS, d_mod
 
-            def skip(_):
-                zeros = lambda x: jnp.zeros_like(x, jnp.float32)
-                ds = vary_like(jnp.zeros((B, K, G, T // n, k_BSKH.shape[1]), jnp.float32), q_BTKGH)
-                return zeros(q_BTKGH), zeros(k_BSKH), zeros(v_BSKH), ds
+            def skip(d_mod):
+                zeros = lambda x: jnp.zeros_like(x, cdt)
+                ds = vary_like(jnp.zeros((B, K, G, T // n, k_BSKH.shape[1]), cdt), q_BTKGH)
+                return zeros(q_BTKGH), zeros(k_BSKH), zeros(v_BSKH), ds, d_mod
 
             mask = _meta_mask(q_m, k_m, ring.causal, window)
             if mask is None:
-                dq, dk, dv, ds = grads(None)
+                dq, dk, dv, ds, d_mod = grads(d_mod)
             else:  # blocks the rules rule out contribute nothing
-                dq, dk, dv, ds = lax.cond(mask.any(), grads, skip, None)
+                dq, dk, dv, ds, d_mod = lax.cond(mask.any(), grads, skip, d_mod)
             dq_nBTKGH = dq_nBTKGH.at[i].add(dq)
             dkv_n = {"k": dkv_n["k"].at[j].add(dk), "v": dkv_n["v"].at[j].add(dv)}
             if ring.bias is not None:  # outside the cond: it may hold a psum (see ring_attention)
@@ -247,15 +288,15 @@ def _ring_bwd(ring, residuals, dout_BTNH):
                 def bias_BKGTS(*floats):
                     args = score_mods.merge(bias_args, floats, wants)
                     bias = ring.bias(q_m["pos"], k_m["pos"], *args)
-                    return to_BKGTS(bias, B, K, G, Tn, Sn).astype(jnp.float32)
+                    return to_BKGTS(bias, B, K, G, Tn, Sn).astype(cdt)
 
                 floats = score_mods.floats(bias_args, wants)
                 d_args = jax.tree.map(jnp.add, d_args, jax.vjp(bias_BKGTS, *floats)[1](ds))
-            return (dq_nBTKGH, dkv_n, d_args), None
+            return (dq_nBTKGH, dkv_n, d_args, d_mod), None
 
         dkv_n = jax.tree.map(lambda x: _parts(x, n), dkv)
-        dq_nBTKGH, dkv_n, d_args = _blocks(n, block, (dq_nBTKGH, dkv_n, d_args))
-        return dq_nBTKGH, jax.tree.map(_unparts, dkv_n), d_args
+        dq_nBTKGH, dkv_n, d_args, d_mod = _blocks(n, block, (dq_nBTKGH, dkv_n, d_args, d_mod))
+        return dq_nBTKGH, jax.tree.map(_unparts, dkv_n), d_args, d_mod
 
     ring_perm = [(d, (d + 1) % C) for d in range(C)]
     send = lambda tree: jax.tree.map(lambda x: lax.ppermute(x, name, ring_perm), tree)
@@ -263,22 +304,24 @@ def _ring_bwd(ring, residuals, dout_BTNH):
     def step(carry, s):
         grads, kv = carry
         passed = send(kv)  # the next chunk moves while this one is worked on
-        dq, dkv, d_args = visit(grads, kv, (me - s) % C)
-        return ((dq, send(dkv), d_args), passed), None
+        dq, dkv, d_args, d_mod = visit(grads, kv, (me - s) % C)
+        return ((dq, send(dkv), d_args, d_mod), passed), None
 
     kv = {"k": k_BSKH, "v": v_BSKH, **kv_meta}
-    zeros = lambda x: jnp.zeros_like(x, jnp.float32)
+    zeros = lambda x: jnp.zeros_like(x, cdt)
     grads = (zeros(q_nBTKGH), {"k": zeros(k_BSKH), "v": zeros(v_BSKH)})
-    wants = score_mods.differentiable(bias_args)  # integer and boolean arrays take none
     grads += (tuple(jnp.zeros_like(a) for a in score_mods.floats(bias_args, wants)),)
+    grads += (tuple(zeros(a) for a in mod_floats),)
     if C > 1:
         (grads, kv), _ = lax.scan(step, (grads, kv), jnp.arange(C - 1))
-    dq_nBTKGH, dkv, d_args = visit(grads, kv, (me - (C - 1)) % C)
+    dq_nBTKGH, dkv, d_args, d_mod = visit(grads, kv, (me - (C - 1)) % C)
     dkv = send(dkv)  # the last chunk's gradients go home
     dq_BTNH = _unparts(dq_nBTKGH).reshape(B, T, N, H).astype(q_BTNH.dtype)
     dk_BSKH, dv_BSKH = dkv["k"].astype(k_BSKH.dtype), dkv["v"].astype(v_BSKH.dtype)
     d_args = score_mods.merge(tuple(map(score_mods.no_gradient, bias_args)), d_args, wants)
-    return dq_BTNH, dk_BSKH, dv_BSKH, None, None, None, d_args, None
+    d_mod = tuple(g.astype(a.dtype) for g, a in zip(d_mod, mod_floats, strict=True))
+    d_mod = score_mods.merge(tuple(map(score_mods.no_gradient, mod_args)), d_mod, mod_wants)
+    return dq_BTNH, dk_BSKH, dv_BSKH, None, None, None, d_args, d_mod, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -297,6 +340,9 @@ def ring_attention(
     k_segment_BS=None,
     k_valid_BS=None,
     bias_fn: Callable | None = None,
+    score_mod: Callable | None = None,
+    q_index_BT=None,
+    k_index_BS=None,
     scale=None,
     axis_name="context",
     load_balance=True,
@@ -308,7 +354,11 @@ def ring_attention(
 
     ``q_pos_BT``/``k_pos_BS`` (``[B|1, ...]`` int) are the tokens' positions, which the
     mask rules (see ``chunk_mask``) and ``bias_fn(q_pos_BT, k_pos_BS) -> [B|1, N|1, T, S]``
-    (this device's heads) read. ``load_balance``: the chunks are zigzag pairs (see
+    (this device's heads) read. ``score_mod(score, b, h, q_idx, kv_idx)``
+    (``attnlab.ops.score_mods``) changes each block's logits after the bias: ``b`` and
+    ``h`` index this call's batch rows and query heads, ``q_idx``/``kv_idx`` are the
+    tokens' ``q_index_BT``/``k_index_BS`` (``[B|1, ...]``; default: the positions), in
+    whatever layout the chunks are. ``load_balance``: the chunks are zigzag pairs (see
     ``to_zigzag``), so each is attended as two halves and the (query half, key half)
     blocks that the mask rules out are skipped; without it, whole chunks are skipped.
     Attention dropout (``dropout_key``) draws each block's bits from the key folded with
@@ -321,23 +371,36 @@ def ring_attention(
     if T % n or S % n:
         raise ValueError(f"ring_attention(load_balance=True) needs even chunks, got T={T}, S={S}")
     drop = dropout_key is not None and dropout_rate > 0.0
-    q_meta = {"pos": jnp.broadcast_to(q_pos_BT, (q_pos_BT.shape[0], T))}
+    rows = lambda x, L: jnp.broadcast_to(x, (x.shape[0], L))
+    q_meta = {"pos": rows(q_pos_BT, T)}
     if q_segment_BT is not None:
         q_meta["segment"] = q_segment_BT
-    kv_meta = {"pos": jnp.broadcast_to(k_pos_BS, (k_pos_BS.shape[0], S))}
+    kv_meta = {"pos": rows(k_pos_BS, S)}
     for key, x in (("segment", k_segment_BS), ("valid", k_valid_BS)):
         if x is not None:
             kv_meta[key] = x
+    if score_mod is not None and q_index_BT is not None:
+        q_meta["index"] = rows(q_index_BT, T)
+    if score_mod is not None and k_index_BS is not None:
+        kv_meta["index"] = rows(k_index_BS, S)
     # A collective inside a branch of the skip's lax.cond would wait for devices that took
     # the other branch, and autodiff puts one (a psum, the transpose of an implicit pvary)
     # where a float that varies over fewer mesh axes than the queries meets them. So k and v
     # are made varying here, and the bias's arrays (perhaps a table replicated over the
-    # ring) become explicit arguments whose gradient is taken outside the cond.
+    # ring) become explicit arguments whose gradient is taken outside the cond; the score
+    # function's arrays are made varying too, so its pullback inside the cond holds none.
     k_BSKH, v_BSKH = vary_like(k_BSKH, q_BTNH), vary_like(v_BSKH, q_BTNH)
+    first = lambda meta: jax.tree.map(lambda x: _parts(x, n)[0], meta)
     bias, bias_args = None, ()
     if bias_fn is not None:
         example = (q_meta["pos"][:, : T // n], kv_meta["pos"][:, : S // n])
         bias, bias_args = score_mods.hoist(bias_fn, *example)  # arrays of any dtype
+    mod, mod_args = None, ()
+    if score_mod is not None:
+        shape = (B, K, G, T // n, S // n)
+        s_BKGTS = vary_like(jnp.zeros(shape, wide(q_BTNH, k_BSKH)), q_BTNH)
+        example = (s_BKGTS, *block_indices(B, K, G, first(q_meta), first(kv_meta)))
+        mod, mod_args = hoist(score_mod, example, like=q_BTNH)  # arrays of any dtype
     ring = _Ring(
         axis_name=axis_name,
         n=n,
@@ -346,7 +409,11 @@ def ring_attention(
         rate=float(dropout_rate) if drop else 0.0,
         key_impl=jax.random.key_impl(dropout_key) if drop else None,
         bias=bias,
+        mod=mod,
     )
     window = None if window is None else jnp.asarray(window, jnp.int32)
     key_data = jax.random.key_data(dropout_key) if drop else None
-    return _ring(ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, tuple(bias_args), key_data)
+    return _ring(
+        ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, tuple(bias_args), mod_args,
+        key_data,
+    )  # fmt: skip

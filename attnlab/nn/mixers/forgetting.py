@@ -10,6 +10,11 @@ cumulative log gates, so every attention path (the chunked one's blocks, a fused
 runs it and returns the gradient of ``c``. Parameters beside ``mha``'s: ``fgate_DN`` and
 ``fgate_bias_N``. Cache: ``mha``'s keys and values, and ``"log_forget"`` ``[N, S]`` float32,
 each cached position's ``c``, so a decoding step extends the sum from its row's last one.
+
+With the sequence split over the mesh's context axis (``attnlab.nn.context_parallel``) the
+gates are summed in token order (``ContextMask.token_order``: the layers may run in the
+zigzag layout), and every device holds the whole ``c`` ``[B, N, T]`` that the ring's score
+function reads at the tokens' indices.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from flax import nnx
 
 from attnlab.contracts.mixer import SLOTS, CacheEntry, MixerCall, register_mixer
 from attnlab.errors import ConfigError
+from attnlab.nn.context_parallel import ContextMask
 from attnlab.nn.layers import normal
 from attnlab.nn.mixers.mha import Attention
 from attnlab.ops import score_mods
@@ -51,8 +57,7 @@ class Forgetting(Attention):
                     "decay the keys before each query (causal attention); set causal=True"
                 )
 
-    # The split sequence's ring and all-gather paths take no score function.
-    context_parallel = False
+    context_parallel = True  # the ring and the all-gather run the gate's score function
 
     def __init__(self, cfg, settings=None, *, rngs: nnx.Rngs):
         settings = self.Settings() if settings is None else settings
@@ -73,10 +78,14 @@ class Forgetting(Attention):
             logits_BTN + self.fgate_bias_N[...].astype(logits_BTN.dtype)[None, None]
         )
 
-    def cumulative(self, x_BTD, cache):
-        """``(cache, c_BNS)``: the keys' cumulative log forget gates (when decoding, the
-        cache's, extended from each row's last position by this call's tokens)."""
-        c_BTN = jnp.cumsum(self.log_forget(x_BTD), axis=1)
+    def cumulative(self, x_BTD, cache, mask=None):
+        """``(cache, c_BNS)``: the keys' cumulative log forget gates, in token order (when
+        decoding, the cache's, extended from each row's last position by this call's
+        tokens); ``mask``: the call's, read for the layout of a split sequence."""
+        log_f_BTN = self.log_forget(x_BTD)
+        if isinstance(mask, ContextMask):  # in the layers' layout: the sum runs in token order
+            log_f_BTN = mask.token_order(log_f_BTN)
+        c_BTN = jnp.cumsum(log_f_BTN, axis=1)
         if cache is None:
             return None, jnp.swapaxes(c_BTN, 1, 2)
         if cache.ring is not None:
@@ -90,7 +99,7 @@ class Forgetting(Attention):
     def __call__(self, x_BTD, call: MixerCall):
         q_BTNH = self.query(x_BTD, call)
         cache, k_BSKH, v_BSKH = self.keys_values(x_BTD, call)
-        cache, c_BNS = self.cumulative(x_BTD, cache)
+        cache, c_BNS = self.cumulative(x_BTD, cache, call.mask)
         score_mod = score_mods.forget_gate(c_BNS)
         out_BTNH, weights_BNTS = self.attend(q_BTNH, k_BSKH, v_BSKH, call, score_mod=score_mod)
         return self.output(out_BTNH, x_BTD), cache, weights_BNTS

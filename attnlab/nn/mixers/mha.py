@@ -12,8 +12,9 @@ Variants that change one step subclass it and override that step: ``query`` (q f
 ``keys_values`` (k and v, through the cache), ``attend`` (the scores and the weighted sum),
 ``output`` (the output projection). ``attnlab.nn.mixers`` holds the built-in ones. A
 variant that changes the scores passes a ``score_mod`` to ``attend`` (``extra``; see
-``attnlab.ops.score_mods``): every attention path, the chunked one and the fused kernels,
-runs it, so the variant needs no kernel of its own (``mixer="fox"``).
+``attnlab.ops.score_mods``): every attention path, the chunked one, the fused kernels and
+the ring and all-gather of a sequence split over the mesh's context axis, runs it, so the
+variant needs no kernel of its own (``mixer="fox"``).
 
 Named intermediates (``attnlab.nn.probe``, under the block's ``attn.`` or ``cross_attn.``):
 ``q`` (after QK-norm and RoPE), ``k`` and ``v`` (after what the cache holds), ``z`` (each
@@ -21,8 +22,8 @@ head's output before the output projection), and, read-only, ``scores`` (the sca
 biased, capped logits, masked keys at -inf) and ``weights``.
 
 Settings: ``softcap`` caps the self-attention logits at ``c * tanh(s / c)`` (Gemma 2) on
-every implementation, the chunked one included (cross-attention stays uncapped). Variants
-whose settings subclass ``Attention.Settings`` inherit it.
+every implementation, the chunked one and context parallelism's included (cross-attention
+stays uncapped). Variants whose settings subclass ``Attention.Settings`` inherit it.
 """
 
 from __future__ import annotations
@@ -166,14 +167,15 @@ class Attention(Mixer):
         if self.softcap is not None:
             extra = {"softcap": self.softcap, **extra}
         if isinstance(call.mask, ContextMask):  # the sequence is split over the mesh
-            if extra:
+            other = sorted(set(extra) - {"score_mod", "softcap"})  # the ring takes both
+            if other:
                 raise ConfigError(
-                    f"ModelConfig.mixer_settings {sorted(extra)} are not supported with the "
+                    f"ModelConfig.mixer_settings {other} are not supported with the "
                     "sequence split over mesh.context > 1: set mesh.context to 1"
                 )
             out = call.mask.attend(
                 q_BTNH, k_BSKH, v_BSKH, scale=scale,
-                dropout_rate=cfg.attention_dropout, dropout_key=key,
+                dropout_rate=cfg.attention_dropout, dropout_key=key, **extra,
             )  # fmt: skip
             return out, None
         blocks = {

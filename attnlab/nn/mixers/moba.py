@@ -96,6 +96,9 @@ class MoBA(Attention):
                 self.fail("topk", "a positive integer (past blocks per query besides its own)")
             check_sparse_model(cfg, "moba")
 
+    # Its keys are blocks chosen per query from the whole sequence's block summaries, which
+    # the split sequence's ring and all-gather (per chunk pair) do not compute: attention
+    # stays whole.
     context_parallel = False
 
     def __init__(self, cfg, settings=None, *, rngs):

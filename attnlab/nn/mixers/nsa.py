@@ -100,6 +100,8 @@ class NSA(Attention):
                 self.fail("top_n", f"more than local_blocks={local} (the first block is kept too)")
             check_sparse_model(cfg, "nsa")
 
+    # Its branches choose and compress keys from the whole sequence, which the split
+    # sequence's ring and all-gather (per chunk pair) do not compute: attention stays whole.
     context_parallel = False
 
     def __init__(self, cfg, settings=None, *, rngs: nnx.Rngs):
