@@ -14,8 +14,8 @@ Qwen3-MoE-shaped attnlab models are also exported and read back by transformers.
 
 import numpy as np
 import pytest
-from hf_reference import DECODER, V, built_once, hf_logits, tiny_model, torch, transformers
-from test_export_hf import perturbed, transformers_logits
+from hf_reference import DECODER, built_once, hf_logits, tiny_model, torch, transformers
+from test_export_hf import _LLAMA, perturbed, transformers_logits
 from test_pretrained import max_diff
 from test_pretrained_hf import perturb
 from test_pretrained_open import greedy_matches_transformers, left_padded
@@ -161,22 +161,7 @@ def test_greedy_with_cache_matches_transformers(checkpoints, name):
     greedy_matches_transformers(model, folder)
 
 
-_MOE_MODEL = dict(
-    arch="decoder",
-    vocab_size=V,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    d_ff=48,
-    max_len=64,
-    position="rope",
-    norm="rmsnorm",
-    norm_eps=1e-6,
-    ffn="swiglu",
-    tie_embeddings=False,
-    ffn_variant="moe",
-)
+_MOE_MODEL = dict(_LLAMA, d_model=32, d_ff=48, ffn_variant="moe")  # Llama-shaped, experts
 EXPORTS = {
     "mixtral": dict(_MOE_MODEL, ffn_settings={"n_experts": 4, "top_k": 2}),
     # QK-norm, experts narrower than d_ff, top-k weights not renormalised.
