@@ -353,6 +353,17 @@ class MaskSpec:
             allowed=None if self.allowed is None else _pad_TS(self.allowed, T, S),
         )
 
+    def _position_ranges(self, caller: str, block_q, block_k):
+        """Per-block (min, max) query positions ``[B|1, nq, 1]`` and key positions
+        ``[B|1, 1, nk]`` of ``block_any``/``block_all`` (``caller``), whose T and S must be
+        multiples of the blocks."""
+        T, S = self.shape
+        if T % block_q or S % block_k:
+            raise ValueError(f"{caller}: T={T}, S={S} must be multiples of {block_q}, {block_k}")
+        q = tuple(x[:, :, None] for x in _block_range(self.q_pos, block_q))
+        k = tuple(x[:, None, :] for x in _block_range(self.k_pos, block_k))
+        return q, k
+
     def block_any(self, block_q, block_k):
         """``[T / block_q, S / block_k]`` bool: False where no entry of the (query block,
         key block) pair may attend, from per-block position, segment and validity ranges.
@@ -361,11 +372,8 @@ class MaskSpec:
         blockwise kernel may skip those blocks. T and S must be multiples of the blocks.
         """
         T, S = self.shape
-        if T % block_q or S % block_k:
-            raise ValueError(f"block_any: T={T}, S={S} must be multiples of {block_q}, {block_k}")
         nk = S // block_k
-        q_min, q_max = (x[:, :, None] for x in _block_range(self.q_pos, block_q))
-        k_min, k_max = (x[:, None, :] for x in _block_range(self.k_pos, block_k))
+        (q_min, q_max), (k_min, k_max) = self._position_ranges("block_any", block_q, block_k)
         out = None  # [B|1, nq, nk]
         if self.causal:
             rule = k_min <= q_max
@@ -399,11 +407,8 @@ class MaskSpec:
         mask there. False is conservative (the block may still be full); True is exact.
         T and S must be multiples of the blocks."""
         T, S = self.shape
-        if T % block_q or S % block_k:
-            raise ValueError(f"block_all: T={T}, S={S} must be multiples of {block_q}, {block_k}")
         nq, nk = T // block_q, S // block_k
-        q_min, q_max = (x[:, :, None] for x in _block_range(self.q_pos, block_q))
-        k_min, k_max = (x[:, None, :] for x in _block_range(self.k_pos, block_k))
+        (q_min, q_max), (k_min, k_max) = self._position_ranges("block_all", block_q, block_k)
         out = None  # [B|1, nq, nk]
         if self.causal:
             rule = k_max <= q_min
