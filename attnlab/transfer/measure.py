@@ -79,7 +79,7 @@ def decode_profile(model, lengths=LENGTHS, repeats: int = 5) -> dict:
         cfg = model.cfg.replace(max_len=max(L, model.cfg.max_len))
         long = nnx.merge(nnx.graphdef(_abstract(cfg)), params)
         decoder, p = Decoder.for_model(long)
-        cache = init_cache(cfg, 1, L, jnp.float32)
+        cache = init_cache(cfg, 1, L, jnp.float32, on_overflow="flag")  # generate's step
         cache = cache.replace(lengths=jnp.full((1,), L - 1, jnp.int32))
         step = jax.jit(decoder.decode_step_fn)
         tok = jnp.ones((1,), jnp.int32)
