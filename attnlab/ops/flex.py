@@ -291,6 +291,8 @@ def _choose(
             candidates = ("decode", "one_query") if backend == "gpu" else ("one_query",)
     elif implementation in KERNELS:
         candidates = (implementation, *LIBRARY_FALLBACKS.get(implementation, ()), "chunked")
+        if T == 1 and block_mask is None and implementation in ("pallas_gpu", "tokamax"):
+            candidates = ("decode", *candidates)  # a decoding step: the GPU's one-query kernel
     else:
         candidates = (implementation,)
     common = dict(scale=scale, sinks=sinks, softcap=softcap)
