@@ -8,8 +8,9 @@ attnlab sweep --config experiments/NAME.py[:tiny] [--config.a.b=v ...] --workdir
 attnlab sweep --collect DIR
 attnlab eval --workdir DIR [--step N] [--full] [--import my_variant.py ...]
 attnlab eval --harness TASKS (--workdir DIR | --pretrained HF_DIR) [--include-path DIR]
-attnlab eval (--workdir DIR | --pretrained HF_DIR) --lengths L1,L2 [--context-mode chunks|sliding|both]
-             [--rope-scaling KIND:FACTOR] [--tasks T1,T2]
+attnlab eval (--workdir DIR | --pretrained HF_DIR) --lengths L1,L2
+             [--context-mode chunks|sliding|both] [--rope-scaling KIND:FACTOR]
+             [--text FILE | --tasks T1,T2] [--out DIR]
 attnlab plot DIR [DIR ...] [--out loss.png]
 attnlab sample --workdir DIR [--prompt "..."] [--max-new-tokens N] [--on-overflow stop|raise]
                [--temperature T ...] [--step N]

@@ -150,3 +150,10 @@ def test_the_cli_writes_json_and_a_plot(tiny_lm_run, tmp_path, capsys):
     }
     assert (tmp_path / "length_eval_chunks.png").is_file()
     assert jax.numpy.isfinite(jax.numpy.asarray([r["loss"] for r in rows])).all()
+
+
+def test_given_text_replaces_the_validation_split(tiny_lm_run):
+    run = length.from_workdir(tiny_lm_run)
+    text = run.decode(run.ids[:200])
+    again = length.from_workdir(tiny_lm_run, text=text)
+    np.testing.assert_array_equal(again.ids, run.ids[:200])

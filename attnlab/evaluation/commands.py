@@ -16,7 +16,10 @@ def add_flags(e) -> None:
         help="comma-separated lm-eval tasks to score the model on (the `eval` extra)",
     )
     e.add_argument(
-        "--pretrained", default=None, metavar="DIR", help="a Hugging Face folder (with --harness)"
+        "--pretrained",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face folder (with --harness, or --lengths and --tasks)",
     )
     e.add_argument("--include-path", default=None, help="a folder of task YAML files")
     e.add_argument("--limit", type=float, default=None, help="examples per task (or a fraction)")
@@ -34,7 +37,9 @@ def check(args) -> None:
     """Refuses flag combinations that mean nothing, naming the flag."""
     if args.harness is None:
         if args.pretrained is not None:
-            raise ConfigError("--pretrained is scored by --harness TASKS: add it")
+            raise ConfigError(
+                "--pretrained is scored by --harness TASKS or --lengths L1,L2: add one"
+            )
         if args.workdir is None:
             raise ConfigError("attnlab eval needs --workdir DIR (a run that `attnlab train` wrote)")
         return

@@ -18,9 +18,10 @@ The step is jitted once per (rows, chunk, cache length).
 
 A ``Scorable`` is a model with its text and its limit: ``from_workdir`` (a run: its
 validation split; positions other than a learned table extend to any length) or
-``from_pretrained`` (a Hugging Face folder: the end of the embedded corpus through its
-tokenizer; its limit is ``max_position_embeddings``, times the factor of a ``rope_scaling``
-given here). ``rope_scaling`` ("KIND:FACTOR") stretches RoPE at evaluation time, its
+``from_pretrained`` (a Hugging Face folder: the end of the embedded corpus through the
+folder's ``tokenizer.json``; its limit is ``max_position_embeddings``, times the factor of a
+``rope_scaling`` given here). Either scores ``text`` instead when one is given, through its
+own tokenizer. ``rope_scaling`` ("KIND:FACTOR") stretches RoPE at evaluation time, its
 ``original_max_len`` the run's training length (a pretrained model's ``max_len``).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -38,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from attnlab.config import ModelConfig
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, PretrainedFileError
 
 MODES = ("chunks", "sliding")
 _STEP = {}
@@ -89,8 +91,10 @@ def _with_scaling(cfg: ModelConfig, spec, original: int) -> ModelConfig:
     return cfg if scaling is None else cfg.replace(rope_scaling=scaling)
 
 
-def from_workdir(workdir, step=None, *, rope_scaling: str | None = None) -> Scorable:
-    """A run scored on its validation split."""
+def from_workdir(
+    workdir, step=None, *, rope_scaling: str | None = None, text: str | None = None
+) -> Scorable:
+    """A run scored on its validation split (or on ``text``, through the run's tokenizer)."""
     from attnlab.runs.loading import load_run
     from attnlab.runs.sampling import decode_known
 
@@ -105,11 +109,12 @@ def from_workdir(workdir, step=None, *, rope_scaling: str | None = None) -> Scor
         )
     train_len = int(run.config.data.seq_len)
     learned = cfg.position == "learned"
+    ids = run.task.val_ids if text is None else run.task.encode(text)
     return Scorable(
         name=str(workdir),
         cfg=_with_scaling(cfg, rope_scaling, train_len),
         state=run.params,
-        ids=None if run.task.val_ids is None else np.asarray(run.task.val_ids),
+        ids=None if ids is None else np.asarray(ids),
         limit=cfg.max_len if learned else None,
         limit_reason=f"the learned position table of model.max_len={cfg.max_len} rows",
         train_len=train_len,
@@ -118,18 +123,32 @@ def from_workdir(workdir, step=None, *, rope_scaling: str | None = None) -> Scor
     )
 
 
-def from_pretrained(path, *, rope_scaling: str | None = None, dtype="float32", max_chars=400_000):
-    """A Hugging Face folder scored on the last ``max_chars`` characters of the embedded corpus."""
+def from_pretrained(
+    path,
+    *,
+    rope_scaling: str | None = None,
+    text: str | None = None,
+    dtype="float32",
+    max_chars=400_000,
+):
+    """A Hugging Face folder scored on ``text`` (default: the last ``max_chars`` characters of
+    the embedded corpus) through the folder's own ``tokenizer.json``."""
     from attnlab.data.corpus import stdlib_corpus
     from attnlab.pretrained.loader import load_pretrained
-    from attnlab.pretrained.text import tokenizer_of
+    from attnlab.pretrained.text import TOKENIZER_FILE, tokenizer_of
 
+    config, tokenizer = (os.path.join(path, n) for n in ("config.json", TOKENIZER_FILE))
+    if os.path.isfile(config) and not os.path.isfile(tokenizer):  # before the weights are read
+        raise PretrainedFileError(
+            f"--pretrained {path} has no {TOKENIZER_FILE}: --lengths and --tasks encode text "
+            "with the checkpoint's tokenizer; download it into the folder"
+        )
     handle = load_pretrained(path, dtype=dtype)
     cfg = handle.config
     if cfg.arch != "decoder" or not cfg.causal:
         raise ConfigError(f"--pretrained {path}: a {cfg.arch} model; length eval needs a decoder")
     tok = tokenizer_of(handle)
-    text = stdlib_corpus(None)[-max_chars:]
+    text = stdlib_corpus(None)[-max_chars:] if text is None else text
     original = cfg.max_len
     if cfg.rope_scaling is not None and cfg.rope_scaling.original_max_len:
         original = cfg.rope_scaling.original_max_len

@@ -2,11 +2,14 @@
 
 ``--lengths 128,256,...`` alone writes ``length_eval.json`` and ``length_eval.png`` (loss
 against length per ``--context-mode``); with ``--tasks a,b`` it writes ``tasks.json`` and
-``tasks.png`` (accuracy per task and length, the effective length) instead. ``--workdir``
-may name several runs, comma-separated (a directory whose own name holds a comma is one
-run): one line per run in the plot. Files go to ``--out``
-(default: the one run's directory, else the working directory). ``--write-harness DIR``
-writes the tasks as an lm-eval task folder instead (``attnlab.evaluation.ruler_harness``).
+``tasks.png`` (accuracy per task and length, the effective length) instead. The model is
+``--workdir`` (scored on its validation split) or ``--pretrained`` (a Hugging Face folder,
+scored on the end of the embedded corpus through the folder's tokenizer); ``--text FILE``
+scores that file's text instead, through the model's tokenizer. ``--workdir`` may name
+several runs, comma-separated (a directory whose own name holds a comma is one run): one
+line per run in the plot. Files go to ``--out`` (default: the one run's directory, else the
+working directory). ``--write-harness DIR`` writes the tasks as an lm-eval task folder
+instead (``attnlab.evaluation.ruler_harness``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import pathlib
 import sys
 
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, DataFileError, one_line
 
 
 def add_flags(e) -> None:
@@ -41,6 +44,13 @@ def add_flags(e) -> None:
     )
     e.add_argument("--tokens", type=int, default=16_384, help="--lengths: tokens scored per length")
     e.add_argument(
+        "--text",
+        default=None,
+        metavar="FILE",
+        help="--lengths: score this UTF-8 text file, through the model's tokenizer (default: "
+        "a run's validation split, a --pretrained folder's end of the embedded corpus)",
+    )
+    e.add_argument(
         "--tasks",
         default=None,
         metavar="T1,T2|all",
@@ -58,7 +68,7 @@ def add_flags(e) -> None:
 
 
 def wanted(args) -> bool:
-    flags = ("lengths", "tasks", "write_harness")
+    flags = ("lengths", "tasks", "write_harness", "text")
     return any(getattr(args, f, None) is not None for f in flags)
 
 
@@ -101,18 +111,35 @@ def _modes(spec) -> tuple[str, ...]:
     return modes
 
 
+def _text(args) -> str | None:
+    """The ``--text`` file's contents (None without one), read before any model loads."""
+    if args.text is None:
+        return None
+    try:
+        return pathlib.Path(args.text).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataFileError(f"--text {args.text}: no such file; pass a UTF-8 text file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataFileError(f"--text {args.text}: not UTF-8 text ({one_line(e)})") from None
+
+
 def _scorables(args):
     from attnlab.evaluation import length
 
+    text = _text(args)
     if args.pretrained is not None:
         if args.workdir is not None:
             raise ConfigError("--lengths scores --workdir RUN or --pretrained DIR, not both")
-        return [length.from_pretrained(args.pretrained, rope_scaling=args.rope_scaling)]
+        if args.step is not None:
+            raise ConfigError("--step picks a run's checkpoint; a --pretrained folder has one")
+        return [length.from_pretrained(args.pretrained, rope_scaling=args.rope_scaling, text=text)]
     if args.workdir is None:
         raise ConfigError("--lengths needs --workdir RUN[,RUN...] or --pretrained DIR")
     whole = pathlib.Path(args.workdir).is_dir()  # a sweep's trial names hold commas
     dirs = [args.workdir] if whole else [d for d in args.workdir.split(",") if d]
-    return [length.from_workdir(d, args.step, rope_scaling=args.rope_scaling) for d in dirs]
+    return [
+        length.from_workdir(d, args.step, rope_scaling=args.rope_scaling, text=text) for d in dirs
+    ]
 
 
 def run(args) -> None:
@@ -121,10 +148,14 @@ def run(args) -> None:
 
     if args.harness is not None or args.full:
         raise ConfigError("--lengths and --tasks stand alone: drop --harness / --full")
+    if args.text is not None and (args.tasks is not None or args.write_harness is not None):
+        raise ConfigError("--text is the text --lengths scores; --tasks draw their own: drop one")
     if args.write_harness is not None:
         return write_harness(args)
     if args.lengths is None:
-        raise ConfigError("--tasks needs --lengths L1,L2,...")
+        raise ConfigError(
+            f"{'--tasks' if args.text is None else '--text'} needs --lengths L1,L2,..."
+        )
     lengths, modes = _lengths(args.lengths), _modes(args.context_mode)
     scorables = _scorables(args)
     for s in scorables:  # every limit before any compute
