@@ -16,7 +16,7 @@ recurrent mixer), one settings type per variant.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from attnlab.errors import ConfigError
 
@@ -172,6 +172,28 @@ def view(cfg, name: str):
     """Group ``name`` of ``cfg``: its fields' values (derived ones included)."""
     cls = GROUPS[name]
     return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+
+Group = TypeVar("Group")
+
+
+class View(Generic[Group]):
+    """A read-only attribute of ``ModelConfig``, named as its group in ``GROUPS``: that
+    group of the config (``view``), e.g. ``attention = View(AttentionConfig)``."""
+
+    def __init__(self, cls: type[Group]):
+        self.cls, self.__doc__ = cls, cls.__doc__
+
+    def __set_name__(self, owner, name):
+        if GROUPS.get(name) is not self.cls:
+            raise TypeError(f"{owner.__name__}.{name}: GROUPS[{name!r}] is not {self.cls.__name__}")
+        self.name = name
+
+    def __get__(self, cfg, owner=None) -> Group:
+        return self if cfg is None else view(cfg, self.name)
+
+    def __set__(self, cfg, value):
+        raise AttributeError(f"ModelConfig.{self.name} is read-only: use replace")
 
 
 def group_fields(name: str, group) -> dict[str, Any]:

@@ -204,45 +204,15 @@ class ModelConfig(
             for i in range(n_layers)
         )
 
-    @property
-    def stack(self) -> StackConfig:
-        """The layer stack's fields: ``arch``, width, depth, layer kinds, MTP modules."""
-        return groups.view(self, "stack")
-
-    @property
-    def embedding(self) -> EmbeddingConfig:
-        """The vocabulary, embeddings and output head's fields."""
-        return groups.view(self, "embedding")
-
-    @property
-    def positions(self) -> PositionConfig:
-        """The position scheme's fields (``position``, RoPE's, ``max_len``, ...)."""
-        return groups.view(self, "positions")
-
-    @property
-    def attention(self) -> AttentionConfig:
-        """The sequence mixer's fields: variant, heads, scores, windows."""
-        return groups.view(self, "attention")
-
-    @property
-    def feedforward(self) -> FFNConfig:
-        """The feed-forward sub-layer's fields (``ffn`` is its activation)."""
-        return groups.view(self, "feedforward")
-
-    @property
-    def norms(self) -> NormConfig:
-        """The normalisation layers' fields."""
-        return groups.view(self, "norms")
-
-    @property
-    def training(self) -> TrainingConfig:
-        """Dropout, initialisation and parametrization fields."""
-        return groups.view(self, "training")
-
-    @property
-    def execution(self) -> ExecutionConfig:
-        """How the model runs: kernels, context parallelism, scan, remat, decoding, dtypes."""
-        return groups.view(self, "execution")
+    # Each group of fields as one value: ``cfg.attention`` is an ``AttentionConfig``.
+    stack = groups.View(StackConfig)
+    embedding = groups.View(EmbeddingConfig)
+    positions = groups.View(PositionConfig)
+    attention = groups.View(AttentionConfig)
+    feedforward = groups.View(FFNConfig)
+    norms = groups.View(NormConfig)
+    training = groups.View(TrainingConfig)
+    execution = groups.View(ExecutionConfig)
 
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes``, flat fields or whole groups (``attention=...``); fields
