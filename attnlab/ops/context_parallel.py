@@ -34,7 +34,7 @@ split attends to everything and the first to almost nothing, and a ring moves at
 of its slowest device. The zigzag layout splits the sequence into 2C chunks and gives
 device i chunks i and 2C-1-i (``zigzag_indices``): then at every ring step after the
 first, each device has exactly two of its four (query half, key half) blocks to compute,
-and ``ring_attention(load_balance=True)`` skips the other two (``lax.cond`` on whether the
+and ``ring_attention`` (``load_balance``) skips the other two (``lax.cond`` on whether the
 block's mask allows anything). ``zigzag`` moves arrays between the contiguous and the
 zigzag layout with two ``ppermute`` of half a chunk each. Positions travel with the
 tokens, so RoPE, ALiBi and masks see the true positions in either layout.
@@ -77,7 +77,7 @@ from attnlab.ops.attention import dot_product_attention
 from attnlab.ops.precision import wide
 from attnlab.ops.ring import ring_attention
 from attnlab.ops.shard_scores import block_indices, trace, vary_floats
-from attnlab.ops.shards import chunk_mask, fold_key, prepare, vary_like
+from attnlab.ops.shards import Rules, chunk_mask, fold_key, full_meta, meta_mask, prepare, vary_like
 from attnlab.ops.shards import fit_axes as _fit
 from attnlab.ops.shards import spec_axes as _spec_axes
 
@@ -139,72 +139,38 @@ def from_zigzag(x, axis_name="context"):
 
 
 def all_gather_attention(
-    q_BTNH,
-    k_BSKH,
-    v_BSKH,
-    *,
-    q_pos_BT,
-    k_pos_BS,
-    causal=False,
-    window=None,
-    q_segment_BT=None,
-    k_segment_BS=None,
-    k_valid_BS=None,
-    bias_fn: Callable | None = None,
-    score_mod: Callable | None = None,
-    q_index_BT=None,
-    k_index_BS=None,
-    scale=None,
-    axis_name="context",
-    load_balance=True,
-    dropout_rate=0.0,
-    dropout_key=None,
-    implementation="reference",
+    q_BTNH, k_BSKH, v_BSKH, q_meta, k_meta, rules: Rules, implementation="reference"
 ):
     """This device's queries over every device's keys, gathered (``lax.all_gather``);
-    inside ``shard_map`` over ``axis_name``. The arguments are those of
-    ``ring_attention`` (``load_balance`` is accepted and changes nothing: the work is the
-    same on every device), plus the ``dot_product_attention`` implementation; with a
+    inside ``shard_map`` over ``rules.axis_name``. The arguments are those of
+    ``ring_attention`` (``rules.load_balance`` changes nothing: the work is the same on
+    every device), plus the ``dot_product_attention`` implementation; with a
     ``score_mod``, the reference one, the function applied to the ``[T/C, S]`` logits at
     once (``logits_fn``: its index arrays are those of one ring block)."""
-    del load_balance
-    (_, T, _, _, K, G), scale = prepare(q_BTNH, k_BSKH, v_BSKH, scale)
+    (_, T, _, _, K, G), scale = prepare(q_BTNH, k_BSKH, v_BSKH, rules.scale)
 
     def gather(x):
-        return None if x is None else lax.all_gather(x, axis_name, axis=1, tiled=True)
+        return lax.all_gather(x, rules.axis_name, axis=1, tiled=True)
 
-    rows = lambda x, L: jnp.broadcast_to(x, (x.shape[0], L))
-    all_pos_BS = gather(rows(k_pos_BS, k_BSKH.shape[1]))
+    q_meta = full_meta(q_meta, T, rules.score_mod)
+    all_meta = jax.tree.map(gather, full_meta(k_meta, k_BSKH.shape[1], rules.score_mod))
     logits_fn = None
-    if score_mod is not None:  # called with the tokens' indices, wherever they lie
-        q_meta, k_meta = {"pos": rows(q_pos_BT, T)}, {"pos": all_pos_BS}
-        if q_index_BT is not None:
-            q_meta["index"] = rows(q_index_BT, T)
-        if k_index_BS is not None:
-            k_meta["index"] = gather(rows(k_index_BS, k_BSKH.shape[1]))
-        idx = block_indices(q_BTNH.shape[0], K, G, q_meta, k_meta)
-        logits_fn = lambda s_BKGTS: score_mods.apply(score_mod, s_BKGTS, *idx)
+    if rules.score_mod is not None:  # called with the tokens' indices, wherever they lie
+        idx = block_indices(q_BTNH.shape[0], K, G, q_meta, all_meta)
+        logits_fn = lambda s_BKGTS: score_mods.apply(rules.score_mod, s_BKGTS, *idx)
         implementation = "reference"
-    mask = chunk_mask(
-        q_pos_BT,
-        all_pos_BS,
-        causal=causal,
-        window=window,
-        q_segment_BT=q_segment_BT,
-        k_segment_BS=gather(k_segment_BS),
-        k_valid_BS=gather(k_valid_BS),
-    )
+    bias_fn = rules.bias_fn
     return dot_product_attention(
         q_BTNH,
         gather(k_BSKH),
         gather(v_BSKH),
-        mask=mask,
-        bias=None if bias_fn is None else bias_fn(q_pos_BT, all_pos_BS),
+        mask=meta_mask(q_meta, all_meta, rules.causal, rules.window),
+        bias=None if bias_fn is None else bias_fn(q_meta["pos"], all_meta["pos"]),
         logits_fn=logits_fn,
         scale=scale,
         implementation=implementation,
-        dropout_rate=dropout_rate,
-        dropout_key=fold_key(dropout_key, lax.axis_index(axis_name)),
+        dropout_rate=rules.dropout_rate,
+        dropout_key=fold_key(rules.dropout_key, lax.axis_index(rules.axis_name)),
     )
 
 
@@ -276,34 +242,35 @@ def context_parallel_attention(
     rows = lambda x: b if x.shape[0] > 1 else None
     if softcap is not None:
         score_mod = score_mods.compose(score_mods.softcap(float(softcap)), score_mod)
-    args = {"q": q_BTNH, "k": k_BSKH, "v": v_BSKH, "q_pos": q_pos_BT, "k_pos": k_pos_BS}
+    args = {"q": q_BTNH, "k": k_BSKH, "v": v_BSKH}
     specs = {
         "q": P(b, c, h, None),
         "k": P(b, c, None if slice_kv else h, None),
         "v": P(b, c, None if slice_kv else h, None),
-        "q_pos": P(rows(q_pos_BT), c),
-        "k_pos": P(rows(k_pos_BS), c),
     }
+    if score_mod is None:  # the tokens' indices are only a score function's
+        q_index_BT = k_index_BS = None
+    metas = {  # the chunks' metadata (attnlab.ops.shards)
+        "q_meta": {"pos": q_pos_BT, "segment": q_segment_BT, "index": q_index_BT},
+        "k_meta": {
+            "pos": k_pos_BS,
+            "segment": k_segment_BS,
+            "valid": k_valid_BS,
+            "index": k_index_BS,
+        },
+    }
+    for side, meta in metas.items():
+        args[side] = {k: x for k, x in meta.items() if x is not None}
+        specs[side] = {k: P(rows(x), c) for k, x in args[side].items()}
     optional = {
-        "q_segment": q_segment_BT,
-        "k_segment": k_segment_BS,
-        "q_index": None if score_mod is None else q_index_BT,
-        "k_index": None if score_mod is None else k_index_BS,
-        "k_valid": k_valid_BS,
         "window": None if window is None else jnp.asarray(window, jnp.int32),
         "bias_params": bias_params,
         "dropout_key": dropout_key if dropout_rate > 0.0 else None,
     }
     for name, x in optional.items():
-        if x is None:
-            continue
-        args[name] = x
-        if name in ("window", "dropout_key"):
-            specs[name] = P()
-        elif name == "bias_params":
-            specs[name] = P(*([None] * (x.ndim - 1)), h)
-        else:
-            specs[name] = P(rows(x), c)
+        if x is not None:
+            args[name] = x
+            specs[name] = P(*([None] * (x.ndim - 1)), h) if name == "bias_params" else P()
     mod = None
     if score_mod is not None:  # traced here: its arrays enter shard_map as inputs
         n = 2 if method == "ring" and load_balance else 1
@@ -337,28 +304,18 @@ def context_parallel_attention(
         key = a.get("dropout_key")
         if key is not None and batch + heads:
             key = jax.random.fold_in(key, lax.axis_index(batch + heads))
-        return attend(
-            a["q"],
-            k,
-            v,
-            q_pos_BT=a["q_pos"],
-            k_pos_BS=a["k_pos"],
+        rules = Rules(
             causal=causal,
             window=a.get("window"),
-            q_segment_BT=a.get("q_segment"),
-            k_segment_BS=a.get("k_segment"),
-            k_valid_BS=a.get("k_valid"),
             bias_fn=local_bias,
             score_mod=local_mod,
-            q_index_BT=a.get("q_index"),
-            k_index_BS=a.get("k_index"),
             scale=scale,
             axis_name=axis_name,
             load_balance=load_balance,
             dropout_rate=dropout_rate,
             dropout_key=key,
-            **extra,
         )
+        return attend(a["q"], k, v, a["q_meta"], a["k_meta"], rules, **extra)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=specs["q"])(args)
 

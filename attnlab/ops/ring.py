@@ -31,21 +31,9 @@ from attnlab.ops.attention import to_BKGTS
 from attnlab.ops.masks import MASK_VALUE
 from attnlab.ops.precision import wide
 from attnlab.ops.shard_scores import block_indices, hoist, modded
-from attnlab.ops.shards import chunk_mask, fold_key, prepare, vary_like
+from attnlab.ops.shards import Rules, fold_key, full_meta, meta_mask, prepare, vary_like
 
 META = ("pos", "segment", "valid", "index")  # what travels with a key chunk besides k and v
-
-
-def _meta_mask(q_meta, k_meta, causal, window):
-    return chunk_mask(
-        q_meta["pos"],
-        k_meta["pos"],
-        causal=causal,
-        window=window,
-        q_segment_BT=q_meta.get("segment"),
-        k_segment_BS=k_meta.get("segment"),
-        k_valid_BS=k_meta.get("valid"),
-    )
 
 
 def _parts(x, n):
@@ -93,7 +81,7 @@ def _scores(ring, q_BTKGH, k_BSKH, q_meta, k_meta, bias_args):
 
 def _masked(s_BKGTS, q_meta, k_meta, ring, window):
     """``s`` with the masked entries at ``MASK_VALUE``, and the ``[B|1,1,1,T,S]`` mask."""
-    mask = _meta_mask(q_meta, k_meta, ring.causal, window)
+    mask = meta_mask(q_meta, k_meta, ring.causal, window)
     if mask is None:
         return s_BKGTS, None
     mask_B11TS = mask[:, :, None]
@@ -168,7 +156,7 @@ def _ring_forward(
                 return m_new_BKGT, l_BKGT, acc_BKGTH * correction_BKGT[..., None] + pv_BKGTH
 
             mine = _take(stats, i)
-            mask = _meta_mask(q_m, k_m, ring.causal, window)
+            mask = meta_mask(q_m, k_m, ring.causal, window)
             if mask is None:
                 mine = update(mine)
             else:  # skip blocks the rules rule out (causal: future chunks)
@@ -275,7 +263,7 @@ def _ring_bwd(ring, residuals, dout_BTNH):
                 ds = vary_like(jnp.zeros((B, K, G, T // n, k_BSKH.shape[1]), cdt), q_BTKGH)
                 return zeros(q_BTKGH), zeros(k_BSKH), zeros(v_BSKH), ds, d_mod
 
-            mask = _meta_mask(q_m, k_m, ring.causal, window)
+            mask = meta_mask(q_m, k_m, ring.causal, window)
             if mask is None:
                 dq, dk, dv, ds, d_mod = grads(d_mod)
             else:  # blocks the rules rule out contribute nothing
@@ -327,62 +315,32 @@ def _ring_bwd(ring, residuals, dout_BTNH):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(
-    q_BTNH,
-    k_BSKH,
-    v_BSKH,
-    *,
-    q_pos_BT,
-    k_pos_BS,
-    causal=False,
-    window=None,
-    q_segment_BT=None,
-    k_segment_BS=None,
-    k_valid_BS=None,
-    bias_fn: Callable | None = None,
-    score_mod: Callable | None = None,
-    q_index_BT=None,
-    k_index_BS=None,
-    scale=None,
-    axis_name="context",
-    load_balance=True,
-    dropout_rate=0.0,
-    dropout_key=None,
-):
+def ring_attention(q_BTNH, k_BSKH, v_BSKH, q_meta, k_meta, rules: Rules):
     """Ring attention of this device's queries over every device's keys; inside
-    ``shard_map`` over ``axis_name``. Arguments are this device's chunks.
+    ``shard_map`` over ``rules.axis_name``. Arguments are this device's chunks and their
+    metadata (``attnlab.ops.shards``).
 
-    ``q_pos_BT``/``k_pos_BS`` (``[B|1, ...]`` int) are the tokens' positions, which the
-    mask rules (see ``chunk_mask``) and ``bias_fn(q_pos_BT, k_pos_BS) -> [B|1, N|1, T, S]``
-    (this device's heads) read. ``score_mod(score, b, h, q_idx, kv_idx)``
-    (``attnlab.ops.score_mods``) changes each block's logits after the bias: ``b`` and
-    ``h`` index this call's batch rows and query heads, ``q_idx``/``kv_idx`` are the
-    tokens' ``q_index_BT``/``k_index_BS`` (``[B|1, ...]``; default: the positions), in
-    whatever layout the chunks are. ``load_balance``: the chunks are zigzag pairs (see
-    ``to_zigzag``), so each is attended as two halves and the (query half, key half)
+    The tokens' positions are what the mask rules (see ``chunk_mask``) and
+    ``rules.bias_fn(q_pos_BT, k_pos_BS) -> [B|1, N|1, T, S]`` (this device's heads) read.
+    ``rules.score_mod(score, b, h, q_idx, kv_idx)`` (``attnlab.ops.score_mods``) changes
+    each block's logits after the bias: ``b`` and ``h`` index this call's batch rows and
+    query heads, ``q_idx``/``kv_idx`` are the tokens' ``"index"`` (default: the positions),
+    in whatever layout the chunks are. ``rules.load_balance``: the chunks are zigzag pairs
+    (see ``to_zigzag``), so each is attended as two halves and the (query half, key half)
     blocks that the mask rules out are skipped; without it, whole chunks are skipped.
-    Attention dropout (``dropout_key``) draws each block's bits from the key folded with
-    the block's chunk ids: a valid dropout, not the bits of the dense path. ``scale`` is
-    a Python number (part of the program).
+    Attention dropout (``rules.dropout_key``) draws each block's bits from the key folded
+    with the block's chunk ids: a valid dropout, not the bits of the dense path.
+    ``rules.scale`` is a Python number (part of the program).
     """
-    (B, T, N, H, K, G), scale = prepare(q_BTNH, k_BSKH, v_BSKH, scale)
-    n = 2 if load_balance else 1
+    (B, T, N, H, K, G), scale = prepare(q_BTNH, k_BSKH, v_BSKH, rules.scale)
+    n = 2 if rules.load_balance else 1
     S = k_BSKH.shape[1]
     if T % n or S % n:
         raise ValueError(f"ring_attention(load_balance=True) needs even chunks, got T={T}, S={S}")
-    drop = dropout_key is not None and dropout_rate > 0.0
-    rows = lambda x, L: jnp.broadcast_to(x, (x.shape[0], L))
-    q_meta = {"pos": rows(q_pos_BT, T)}
-    if q_segment_BT is not None:
-        q_meta["segment"] = q_segment_BT
-    kv_meta = {"pos": rows(k_pos_BS, S)}
-    for key, x in (("segment", k_segment_BS), ("valid", k_valid_BS)):
-        if x is not None:
-            kv_meta[key] = x
-    if score_mod is not None and q_index_BT is not None:
-        q_meta["index"] = rows(q_index_BT, T)
-    if score_mod is not None and k_index_BS is not None:
-        kv_meta["index"] = rows(k_index_BS, S)
+    dropout_key, score_mod = rules.dropout_key, rules.score_mod
+    drop = dropout_key is not None and rules.dropout_rate > 0.0
+    q_meta = full_meta(q_meta, T, score_mod)
+    kv_meta = full_meta(k_meta, S, score_mod)
     # A collective inside a branch of the skip's lax.cond would wait for devices that took
     # the other branch, and autodiff puts one (a psum, the transpose of an implicit pvary)
     # where a float that varies over fewer mesh axes than the queries meets them. So k and v
@@ -392,9 +350,9 @@ def ring_attention(
     k_BSKH, v_BSKH = vary_like(k_BSKH, q_BTNH), vary_like(v_BSKH, q_BTNH)
     first = lambda meta: jax.tree.map(lambda x: _parts(x, n)[0], meta)
     bias, bias_args = None, ()
-    if bias_fn is not None:
+    if rules.bias_fn is not None:
         example = (q_meta["pos"][:, : T // n], kv_meta["pos"][:, : S // n])
-        bias, bias_args = score_mods.hoist(bias_fn, *example)  # arrays of any dtype
+        bias, bias_args = score_mods.hoist(rules.bias_fn, *example)  # arrays of any dtype
     mod, mod_args = None, ()
     if score_mod is not None:
         shape = (B, K, G, T // n, S // n)
@@ -402,16 +360,16 @@ def ring_attention(
         example = (s_BKGTS, *block_indices(B, K, G, first(q_meta), first(kv_meta)))
         mod, mod_args = hoist(score_mod, example, like=q_BTNH)  # arrays of any dtype
     ring = _Ring(
-        axis_name=axis_name,
+        axis_name=rules.axis_name,
         n=n,
-        causal=bool(causal),
+        causal=bool(rules.causal),
         scale=float(scale),
-        rate=float(dropout_rate) if drop else 0.0,
+        rate=float(rules.dropout_rate) if drop else 0.0,
         key_impl=jax.random.key_impl(dropout_key) if drop else None,
         bias=bias,
         mod=mod,
     )
-    window = None if window is None else jnp.asarray(window, jnp.int32)
+    window = None if rules.window is None else jnp.asarray(rules.window, jnp.int32)
     key_data = jax.random.key_data(dropout_key) if drop else None
     return _ring(
         ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, tuple(bias_args), mod_args,

@@ -1,11 +1,19 @@
 """What the sharded attention paths share: the mesh axes an array's batch or heads split over,
-and, for a sequence split over devices (context parallelism), the mask of
-one (query chunk, key chunk) pair evaluated from positions, keys that vary over the mesh's
-manual axes, dropout keys folded per chunk, and the shape check of q/k/v."""
+and, for a sequence split over devices (context parallelism), the rules one device applies
+(``Rules``), the mask of one (query chunk, key chunk) pair evaluated from the chunks'
+metadata, keys that vary over the mesh's manual axes, dropout keys folded per chunk, and the
+shape check of q/k/v.
+
+A chunk's metadata is a dict of ``[B|1, T]`` arrays: ``"pos"`` (positions, always),
+``"segment"`` (packed documents' ids), ``"valid"`` (keys only: real keys) and ``"index"``
+(the tokens' indices a score function reads; default: the positions)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +72,45 @@ def chunk_mask(
     if k_valid_BS is not None:
         mask_BTS = both(mask_BTS, jnp.asarray(k_valid_BS, bool)[:, None, :])
     return None if mask_BTS is None else mask_BTS[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """What one device's attention over the chunks applies besides q, k, v and their
+    metadata; the arguments of ``context_parallel_attention`` of the same names, as one
+    device sees them (``window`` may be traced; ``bias_fn(q_pos_BT, k_pos_BS)``).
+    ``load_balance``: the chunks are zigzag pairs (``attnlab.ops.context_parallel``)."""
+
+    causal: bool = False
+    window: Any = None
+    bias_fn: Callable | None = None
+    score_mod: Callable | None = None
+    scale: float | None = None
+    axis_name: str = "context"
+    load_balance: bool = True
+    dropout_rate: float = 0.0
+    dropout_key: Any = None
+
+
+def meta_mask(q_meta, k_meta, causal, window):
+    """``chunk_mask`` of two chunks' metadata."""
+    return chunk_mask(
+        q_meta["pos"],
+        k_meta["pos"],
+        causal=causal,
+        window=window,
+        q_segment_BT=q_meta.get("segment"),
+        k_segment_BS=k_meta.get("segment"),
+        k_valid_BS=k_meta.get("valid"),
+    )
+
+
+def full_meta(meta, L, score_mod):
+    """A chunk's metadata with its positions and indices ``[B|1, L]``; without a
+    ``score_mod``, no indices (nothing reads them)."""
+    keep = {k: x for k, x in meta.items() if k != "index" or score_mod is not None}
+    rows = lambda k, x: jnp.broadcast_to(x, (x.shape[0], L)) if k in ("pos", "index") else x
+    return {k: rows(k, x) for k, x in keep.items()}
 
 
 def vary_like(x, like):
