@@ -27,6 +27,8 @@ def own_cache(tmp_path, monkeypatch):
     saved = {name: getattr(jax.config, name) for name in SETTINGS}
     where = tmp_path / "jax"
     monkeypatch.setenv("ATTNLAB_COMPILATION_CACHE", str(where))
+    # Every program is written (.ci/run's later tiers set a floor that writes none).
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     yield where
     for name, value in saved.items():
         jax.config.update(name, value)
