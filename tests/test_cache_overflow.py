@@ -180,6 +180,25 @@ def test_the_metrics_of_a_float64_model_compute_in_float64():
         assert zeros_acc(metric.mcfg, [metric])["loss_sum"].dtype == jnp.float32
 
 
+def test_the_loss_sums_of_a_float64_model_are_float64():
+    """``loss_sums`` (the eval loop's sums): the masked cross-entropy and the token count in
+    float64, the loss against float64 NumPy."""
+    from attnlab.train import loss_sums
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, SMALL["vocab_size"], (2, 6), dtype=np.int32)
+    mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], np.float64)
+    with jax.enable_x64(True):
+        model = build_model(ModelConfig(**SMALL, dtype="float64", param_dtype="float64"), seed=0)
+        batch = dict(inputs=jnp.asarray(ids), targets=jnp.asarray(ids), loss_mask=mask)
+        s, n, _ = loss_sums(model, batch, "lm")
+        logits = np.asarray(model(jnp.asarray(ids)).logits)
+    assert s.dtype == jnp.float64 and n.dtype == jnp.float64
+    nll = -np.take_along_axis(_log_softmax(logits), ids[..., None], -1)[..., 0]
+    assert float(n) == 10.0
+    assert abs(float(s) - (nll * mask).sum()) < 1e-11
+
+
 @pytest.mark.slow(reason="compiles a float64 train step and eval step (~13 s on 2 loaded cores)")
 def test_a_float64_train_step_and_evaluation_accumulate_in_float64():
     from test_bad_inputs_startup import TINY

@@ -20,11 +20,11 @@ a caller's own ``jit`` is the caller's to check (``check_batch_ids`` before the 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from attnlab.errors import TokenIdError
+from attnlab.ops.precision import wide
 
 # The batch fields that hold token ids, per task kind (``attnlab.data.tasks`` writes them).
 ID_FIELDS = {
@@ -91,5 +91,5 @@ def objective_sums(model, batch, kind, key=None):
     out, targets_BT, mask_BT = model_output(model, batch, kind, key)
     logits_BTV = out.logits
     ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
-    mask_BT = mask_BT.astype(jnp.float32)
+    mask_BT = mask_BT.astype(wide(logits_BTV))  # float64 for a float64 model
     return (ce_BT * mask_BT).sum(), mask_BT.sum(), (logits_BTV, targets_BT, mask_BT), out.aux
