@@ -84,7 +84,8 @@ def cached_greedy(handle, prompt_BT, n):
         first, cache = prompt_BT, init_cache(cfg, B, T + n)
     else:
         first = jnp.full((B, 1), handle.decoder_start_id, jnp.int32)
-        cache = _cross_cache(graphdef, state, prompt_BT, init_cache(cfg, B, n))
+        # The start id and the n generated ids: n + 1 tokens (the last one's logits unused).
+        cache = _cross_cache(graphdef, state, prompt_BT, init_cache(cfg, B, n + 1))
     logits_BV, cache = _cached_step(graphdef, state, first, cache)
     ids, steps = [], []
     for _ in range(n):
