@@ -353,27 +353,23 @@ class MaskSpec:
             allowed=None if self.allowed is None else _pad_TS(self.allowed, T, S),
         )
 
-    def _position_ranges(self, caller: str, block_q, block_k):
-        """Per-block (min, max) query positions ``[B|1, nq, 1]`` and key positions
-        ``[B|1, 1, nk]`` of ``block_any``/``block_all`` (``caller``), whose T and S must be
-        multiples of the blocks."""
+    def _block_rule(self, block_q, block_k, *, every: bool):
+        """``block_any`` (``every=False``: some entry of the block may attend) or ``block_all``
+        (``every=True``: each entry may, in every batch row), from per-block position,
+        segment and validity ranges; T and S must be multiples of the blocks.
+
+        One rule serves both: a query block's (min, max) and a key block's are read as the
+        (least, most) favourable ends for "some", swapped for "every"."""
+        caller = "block_all" if every else "block_any"
+        reduce = jnp.all if every else jnp.any
         T, S = self.shape
         if T % block_q or S % block_k:
             raise ValueError(f"{caller}: T={T}, S={S} must be multiples of {block_q}, {block_k}")
-        q = tuple(x[:, :, None] for x in _block_range(self.q_pos, block_q))
-        k = tuple(x[:, None, :] for x in _block_range(self.k_pos, block_k))
-        return q, k
-
-    def block_any(self, block_q, block_k):
-        """``[T / block_q, S / block_k]`` bool: False where no entry of the (query block,
-        key block) pair may attend, from per-block position, segment and validity ranges.
-
-        True is conservative (a block may still be fully masked); False is exact, so a
-        blockwise kernel may skip those blocks. T and S must be multiples of the blocks.
-        """
-        T, S = self.shape
-        nk = S // block_k
-        (q_min, q_max), (k_min, k_max) = self._position_ranges("block_any", block_q, block_k)
+        nq, nk = T // block_q, S // block_k
+        q_min, q_max = (x[:, :, None] for x in _block_range(self.q_pos, block_q))
+        k_min, k_max = (x[:, None, :] for x in _block_range(self.k_pos, block_k))
+        if every:  # the nearest query against the farthest key
+            (q_min, q_max), (k_min, k_max) = (q_max, q_min), (k_max, k_min)
         out = None  # [B|1, nq, nk]
         if self.causal:
             rule = k_min <= q_max
@@ -386,54 +382,40 @@ class MaskSpec:
         if self.q_segment is not None:
             qs_min, qs_max = (x[:, :, None] for x in _block_range(self.q_segment, block_q))
             ks_min, ks_max = (x[:, None, :] for x in _block_range(self.k_segment, block_k))
-            out = _and(out, (qs_min <= ks_max) & (ks_min <= qs_max) & (qs_max > 0) & (ks_max > 0))
-        if self.k_length is not None:
-            starts = jnp.arange(nk, dtype=jnp.int32) * block_k
-            out = _and(out, starts[None, None, :] < jnp.asarray(self.k_length)[:, None, None])
+            if every:  # one segment on both sides
+                same = (qs_min == qs_max) & (ks_min == ks_max) & (qs_min == ks_min)
+                out = _and(out, same & (qs_min > 0))
+            else:  # the segment ranges overlap
+                overlap = (qs_min <= ks_max) & (ks_min <= qs_max)
+                out = _and(out, overlap & (qs_max > 0) & (ks_max > 0))
+        if self.k_length is not None:  # the block's first key (some) or last key (every)
+            first = jnp.arange(nk, dtype=jnp.int32) * block_k + (block_k - 1 if every else 0)
+            out = _and(out, first[None, None, :] < jnp.asarray(self.k_length)[:, None, None])
         if self.k_valid is not None:
-            out = _and(out, self.k_valid.reshape(self.k_valid.shape[0], 1, nk, block_k).any(-1))
+            k_valid = self.k_valid.reshape(self.k_valid.shape[0], 1, nk, block_k)
+            out = _and(out, reduce(k_valid, axis=-1))
         if self.q_valid is not None:
-            any_q = self.q_valid.reshape(self.q_valid.shape[0], -1, block_q).any(-1)
-            out = _and(out, any_q[:, :, None])
+            q_valid = self.q_valid.reshape(self.q_valid.shape[0], -1, block_q)
+            out = _and(out, reduce(q_valid, axis=-1)[:, :, None])
         if self.allowed is not None:
-            out = _and(out, _blocks(self.allowed, T, S, block_q, block_k).any((0, 2, 4))[None])
+            blocks = _blocks(self.allowed, T, S, block_q, block_k)
+            out = _and(out, reduce(blocks, axis=(0, 2, 4))[None])
         if out is None:
-            return jnp.ones((T // block_q, nk), bool)
-        return jnp.broadcast_to(out, (out.shape[0], T // block_q, nk)).any(0)
+            return jnp.ones((nq, nk), bool)
+        return reduce(jnp.broadcast_to(out, (out.shape[0], nq, nk)), axis=0)
+
+    def block_any(self, block_q, block_k):
+        """``[T / block_q, S / block_k]`` bool: False where no entry of the (query block,
+        key block) pair may attend, from per-block position, segment and validity ranges.
+
+        True is conservative (a block may still be fully masked); False is exact, so a
+        blockwise kernel may skip those blocks. T and S must be multiples of the blocks.
+        """
+        return self._block_rule(block_q, block_k, every=False)
 
     def block_all(self, block_q, block_k):
         """``[T / block_q, S / block_k]`` bool: True where every entry of the (query block,
         key block) pair may attend, in every batch row, so a kernel may skip evaluating the
         mask there. False is conservative (the block may still be full); True is exact.
         T and S must be multiples of the blocks."""
-        T, S = self.shape
-        nq, nk = T // block_q, S // block_k
-        (q_min, q_max), (k_min, k_max) = self._position_ranges("block_all", block_q, block_k)
-        out = None  # [B|1, nq, nk]
-        if self.causal:
-            rule = k_max <= q_min
-            if self.prefix_length is not None:
-                rule = rule | (k_max < jnp.asarray(self.prefix_length)[:, None, None])
-            out = rule
-        if self.window is not None:
-            window = jnp.asarray(self.window, jnp.int32)
-            out = _and(out, (k_max <= q_min) & (k_min > q_max - window))
-        if self.q_segment is not None:
-            qs_min, qs_max = (x[:, :, None] for x in _block_range(self.q_segment, block_q))
-            ks_min, ks_max = (x[:, None, :] for x in _block_range(self.k_segment, block_k))
-            out = _and(
-                out, (qs_min == qs_max) & (ks_min == ks_max) & (qs_min == ks_min) & (qs_min > 0)
-            )
-        if self.k_length is not None:
-            ends = (jnp.arange(nk, dtype=jnp.int32) + 1) * block_k
-            out = _and(out, ends[None, None, :] <= jnp.asarray(self.k_length)[:, None, None])
-        if self.k_valid is not None:
-            out = _and(out, self.k_valid.reshape(self.k_valid.shape[0], 1, nk, block_k).all(-1))
-        if self.q_valid is not None:
-            all_q = self.q_valid.reshape(self.q_valid.shape[0], -1, block_q).all(-1)
-            out = _and(out, all_q[:, :, None])
-        if self.allowed is not None:
-            out = _and(out, _blocks(self.allowed, T, S, block_q, block_k).all((0, 2, 4))[None])
-        if out is None:
-            return jnp.ones((nq, nk), bool)
-        return jnp.broadcast_to(out, (out.shape[0], nq, nk)).all(0)
+        return self._block_rule(block_q, block_k, every=True)
