@@ -17,6 +17,8 @@ loop's divergence check stops the run (a gather would otherwise clamp or wrap si
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,14 +150,30 @@ class _Embedder(nnx.Module):
         return x_BTD * (self.cfg.d_model**0.5) if self.cfg.embed_scale else x_BTD
 
 
-def _readout(stack, head, embed, x_BTD):
-    """``x_BTD`` through ``stack``'s final norm (if any) and the LM head."""
-    if stack.final_norm is not None:
-        x_BTD = stack.final_norm(x_BTD)
-    return head(x_BTD, embed.tokens)
+class _DecoderHead:
+    """What a model with a ``decoder`` stack, an ``embed`` and an LM ``head`` does with
+    them: the decoder's logits and the logit lens."""
+
+    def _decoder_logits(self, tokens_BT, positions_BT, cache, *, scope=None, **kw):
+        """``ModelOutput`` of ``tokens_BT`` through the decoder (after what ``cache`` holds;
+        its intermediates named under ``scope`` when given), then the LM head."""
+        with contextlib.nullcontext() if scope is None else probe.scope(scope):
+            x_BTD, new_cache, weights, aux, stats = _run_decoder(
+                self.decoder, self.embed(tokens_BT), positions_BT, cache, **kw
+            )
+        logits = self.head(x_BTD, self.embed.tokens)
+        return ModelOutput(logits, new_cache, weights, x_BTD, aux, stats)
+
+    def readout(self, x_BTD):
+        """Logits ``[B, T, V]`` of a decoder residual stream ``x_BTD`` (a layer's captured
+        ``resid_post``, say): the decoder's final norm, then the LM head, as the last layer's
+        output takes them (the logit lens, ``attnlab.inspect.logit_lens``)."""
+        if self.decoder.final_norm is not None:
+            x_BTD = self.decoder.final_norm(x_BTD)
+        return self.head(x_BTD, self.embed.tokens)
 
 
-class DecoderLM(nnx.Module):
+class DecoderLM(_DecoderHead, nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _Embedder(cfg, rngs=rngs)
@@ -173,12 +191,6 @@ class DecoderLM(nnx.Module):
             segment_ids_BT=segment_ids_BT, key=key, depths=depths,
         )  # fmt: skip
         return self.mtp.logits(self.head, self.embed, hidden)
-
-    def readout(self, x_BTD):
-        """Logits ``[B, T, V]`` of a residual stream ``x_BTD`` (a layer's captured
-        ``resid_post``, say): the decoder's final norm, then the LM head, as the last layer's
-        output takes them (the logit lens, ``attnlab.inspect.logit_lens``)."""
-        return _readout(self.decoder, self.head, self.embed, x_BTD)
 
     def __call__(
         self,
@@ -199,19 +211,10 @@ class DecoderLM(nnx.Module):
         several documents into one row (attention stays within a segment). ``collect``
         names per-layer statistics to return in ``stats`` (``attnlab.nn.segments``).
         """
-        x_BTD, new_cache, weights, aux, stats = _run_decoder(
-            self.decoder,
-            self.embed(tokens_BT),
-            positions_BT,
-            cache,
-            valid_BS=valid_BT,
-            segment_ids_BT=segment_ids_BT,
-            key=key,
-            return_weights=return_weights,
-            collect=collect,
-        )
-        logits = self.head(x_BTD, self.embed.tokens)
-        return ModelOutput(logits, new_cache, weights, x_BTD, aux, stats)
+        return self._decoder_logits(
+            tokens_BT, positions_BT, cache, valid_BS=valid_BT, segment_ids_BT=segment_ids_BT,
+            key=key, return_weights=return_weights, collect=collect,
+        )  # fmt: skip
 
 
 class EncoderMLM(nnx.Module):
@@ -270,7 +273,7 @@ class EncoderMLM(nnx.Module):
         return ModelOutput(logits, None, weights, hidden_BTD, aux, stats)
 
 
-class EncoderDecoder(nnx.Module):
+class EncoderDecoder(_DecoderHead, nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _Embedder(cfg, rngs=rngs)  # shared by encoder, decoder and (tied) head
@@ -314,11 +317,6 @@ class EncoderDecoder(nnx.Module):
             src_valid=src_valid_BS.astype(bool),
         )
 
-    def readout(self, x_BTD):
-        """Logits ``[B, T, V]`` of a decoder residual stream ``x_BTD``: the decoder's final
-        norm, then the LM head (as ``DecoderLM.readout``)."""
-        return _readout(self.decoder, self.head, self.embed, x_BTD)
-
     def decode(
         self,
         tgt_BT,
@@ -338,21 +336,11 @@ class EncoderDecoder(nnx.Module):
             src_valid_BS = cache.src_valid
         elif enc_BSD is None:
             raise ValueError("decode needs enc_BSD, or a cache filled by init_cross_cache")
-        with probe.scope("decoder"):  # decoder.layers.{i}...
-            x_BTD, new_cache, weights, aux, stats = _run_decoder(
-                self.decoder,
-                self.embed(tgt_BT),
-                positions_BT,
-                cache,
-                valid_BS=valid_BT,
-                enc_BSD=enc_BSD,
-                enc_valid_BS=src_valid_BS,
-                key=key,
-                return_weights=return_weights,
-                collect=collect,
-            )
-        logits = self.head(x_BTD, self.embed.tokens)
-        return ModelOutput(logits, new_cache, weights, x_BTD, aux, stats)
+        return self._decoder_logits(
+            tgt_BT, positions_BT, cache, scope="decoder",  # decoder.layers.{i}...
+            valid_BS=valid_BT, enc_BSD=enc_BSD, enc_valid_BS=src_valid_BS, key=key,
+            return_weights=return_weights, collect=collect,
+        )  # fmt: skip
 
     def __call__(
         self, src_BS, tgt_BT, *, src_valid_BS=None, key=None, return_weights=False, collect=()
