@@ -71,16 +71,8 @@ def register_ffn(name: str, cls: type[FFN] | None = None, *, overwrite: bool = F
     return _FFNS.register(name, cls, overwrite=overwrite)
 
 
-def registered_ffns() -> dict[str, type[FFN]]:
-    """Every registered feed-forward variant by name (the built-ins included)."""
-    return _FFNS.all()
-
-
-def get_ffn(name: str) -> type[FFN]:
-    """The feed-forward variant registered as ``name``."""
-    return _FFNS.get(name)
-
-
-def make_ffn_settings(name: str, value) -> FFNSettings:
-    """``value`` (None, a mapping or the variant's Settings) as variant ``name``'s Settings."""
-    return _FFNS.settings(name, value)
+# The registry's own lookups: what is registered, a name's class, a value as its Settings.
+registered_ffns = _FFNS.all
+"""Every registered feed-forward variant by name (the built-ins included)."""
+get_ffn = _FFNS.get
+make_ffn_settings = _FFNS.settings

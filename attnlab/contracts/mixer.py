@@ -169,16 +169,8 @@ def register_mixer(name: str, cls: type[Mixer] | None = None, *, overwrite: bool
     return _MIXERS.register(name, cls, overwrite=overwrite)
 
 
-def registered_mixers() -> dict[str, type[Mixer]]:
-    """Every registered variant by name (the built-ins included)."""
-    return _MIXERS.all()
-
-
-def get_mixer(name: str) -> type[Mixer]:
-    """The mixer registered as ``name`` (a ``ConfigError`` listing them otherwise)."""
-    return _MIXERS.get(name)
-
-
-def make_settings(name: str, value) -> MixerSettings:
-    """``value`` (None, a mapping or the variant's Settings) as mixer ``name``'s Settings."""
-    return _MIXERS.settings(name, value)
+# The registry's own lookups: what is registered, a name's class, a value as its Settings.
+registered_mixers = _MIXERS.all
+"""Every registered variant by name (the built-ins included)."""
+get_mixer = _MIXERS.get
+make_settings = _MIXERS.settings
