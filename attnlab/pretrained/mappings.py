@@ -32,11 +32,17 @@ __all__ = [
     "deepseek_experts",
     "ends",
     "gated_ffn",
+    "layer_rows",
     "linear_attention",
     "linear_ffn",
+    "llama_mapping",
     "moe_table",
     "norm_row",
     "norm_rows",
+    "qk_norms",
+    "routed_experts",
+    "self_attention",
+    "shared_expert",
     "split_experts",
     "stack_experts",
     "table",
@@ -109,6 +115,12 @@ L = "model.layers.{i}"
 A = "decoder.layers.{i}"
 # The rotary buffers of older files and a tied head's copy.
 IGNORE = ("model.layers.*.self_attn.rotary_emb.inv_freq", "lm_head.weight")
+# A SwiGLU's stored gate, up and down projections, and attnlab's of a dense one, of the
+# shared expert beside routed ones and of the routed experts.
+SWIGLU = ("gate_proj", "up_proj", "down_proj")
+_DENSE = ("w_gate_DF", "w_in_DF", "w_out_FD")
+_SHARED = ("shared_gate_DF", "shared_in_DF", "shared_out_FD")
+_EXPERTS = ("w_gate_EDF", "w_in_EDF", "w_out_EFD")
 
 
 def norm_row(hf, ours, fn="copy"):
@@ -116,60 +128,94 @@ def norm_row(hf, ours, fn="copy"):
     return (f"{hf}.weight", f"{ours}.scale_D", fn)
 
 
-def gated_ffn(hf=f"{L}.mlp", ours=f"{A}.ffn"):
-    """A SwiGLU FFN's ``gate_proj``, ``up_proj`` and ``down_proj``."""
+def qk_norms(hf=f"{L}.self_attn", ours=f"{A}.attn", fn="copy", names=("q_norm", "k_norm")):
+    """QK-norm's rows: the norms of the queries and the keys (stored as ``names``)."""
+    q, k = names
     return [
-        (f"{hf}.gate_proj.weight", f"{ours}.w_gate_DF", "linear"),
-        (f"{hf}.up_proj.weight", f"{ours}.w_in_DF", "linear"),
-        (f"{hf}.down_proj.weight", f"{ours}.w_out_FD", "linear"),
+        norm_row(f"{hf}.{q}", f"{ours}.q_norm", fn),
+        norm_row(f"{hf}.{k}", f"{ours}.k_norm", fn),
     ]
 
 
-def deepseek_experts(hf=f"{L}.mlp", names=("gate_proj", "up_proj", "down_proj")):
+def self_attention(*, bias=True, qk_norm=False, fn="copy"):
+    """A Llama-shaped layer's attention (``self_attn``): its q/k/v/o projections (``bias``:
+    with biases), then QK-norm's rows when ``qk_norm`` (the norms stored as ``fn`` says)."""
+    rows = linear_attention(f"{L}.self_attn", f"{A}.attn", bias=bias)
+    return rows + qk_norms(fn=fn) if qk_norm else rows
+
+
+def layer_rows(
+    mixer=(), *, attn_norm="input_layernorm", ffn_norm="post_attention_layernorm", fn="copy"
+):
+    """A pre-norm layer's rows: the norm before its mixer, the ``mixer``'s rows, the norm
+    before its FFN (the stored norms named ``attn_norm`` and ``ffn_norm``, stored as ``fn``)."""
+    return [
+        norm_row(f"{L}.{attn_norm}", f"{A}.attn_norm", fn),
+        *mixer,
+        norm_row(f"{L}.{ffn_norm}", f"{A}.ffn_norm", fn),
+    ]
+
+
+def _swiglu(hf, names, params, fn):
+    return [(f"{hf}.{name}.weight", p, fn) for name, p in zip(names, params, strict=True)]
+
+
+def gated_ffn(hf=f"{L}.mlp", ours=f"{A}.ffn", names=SWIGLU):
+    """A SwiGLU FFN's gate, up and down projections (stored as ``names``)."""
+    return _swiglu(hf, names, [f"{ours}.{p}" for p in _DENSE], "linear")
+
+
+def shared_expert(hf):
+    """The SwiGLU of a shared expert beside the routed ones, stored under ``hf``."""
+    return _swiglu(hf, SWIGLU, [f"{A}.ffn.{p}" for p in _SHARED], "linear")
+
+
+def routed_experts(hf, names=SWIGLU, *, router="gate", selection_bias=False):
+    """A router (``{hf}.{router}``, with DeepSeek's ``selection_bias`` when set) and the
+    experts' SwiGLUs under ``{hf}.experts`` (``names``), stored one tensor per expert."""
+    rows = [(f"{hf}.{router}.weight", f"{A}.ffn.router_DE", "linear")]
+    if selection_bias:
+        rows.append((f"{hf}.{router}.e_score_correction_bias", f"{A}.ffn.selection_bias_E"))
+    experts = [f"{A}.ffn.{p}" for p in _EXPERTS]
+    return rows + _swiglu(f"{hf}.experts", names, experts, "experts_linear")
+
+
+def deepseek_experts(hf=f"{L}.mlp", names=SWIGLU):
     """DeepSeek-style experts under ``hf``: the SwiGLU FFN of the dense first layers, then a
     router with its selection bias, per-expert FFNs (``names``: their gate, up and down
     projections) and shared experts."""
-    gate, up, down = names
     return [
         *gated_ffn(hf),
-        (f"{hf}.gate.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{hf}.gate.e_score_correction_bias", f"{A}.ffn.selection_bias_E"),
-        (f"{hf}.experts.{gate}.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{hf}.experts.{up}.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{hf}.experts.{down}.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
-        (f"{hf}.shared_experts.gate_proj.weight", f"{A}.ffn.shared_gate_DF", "linear"),
-        (f"{hf}.shared_experts.up_proj.weight", f"{A}.ffn.shared_in_DF", "linear"),
-        (f"{hf}.shared_experts.down_proj.weight", f"{A}.ffn.shared_out_FD", "linear"),
+        *routed_experts(hf, names, selection_bias=True),
+        *shared_expert(f"{hf}.shared_experts"),
     ]
 
 
-def ends(fn="copy"):
-    """The embedding, the final norm and the head of a Llama-shaped decoder."""
+def ends(fn="copy", norm="model.norm"):
+    """The embedding, the final norm (stored as ``norm``) and the head of a Llama-shaped
+    decoder."""
     return [
         ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        norm_row("model.norm", "decoder.final_norm", fn),
+        norm_row(norm, "decoder.final_norm", fn),
         ("lm_head.weight", "head.head_DV", "linear"),
     ]
+
+
+def llama_mapping(*rows, fn="copy", per_expert=True) -> Mapping:
+    """The table of a Llama-shaped decoder stored under ``model.``: its ends (norms stored as
+    ``fn`` says), then ``rows``; the rotary buffers and a tied head's copy ignored."""
+    return Mapping(
+        prefix="model.", rules=table(ends(fn), *rows), ignore=IGNORE, per_expert=per_expert
+    )
 
 
 def moe_table(moe, gate, up, down, *, qk_norm, dense=False) -> Mapping:
     """A Llama-shaped decoder with a router and per-expert FFNs (stacked on load) under
     ``model.layers.{i}.{moe}``; ``dense``: some layers keep the plain SwiGLU FFN."""
     rows = [
-        ends(),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
-        linear_attention(f"{L}.self_attn", f"{A}.attn", bias=False),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
-        (f"{L}.{moe}.gate.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{L}.{moe}.experts.{gate}.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{L}.{moe}.experts.{up}.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{L}.{moe}.experts.{down}.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
+        layer_rows(self_attention(bias=False)),
+        routed_experts(f"{L}.{moe}", (gate, up, down)),
+        qk_norms() if qk_norm else [],
+        gated_ffn() if dense else [],  # the plain FFN of the layers whose config keeps no experts
     ]
-    if qk_norm:
-        rows += [
-            norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm"),
-            norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm"),
-        ]
-    if dense:  # the plain FFN of the layers whose config keeps no experts
-        rows.append(gated_ffn())
-    return Mapping(prefix="model.", rules=table(*rows), ignore=IGNORE)
+    return llama_mapping(*rows)

@@ -12,16 +12,7 @@ from attnlab.pretrained.export_configs import base_config
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError, ffn_kind
-from attnlab.pretrained.mappings import (
-    IGNORE,
-    A,
-    L,
-    Mapping,
-    ends,
-    linear_attention,
-    norm_row,
-    table,
-)
+from attnlab.pretrained.mappings import A, L, layer_rows, llama_mapping, self_attention
 
 
 def apertus(c: dict) -> dict:
@@ -47,21 +38,16 @@ def xielu_buffers(tensors: dict, c: dict) -> dict:
     return out
 
 
-APERTUS = Mapping(
-    prefix="model.",
-    rules=table(
-        ends(),
-        norm_row(f"{L}.attention_layernorm", f"{A}.attn_norm"),
-        linear_attention(f"{L}.self_attn", f"{A}.attn"),
-        norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm"),
-        norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm"),
-        norm_row(f"{L}.feedforward_layernorm", f"{A}.ffn_norm"),
-        (f"{L}.mlp.up_proj.weight", f"{A}.ffn.w_in_DF", "linear"),
-        (f"{L}.mlp.down_proj.weight", f"{A}.ffn.w_out_FD", "linear"),
-        (f"{L}.mlp.act_fn.alpha_p", f"{A}.ffn.act_alpha_p", "scalar"),
-        (f"{L}.mlp.act_fn.alpha_n", f"{A}.ffn.act_alpha_n", "scalar"),
+APERTUS = llama_mapping(
+    layer_rows(
+        self_attention(qk_norm=True),
+        attn_norm="attention_layernorm",
+        ffn_norm="feedforward_layernorm",
     ),
-    ignore=IGNORE,
+    (f"{L}.mlp.up_proj.weight", f"{A}.ffn.w_in_DF", "linear"),
+    (f"{L}.mlp.down_proj.weight", f"{A}.ffn.w_out_FD", "linear"),
+    (f"{L}.mlp.act_fn.alpha_p", f"{A}.ffn.act_alpha_p", "scalar"),
+    (f"{L}.mlp.act_fn.alpha_n", f"{A}.ffn.act_alpha_n", "scalar"),
 )
 
 

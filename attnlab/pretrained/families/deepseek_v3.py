@@ -13,14 +13,12 @@ from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import reject, require
 from attnlab.pretrained.mappings import (
-    IGNORE,
     A,
     L,
-    Mapping,
     deepseek_experts,
-    ends,
+    layer_rows,
+    llama_mapping,
     norm_row,
-    table,
 )
 
 
@@ -95,18 +93,15 @@ def latent_rows(hf: str, ours: str) -> list:
 # DeepSeek-V3: multi-head latent attention; dense FFNs in the first layers, then a router
 # (with its selection bias), per-expert FFNs and shared experts.
 _M = f"{L}.self_attn"
-DEEPSEEK_V3 = Mapping(
-    prefix="model.",
-    rules=table(
-        ends(),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
-        (f"{_M}.q_proj.weight", f"{A}.attn.q_DNH", "linear_to_heads"),
-        latent_rows(_M, f"{A}.attn"),
-        (f"{_M}.o_proj.weight", f"{A}.attn.o_NHD", "linear_from_heads"),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
-        deepseek_experts(),
+DEEPSEEK_V3 = llama_mapping(
+    layer_rows(
+        [
+            (f"{_M}.q_proj.weight", f"{A}.attn.q_DNH", "linear_to_heads"),
+            *latent_rows(_M, f"{A}.attn"),
+            (f"{_M}.o_proj.weight", f"{A}.attn.o_NHD", "linear_from_heads"),
+        ]
     ),
-    ignore=IGNORE,
+    deepseek_experts(),
 )
 
 

@@ -25,15 +25,13 @@ from attnlab.pretrained.hf_base import (
     rope_theta_of,
 )
 from attnlab.pretrained.mappings import (
-    IGNORE,
     A,
     L,
-    Mapping,
-    ends,
     gated_ffn,
-    linear_attention,
+    layer_rows,
+    llama_mapping,
     norm_row,
-    table,
+    self_attention,
 )
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -117,34 +115,21 @@ def gemma(c: dict, family: str) -> dict:
     )
 
 
-# Every RMSNorm stores w for a scale of 1 + w; Gemma 2 and 3 add the sandwich's post-norms,
-# 3 QK-norm.
-GEMMA = Mapping(
-    prefix="model.",
-    rules=table(
-        ends("plus_one"),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm", "plus_one"),
-        linear_attention(f"{L}.self_attn", f"{A}.attn", bias=False),
-        norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm", "plus_one"),
-        norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm", "plus_one"),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.attn_post_norm", "plus_one"),
-        norm_row(f"{L}.pre_feedforward_layernorm", f"{A}.ffn_norm", "plus_one"),
-        norm_row(f"{L}.post_feedforward_layernorm", f"{A}.ffn_post_norm", "plus_one"),
-        gated_ffn(),
-    ),
-    ignore=IGNORE,
+# Every RMSNorm stores w for a scale of 1 + w; Gemma 2 and 3 add the sandwich's post-norms
+# (the attention's own before the FFN's pre-norm), 3 QK-norm.
+_SANDWICH = [
+    *self_attention(bias=False, qk_norm=True, fn="plus_one"),
+    norm_row(f"{L}.post_attention_layernorm", f"{A}.attn_post_norm", "plus_one"),
+]
+GEMMA = llama_mapping(
+    layer_rows(_SANDWICH, ffn_norm="pre_feedforward_layernorm", fn="plus_one"),
+    norm_row(f"{L}.post_feedforward_layernorm", f"{A}.ffn_post_norm", "plus_one"),
+    gated_ffn(),
+    fn="plus_one",
 )
 # Gemma 1 is pre-norm: its post_attention_layernorm is the FFN's input norm.
-GEMMA1 = Mapping(
-    prefix="model.",
-    rules=table(
-        ends("plus_one"),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm", "plus_one"),
-        linear_attention(f"{L}.self_attn", f"{A}.attn", bias=False),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm", "plus_one"),
-        gated_ffn(),
-    ),
-    ignore=IGNORE,
+GEMMA1 = llama_mapping(
+    layer_rows(self_attention(bias=False), fn="plus_one"), gated_ffn(), fn="plus_one"
 )
 
 

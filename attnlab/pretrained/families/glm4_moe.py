@@ -13,17 +13,7 @@ from attnlab.pretrained.families.deepseek_v3 import deepseek_moe_fields, deepsee
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import require
-from attnlab.pretrained.mappings import (
-    IGNORE,
-    A,
-    L,
-    Mapping,
-    deepseek_experts,
-    ends,
-    linear_attention,
-    norm_row,
-    table,
-)
+from attnlab.pretrained.mappings import deepseek_experts, layer_rows, llama_mapping, self_attention
 
 
 def glm4_moe(c: dict) -> dict:
@@ -43,19 +33,7 @@ def without_mtp_layers(tensors: dict, c: dict) -> dict:
     return {name: x for name, x in tensors.items() if keep(name)}
 
 
-GLM4_MOE = Mapping(
-    prefix="model.",
-    rules=table(
-        ends(),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
-        linear_attention(f"{L}.self_attn", f"{A}.attn"),
-        norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm"),
-        norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm"),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
-        deepseek_experts(),
-    ),
-    ignore=IGNORE,
-)
+GLM4_MOE = llama_mapping(layer_rows(self_attention(qk_norm=True)), deepseek_experts())
 
 
 def glm4_moe_writer(cfg):

@@ -9,16 +9,7 @@ from attnlab.pretrained.export_configs import base_config, experts, window_field
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import require
-from attnlab.pretrained.mappings import (
-    IGNORE,
-    A,
-    L,
-    Mapping,
-    ends,
-    linear_attention,
-    norm_row,
-    table,
-)
+from attnlab.pretrained.mappings import A, L, layer_rows, llama_mapping, self_attention
 
 _GPT_OSS_ROPE = {
     "rope_type": "yarn",
@@ -58,22 +49,14 @@ def gpt_oss(c: dict) -> dict:
 # Attention with biases and a sink logit per head; a router with a bias; experts stored
 # stacked, gate and up interleaved in gate_up_proj [E, D, 2F], each with a bias.
 _X = f"{L}.mlp.experts"
-GPT_OSS = Mapping(
-    prefix="model.",
-    rules=table(
-        ends(),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
-        linear_attention(f"{L}.self_attn", f"{A}.attn"),
-        (f"{L}.self_attn.sinks", f"{A}.attn.sinks_N"),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
-        (f"{L}.mlp.router.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{L}.mlp.router.bias", f"{A}.ffn.b_router_E"),
-        (f"{_X}.gate_up_proj", (f"{A}.ffn.w_gate_EDF", f"{A}.ffn.w_in_EDF"), "interleaved"),
-        (f"{_X}.gate_up_proj_bias", (f"{A}.ffn.b_gate_EF", f"{A}.ffn.b_in_EF"), "interleaved"),
-        (f"{_X}.down_proj", f"{A}.ffn.w_out_EFD"),
-        (f"{_X}.down_proj_bias", f"{A}.ffn.b_out_ED"),
-    ),
-    ignore=IGNORE,
+GPT_OSS = llama_mapping(
+    layer_rows([*self_attention(), (f"{L}.self_attn.sinks", f"{A}.attn.sinks_N")]),
+    (f"{L}.mlp.router.weight", f"{A}.ffn.router_DE", "linear"),
+    (f"{L}.mlp.router.bias", f"{A}.ffn.b_router_E"),
+    (f"{_X}.gate_up_proj", (f"{A}.ffn.w_gate_EDF", f"{A}.ffn.w_in_EDF"), "interleaved"),
+    (f"{_X}.gate_up_proj_bias", (f"{A}.ffn.b_gate_EF", f"{A}.ffn.b_in_EF"), "interleaved"),
+    (f"{_X}.down_proj", f"{A}.ffn.w_out_EFD"),
+    (f"{_X}.down_proj_bias", f"{A}.ffn.b_out_ED"),
     per_expert=False,
 )
 

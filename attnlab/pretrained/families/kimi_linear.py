@@ -32,16 +32,7 @@ from attnlab.pretrained.hf_base import (
     reject,
     require,
 )
-from attnlab.pretrained.mappings import (
-    IGNORE,
-    A,
-    L,
-    Mapping,
-    deepseek_experts,
-    ends,
-    norm_row,
-    table,
-)
+from attnlab.pretrained.mappings import A, L, deepseek_experts, layer_rows, llama_mapping
 
 _KINDS = ("linear_attention", "full_attention")
 LATENT_EPS = 1e-6  # transformers' latent norms keep their default eps, not rms_norm_eps
@@ -166,35 +157,29 @@ def kimi_linear(c: dict) -> dict:
 
 
 _S, _X = f"{L}.self_attn", f"{A}.attn"
-KIMI_LINEAR = Mapping(
-    prefix="model.",
-    rules=table(
-        ends(),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
-        # Both layer kinds: q_proj (KDA's queries, or MLA's without q compression), o_proj.
-        (f"{_S}.q_proj.weight", f"{_X}.q_DNH", "linear_to_heads"),
-        (f"{_S}.o_proj.weight", f"{_X}.o_NHD", "linear_from_heads"),
-        # Kimi Delta Attention.
-        (f"{_S}.k_proj.weight", f"{_X}.k_DNH", "linear_to_heads"),
-        (f"{_S}.v_proj.weight", f"{_X}.v_DNH", "linear_to_heads"),
-        (f"{_S}.q_conv1d.weight", f"{_X}.q_conv_WZ", "depthwise_conv"),
-        (f"{_S}.k_conv1d.weight", f"{_X}.k_conv_WZ", "depthwise_conv"),
-        (f"{_S}.v_conv1d.weight", f"{_X}.v_conv_WZ", "depthwise_conv"),
-        (f"{_S}.f_a_proj.weight", f"{_X}.f_a_DR", "linear"),
-        (f"{_S}.f_b_proj.weight", f"{_X}.f_b_RNH", "linear_to_heads"),
-        (f"{_S}.A_log", f"{_X}.A_log_N"),  # [1, 1, N, 1] stored (prepare / finish)
-        (f"{_S}.dt_bias", f"{_X}.dt_bias_NH", "flat"),
-        (f"{_S}.b_proj.weight", f"{_X}.beta_DN", "linear"),
-        (f"{_S}.g_a_proj.weight", f"{_X}.g_a_DR", "linear"),
-        (f"{_S}.g_b_proj.weight", f"{_X}.g_b_RNH", "linear_to_heads"),
-        (f"{_S}.o_norm.weight", f"{_X}.norm_scale_H"),
-        # Latent attention.
-        latent_rows(_S, _X),
-        # The dense first layers, then the router, experts and shared expert.
-        deepseek_experts(names=("w1", "w3", "w2")),
-    ),
-    ignore=IGNORE,
+KIMI_LINEAR = llama_mapping(
+    layer_rows(),
+    # Both layer kinds: q_proj (KDA's queries, or MLA's without q compression), o_proj.
+    (f"{_S}.q_proj.weight", f"{_X}.q_DNH", "linear_to_heads"),
+    (f"{_S}.o_proj.weight", f"{_X}.o_NHD", "linear_from_heads"),
+    # Kimi Delta Attention.
+    (f"{_S}.k_proj.weight", f"{_X}.k_DNH", "linear_to_heads"),
+    (f"{_S}.v_proj.weight", f"{_X}.v_DNH", "linear_to_heads"),
+    (f"{_S}.q_conv1d.weight", f"{_X}.q_conv_WZ", "depthwise_conv"),
+    (f"{_S}.k_conv1d.weight", f"{_X}.k_conv_WZ", "depthwise_conv"),
+    (f"{_S}.v_conv1d.weight", f"{_X}.v_conv_WZ", "depthwise_conv"),
+    (f"{_S}.f_a_proj.weight", f"{_X}.f_a_DR", "linear"),
+    (f"{_S}.f_b_proj.weight", f"{_X}.f_b_RNH", "linear_to_heads"),
+    (f"{_S}.A_log", f"{_X}.A_log_N"),  # [1, 1, N, 1] stored (prepare / finish)
+    (f"{_S}.dt_bias", f"{_X}.dt_bias_NH", "flat"),
+    (f"{_S}.b_proj.weight", f"{_X}.beta_DN", "linear"),
+    (f"{_S}.g_a_proj.weight", f"{_X}.g_a_DR", "linear"),
+    (f"{_S}.g_b_proj.weight", f"{_X}.g_b_RNH", "linear_to_heads"),
+    (f"{_S}.o_norm.weight", f"{_X}.norm_scale_H"),
+    # Latent attention.
+    latent_rows(_S, _X),
+    # The dense first layers, then the router, experts and shared expert.
+    deepseek_experts(names=("w1", "w3", "w2")),
 )
 
 _MOE = re.compile(r"\.block_sparse_moe\.")

@@ -13,7 +13,15 @@ from attnlab.pretrained.hf_base import (
     rope_decoder_fields,
     rope_theta_of,
 )
-from attnlab.pretrained.mappings import IGNORE, A, L, Mapping, linear_attention, norm_rows, table
+from attnlab.pretrained.mappings import (
+    IGNORE,
+    Mapping,
+    gated_ffn,
+    layer_rows,
+    norm_row,
+    self_attention,
+    table,
+)
 
 
 def sliding_window(c: dict, *, always: bool = False) -> dict:
@@ -79,15 +87,9 @@ LLAMA = Mapping(
     prefix="model.",
     rules=table(
         ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        norm_rows(f"{L}.input_layernorm", f"{A}.attn_norm", bias=False),
-        linear_attention(f"{L}.self_attn", f"{A}.attn"),
-        norm_rows(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm", bias=False),
-        norm_rows(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm", bias=False),
-        norm_rows(f"{L}.post_attention_layernorm", f"{A}.ffn_norm", bias=False),
-        (f"{L}.mlp.gate_proj.weight", f"{A}.ffn.w_gate_DF", "linear"),
-        (f"{L}.mlp.up_proj.weight", f"{A}.ffn.w_in_DF", "linear"),
-        (f"{L}.mlp.down_proj.weight", f"{A}.ffn.w_out_FD", "linear"),
-        norm_rows("model.norm", "decoder.final_norm", bias=False),
+        layer_rows(self_attention(qk_norm=True)),
+        gated_ffn(),
+        norm_row("model.norm", "decoder.final_norm"),
         ("lm_head.weight", "head.head_DV", "linear"),
     ),
     ignore=IGNORE,

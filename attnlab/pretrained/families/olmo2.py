@@ -7,17 +7,7 @@ from __future__ import annotations
 from attnlab.pretrained.export_configs import base_config
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
-from attnlab.pretrained.mappings import (
-    IGNORE,
-    A,
-    L,
-    Mapping,
-    ends,
-    gated_ffn,
-    linear_attention,
-    norm_row,
-    table,
-)
+from attnlab.pretrained.mappings import A, L, gated_ffn, llama_mapping, norm_row, self_attention
 
 
 def olmo2_config(c: dict, **fields) -> dict:
@@ -25,18 +15,12 @@ def olmo2_config(c: dict, **fields) -> dict:
     return llama_like(c, **{**read, **fields})
 
 
-OLMO2 = Mapping(
-    prefix="model.",
-    rules=table(
-        ends(),
-        linear_attention(f"{L}.self_attn", f"{A}.attn"),
-        norm_row(f"{L}.self_attn.q_norm", f"{A}.attn.q_norm"),
-        norm_row(f"{L}.self_attn.k_norm", f"{A}.attn.k_norm"),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.attn_norm"),
-        norm_row(f"{L}.post_feedforward_layernorm", f"{A}.ffn_norm"),
-        gated_ffn(),
-    ),
-    ignore=IGNORE,
+# The norms after each sublayer take the pre-norm slots of attnlab's layer.
+OLMO2 = llama_mapping(
+    self_attention(qk_norm=True),
+    norm_row(f"{L}.post_attention_layernorm", f"{A}.attn_norm"),
+    norm_row(f"{L}.post_feedforward_layernorm", f"{A}.ffn_norm"),
+    gated_ffn(),
 )
 
 register_family(
