@@ -276,18 +276,24 @@ class MaskSpec:
                   self.q_valid, self.prefix_length, self.allowed)  # fmt: skip
         return self.causal and self.aligned and all(x is None for x in others)
 
+    def _position_rule(self, q_last, k_first, q_first, k_last):
+        """The causal, prefix and window rules (None without them) for queries and keys at
+        the given positions: single positions (each pair of arguments the same), or the ends
+        of blocks of them (``_block_rule``)."""
+        out = None
+        if self.causal:
+            out = k_first <= q_last
+            if self.prefix_length is not None:
+                out = out | (k_first < jnp.asarray(self.prefix_length)[:, None, None])
+        if self.window is not None:
+            window = jnp.asarray(self.window, jnp.int32)
+            out = _and(out, (k_first <= q_last) & (k_last > q_first - window))
+        return out
+
     def _allowed(self, q_pos, k_pos, k_index_S, q_seg, k_seg, q_valid, k_valid):
         """[B|1, 1, t, s] mask of the given slices of the position-indexed fields."""
         p, k = q_pos[:, :, None], k_pos[:, None, :]
-        out = None
-        if self.causal:
-            rule = k <= p
-            if self.prefix_length is not None:
-                rule = rule | (k < jnp.asarray(self.prefix_length)[:, None, None])
-            out = rule
-        if self.window is not None:
-            window = jnp.asarray(self.window, jnp.int32)
-            out = _and(out, (k <= p) & (k > p - window))
+        out = self._position_rule(p, k, p, k)
         if (q_seg is None) != (k_seg is None):
             raise ValueError("MaskSpec: give both q_segment and k_segment, or neither")
         if q_seg is not None:
@@ -370,15 +376,7 @@ class MaskSpec:
         k_min, k_max = (x[:, None, :] for x in _block_range(self.k_pos, block_k))
         if every:  # the nearest query against the farthest key
             (q_min, q_max), (k_min, k_max) = (q_max, q_min), (k_max, k_min)
-        out = None  # [B|1, nq, nk]
-        if self.causal:
-            rule = k_min <= q_max
-            if self.prefix_length is not None:
-                rule = rule | (k_min < jnp.asarray(self.prefix_length)[:, None, None])
-            out = rule
-        if self.window is not None:
-            window = jnp.asarray(self.window, jnp.int32)
-            out = _and(out, (k_min <= q_max) & (k_max > q_min - window))
+        out = self._position_rule(q_max, k_min, q_min, k_max)  # [B|1, nq, nk]
         if self.q_segment is not None:
             qs_min, qs_max = (x[:, :, None] for x in _block_range(self.q_segment, block_q))
             ks_min, ks_max = (x[:, None, :] for x in _block_range(self.k_segment, block_k))
