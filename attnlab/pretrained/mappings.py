@@ -31,6 +31,7 @@ __all__ = [
     "Rule",
     "deepseek_experts",
     "ends",
+    "fused",
     "gated_ffn",
     "layer_rows",
     "linear_attention",
@@ -98,6 +99,13 @@ def linear_attention(hf, ours, names=("q_proj", "k_proj", "v_proj", "o_proj"), b
             (f"{o}.bias", f"{ours}.o_bias_D"),
         ]
     return rows
+
+
+def fused(hf, ours, weights, biases, fn):
+    """A projection stored fused (``hf``): its weight split in order into ``weights`` by
+    ``fn``, its bias into ``biases`` (the parameters' names under ``ours``)."""
+    at = lambda names: tuple(f"{ours}.{name}" for name in names)
+    return [(f"{hf}.weight", at(weights), fn), (f"{hf}.bias", at(biases), "fused_flat")]
 
 
 def linear_ffn(fc_in, fc_out, ours, *, bias=True):

@@ -22,7 +22,16 @@ from attnlab.pretrained.hf_base import (
     require,
     rope_decoder_fields,
 )
-from attnlab.pretrained.mappings import A, L, Mapping, linear_attention, table
+from attnlab.pretrained.mappings import (
+    A,
+    L,
+    Mapping,
+    ends,
+    gated_ffn,
+    layer_rows,
+    linear_attention,
+    table,
+)
 
 # BambaConfig's (and FalconH1Config's) key of each ``mamba2`` setting.
 BAMBA_MAMBA_KEYS = {
@@ -97,25 +106,20 @@ def decoder_table(*mixer_rows):
     """The rows of a decoder whose layers keep Llama's names around their mixer's rows (the
     embedding, the norms, the SwiGLU FFN and the head), shared by Bamba and Falcon-H1."""
     return table(
-        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        ("model.final_layernorm.weight", "decoder.final_norm.scale_D"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        (f"{L}.input_layernorm.weight", f"{A}.attn_norm.scale_D"),
-        (f"{L}.pre_ff_layernorm.weight", f"{A}.ffn_norm.scale_D"),
+        ends(norm="model.final_layernorm"),
+        layer_rows(ffn_norm="pre_ff_layernorm"),
         *mixer_rows,
-        (f"{L}.feed_forward.gate_proj.weight", f"{A}.ffn.w_gate_DF", "linear"),
-        (f"{L}.feed_forward.up_proj.weight", f"{A}.ffn.w_in_DF", "linear"),
-        (f"{L}.feed_forward.down_proj.weight", f"{A}.ffn.w_out_FD", "linear"),
+        gated_ffn(f"{L}.feed_forward"),
     )
 
 
-BAMBA = Mapping(
-    prefix="model.",
-    rules=decoder_table(
-        mamba2_rows(f"{L}.mamba", f"{A}.attn"),
-        linear_attention(f"{L}.self_attn", f"{A}.attn"),
-    ),
-    ignore=("lm_head.weight",),
+def decoder_mapping(*mixer_rows) -> Mapping:
+    """``decoder_table``'s rows under ``model.``, a tied head's copy ignored."""
+    return Mapping(prefix="model.", rules=decoder_table(*mixer_rows), ignore=("lm_head.weight",))
+
+
+BAMBA = decoder_mapping(
+    mamba2_rows(f"{L}.mamba", f"{A}.attn"), linear_attention(f"{L}.self_attn", f"{A}.attn")
 )
 
 

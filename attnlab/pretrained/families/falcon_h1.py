@@ -14,7 +14,7 @@ import numpy as np
 from attnlab.pretrained.families.bamba import (
     FALCON_H1_DEFAULTS,
     bamba_mamba,
-    decoder_table,
+    decoder_mapping,
     with_defaults,
 )
 from attnlab.pretrained.families.mamba2 import mamba2_rows
@@ -26,7 +26,7 @@ from attnlab.pretrained.hf_base import (
     rope_decoder_fields,
     rope_theta_of,
 )
-from attnlab.pretrained.mappings import A, L, Mapping, linear_attention
+from attnlab.pretrained.mappings import A, L, linear_attention
 
 
 def falcon_h1(c: dict) -> dict:
@@ -114,14 +114,9 @@ def falcon_h1_multipliers(tensors: dict, c: dict) -> dict:
     return out
 
 
-_P = f"{A}.attn"
-FALCON_H1 = Mapping(
-    prefix="model.",
-    rules=decoder_table(
-        linear_attention(f"{L}.self_attn", f"{_P}.0"),
-        mamba2_rows(f"{L}.mamba", f"{_P}.1"),
-    ),
-    ignore=("lm_head.weight",),
+# The layer's two mixers side by side: attention first, then Mamba-2.
+FALCON_H1 = decoder_mapping(
+    linear_attention(f"{L}.self_attn", f"{A}.attn.0"), mamba2_rows(f"{L}.mamba", f"{A}.attn.1")
 )
 
 

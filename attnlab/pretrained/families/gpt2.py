@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import common_fields, ffn_kind, reject, require
-from attnlab.pretrained.mappings import Mapping, norm_rows, table
+from attnlab.pretrained.mappings import Mapping, fused, norm_rows, table
 
 
 def gpt2(c: dict) -> dict:
@@ -36,22 +36,14 @@ def gpt2(c: dict) -> dict:
 
 _G = "transformer.h.{i}"
 _A = "decoder.layers.{i}"
+_QKV, _QKV_BIASES = ("q_DNH", "k_DKH", "v_DKH"), ("q_bias_NH", "k_bias_KH", "v_bias_KH")
 GPT2 = Mapping(
     prefix="transformer.",
     rules=table(
         ("transformer.wte.weight", "embed.tokens.embedding_VD"),
         ("transformer.wpe.weight", "decoder.positions.table_PD"),
         norm_rows(f"{_G}.ln_1", f"{_A}.attn_norm"),
-        (
-            f"{_G}.attn.c_attn.weight",
-            (f"{_A}.attn.q_DNH", f"{_A}.attn.k_DKH", f"{_A}.attn.v_DKH"),
-            "fused_columns_to_heads",
-        ),
-        (
-            f"{_G}.attn.c_attn.bias",
-            (f"{_A}.attn.q_bias_NH", f"{_A}.attn.k_bias_KH", f"{_A}.attn.v_bias_KH"),
-            "fused_flat",
-        ),
+        fused(f"{_G}.attn.c_attn", f"{_A}.attn", _QKV, _QKV_BIASES, "fused_columns_to_heads"),
         (f"{_G}.attn.c_proj.weight", f"{_A}.attn.o_NHD", "rows_from_heads"),
         (f"{_G}.attn.c_proj.bias", f"{_A}.attn.o_bias_D"),
         norm_rows(f"{_G}.ln_2", f"{_A}.ffn_norm"),

@@ -24,7 +24,15 @@ from attnlab.pretrained.hf_base import (
     rope_decoder_fields,
     rope_theta_of,
 )
-from attnlab.pretrained.mappings import A, L, Mapping, linear_attention, norm_row, table
+from attnlab.pretrained.mappings import (
+    A,
+    L,
+    Mapping,
+    ends,
+    layer_rows,
+    linear_attention,
+    table,
+)
 
 _KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
           "attention": "attention"}  # fmt: skip
@@ -102,11 +110,8 @@ _X = f"{A}.attn"
 GRANITE_MOE_HYBRID = Mapping(
     prefix="model.",
     rules=table(
-        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        norm_row("model.norm", "decoder.final_norm"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
-        norm_row(f"{L}.post_attention_layernorm", f"{A}.ffn_norm"),
+        ends(),
+        layer_rows(),
         mamba2_rows(f"{L}.mamba", _X),
         linear_attention(f"{L}.self_attn", _X),
         (f"{L}.block_sparse_moe.router.layer.weight", f"{A}.ffn.router_DE", "linear"),

@@ -19,7 +19,17 @@ from attnlab.pretrained.hf_base import (
     reject,
     require,
 )
-from attnlab.pretrained.mappings import A, L, Mapping, gated_ffn, linear_attention, norm_row, table
+from attnlab.pretrained.mappings import (
+    A,
+    L,
+    Mapping,
+    ends,
+    gated_ffn,
+    layer_rows,
+    linear_attention,
+    routed_experts,
+    table,
+)
 
 
 def _every(c: dict, period: str, offset: str, n: int) -> list[bool]:
@@ -79,21 +89,15 @@ _M, _X, _F = f"{L}.mamba", f"{A}.attn", f"{L}.feed_forward"
 JAMBA = Mapping(
     prefix="model.",
     rules=table(
-        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        norm_row("model.final_layernorm", "decoder.final_norm"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        norm_row(f"{L}.input_layernorm", f"{A}.attn_norm"),
-        norm_row(f"{L}.pre_ff_layernorm", f"{A}.ffn_norm"),
+        ends(norm="model.final_layernorm"),
+        layer_rows(ffn_norm="pre_ff_layernorm"),
         mamba_rows(_M, _X),
         (f"{_M}.dt_layernorm.weight", f"{_X}.dt_norm_R"),
         (f"{_M}.b_layernorm.weight", f"{_X}.b_norm_J"),
         (f"{_M}.c_layernorm.weight", f"{_X}.c_norm_J"),
         linear_attention(f"{L}.self_attn", _X, bias=False),
         gated_ffn(_F),
-        (f"{_F}.router.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{_F}.experts.gate_proj.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{_F}.experts.up_proj.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{_F}.experts.down_proj.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
+        routed_experts(_F, router="router"),
     ),
     ignore=("lm_head.weight",),
 )

@@ -12,7 +12,19 @@ from attnlab.pretrained.export_configs import base_config, single_mixers
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import UnsupportedCheckpointError, prefix_and_block, require
-from attnlab.pretrained.mappings import IGNORE, A, L, Mapping, linear_attention, norm_row, table
+from attnlab.pretrained.mappings import (
+    IGNORE,
+    A,
+    L,
+    Mapping,
+    ends,
+    fused,
+    gated_ffn,
+    layer_rows,
+    linear_attention,
+    qk_norms,
+    table,
+)
 
 _TYPES = ("conv", "full_attention")
 
@@ -67,38 +79,24 @@ def lfm2(c: dict) -> dict:
 
 
 _C, _X = f"{L}.conv", f"{A}.attn"
+_BCH = ("b_proj_DZ", "c_proj_DZ", "h_proj_DZ")
 LFM2 = Mapping(
     prefix="model.",
     rules=table(
-        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        norm_row("model.embedding_norm", "decoder.final_norm"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        norm_row(f"{L}.operator_norm", f"{A}.attn_norm"),
-        norm_row(f"{L}.ffn_norm", f"{A}.ffn_norm"),
+        ends(norm="model.embedding_norm"),
+        layer_rows(attn_norm="operator_norm", ffn_norm="ffn_norm"),
         linear_attention(
             f"{L}.self_attn", _X, names=("q_proj", "k_proj", "v_proj", "out_proj"), bias=False
         ),
-        norm_row(f"{L}.self_attn.q_layernorm", f"{_X}.q_norm"),
-        norm_row(f"{L}.self_attn.k_layernorm", f"{_X}.k_norm"),
+        qk_norms(names=("q_layernorm", "k_layernorm")),
         # in_proj's rows: the input gate b, the output gate c, the input h.
-        (
-            f"{_C}.in_proj.weight",
-            (f"{_X}.b_proj_DZ", f"{_X}.c_proj_DZ", f"{_X}.h_proj_DZ"),
-            "fused_linear",
-        ),
-        (
-            f"{_C}.in_proj.bias",
-            (f"{_X}.b_bias_Z", f"{_X}.c_bias_Z", f"{_X}.h_bias_Z"),
-            "fused_flat",
-        ),
+        fused(f"{_C}.in_proj", _X, _BCH, ("b_bias_Z", "c_bias_Z", "h_bias_Z"), "fused_linear"),
         (f"{_C}.conv.weight", f"{_X}.conv_WZ", "depthwise_conv"),
         (f"{_C}.conv.bias", f"{_X}.conv_bias_Z"),
         (f"{_C}.out_proj.weight", f"{_X}.out_ZD", "linear"),
         (f"{_C}.out_proj.bias", f"{_X}.out_bias_D"),
-        (f"{L}.feed_forward.w1.weight", f"{A}.ffn.w_gate_DF", "linear"),
-        (f"{L}.feed_forward.w3.weight", f"{A}.ffn.w_in_DF", "linear"),
-        (f"{L}.feed_forward.w2.weight", f"{A}.ffn.w_out_FD", "linear"),
-    ),  # fmt: skip
+        gated_ffn(f"{L}.feed_forward", names=("w1", "w3", "w2")),
+    ),
     ignore=IGNORE,
 )
 

@@ -11,6 +11,7 @@ from attnlab.pretrained.families.mamba2 import (
     ssm_decoder,
     ssm_mapping,
     ssm_mixer_settings,
+    ssm_rows,
 )
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import reject, require
@@ -43,19 +44,15 @@ def mamba(c: dict) -> dict:
 
 def mamba_rows(hf: str, ours: str) -> list:
     """Table rows of one Mamba-1 mixer: transformers' ``hf`` -> attnlab's ``ours``."""
-    return [
-        (f"{hf}.in_proj.weight", f"{ours}.in_proj_DZ", "linear"),
-        (f"{hf}.in_proj.bias", f"{ours}.in_proj_bias_Z"),
-        (f"{hf}.conv1d.weight", f"{ours}.conv_WZ", "depthwise_conv"),
-        (f"{hf}.conv1d.bias", f"{ours}.conv_bias_Z"),
+    return ssm_rows(
+        hf,
+        ours,
         (f"{hf}.x_proj.weight", f"{ours}.x_proj_ZR", "linear"),
         (f"{hf}.dt_proj.weight", f"{ours}.dt_proj_RZ", "linear"),
         (f"{hf}.dt_proj.bias", f"{ours}.dt_bias_Z"),
         (f"{hf}.A_log", f"{ours}.A_log_ZJ"),
         (f"{hf}.D", f"{ours}.D_Z"),
-        (f"{hf}.out_proj.weight", f"{ours}.out_proj_ZD", "linear"),
-        (f"{hf}.out_proj.bias", f"{ours}.out_proj_bias_D"),
-    ]
+    )
 
 
 MAMBA = ssm_mapping(mamba_rows)

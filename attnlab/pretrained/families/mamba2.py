@@ -107,20 +107,30 @@ def ssm_decoder(c: dict, mixer: str, settings, *, tie: bool) -> dict:
     )
 
 
-def mamba2_rows(hf: str, ours: str) -> list:
-    """Table rows of one Mamba-2 mixer: transformers' ``hf`` -> attnlab's ``ours``."""
+def ssm_rows(hf: str, ours: str, *rows) -> list:
+    """Table rows of a Mamba mixer (``hf`` -> ``ours``): its input projection and convolution,
+    the ``rows`` of its own, its output projection."""
     return [
         (f"{hf}.in_proj.weight", f"{ours}.in_proj_DZ", "linear"),
         (f"{hf}.in_proj.bias", f"{ours}.in_proj_bias_Z"),
         (f"{hf}.conv1d.weight", f"{ours}.conv_WZ", "depthwise_conv"),
         (f"{hf}.conv1d.bias", f"{ours}.conv_bias_Z"),
+        *rows,
+        (f"{hf}.out_proj.weight", f"{ours}.out_proj_ZD", "linear"),
+        (f"{hf}.out_proj.bias", f"{ours}.out_proj_bias_D"),
+    ]
+
+
+def mamba2_rows(hf: str, ours: str) -> list:
+    """Table rows of one Mamba-2 mixer: transformers' ``hf`` -> attnlab's ``ours``."""
+    return ssm_rows(
+        hf,
+        ours,
         (f"{hf}.dt_bias", f"{ours}.dt_bias_N"),
         (f"{hf}.A_log", f"{ours}.A_log_N"),
         (f"{hf}.D", f"{ours}.D_N"),
         (f"{hf}.norm.weight", f"{ours}.norm_scale_Z"),
-        (f"{hf}.out_proj.weight", f"{ours}.out_proj_ZD", "linear"),
-        (f"{hf}.out_proj.bias", f"{ours}.out_proj_bias_D"),
-    ]
+    )
 
 
 def ssm_mapping(rows) -> Mapping:

@@ -33,7 +33,15 @@ from attnlab.pretrained.hf_base import (
     rope_decoder_fields,
     rope_theta_of,
 )
-from attnlab.pretrained.mappings import A, L, Mapping, linear_attention, norm_row, table
+from attnlab.pretrained.mappings import (
+    A,
+    L,
+    Mapping,
+    linear_attention,
+    norm_row,
+    routed_experts,
+    table,
+)
 
 _KINDS = ("linear_attention", "full_attention")
 _FACTORS = {  # the sub-layer -> config.json keys of its (alpha, beta)
@@ -169,10 +177,7 @@ MINIMAX = Mapping(
         (f"{_LA}.norm.weight", f"{_X}.norm_scale_NH", "flat"),
         (f"{_LA}.out_proj.weight", f"{_X}.out_NHD", "linear_from_heads"),
         linear_attention(_LA, _X, bias=False),
-        (f"{L}.{_MOE}.gate.weight", f"{A}.ffn.router_DE", "linear"),
-        (f"{L}.{_MOE}.experts.w1.weight", f"{A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{L}.{_MOE}.experts.w3.weight", f"{A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{L}.{_MOE}.experts.w2.weight", f"{A}.ffn.w_out_EFD", "experts_linear"),
+        routed_experts(f"{L}.{_MOE}", ("w1", "w3", "w2")),
     ),
     ignore=(
         "lm_head.weight",

@@ -25,7 +25,17 @@ from attnlab.pretrained.hf_base import (
     require,
     rope_decoder_fields,
 )
-from attnlab.pretrained.mappings import Mapping, table
+from attnlab.pretrained.mappings import (
+    A,
+    L,
+    Mapping,
+    ends,
+    layer_rows,
+    qk_norms,
+    routed_experts,
+    shared_expert,
+    table,
+)
 
 _KINDS = ("linear_attention", "full_attention")
 
@@ -97,18 +107,13 @@ def qwen3_next(c: dict) -> dict:
     )
 
 
-_L = "model.layers.{i}"
-_A = "decoder.layers.{i}"
-_LA, _GA = f"{_L}.linear_attn", f"{_A}.attn"
-_SA, _X = f"{_L}.self_attn", f"{_L}.mlp"
+_LA, _GA = f"{L}.linear_attn", f"{A}.attn"
+_SA, _X = f"{L}.self_attn", f"{L}.mlp"
 QWEN3_NEXT = Mapping(
     prefix="model.",
     rules=table(
-        ("model.embed_tokens.weight", "embed.tokens.embedding_VD"),
-        ("model.norm.weight", "decoder.final_norm.scale_D", "plus_one"),
-        ("lm_head.weight", "head.head_DV", "linear"),
-        (f"{_L}.input_layernorm.weight", f"{_A}.attn_norm.scale_D", "plus_one"),
-        (f"{_L}.post_attention_layernorm.weight", f"{_A}.ffn_norm.scale_D", "plus_one"),
+        ends("plus_one"),
+        layer_rows(fn="plus_one"),
         # Gated DeltaNet (linear_attention layers).
         (f"{_LA}.in_proj_qkvz.weight", f"{_GA}.in_proj_qkvz_DKH", "linear_to_heads"),
         (f"{_LA}.in_proj_ba.weight", f"{_GA}.in_proj_ba_DKH", "linear_to_heads"),
@@ -122,17 +127,11 @@ QWEN3_NEXT = Mapping(
         (f"{_SA}.k_proj.weight", f"{_GA}.k_DKH", "linear_to_heads"),
         (f"{_SA}.v_proj.weight", f"{_GA}.v_DKH", "linear_to_heads"),
         (f"{_SA}.o_proj.weight", f"{_GA}.o_NHD", "linear_from_heads"),
-        (f"{_SA}.q_norm.weight", f"{_GA}.q_norm.scale_D", "plus_one"),
-        (f"{_SA}.k_norm.weight", f"{_GA}.k_norm.scale_D", "plus_one"),
+        qk_norms(fn="plus_one"),
         # Experts (stored one per expert, stacked on load) and the gated shared expert.
-        (f"{_X}.gate.weight", f"{_A}.ffn.router_DE", "linear"),
-        (f"{_X}.experts.gate_proj.weight", f"{_A}.ffn.w_gate_EDF", "experts_linear"),
-        (f"{_X}.experts.up_proj.weight", f"{_A}.ffn.w_in_EDF", "experts_linear"),
-        (f"{_X}.experts.down_proj.weight", f"{_A}.ffn.w_out_EFD", "experts_linear"),
-        (f"{_X}.shared_expert.gate_proj.weight", f"{_A}.ffn.shared_gate_DF", "linear"),
-        (f"{_X}.shared_expert.up_proj.weight", f"{_A}.ffn.shared_in_DF", "linear"),
-        (f"{_X}.shared_expert.down_proj.weight", f"{_A}.ffn.shared_out_FD", "linear"),
-        (f"{_X}.shared_expert_gate.weight", f"{_A}.ffn.shared_expert_gate_D", "row"),
+        routed_experts(_X),
+        shared_expert(f"{_X}.shared_expert"),
+        (f"{_X}.shared_expert_gate.weight", f"{A}.ffn.shared_expert_gate_D", "row"),
     ),
     # The tied head's copy; the multi-token-prediction head, which attnlab does not run.
     ignore=("lm_head.weight", "mtp.*"),
