@@ -82,6 +82,16 @@ def install() -> None:
 install()
 
 
+def module_getattr(module: str):
+    """The ``__getattr__`` of a module whose previous release's names moved elsewhere:
+    ``__getattr__ = module_getattr(__name__)`` answers them (``moved_name``), deprecated."""
+
+    def __getattr__(name):
+        return moved_name(module, name)
+
+    return __getattr__
+
+
 def moved_name(module: str, name: str):
     """``module.name`` where ``module`` no longer has it (its ``__getattr__`` asks): an old
     submodule or name, with its warning; ``AttributeError`` otherwise."""

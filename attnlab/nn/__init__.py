@@ -38,5 +38,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # the previous release's names (attnlab._moved), deprecated
-    return _moved.moved_name(__name__, name)
+__getattr__ = _moved.module_getattr(__name__)  # the previous release's names, deprecated

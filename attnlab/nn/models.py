@@ -374,5 +374,4 @@ class EncoderDecoder(_DecoderHead, nnx.Module):
 MODEL_CLASSES.update(decoder=DecoderLM, encoder=EncoderMLM, encoder_decoder=EncoderDecoder)
 
 
-def __getattr__(name):  # the previous release's names (attnlab._moved), deprecated
-    return _moved.moved_name(__name__, name)
+__getattr__ = _moved.module_getattr(__name__)  # the previous release's names, deprecated
