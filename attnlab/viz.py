@@ -299,6 +299,17 @@ def read_samples(workdir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _finish_accuracy(ax, xlabel: str, title: str) -> None:
+    """An accuracy plot's axes: ``[0, 1]`` with a margin, the labels, a light grid and the
+    legend in the lower left."""
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower left")
+
+
 def plot_accuracy_by_distance(buckets, *, title: str = "retrieval accuracy") -> Figure:
     """Accuracy against distance: one point per bucket of ``{"lo", "hi", "exact_match",
     "token_accuracy"}`` (distances ``lo..hi``), drawn at the bucket's centre; None (an empty
@@ -315,12 +326,7 @@ def plot_accuracy_by_distance(buckets, *, title: str = "retrieval accuracy") -> 
         values = [math.nan if b[key] is None else b[key] for b in buckets]
         ax.plot(centre, values, marker=marker, ms=4, label=label)
     ax.set_xlim(buckets[0]["lo"], buckets[-1]["hi"])
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("distance from the hidden key to the query (tokens)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", loc="lower left")
+    _finish_accuracy(ax, "distance from the hidden key to the query (tokens)", title)
     return fig
 
 
@@ -343,12 +349,7 @@ def plot_accuracy_by_length(curves, *, trained_at=None, title="accuracy against 
     if trained_at is not None:
         ax.axvline(trained_at, color="0.5", ls=":", label=f"trained at {trained_at}")
     ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", loc="lower left")
+    _finish_accuracy(ax, "evaluation length (tokens)", title)
     return fig
 
 
