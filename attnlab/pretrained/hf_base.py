@@ -52,6 +52,17 @@ def reject(c: dict, key: str, bad, why: str):
         raise UnsupportedCheckpointError(f"config.json {key}={value!r} is not supported: {why}")
 
 
+def checked_layer_types(types, n: int, allowed) -> list:
+    """config.json's ``layer_types`` as a list, checked to give each of the ``n`` layers one
+    of ``allowed``."""
+    if len(types) != n or set(types) - set(allowed):
+        raise UnsupportedCheckpointError(
+            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
+            f"entries, each one of {list(allowed)}"
+        )
+    return list(types)
+
+
 def pad_id_of(c: dict, vocab_size: int) -> int:
     pad = c.get("pad_token_id")
     return pad if isinstance(pad, int) and 0 <= pad < vocab_size else 0
@@ -160,27 +171,22 @@ def common_fields(c: dict, **fields) -> dict:
     return fields
 
 
-def rope_decoder_fields(c: dict, *, rotary: dict | None = None, **fields) -> dict:
-    """A pre-norm RMSNorm decoder with RoPE (a share of each head rotated, from ``rotary``'s
-    ``partial_rotary_factor`` or ``c``'s) and a gated FFN, read from a Llama-style config.json;
-    ``fields`` add to or override what it reads."""
+def decoder_fields(c: dict, **fields) -> dict:
+    """A pre-norm RMSNorm decoder without positions and with a gated FFN, read from a
+    Llama-style config.json; ``fields`` add to or override what it reads (the layer count and
+    the FFN kind are read only when ``fields`` lack them)."""
     D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
-    H = c.get("head_dim") or D // N
-    fraction = rotary_fraction(c if rotary is None else rotary)
     read = dict(
         arch="decoder",
         vocab_size=require(c, "vocab_size"),
         d_model=D,
-        n_layers=require(c, "num_hidden_layers"),
+        n_layers=fields["n_layers"] if "n_layers" in fields else require(c, "num_hidden_layers"),
         n_heads=N,
         n_kv_heads=c.get("num_key_value_heads") or N,
-        head_dim=H,
+        head_dim=c.get("head_dim") or D // N,
         d_ff=require(c, "intermediate_size"),
         max_len=c.get("max_position_embeddings") or 2048,
-        position="rope",
-        rope_theta=rope_theta_of(c, partial=True, scaled=True),
-        rope_scaling=rope_scaling_of(c),
-        rotary_dim=None if fraction == 1.0 else int(H * fraction),
+        position="none",
         norm="rmsnorm",
         norm_eps=c.get("rms_norm_eps", 1e-6),
         norm_placement="pre",
@@ -188,6 +194,21 @@ def rope_decoder_fields(c: dict, *, rotary: dict | None = None, **fields) -> dic
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
     return common_fields(c, **{**read, **fields})
+
+
+def rope_decoder_fields(c: dict, *, rotary: dict | None = None, **fields) -> dict:
+    """``decoder_fields`` with RoPE (a share of each head rotated, from ``rotary``'s
+    ``partial_rotary_factor`` or ``c``'s); ``fields`` add to or override what it reads."""
+    D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
+    H = c.get("head_dim") or D // N
+    fraction = rotary_fraction(c if rotary is None else rotary)
+    read = dict(
+        position="rope",
+        rope_theta=rope_theta_of(c, partial=True, scaled=True),
+        rope_scaling=rope_scaling_of(c),
+        rotary_dim=None if fraction == 1.0 else int(H * fraction),
+    )
+    return decoder_fields(c, **{**read, **fields})
 
 
 def prefix_and_block(kinds: list) -> dict:

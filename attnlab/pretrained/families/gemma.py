@@ -17,7 +17,7 @@ from attnlab.pretrained.export_configs import base_config, rope_by_layer_type, w
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
-    common_fields,
+    decoder_fields,
     ffn_kind,
     reject,
     require,
@@ -85,23 +85,13 @@ def gemma(c: dict, family: str) -> dict:
     theta, pattern = _layer_pattern(c, family)
     act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
     softcap = c.get("attn_logit_softcapping") if family != "gemma" else None
-    return common_fields(
+    return decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=require(c, "hidden_size"),
-        n_layers=require(c, "num_hidden_layers"),
-        n_heads=N,
-        n_kv_heads=c.get("num_key_value_heads") or N,
-        head_dim=H,
-        d_ff=require(c, "intermediate_size"),
         max_len=c.get("max_position_embeddings") or 8192,
         position="rope",
         rope_theta=theta,
         rope_scaling=rope_scaling_of(c, None if family == "gemma" else "full_attention"),
         layer_pattern=pattern,
-        norm="rmsnorm",
-        norm_eps=c.get("rms_norm_eps", 1e-6),
         norm_placement="pre" if family == "gemma" else "sandwich",
         qk_norm=family == "gemma3_text",
         ffn=ffn_kind(c, "hidden_activation", "gelu_pytorch_tanh", gated=True, name=act),

@@ -18,7 +18,7 @@ from attnlab.pretrained.families.bamba import BAMBA_MAMBA_KEYS, bamba_mamba
 from attnlab.pretrained.families.mamba2 import mamba2_rows
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
-    UnsupportedCheckpointError,
+    checked_layer_types,
     prefix_and_block,
     require,
     rope_decoder_fields,
@@ -41,12 +41,7 @@ _KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "atte
 def _layer_kinds(c: dict) -> list[str]:
     n = require(c, "num_hidden_layers")
     types = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * n
-    if len(types) != n or set(types) - set(_KINDS):
-        raise UnsupportedCheckpointError(
-            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
-            f"entries, each one of {sorted(_KINDS)}"
-        )
-    return [_KINDS[t] for t in types]
+    return [_KINDS[t] for t in checked_layer_types(types, n, sorted(_KINDS))]
 
 
 def granitemoehybrid(c: dict) -> dict:

@@ -13,8 +13,7 @@ from attnlab.pretrained.families.mamba import mamba_rows, mamba_settings
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
-    common_fields,
-    ffn_kind,
+    decoder_fields,
     prefix_and_block,
     reject,
     require,
@@ -56,23 +55,11 @@ def jamba(c: dict) -> dict:
         for a, e in zip(attention, experts, strict=True)
     ]
     D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
-    return common_fields(
+    return decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=D,
-        n_layers=n,
-        n_heads=N,
-        n_kv_heads=c.get("num_key_value_heads") or N,
         head_dim=D // N,
-        d_ff=require(c, "intermediate_size"),
         max_len=c.get("max_position_embeddings") or 262144,
-        position="none",
-        norm="rmsnorm",
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        norm_placement="pre",
-        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         ffn_variant="moe",
         ffn_settings={
             "n_experts": c.get("num_local_experts") or require(c, "num_experts"),

@@ -26,8 +26,8 @@ from attnlab.pretrained.families.deepseek_v3 import latent_rows, mla_fields
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
-    common_fields,
-    ffn_kind,
+    checked_layer_types,
+    decoder_fields,
     prefix_and_block,
     reject,
     require,
@@ -57,12 +57,7 @@ def _layer_types(c: dict, n: int) -> list[str]:
             types[layer - 1] = "linear_attention"
     elif types is None:
         types = [_KINDS[bool(i and i % 4 == 0)] for i in range(n)]
-    if len(types) != n or set(types) - set(_KINDS):
-        raise UnsupportedCheckpointError(
-            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
-            f"entries, each one of {list(_KINDS)}"
-        )
-    return list(types)
+    return checked_layer_types(types, n, _KINDS)
 
 
 def _mlp_types(c: dict, n: int) -> list[str]:
@@ -120,23 +115,12 @@ def kimi_linear(c: dict) -> dict:
         for t, f in zip(_layer_types(c, n), _mlp_types(c, n), strict=True)
     ]
     N = require(c, "num_attention_heads")
-    return common_fields(
+    return decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=require(c, "hidden_size"),
-        n_layers=n,
-        n_heads=N,
         n_kv_heads=N,
         head_dim=Hn + Hr,
-        d_ff=require(c, "intermediate_size"),
         max_len=_first(c, "model_max_length", "max_position_embeddings", default=1048576),
-        position="none",
-        norm="rmsnorm",
         norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        norm_placement="pre",
-        ffn=ffn_kind(c, "hidden_act", "silu", gated=True),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         ffn_variant="moe",
         ffn_settings=dict(
             n_experts=_first(c, "num_experts", "num_local_experts", default=256),

@@ -11,7 +11,11 @@ from attnlab.config.layer_kinds import stack_plan
 from attnlab.pretrained.export_configs import base_config, single_mixers
 from attnlab.pretrained.families.llama import llama_like
 from attnlab.pretrained.family import Family, register_family
-from attnlab.pretrained.hf_base import UnsupportedCheckpointError, prefix_and_block, require
+from attnlab.pretrained.hf_base import (
+    checked_layer_types,
+    prefix_and_block,
+    require,
+)
 from attnlab.pretrained.mappings import (
     IGNORE,
     A,
@@ -36,12 +40,7 @@ def _layer_types(c: dict) -> list[str]:
         full = c.get("full_attn_idxs")
         full = range(n) if full is None else full
         types = ["full_attention" if i in full else "conv" for i in range(n)]
-    if len(types) != n or set(types) - set(_TYPES):
-        raise UnsupportedCheckpointError(
-            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
-            f"entries, each one of {list(_TYPES)}"
-        )
-    return list(types)
+    return checked_layer_types(types, n, _TYPES)
 
 
 def ffn_width(c: dict) -> int:

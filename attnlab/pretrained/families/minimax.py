@@ -27,6 +27,7 @@ from attnlab.pretrained.families.llama import sliding_window
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
+    checked_layer_types,
     prefix_and_block,
     reject,
     require,
@@ -58,12 +59,7 @@ def layer_types(c: dict) -> list[str]:
     types = c.get("layer_types") or [
         "full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)
     ]
-    if len(types) != n or set(types) - set(_KINDS):
-        raise UnsupportedCheckpointError(
-            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
-            f"entries, each one of {list(_KINDS)}"
-        )
-    return list(types)
+    return checked_layer_types(types, n, _KINDS)
 
 
 def _block_size(c: dict) -> int:

@@ -17,7 +17,7 @@ from attnlab.pretrained.families.mamba2 import MAMBA2_KEYS, mamba2_rows, mamba2_
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
-    common_fields,
+    decoder_fields,
     ffn_kind,
     prefix_and_block,
     reject,
@@ -84,7 +84,6 @@ def nemotron_h(c: dict) -> dict:
     reject(c, "mamba_hidden_act", lambda v: v not in (None, "silu"), "Mamba-2 gates with silu")
     reject(c, "mlp_bias", (True,), "attnlab's Nemotron-H MLP has no biases")
     reject(c, "sliding_window", lambda v: v is not None, "Nemotron-H attends to every token")
-    D, N = require(c, "hidden_size"), require(c, "num_attention_heads")
     settings = mamba2_settings(c, NEMOTRON_MAMBA_KEYS)
     settings["d_inner"] = settings["num_heads"] * settings["head_dim"]
     settings["dt_limit_min"] = float(c.get("time_step_min", 0.001))  # transformers' own limit
@@ -94,23 +93,12 @@ def nemotron_h(c: dict) -> dict:
     for kind, _, mlp in _nemotron_units(c):
         kind = mamba if kind == "linear_attention" else {"mixer": "mha"}
         kinds.append(kind if mlp is not None else {**kind, "ffn_variant": "none"})
-    return common_fields(
+    return decoder_fields(
         c,
-        arch="decoder",
-        vocab_size=require(c, "vocab_size"),
-        d_model=D,
         n_layers=len(kinds),
-        n_heads=N,
-        n_kv_heads=c.get("num_key_value_heads") or N,
-        head_dim=c.get("head_dim") or D // N,
-        d_ff=require(c, "intermediate_size"),
         max_len=c.get("max_position_embeddings") or 4096,
-        position="none",
-        norm="rmsnorm",
         norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
-        norm_placement="pre",
         ffn=ffn_kind(c, "mlp_hidden_act", "relu2", gated=False),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         block_pattern=prefix_and_block(kinds),
     )
 

@@ -9,7 +9,7 @@ from attnlab.pretrained.export_configs import base_config, rope_by_layer_type, w
 from attnlab.pretrained.families.olmo2 import OLMO2, olmo2_config
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
-    UnsupportedCheckpointError,
+    checked_layer_types,
     require,
     rope_scaling_of,
     rope_theta_of,
@@ -36,11 +36,7 @@ def olmo3(c: dict) -> dict:
     c = _by_layer_type(c)
     n = require(c, "num_hidden_layers")
     types = c.get("layer_types") or [_TYPES[(i + 1) % 4 == 0] for i in range(n)]
-    if len(types) != n or set(types) - set(_TYPES):
-        raise UnsupportedCheckpointError(
-            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
-            f"entries, each one of {list(_TYPES)}"
-        )
+    types = checked_layer_types(types, n, _TYPES)
     window = require(c, "sliding_window") if "sliding_attention" in types else None
     local = rope_theta_of(c, layer_type="sliding_attention")
     pattern = [

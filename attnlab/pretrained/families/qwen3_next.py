@@ -21,6 +21,7 @@ from attnlab.pretrained.export_configs import base_config, single_mixers
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
     UnsupportedCheckpointError,
+    checked_layer_types,
     reject,
     require,
     rope_decoder_fields,
@@ -51,13 +52,7 @@ def _layer_kinds(c: dict, n: int) -> list[str]:
     if types is None:  # transformers' default: every fourth layer full attention
         interval = c.get("full_attention_interval", 4)
         types = [_KINDS[(i + 1) % interval == 0] for i in range(n)]
-    unknown = sorted(set(types) - set(_KINDS))
-    if unknown or len(types) != n:
-        raise UnsupportedCheckpointError(
-            f"config.json layer_types={types!r} is not supported: give num_hidden_layers={n} "
-            f"entries, each one of {list(_KINDS)}"
-        )
-    return list(types)
+    return checked_layer_types(types, n, _KINDS)
 
 
 def _block_pattern(c: dict, n: int) -> dict:
