@@ -9,34 +9,24 @@ with three seeds each: the positions change the program, the seeds do not, so
     attnlab sweep --config experiments/attention_variants.py --workdir runs/positions
 """
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import tiny_twin
 from attnlab.sweep import grid
 
 
 def get_config(variant=None):
     c = base_config()
     c.name = "attention_variants"
-    c.model.update(
-        arch="decoder",
-        vocab_size=12,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        max_len=24,
-        position="learned",
-        norm="layernorm",
-        ffn="gelu",
-        d_ff=128,
-    )
+    c.model.update(arch="decoder", vocab_size=12, d_model=64, n_layers=2, n_heads=4, max_len=24,
+                   position="learned", norm="layernorm", ffn="gelu", d_ff=128)  # fmt: skip
     c.data.update(kind="induction", seq_len=24, num_symbols=8, min_len=2, max_len=6)
     c.optim.update(learning_rate=3e-3, warmup_steps=50, weight_decay=0.01)
     c.train.update(steps=1200, batch_size=32, log_every_steps=100)
     c.eval.update(every_steps=400, batches=4, batch_size=64, sample_tokens=0)
     c.checkpoint.update(every_steps=600, max_to_keep=1)
     if variant == "tiny":
-        c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=16)
-        c.data.update(seq_len=16, max_len=4)
-        tiny_run(c)
+        tiny_twin(c, d_model=16, d_ff=32, max_len=16, seq_len=16)
+        c.data.max_len = 4
     return c
 
 

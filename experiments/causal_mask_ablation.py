@@ -9,28 +9,20 @@ Run it as a sweep over ``model.causal`` to get both curves and both samples side
     attnlab sweep --config experiments/causal_mask_ablation.py --workdir runs/ablation
 """
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import tiny_twin
+from attnlab.experiment.presets import EMBEDDED_CHARS
 from attnlab.sweep import grid
 
 
 def get_config(variant=None):
     c = base_config()
     c.name = "causal_mask_ablation"
-    c.model.update(
-        arch="decoder",
-        vocab_size=256,
-        d_model=96,
-        n_layers=3,
-        n_heads=4,
-        max_len=64,
-        # With RoPE the unmasked arm finds the copy shortcut within ~150 steps; with learned
-        # positions it takes ~400, so the contrast would sit at the end of the budget.
-        position="rope",
-        norm="layernorm",
-        ffn="gelu",
-        causal=True,
-    )
-    c.data.update(kind="text", path="", tokenizer="char", seq_len=64, max_chars=1_000_000)
+    # With RoPE the unmasked arm finds the copy shortcut within ~150 steps; with learned
+    # positions it takes ~400, so the contrast would sit at the end of the budget.
+    c.model.update(arch="decoder", vocab_size=256, d_model=96, n_layers=3, n_heads=4, max_len=64,
+                   position="rope", norm="layernorm", ffn="gelu", causal=True)  # fmt: skip
+    c.data.update(EMBEDDED_CHARS, seq_len=64, max_chars=1_000_000)
     c.optim.update(learning_rate=2e-3, warmup_steps=30)
     c.train.update(steps=400, batch_size=16, log_every_steps=20)
     c.eval.update(
@@ -38,9 +30,7 @@ def get_config(variant=None):
     )
     c.checkpoint.update(every_steps=200)
     if variant == "tiny":
-        c.model.update(d_model=32, n_layers=1, n_heads=2, max_len=16)
-        c.data.update(seq_len=16, max_chars=20_000)
-        tiny_run(c, sample_tokens=8)
+        tiny_twin(c, max_len=16, seq_len=16, max_chars=20_000, sample_tokens=8)
     return c
 
 

@@ -14,7 +14,9 @@ z-losses, each expert's share of the assignments and the dropped assignments (0)
 log line (``metrics.jsonl``); ``docs/moe.md`` reports the measured losses.
 """
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import tiny_twin
+from attnlab.experiment.presets import CHAR_LM_TRAINING, DECODER
 
 VARIANTS = ("tiny", "dense", "dense_tiny")
 EXPERTS, TOP_K, D_EXPERT = 8, 2, 96
@@ -23,30 +25,13 @@ EXPERTS, TOP_K, D_EXPERT = 8, 2, 96
 def get_config(variant=None):
     c = base_config()
     c.name = "moe_lm"
-    c.model.update(
-        arch="decoder",
-        vocab_size=256,
-        d_model=96,
-        n_layers=3,
-        n_heads=4,
-        max_len=128,
-        position="rope",
-        norm="rmsnorm",
-        ffn="swiglu",
-        d_ff=TOP_K * D_EXPERT,  # the dense model's width; each expert has D_EXPERT
-        norm_bias=False,
-    )
-    c.data.update(kind="text", path="", tokenizer="char", seq_len=128, max_chars=2_000_000)
-    c.optim.update(learning_rate=2e-3, warmup_steps=50, min_lr_ratio=0.1, weight_decay=0.1)
-    c.train.update(steps=600, batch_size=16, seed=0, log_every_steps=20)
-    c.eval.update(
-        every_steps=100, batches=8, batch_size=32, sample_tokens=160, sample_prompt="def "
-    )
-    c.checkpoint.update(every_steps=200, max_to_keep=2)
+    # d_ff is the dense model's width; each expert has D_EXPERT.
+    c.model.update(DECODER, vocab_size=256, d_model=96, n_layers=3, n_heads=4, max_len=128,
+                   d_ff=TOP_K * D_EXPERT)  # fmt: skip
+    c.update(CHAR_LM_TRAINING)
     if variant in ("tiny", "dense_tiny"):
-        c.model.update(d_model=32, n_layers=2, n_heads=2, d_ff=2 * 16, max_len=32)
-        c.data.update(seq_len=32, max_chars=50_000)
-        tiny_run(c, sample_tokens=8)
+        tiny_twin(c, n_layers=2, d_ff=2 * 16, max_len=32, seq_len=32, max_chars=50_000,
+                  sample_tokens=8)  # fmt: skip
     if variant not in ("dense", "dense_tiny"):
         c.model.ffn_variant = "moe"
         d_expert = c.model.d_ff // TOP_K

@@ -19,7 +19,9 @@ work directory; docs/guides/parametrization.md shows a run.
 
 import sys
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import eval_at_end, tiny_twin
+from attnlab.experiment.presets import MUP_DECODER, SHAKESPEARE_CHARS
 from attnlab.sweep import grid
 
 WIDTHS = (32, 64, 128)
@@ -42,30 +44,12 @@ VARIANTS = ("tiny", "standard", "mup", "depth_standard", "depth_completep") + tu
 def get_config(variant=None):
     c = base_config()
     c.name = "mup_transfer"
-    c.model.update(
-        arch="decoder",
-        vocab_size=65,
-        d_model=WIDTHS[0],
-        n_layers=2,
-        n_heads=4,
-        max_len=32,
-        position="rope",
-        norm="rmsnorm",
-        norm_bias=False,
-        ffn="gelu",
-        tie_embeddings=False,
-        parametrization="mup",
-        base_width=WIDTHS[0],
-        base_depth=2,
-        scan_layers=False,
-    )
-    c.data.update(kind="text", path="cache:shakespeare", tokenizer="char", seq_len=32,
-                  max_chars=0)  # fmt: skip
+    c.model.update(MUP_DECODER, d_model=WIDTHS[0], n_heads=4, base_width=WIDTHS[0], base_depth=2)
+    c.data.update(SHAKESPEARE_CHARS, seq_len=32)
     c.optim.update(learning_rate=1e-2, adam_learning_rate=1e-2, warmup_steps=10,
                    schedule="cosine", min_lr_ratio=0.1, b2=0.99, weight_decay=0.0)  # fmt: skip
-    c.train.update(steps=120, batch_size=8, seed=0, log_every_steps=40)
-    c.eval.update(every_steps=120, batches=8, batch_size=16, sample_tokens=0)
-    c.checkpoint.update(every_steps=120, max_to_keep=1)
+    eval_at_end(c, steps=120, batch_size=8, log_every_steps=40, eval_batches=8,
+                eval_batch_size=16, seed=0)  # fmt: skip
     variant = variant or "mup"
     if variant in ("standard", "depth_standard"):
         c.model.parametrization = "standard"
@@ -77,9 +61,7 @@ def get_config(variant=None):
     if variant.startswith("depth_"):
         c.model.update(d_model=64, base_width=64, n_layers=DEPTHS[0], base_depth=DEPTHS[0])
     if variant == "tiny":
-        c.model.update(d_model=16, base_width=16, n_layers=1, n_heads=2, max_len=16)
-        c.data.update(seq_len=16, max_chars=20_000)
-        tiny_run(c)
+        tiny_twin(c, d_model=16, base_width=16, max_len=16, seq_len=16, max_chars=20_000)
     return c
 
 

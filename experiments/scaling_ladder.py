@@ -16,7 +16,9 @@ trains the check runs and writes ``report.md``, ``report.png`` and ``isoflop.png
 
 import sys
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import eval_at_end, tiny_twin
+from attnlab.experiment.presets import MUP_DECODER, SHAKESPEARE_CHARS
 
 LADDER = {
     "budgets": (1e9, 3e9, 9e9),
@@ -35,22 +37,14 @@ VARIANTS = ("tiny",)
 def get_config(variant=None):
     c = base_config()
     c.name = "scaling_ladder"
-    c.model.update(
-        arch="decoder", vocab_size=65, d_model=32, n_layers=2, n_heads=2, max_len=32,
-        position="rope", norm="rmsnorm", norm_bias=False, ffn="gelu", tie_embeddings=False,
-        parametrization="mup", base_width=32, scan_layers=False,
-    )  # fmt: skip
-    c.data.update(kind="text", path="cache:shakespeare", tokenizer="char", seq_len=32,
-                  max_chars=0)  # fmt: skip
+    c.model.update(MUP_DECODER, n_heads=2)
+    c.data.update(SHAKESPEARE_CHARS, seq_len=32)
     c.optim.update(learning_rate=1e-2, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1,
                    b2=0.99, weight_decay=0.0)  # fmt: skip
-    c.train.update(steps=100, batch_size=8, seed=0, log_every_steps=100)
-    c.eval.update(every_steps=100, batches=16, batch_size=16, sample_tokens=0)
-    c.checkpoint.update(every_steps=100, max_to_keep=1)
+    eval_at_end(c, steps=100, batch_size=8, log_every_steps=100, eval_batches=16,
+                eval_batch_size=16, seed=0)  # fmt: skip
     if variant == "tiny":
-        c.model.update(d_model=16, base_width=16, n_layers=1, max_len=16)
-        c.data.update(seq_len=16, max_chars=20_000)
-        tiny_run(c)
+        tiny_twin(c, d_model=16, base_width=16, max_len=16, seq_len=16, max_chars=20_000)
     return c
 
 

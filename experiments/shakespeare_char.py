@@ -11,7 +11,9 @@ train state, so ``attnlab sweep`` trains them as one vmapped program::
     attnlab sweep --config experiments/shakespeare_char.py --workdir runs/shakespeare_lr
 """
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import tiny_twin
+from attnlab.experiment.presets import DECODER, SHAKESPEARE_CHARS
 from attnlab.sweep import grid
 
 
@@ -21,33 +23,12 @@ def get_config(variant=None):
     # The baseline's sizes with modern parts (RoPE, RMSNorm, SwiGLU at equal width) and a
     # higher peak learning rate: 1.67 validation loss at 2000 steps against the widely quoted
     # 1.89 of the GPT-2-style block of the same shape.
-    c.model.update(
-        arch="decoder",
-        vocab_size=65,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        max_len=64,
-        position="rope",
-        norm="rmsnorm",
-        norm_bias=False,
-        ffn="swiglu",
-        d_ff=352,
-        dropout=0.0,
-        tie_embeddings=True,
-        # Unrolled: at 4 layers this narrow, a scanned stack's steps ran 0.75-0.84x as fast
-        # (slicing each layer's weights per step costs as much as its matmuls); scanning
-        # wins from 6 x 384 on (1.22x) and keeps compile time flat in depth.
-        scan_layers=False,
-    )
-    c.data.update(
-        kind="text",
-        path="cache:shakespeare",
-        tokenizer="char",
-        seq_len=64,
-        val_fraction=0.1,
-        max_chars=0,
-    )
+    # Unrolled (scan_layers=False): at 4 layers this narrow, a scanned stack's steps ran
+    # 0.75-0.84x as fast (slicing each layer's weights per step costs as much as its matmuls);
+    # scanning wins from 6 x 384 on (1.22x) and keeps compile time flat in depth.
+    c.model.update(DECODER, vocab_size=65, d_model=128, n_layers=4, n_heads=4, max_len=64,
+                   d_ff=352, dropout=0.0, tie_embeddings=True, scan_layers=False)  # fmt: skip
+    c.data.update(SHAKESPEARE_CHARS, seq_len=64, val_fraction=0.1)
     c.optim.update(
         learning_rate=2e-3, warmup_steps=100, min_lr_ratio=0.1, b2=0.99, weight_decay=0.1
     )
@@ -55,9 +36,7 @@ def get_config(variant=None):
     c.eval.update(every_steps=250, batches=20, batch_size=12, sample_tokens=200, sample_prompt="\n")
     c.checkpoint.update(every_steps=500, max_to_keep=2)
     if variant == "tiny":
-        c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=16)
-        c.data.update(seq_len=16, max_chars=20_000)
-        tiny_run(c, sample_tokens=8)
+        tiny_twin(c, d_ff=64, max_len=16, seq_len=16, max_chars=20_000, sample_tokens=8)
     return c
 
 
