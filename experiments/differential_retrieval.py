@@ -44,7 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import errorbar_panels, eval_at_end, pm, tiny_twin
+from attnlab.experiment.presets import STUDY_DECODER
 from attnlab.sweep import arms, grid
 
 ARMS = {"mha": {"mixer": "mha"}, "differential": {"mixer": "differential"}}
@@ -58,31 +60,15 @@ IMAGES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "images"
 def get_config(variant=None):
     c = base_config()
     c.name = "differential_retrieval"
-    c.model.update(
-        arch="decoder",
-        vocab_size=32,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        d_ff=128,
-        max_len=SEQ_LEN,
-        position="rope",
-        norm="rmsnorm",
-        ffn="swiglu",
-        norm_bias=False,
-        mixer="mha",
-    )
+    c.model.update(STUDY_DECODER, vocab_size=32, d_ff=128, max_len=SEQ_LEN, mixer="mha")
     c.data.update(kind="induction", seq_len=SEQ_LEN, num_symbols=SYMBOLS, min_len=2,
                   max_len=max(PAIRS))  # fmt: skip
     c.optim.update(learning_rate=3e-3, warmup_steps=50, min_lr_ratio=0.1, weight_decay=0.0)
-    c.train.update(steps=800, batch_size=32, log_every_steps=50,
-                   metrics=("attn_entropy", "attn_max_logit"))  # fmt: skip
-    c.eval.update(every_steps=800, batches=4, batch_size=64, sample_tokens=0)
-    c.checkpoint.update(every_steps=800, max_to_keep=1)
+    eval_at_end(c, steps=800, batch_size=32, log_every_steps=50, eval_batches=4,
+                eval_batch_size=64, metrics=("attn_entropy", "attn_max_logit"))  # fmt: skip
     c.track.update(tensorboard=False)
     if variant == "tiny":
-        c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64)
-        tiny_run(c)
+        tiny_twin(c, d_ff=64)
     return c
 
 
@@ -160,7 +146,7 @@ def markdown(t, n_seeds) -> str:
              "distractors' share |", "|---|---|---|---|---|---|"]  # fmt: skip
     for arm, r in t.items():
         for n in PAIRS:
-            cells = " | ".join(f"{r[n][f][0]:.3f} ± {r[n][f][1]:.3f}" for f in FIELDS)
+            cells = " | ".join(pm(r[n][f]) for f in FIELDS)
             lines.append(f"| {arm} | {n} | {cells} |")
     lines.append(f"\nmean ± sample std over {n_seeds} seed(s); attention: the last layer at "
                  "the SEP query, mean over heads and 512 rows; the share: the mass on distractors "
@@ -169,22 +155,14 @@ def markdown(t, n_seeds) -> str:
 
 
 def plot(t, path):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 3.4))
-    panels = [("accuracy", "retrieval accuracy"), ("on_distractors", "attention on distractors"),
-              ("distractor_share", "distractors' share of the pairs' mass")]  # fmt: skip
-    for i, (f, title) in enumerate(panels):
-        ax = fig.add_subplot(1, 3, i + 1)
-        for arm, r in t.items():
-            y = [r[n][f][0] for n in PAIRS]
-            e = [r[n][f][1] for n in PAIRS]
-            ax.errorbar(PAIRS, y, yerr=e, marker="o", capsize=3, label=arm)
-        ax.set_xlabel("key-value pairs (1 relevant, the rest distractors)")
-        ax.set_title(title)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    panels = {
+        title: {arm: (PAIRS, *np.array([r[n][f] for n in PAIRS]).T) for arm, r in t.items()}
+        for f, title in [("accuracy", "retrieval accuracy"),
+                         ("on_distractors", "attention on distractors"),
+                         ("distractor_share", "distractors' share of the pairs' mass")]
+    }  # fmt: skip
+    errorbar_panels(path, panels, xlabel="key-value pairs (1 relevant, the rest distractors)",
+                    figsize=(12, 3.4))  # fmt: skip
 
 
 def main(argv=None):

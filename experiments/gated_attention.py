@@ -32,7 +32,9 @@ import pathlib
 
 import numpy as np
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import errorbar_panels, eval_at_end, pm, tiny_twin
+from attnlab.experiment.presets import STUDY_DECODER, STUDY_TRAINING
 from attnlab.sweep import arms, grid
 
 ARMS = {"mha": {"mixer": "mha"}, "gated": {"mixer": "gated"}}
@@ -44,30 +46,13 @@ IMAGES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "images"
 def get_config(variant=None):
     c = base_config()
     c.name = "gated_attention"
-    c.model.update(
-        arch="decoder",
-        vocab_size=256,
-        d_model=64,
-        n_layers=4,
-        n_heads=4,
-        d_ff=192,
-        max_len=128,
-        position="rope",
-        norm="rmsnorm",
-        ffn="swiglu",
-        norm_bias=False,
-        mixer="mha",
-    )
-    c.data.update(kind="text", path="", tokenizer="char", seq_len=128, max_chars=1_000_000)
-    c.optim.update(learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1)
-    c.train.update(steps=400, batch_size=16, log_every_steps=25, metrics=METRICS)
-    c.eval.update(every_steps=400, batches=4, batch_size=16, sample_tokens=0)
-    c.checkpoint.update(every_steps=400, max_to_keep=1)
+    c.model.update(STUDY_DECODER, n_layers=4, max_len=128, mixer="mha")
+    c.update(STUDY_TRAINING)
+    c.data.seq_len = 128
+    eval_at_end(c, steps=400, batch_size=16, log_every_steps=25, eval_batches=4, metrics=METRICS)
     c.track.update(tensorboard=False)
     if variant == "tiny":
-        c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=16)
-        c.data.update(seq_len=16, max_chars=20_000)
-        tiny_run(c)
+        tiny_twin(c, d_ff=64, max_len=16, seq_len=16, max_chars=20_000)
     return c
 
 
@@ -111,31 +96,19 @@ def markdown(t, n_seeds) -> str:
     head = "| arm | first-token share | largest activation | largest logit | entropy | eval loss |"
     lines = [head, "|---|---|---|---|---|---|"]
     for arm, r in t.items():
-        cells = [f"{r[k][0]:.3f} ± {r[k][1]:.3f}" for k in KEYS]
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        lines.append(f"| {arm} | " + " | ".join(pm(r[k]) for k in KEYS) + " |")
     lines.append(f"\nmean ± sample std over {n_seeds} seed(s); first-token share: mean over layers")
     return "\n".join(lines) + "\n"
 
 
 def plot(t, path):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 3.4))
-    for i, (key, title) in enumerate(
-        [("first_share_by_layer", "attention on the first token"),
-         ("residual_max_by_layer", "largest activation (residual)")]
-    ):  # fmt: skip
-        ax = fig.add_subplot(1, 2, i + 1)
-        for arm, r in t.items():
-            y, e = np.asarray(r[key]), np.nan_to_num(np.asarray(r[key + "_std"]))
-            x = np.arange(len(y))
-            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=arm)
-        ax.set_xticks(range(len(t[next(iter(t))][key])))
-        ax.set_xlabel("layer")
-        ax.set_title(title)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    panels = {
+        title: {arm: (range(len(r[key])), r[key], r[key + "_std"]) for arm, r in t.items()}
+        for key, title in [("first_share_by_layer", "attention on the first token"),
+                           ("residual_max_by_layer", "largest activation (residual)")]
+    }  # fmt: skip
+    layers = range(len(t[next(iter(t))]["first_share_by_layer"]))
+    errorbar_panels(path, panels, xlabel="layer", figsize=(9, 3.4), xticks=layers)
 
 
 def main(argv=None):

@@ -45,7 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import errorbar_panels, eval_at_end, pm, tiny_twin
+from attnlab.experiment.presets import STUDY_DECODER, STUDY_TRAINING
 from attnlab.sweep import arms, grid
 
 ARMS = {"mha": {"mixer": "mha"}, "sinks": {"mixer": "sinks"}}
@@ -60,30 +62,16 @@ IMAGES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "images"
 def get_config(variant=None):
     c = base_config()
     c.name = "streaming_llm"
-    c.model.update(
-        arch="decoder",
-        vocab_size=256,
-        d_model=64,
-        n_layers=3,
-        n_heads=4,
-        d_ff=192,
-        max_len=T * max(FACTORS),  # no position table: only what a cache may hold
-        position="none",
-        norm="rmsnorm",
-        ffn="swiglu",
-        norm_bias=False,
-        mixer="mha",
-    )
-    c.data.update(kind="text", path="", tokenizer="char", seq_len=T, max_chars=1_000_000)
-    c.optim.update(learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1)
-    c.train.update(steps=500, batch_size=16, log_every_steps=25, metrics=("attn_first_share",))
-    c.eval.update(every_steps=500, batches=4, batch_size=16, sample_tokens=0)
-    c.checkpoint.update(every_steps=500, max_to_keep=1)
+    # No position table: max_len is only what a cache may hold.
+    c.model.update(STUDY_DECODER, n_layers=3, max_len=T * max(FACTORS), position="none",
+                   mixer="mha")  # fmt: skip
+    c.update(STUDY_TRAINING)
+    c.data.seq_len = T
+    eval_at_end(c, steps=500, batch_size=16, log_every_steps=25, eval_batches=4,
+                metrics=("attn_first_share",))  # fmt: skip
     c.track.update(tensorboard=False)
     if variant == "tiny":
-        c.model.update(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=64)
-        c.data.update(seq_len=16, max_chars=20_000)
-        tiny_run(c)
+        tiny_twin(c, d_ff=64, max_len=64, seq_len=16, max_chars=20_000)
     return c
 
 
@@ -206,11 +194,9 @@ def markdown(t, n_seeds) -> str:
     lines = [f"| arm | reading | {cols} |", "|---|---|" + "---|" * len(FACTORS)]
     for arm, r in t.items():
         for m in METHODS:
-            cells = " | ".join(f"{r[m][f * T][0]:.3f} ± {r[m][f * T][1]:.3f}" for f in FACTORS)
+            cells = " | ".join(pm(r[m][f * T]) for f in FACTORS)
             lines.append(f"| {arm} | {m} | {cells} |")
-    share = ", ".join(
-        f"{a} {r['first_share'][0]:.3f} ± {r['first_share'][1]:.3f}" for a, r in t.items()
-    )
+    share = ", ".join(f"{a} {pm(r['first_share'])}" for a, r in t.items())
     lines.append(f"\nmean loss (nats) over the last T = {T} positions of an L-token stream, "
                  f"mean ± sample std over {n_seeds} seed(s); attention on the first token "
                  f"(training, mean over layers): {share}")  # fmt: skip
@@ -218,23 +204,15 @@ def markdown(t, n_seeds) -> str:
 
 
 def plot(t, path):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 3.8))
-    ax = fig.add_subplot(1, 1, 1)
     styles = {"dense": ":", "window": "--", "sink4": "-"}
-    for arm, r in t.items():
-        for m in METHODS:
-            y = np.array([r[m][f * T][0] for f in FACTORS])
-            e = np.array([r[m][f * T][1] for f in FACTORS])
-            ax.errorbar(FACTORS, y, yerr=e, linestyle=styles[m], marker="o", capsize=3,
-                        label=f"{arm}, {m}")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("stream length / training length T")
-    ax.set_ylabel("loss over the last T tokens (nats)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    lines = {
+        f"{arm}, {m}": (FACTORS, *np.array([r[m][f * T] for f in FACTORS]).T, styles[m])
+        for arm, r in t.items()
+        for m in METHODS
+    }
+    errorbar_panels(path, {"": lines}, xlabel="stream length / training length T",
+                    ylabel="loss over the last T tokens (nats)", figsize=(6.4, 3.8),
+                    xscale=("log", 2), legend_size=8)  # fmt: skip
 
 
 def main(argv=None):
