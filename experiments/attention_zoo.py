@@ -76,7 +76,14 @@ import typing
 
 from attnlab.evaluation import mqar
 from attnlab.evaluation.mqar import EVAL_STREAM, eval_pairs, mqar_accuracy, predictor  # noqa: F401
-from attnlab.experiment import ExperimentError, base_config, matched, run_script, tiny_run
+from attnlab.experiment import (
+    ExperimentError,
+    base_config,
+    flat_keys,
+    matched,
+    run_script,
+    tiny_run,
+)
 
 VARIANTS = ("small", "tiny", "zoology", "zoology_long", "catalogue")
 FACTORS = (1, 2, 4, 8)  # evaluation lengths, in multiples of the training length
@@ -241,23 +248,13 @@ def sweep(variant=None):
     broken = {n: s["error"] for n, s in sizes.items() if "error" in s}
     if broken:
         raise ExperimentError(f"attention_zoo: these rows do not build: {broken}")
-    per_row = [
-        {**_overrides(zoo_rows()[n]), "model.d_model": s["d_model"], "model.d_ff": s["d_ff"]}
-        for n, s in sizes.items()
-    ]
+    size = lambda s: {"model.d_model": s["d_model"], "model.d_ff": s["d_ff"]}
+    per_row = [{**flat_keys(zoo_rows()[n], "model."), **size(s)} for n, s in sizes.items()]
     per_set = [  # model.max_len covers 8x the longest
         {"data.seq_len": t, "data.min_len": lo, "data.max_len": hi} for t, lo, hi in spec.points
     ]
     # Seeds outermost: every row has its first seed before any has its last.
     return product(grid({"train.seed": list(spec.seeds)}), per_row, per_set)
-
-
-def _overrides(fields, prefix="model"):
-    """Model fields as dotted overrides (``block_pattern.block``, not the whole dict)."""
-    out = {}
-    for k, v in fields.items():
-        out.update(_overrides(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
-    return out
 
 
 def extrapolation(workdir, *, factors=FACTORS, rows: int = 256) -> dict:

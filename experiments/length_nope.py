@@ -24,12 +24,13 @@ length 20: T5 bias 0.378, NoPE 0.370, learned 0.329, RoPE 0.319, ALiBi 0.318, si
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
 from attnlab.data import length_tasks
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import eval_at_end, finished_trials, report_main, tiny_twin
+from attnlab.experiment.presets import STUDY_DECODER
 
 VARIANTS = ("tiny",)
 POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
@@ -41,19 +42,8 @@ NUM_SYMBOLS = 16
 def get_config(variant=None):
     c = base_config()
     c.name = "length_nope"
-    c.model.update(
-        arch="decoder",
-        vocab_size=length_tasks.vocab_size(NUM_SYMBOLS),
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        d_ff=192,
-        max_len=128,
-        position="none",
-        norm="rmsnorm",
-        ffn="swiglu",
-        norm_bias=False,
-    )
+    c.model.update(STUDY_DECODER, vocab_size=length_tasks.vocab_size(NUM_SYMBOLS), max_len=128,
+                   position="none")  # fmt: skip
     seq_len = max(length_tasks.row_len(t, TRAIN_MAX) for t in TASKS) - 1
     c.data.update(
         kind="length_task",
@@ -64,13 +54,11 @@ def get_config(variant=None):
         max_len=TRAIN_MAX,
     )
     c.optim.update(learning_rate=3e-3, warmup_steps=50, weight_decay=0.0, schedule="constant")
-    c.train.update(steps=400, batch_size=32, seed=0, log_every_steps=100)
-    c.eval.update(every_steps=400, batches=2, batch_size=32, sample_tokens=0)
-    c.checkpoint.update(every_steps=400, max_to_keep=1)
+    eval_at_end(c, steps=400, batch_size=32, log_every_steps=100, eval_batches=2, seed=0)
     if variant == "tiny":
-        c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=64)
-        c.data.update(seq_len=length_tasks.row_len("addition", 4) - 1, max_len=4)
-        tiny_run(c, steps=2)
+        tiny_twin(c, d_model=16, d_ff=32, max_len=64, steps=2,
+                  seq_len=length_tasks.row_len("addition", 4) - 1)  # fmt: skip
+        c.data.max_len = 4
     return c
 
 
@@ -138,8 +126,8 @@ def report(root, *, variant=None, rows=128) -> dict:
     lengths = lengths_of(variant)
     train_max = 4 if variant == "tiny" else TRAIN_MAX
     results = {"exact_match": {}, "token_accuracy": {}}
-    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
-        position = json.loads((trial / "config.json").read_text())["model"]["position"]
+    for trial, config in finished_trials(root):
+        position = config["model"]["position"]
         results["exact_match"][position] = score_run(trial, lengths, rows)
         results["token_accuracy"][position] = score_run(trial, lengths, rows, per_token=True)
     (root / "nope.json").write_text(json.dumps(results, indent=1))
@@ -173,13 +161,8 @@ def _plot(results, lengths, train_max, path, ylabel):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--report", metavar="DIR", required=True, help="the sweep's directory")
-    p.add_argument("--variant", choices=VARIANTS)
-    p.add_argument("--rows", type=int, default=128)
-    args = p.parse_args(argv)
-    report(args.report, variant=args.variant, rows=args.rows)
-    print((pathlib.Path(args.report) / "nope.md").read_text())
+    report_main(report, __doc__, VARIANTS, "nope.md", argv,
+                rows=(128, "fresh rows per task and length"))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ YaRN x16 1.983 -> 2.821, with Position Interpolation x16 3.192 -> 3.451.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config
+from attnlab.experiment.harness import eval_at_end, finished_trials, report_main, tiny_twin
+from attnlab.experiment.presets import STUDY_DECODER, STUDY_TRAINING
 
 VARIANTS = ("tiny",)
 POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
@@ -41,29 +42,13 @@ SCALINGS = ("linear:16", "yarn:16")  # evaluation-time RoPE scalings beside plai
 def get_config(variant=None):
     c = base_config()
     c.name = "length_positions"
-    c.model.update(
-        arch="decoder",
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        d_ff=192,
-        max_len=max(LENGTHS),
-        position="rope",
-        norm="rmsnorm",
-        ffn="swiglu",
-        norm_bias=False,
-        attention_impl="chunked",
-    )
-    c.data.update(kind="text", path="", tokenizer="char", seq_len=TRAIN_LEN, max_chars=1_000_000)
-    c.optim.update(learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1)
-    c.train.update(steps=300, batch_size=16, seed=0, log_every_steps=50)
-    c.eval.update(every_steps=300, batches=4, batch_size=16, sample_tokens=0)
-    c.checkpoint.update(every_steps=300, max_to_keep=1)
+    c.model.update(STUDY_DECODER, max_len=max(LENGTHS), attention_impl="chunked")
+    c.update(STUDY_TRAINING)
+    c.data.seq_len = TRAIN_LEN
+    eval_at_end(c, steps=300, batch_size=16, log_every_steps=50, eval_batches=4, seed=0)
     if variant == "tiny":
-        c.model.update(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=64)
-        c.data.update(seq_len=16, max_chars=20_000)
-        tiny_run(c, steps=2, batch_size=2)
+        tiny_twin(c, d_model=16, d_ff=32, max_len=64, seq_len=16, max_chars=20_000, steps=2,
+                  batch_size=2)  # fmt: skip
     return c
 
 
@@ -88,8 +73,8 @@ def report(root, *, variant=None, tokens=16_384, modes=("chunks", "sliding")) ->
     root = pathlib.Path(root)
     lengths = lengths_of(variant)
     results = {}
-    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
-        position = json.loads((trial / "config.json").read_text())["model"]["position"]
+    for trial, config in finished_trials(root):
+        position = config["model"]["position"]
         scalings = [None, *SCALINGS] if position == "rope" else [None]
         for scaling in scalings:
             name = position if scaling is None else f"rope+{scaling.split(':')[0]}"
@@ -108,13 +93,8 @@ def report(root, *, variant=None, tokens=16_384, modes=("chunks", "sliding")) ->
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--report", metavar="DIR", required=True, help="the sweep's directory")
-    p.add_argument("--variant", choices=VARIANTS)
-    p.add_argument("--tokens", type=int, default=16_384, help="tokens scored per length")
-    args = p.parse_args(argv)
-    report(args.report, variant=args.variant, tokens=args.tokens)
-    print((pathlib.Path(args.report) / "length_table.md").read_text())
+    report_main(report, __doc__, VARIANTS, "length_table.md", argv,
+                tokens=(16_384, "tokens scored per length"))  # fmt: skip
 
 
 if __name__ == "__main__":

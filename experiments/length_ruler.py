@@ -28,11 +28,12 @@ the sliding window at 2,400 steps 0 throughout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
-from attnlab.experiment import base_config, tiny_run
+from attnlab.experiment import base_config, flat_keys
+from attnlab.experiment.harness import eval_at_end, finished_trials, report_main, tiny_twin
+from attnlab.experiment.presets import EMBEDDED_CHARS, STUDY_DECODER
 
 VARIANTS = ("tiny",)
 TRAIN_LEN = 192
@@ -53,47 +54,23 @@ ROWS = {
 def get_config(variant=None):
     c = base_config()
     c.name = "length_ruler"
-    c.model.update(
-        arch="decoder",
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        d_ff=192,
-        max_len=TRAIN_LEN,
-        position="none",
-        norm="rmsnorm",
-        ffn="swiglu",
-        norm_bias=False,
-        tie_embeddings=False,
-        embed_scale=True,
-        init_std=64**-0.5,
-    )
-    c.data.update(kind="length_task", tasks=",".join(TRAIN_TASKS), seq_len=TRAIN_LEN,
-                  tokenizer="char", path="", max_chars=1_000_000)  # fmt: skip
+    c.model.update(STUDY_DECODER, max_len=TRAIN_LEN, position="none", tie_embeddings=False,
+                   embed_scale=True, init_std=64**-0.5)  # fmt: skip
+    c.data.update(EMBEDDED_CHARS, kind="length_task", tasks=",".join(TRAIN_TASKS),
+                  seq_len=TRAIN_LEN, max_chars=1_000_000)  # fmt: skip
     c.optim.update(learning_rate=2e-3, warmup_steps=30, schedule="constant", weight_decay=0.0)
-    c.train.update(steps=250, batch_size=16, seed=0, log_every_steps=50)
-    c.eval.update(every_steps=250, batches=1, batch_size=16, sample_tokens=0)
-    c.checkpoint.update(every_steps=250, max_to_keep=1)
-    if variant == "tiny":
-        c.model.update(d_model=16, n_heads=2, d_ff=32)
-        c.data.update(tasks="passkey", seq_len=128)
-        c.model.update(max_len=128)
-        tiny_run(c, steps=2, batch_size=2)
+    eval_at_end(c, steps=250, batch_size=16, log_every_steps=50, eval_batches=1, seed=0)
+    if variant == "tiny":  # both layers kept
+        tiny_twin(c, d_model=16, n_layers=2, d_ff=32, max_len=128, seq_len=128, steps=2,
+                  batch_size=2)  # fmt: skip
+        c.data.tasks = "passkey"
     return c
-
-
-def _overrides(fields, prefix="model"):
-    out = {}
-    for k, v in fields.items():
-        out.update(_overrides(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
-    return out
 
 
 def sweep(variant=None):
     """One trial per row."""
     names = ("attention", "gdn") if variant == "tiny" else tuple(ROWS)
-    return [_overrides(ROWS[n]) for n in names]
+    return [flat_keys(ROWS[n], "model.") for n in names]
 
 
 def row_of(model: dict) -> str:
@@ -115,8 +92,8 @@ def report(root, *, variant=None, examples=16) -> dict:
     tiny = variant == "tiny"
     lengths, tasks = ((128, 256), ("passkey",)) if tiny else (LENGTHS, EVAL_TASKS)
     results = {}
-    for trial in sorted(p for p in root.iterdir() if (p / "config.json").is_file()):
-        name = row_of(json.loads((trial / "config.json").read_text())["model"])
+    for trial, config in finished_trials(root):
+        name = row_of(config["model"])
         results[name] = ruler.evaluate_tasks(
             length.from_workdir(trial), tasks, lengths, examples=examples, progress=True
         )
@@ -132,13 +109,8 @@ def report(root, *, variant=None, examples=16) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--report", metavar="DIR", required=True, help="the sweep's directory")
-    p.add_argument("--variant", choices=VARIANTS)
-    p.add_argument("--examples", type=int, default=16)
-    args = p.parse_args(argv)
-    report(args.report, variant=args.variant, examples=args.examples)
-    print((pathlib.Path(args.report) / "ruler.md").read_text())
+    report_main(report, __doc__, VARIANTS, "ruler.md", argv,
+                examples=(16, "examples per task and length"))  # fmt: skip
 
 
 if __name__ == "__main__":
