@@ -61,23 +61,11 @@ from flax import nnx
 from attnlab import ModelConfig, build_model, count_params, init_cache, kv_cache_bytes
 from attnlab.decode import Decoder, SamplingConfig, generate, unstacked
 from attnlab.decode.api import cache_slots
+from attnlab.experiment.presets import GPT2_SMALL
 
 MODELS = {
     "small": dict(n_layers=4, n_heads=4, d_model=128, vocab_size=256, max_len=1024),
-    "gpt2": dict(  # GPT-2 small's shape
-        n_layers=12,
-        n_heads=12,
-        d_model=768,
-        vocab_size=50257,
-        max_len=1024,
-        position="learned",
-        norm="layernorm",
-        ffn="gelu_tanh",
-        tie_embeddings=True,
-        attn_bias=True,
-        out_bias=True,
-        ffn_bias=True,
-    ),
+    "gpt2": GPT2_SMALL,
 }
 
 
