@@ -5,11 +5,9 @@ import pathlib
 import shutil
 
 import pytest
+from run_checks import TINY, call_cli
 
 from attnlab.cli import main
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = f"{REPO / 'experiments' / 'char_lm.py'}:tiny"
 
 
 def snapshot(root: pathlib.Path) -> dict:
@@ -70,12 +68,7 @@ def test_bad_invocations_print_one_line_and_change_nothing(place, capsys, monkey
     before = snapshot(place)
     for what, argv, code, word in BAD:
         args = [a.format(p=place, new=place / "new") for a in argv]
-        capsys.readouterr()
-        try:
-            rc = main(args)
-        except SystemExit as e:  # argparse's own usage errors
-            rc = e.code
-        out, err = capsys.readouterr()
+        rc, out, err = call_cli(capsys, args)
         lines = err.strip().splitlines()
         assert rc == code, (what, rc, err)
         assert len(lines) == 1 and "Traceback" not in err, (what, err)

@@ -21,6 +21,7 @@ import uuid
 
 import numpy as np
 import pytest
+import run_checks
 import xla_flags
 
 from attnlab import experiment, runs
@@ -171,16 +172,8 @@ def test_a_two_task_srun_job_trains_through_jax_distributed_like_one_device(
     variables, one 4-device data mesh, the losses of one device."""
     env = dict(slurm, XLA_FLAGS=xla_flags.devices(2), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     train = [sys.executable, "-m", "attnlab.cli", "train", "--config", f"{EXPERIMENT}:long"]
-    out = subprocess.run(
-        ["srun", "-n", "2", "--cpus-per-task=1", *train, "--workdir", str(tmp_path / "two")]
-        + ["--no-progress"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    srun = ["srun", "-n", "2", "--cpus-per-task=1", *train, "--workdir", str(tmp_path / "two")]
+    out = run_checks.run_to_success([*srun, "--no-progress"], env)
     assert "devices: 4 x cpu (cpu), 2 process(es)" in out.stdout, out.stdout[-2000:]
     assert_same_losses(tmp_path / "two", reference, rtol=1e-4)  # 120 steps over 4 devices
 

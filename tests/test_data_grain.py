@@ -173,27 +173,17 @@ def test_a_task_restores_its_pipeline_state_without_replaying(tmp_path):
 
 @pytest.mark.slow(reason="trains a tiny run three times on the Grain pipeline")
 def test_a_run_on_packed_grain_batches_resumes_bitwise(tmp_path):
-    import pathlib
+    import run_checks
 
-    import jax
-
-    from attnlab import experiment, runs
-
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    overrides = ["--config.data.pipeline=grain", "--config.train.steps=6"]
-    overrides += ["--config.checkpoint.every_steps=3", "--config.eval.sample_tokens=0"]
-
-    def cfg():
-        return experiment.load_config(f"{repo / 'experiments' / 'char_lm.py'}:tiny", overrides)
-
-    runs.train(cfg(), tmp_path / "straight", progress=False)
-    runs.train(cfg(), tmp_path / "resumed", progress=False, stop_after=4)
-    runs.train(cfg(), tmp_path / "resumed", progress=False)
+    from attnlab import runs
     from attnlab.runs.checkpoint import Checkpointer
 
+    overrides = ["--config.data.pipeline=grain", "--config.train.steps=6"]
+    overrides += ["--config.checkpoint.every_steps=3", "--config.eval.sample_tokens=0"]
+    run_checks.straight_and_stopped(tmp_path, *overrides, stop_after=4)
+    runs.train(run_checks.tiny(*overrides), tmp_path / "resumed", progress=False)
     with Checkpointer(tmp_path / "resumed" / "checkpoints") as ckpt:
         assert ckpt.restore_metadata(4)["data_state"]["step"] == 4  # resumed from the state
     a, b = runs.load_run(tmp_path / "straight"), runs.load_run(tmp_path / "resumed")
     assert a.step == b.step == 6
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    run_checks.assert_same_params(a, b)

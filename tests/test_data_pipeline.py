@@ -128,29 +128,19 @@ def test_a_worker_process_gives_the_batches_and_state_of_the_inline_pipeline(tmp
 
 @pytest.mark.slow(reason="three training processes, one killed with SIGKILL")
 def test_a_packed_run_killed_with_sigkill_resumes_bitwise(tmp_path):
-    import os
-    import pathlib
     import signal
-    import subprocess
-    import sys
 
-    import jax
+    import run_checks
 
     from attnlab import runs
     from attnlab.runs.checkpoint import Checkpointer
 
-    repo = pathlib.Path(__file__).resolve().parents[1]
-
-    def train(workdir):
-        cmd = [sys.executable, "-m", "attnlab.cli", "train", "--no-progress", "--config"]
-        cmd += [f"{repo / 'experiments' / 'char_lm.py'}:tiny", "--workdir", str(workdir)]
-        cmd += ["--config.train.steps=40", "--config.checkpoint.every_steps=10"]
-        cmd += ["--config.checkpoint.max_to_keep=10"]
-        cmd += ["--config.eval.sample_tokens=0", "--config.eval.every_steps=40"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the default pipeline: packed
-        return subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+    def train(workdir):  # the default pipeline: packed
+        args = ["train", "--no-progress", "--config", run_checks.TINY, "--workdir", str(workdir)]
+        args += ["--config.train.steps=40", "--config.checkpoint.every_steps=10"]
+        args += ["--config.checkpoint.max_to_keep=10"]
+        args += ["--config.eval.sample_tokens=0", "--config.eval.every_steps=40"]
+        return run_checks.cli_process(*args)
 
     straight = train(tmp_path / "straight")
     killed = train(tmp_path / "resumed")
@@ -170,32 +160,23 @@ def test_a_packed_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     assert state["step"] == resumed_at  # the pipeline resumed from its state, not a replay
     a, b = runs.load_run(tmp_path / "straight"), runs.load_run(tmp_path / "resumed")
     assert a.step == b.step == 40
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    run_checks.assert_same_params(a, b)
 
 
 @pytest.mark.slow(reason="trains a tiny run three times")
 def test_a_run_of_several_processes_saves_and_restores_the_pipeline_state(tmp_path, monkeypatch):
     """Process 1 of 2 (its input pipeline's view; one device trains its half of the rows):
     the pipeline's state goes to the checkpoint's metadata and a resumed run reads it back."""
-    import pathlib
+    import run_checks
 
-    import jax
-
-    from attnlab import experiment, runs
+    from attnlab import runs
     from attnlab.runs import workdir
     from attnlab.runs.checkpoint import Checkpointer
 
     monkeypatch.setattr(workdir, "_host", lambda: (1, 2))
-    repo = pathlib.Path(__file__).resolve().parents[1]
     overrides = ["--config.train.steps=6", "--config.checkpoint.every_steps=3"]
     overrides += ["--config.eval.sample_tokens=0", "--config.checkpoint.max_to_keep=5"]
-
-    def cfg():
-        return experiment.load_config(f"{repo / 'experiments' / 'char_lm.py'}:tiny", overrides)
-
-    runs.train(cfg(), tmp_path / "straight", progress=False)
-    runs.train(cfg(), tmp_path / "resumed", progress=False, stop_after=4)
+    run_checks.straight_and_stopped(tmp_path, *overrides, stop_after=4)
     with Checkpointer(tmp_path / "resumed" / "checkpoints") as ckpt:
         saved = ckpt.restore_metadata(4)["data_state"]
     assert saved["step"] == 4 and saved["batch_size"] == 4
@@ -203,11 +184,10 @@ def test_a_run_of_several_processes_saves_and_restores_the_pipeline_state(tmp_pa
     monkeypatch.setattr(
         workdir.Run, "initial_state", _spy(workdir.Run.initial_state, restored), raising=True
     )
-    runs.train(cfg(), tmp_path / "resumed", progress=False)
+    runs.train(run_checks.tiny(*overrides), tmp_path / "resumed", progress=False)
     assert restored == [4]  # moved to the saved state before the first step
     a, b = runs.load_run(tmp_path / "straight"), runs.load_run(tmp_path / "resumed")
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    run_checks.assert_same_params(a, b)
 
 
 def _spy(initial_state, seen):

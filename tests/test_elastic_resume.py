@@ -9,13 +9,14 @@ reference is the same run trained without a stop on one device.
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+import run_checks
 import xla_flags
+from run_checks import losses
 
 from attnlab import experiment, runs
 from attnlab.runs import workdir as workdir_mod
@@ -32,7 +33,7 @@ def tiny(*overrides):
         "--config.track.tensorboard=False",
         *overrides,
     ]
-    return experiment.load_config(f"{REPO / 'experiments' / 'char_lm.py'}:tiny", base)
+    return run_checks.tiny(*base)
 
 
 def test_a_mesh_change_is_no_config_change(tmp_path):
@@ -43,11 +44,6 @@ def test_a_mesh_change_is_no_config_change(tmp_path):
     changed = tiny("--config.optim.learning_rate=0.5")
     with pytest.raises(experiment.ExperimentError, match="optim.learning_rate"):
         workdir_mod.check_config(tmp_path, changed, allow_changes=False)
-
-
-def losses(workdir):
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
 
 
 CHILD = """
@@ -72,15 +68,9 @@ def test_a_run_saved_on_one_device_opens_and_resumes_on_eight(tmp_path):
     want_eval = runs.evaluate(stopped, 2)["eval_loss"]
     env = dict(os.environ, XLA_FLAGS=xla_flags.devices(8), PYTHONPATH=str(REPO))
     env["ATTNLAB_CPU_DEVICES"] = "1"
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD), str(stopped)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = run_checks.run_to_success(
+        [sys.executable, "-c", textwrap.dedent(CHILD), str(stopped)], env
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     done = {r["argv"]: r for r in map(json.loads, out.stdout.splitlines())}
     assert {r["code"] for r in done.values()} == {0}, done
     # batch_size=4 does not split over 8 devices: the run opens on a mesh that splits it

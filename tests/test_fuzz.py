@@ -11,11 +11,8 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from run_checks import TINY, call_cli
 
-from attnlab.cli import main
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = f"{REPO / 'experiments' / 'char_lm.py'}:tiny"
 BASE = ["--config.train.steps=2", "--config.eval.batches=0", "--config.eval.sample_tokens=0"]
 BASE += ["--config.model.d_model=16", "--config.model.d_ff=32"]
 NAMES = re.compile(r"(--[a-z][\w-]*|\b[a-z_]+\.[a-z_0-9]+\b|config\.json|data\.path)")
@@ -47,16 +44,6 @@ FEW = settings(FUZZ, max_examples=3)
 ALL = pytest.mark.slow(reason="every drawn example is a CLI run that compiles its own shapes")
 
 
-def invoke(capsys, argv):
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's own usage errors
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def assert_one_named_error(err, command):
     lines = [line for line in err.splitlines() if not line.startswith("attnlab: warning")]
     assert "Traceback" not in err and len(lines) == 1, err
@@ -83,7 +70,7 @@ def train_runs_or_fails_with_one_named_error(capsys, overrides, choice, text):
             path.write_bytes(text.encode("latin-1" if "\xe9" in text else "utf-8"))
             argv.append(f"--config.data.path={path}")
         workdir = pathlib.Path(tmp) / "run"
-        rc, out, err = invoke(
+        rc, out, err = call_cli(
             capsys, ["train", "--no-progress", "--config", TINY, "--workdir", str(workdir)]
             + BASE + argv,
         )  # fmt: skip
@@ -120,7 +107,7 @@ def sample_runs_or_fails_with_one_named_error(
     argv = ["sample", "--workdir", str(tiny_lm_run), "--max-new-tokens", max_new_tokens]
     argv += ["--temperature", temperature, "--top-k", top_k, "--top-p", top_p]
     argv += ["--on-overflow", on_overflow] + (["--prompt", prompt] if prompt is not None else [])
-    rc, out, err = invoke(capsys, argv)
+    rc, out, err = call_cli(capsys, argv)
     if rc == 0:
         assert out.startswith(prompt or "def "), out
     else:

@@ -7,7 +7,6 @@ resumed with another process count continues the same order. The reference is th
 one device in this process.
 """
 
-import json
 import pathlib
 import shutil
 import socket
@@ -17,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 import xla_flags
+from run_checks import TINY, losses
 
 from attnlab import experiment, runs
 from attnlab.data import grain_pipeline as gp
@@ -78,14 +78,9 @@ def test_the_processes_rows_make_the_one_process_batch(tmp_path):
             assert (want[0]["segment_ids"].max(axis=1) > 1).any()
 
 
-def losses(workdir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
-
-
 @pytest.mark.slow(reason="two training processes of 4 CPU devices each compile the sharded step")
 def test_two_processes_of_four_devices_train_on_one_devices_batches(tmp_path):
-    config = f"{REPO / 'experiments' / 'char_lm.py'}:tiny"
+    config = TINY
     runs.train(experiment.load_config(config, OVERRIDES), tmp_path / "one", progress=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

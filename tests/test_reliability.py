@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import run_checks
 
 from attnlab import ModelConfig, build_model, experiment, runs
 from attnlab.cli import main
@@ -85,7 +86,7 @@ def test_skip_mode_skips_non_finite_steps_and_counts_them(tmp_path):
         "--config.checkpoint.every_steps=2",
     )
     runs.train(cfg, tmp_path, progress=False)
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = run_checks.records(tmp_path)
     assert sum(r["skipped_steps"] for r in records) >= 1
     assert all(np.isfinite(r["train_loss"]) for r in records)
     state, trainer = restore_params(tmp_path, 4)
@@ -172,7 +173,7 @@ def test_a_changed_value_on_resume_is_refused_or_applied(tiny_lm_run, tmp_path, 
     assert "--allow-changes" in line and (run / "config.json").read_text() == saved
     rc, _, err = cli(capsys, *argv, "--allow-changes")
     assert rc == 0, err
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    last = run_checks.records(run)[-1]
     cfg = runs.saved_config(run)
     assert cfg.optim.learning_rate == 0.01 and last["step"] == 5
     want = 0.01 * float(lr_multiplier(cfg.optim, 5)(4))
@@ -191,7 +192,7 @@ def test_a_second_process_is_refused_and_a_stale_lock_is_not(tiny_lm_run, tmp_pa
     assert not (run / "lock").exists()  # a run that ends removes its lock
     (run / "lock").write_text("pid 999999 on gone\n")  # left behind, as by a killed process
     rc, out, err = cli(capsys, *argv)
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    last = run_checks.records(run)[-1]
     assert rc == 0 and last["step"] == 3 and "holds step 3 of 3" in out, err
 
 

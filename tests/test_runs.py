@@ -1,16 +1,14 @@
 """The training loop, work directories, exact resumption and run loading."""
 
 import json
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import run_checks
 from tiers import cases
 
 from attnlab import experiment, runs
@@ -35,7 +33,7 @@ def test_short_run_lowers_the_loss(tmp_path):
         "--config.checkpoint.every_steps=60",
     )
     runs.train(cfg, tmp_path, progress=False)
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = run_checks.records(tmp_path)
     first, last = records[0], records[-1]
     assert last["train_loss"] < first["train_loss"] - 1.0
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -116,27 +114,17 @@ def test_resume_is_exact(tmp_path, stop):
 
 
 def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "attnlab.cli",
+    proc = run_checks.cli_process(
         "train",
         "--no-progress",
         "--config",
-        f"{REPO / 'experiments' / 'char_lm.py'}:tiny",
+        run_checks.TINY,
         "--workdir",
         str(tmp_path),
         "--config.train.steps=100000",
         "--config.eval.every_steps=100000",
         "--config.checkpoint.every_steps=100000",
         "--config.train.log_every_steps=5",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     for line in proc.stdout:
         if line.startswith("step=10 "):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import run_checks
 
 from attnlab import experiment, runs, sweep
 from attnlab.experiment import ExperimentError
@@ -47,8 +48,8 @@ def _experiment(tmp_path, num=4, stack=2):
 
 
 def _metrics(d):
-    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r[k] for k in ("step", "train_loss", "eval_loss") if k in r} for r in rows]
+    keys = ("step", "train_loss", "eval_loss")
+    return [{k: r[k] for k in keys if k in r} for r in run_checks.records(d)]
 
 
 def test_search_spec_mistakes_name_the_field():
@@ -149,26 +150,9 @@ def test_a_masked_row_of_a_stacked_state_stops_changing():
 def test_a_killed_search_resumes_its_study_without_losing_or_repeating_a_trial(tmp_path):
     config = _experiment(tmp_path, num=4, stack=1)
     root = tmp_path / "study"
-    cmd = [
-        sys.executable,
-        "-m",
-        "attnlab.cli",
-        "sweep",
-        "--config",
-        config,
-        *BASE,
-        "--config.train.steps=6",
-        "--workdir",
-        str(root),
-        "--no-progress",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    args = ["sweep", "--config", config, *BASE, "--config.train.steps=6", "--workdir", str(root)]
+    args += ["--no-progress"]
+    proc = run_checks.cli_process(*args)
     deadline = time.time() + 240
     while time.time() < deadline:  # kill it inside trial 1, once it has a checkpoint
         if list((root / "trial-0001" / "checkpoints").glob("2")):
@@ -179,6 +163,7 @@ def test_a_killed_search_resumes_its_study_without_losing_or_repeating_a_trial(t
     storage = f"sqlite:///{root / 'study.db'}"
     killed = optuna.load_study(study_name="study", storage=storage).trials
     assert [t.state.name for t in killed][:2] == ["COMPLETE", "RUNNING"]
+    cmd = [sys.executable, "-m", "attnlab.cli", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resuming trial(s) 1" in out.stdout
