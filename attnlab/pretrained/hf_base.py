@@ -166,6 +166,10 @@ def rotary_fraction(c: dict) -> float:
     return float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
 
 
+# The older transformers (GPT-2, BERT, BART) have a bias on every projection.
+ALL_BIASES = {"attn_bias": True, "out_bias": True, "ffn_bias": True}
+
+
 def common_fields(c: dict, **fields) -> dict:
     fields.setdefault("pad_id", pad_id_of(c, fields["vocab_size"]))
     return fields

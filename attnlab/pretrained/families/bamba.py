@@ -141,11 +141,5 @@ def bamba_writer(cfg):
 
 
 register_family(
-    Family(
-        "bamba",
-        config=bamba,
-        mapping=BAMBA,
-        write=bamba_writer,
-        architectures=("Bamba",),
-    )
+    Family("bamba", config=bamba, mapping=BAMBA, write=bamba_writer, architectures=("Bamba",))
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
+    ALL_BIASES,
     UnsupportedCheckpointError,
     common_fields,
     ffn_kind,
@@ -55,9 +56,7 @@ def bart_like(c: dict, family: str) -> dict:
         norm_placement="post",
         final_norm=False,
         ffn=ffn_kind(c, "activation_function", "gelu", gated=False),
-        attn_bias=True,
-        out_bias=True,
-        ffn_bias=True,
+        **ALL_BIASES,
         tie_embeddings=c.get("tie_word_embeddings", True),
         logits_bias=True,
     )
@@ -127,9 +126,6 @@ register_family(
 )
 register_family(
     Family(
-        "marian",
-        config=lambda c: bart_like(c, "marian"),
-        mapping=BART,
-        architectures=("Marian",),
+        "marian", config=lambda c: bart_like(c, "marian"), mapping=BART, architectures=("Marian",)
     )
 )

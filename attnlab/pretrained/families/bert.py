@@ -4,7 +4,7 @@ type embeddings and the MLM transform before a tied head."""
 from __future__ import annotations
 
 from attnlab.pretrained.family import Family, register_family
-from attnlab.pretrained.hf_base import common_fields, ffn_kind, reject, require
+from attnlab.pretrained.hf_base import ALL_BIASES, common_fields, ffn_kind, reject, require
 from attnlab.pretrained.mappings import Mapping, linear_attention, linear_ffn, norm_rows, table
 
 
@@ -32,9 +32,7 @@ def bert(c: dict) -> dict:
         final_norm=False,
         embedding_norm=True,
         ffn=ffn_kind(c, "hidden_act", "gelu", gated=False),
-        attn_bias=True,
-        out_bias=True,
-        ffn_bias=True,
+        **ALL_BIASES,
         tie_embeddings=c.get("tie_word_embeddings", True),
         logits_bias=True,
         type_vocab_size=c.get("type_vocab_size", 2),

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from attnlab.pretrained.family import Family, register_family
-from attnlab.pretrained.hf_base import common_fields, ffn_kind, reject, require
+from attnlab.pretrained.hf_base import ALL_BIASES, common_fields, ffn_kind, reject, require
 from attnlab.pretrained.mappings import Mapping, fused, norm_rows, table
 
 
@@ -26,9 +26,7 @@ def gpt2(c: dict) -> dict:
         norm_eps=c.get("layer_norm_epsilon", 1e-5),
         norm_placement="pre",
         ffn=ffn_kind(c, "activation_function", "gelu_new", gated=False),
-        attn_bias=True,
-        out_bias=True,
-        ffn_bias=True,
+        **ALL_BIASES,
         tie_embeddings=c.get("tie_word_embeddings", True),
         attn_scale=None if c.get("scale_attn_weights", True) else 1.0,
     )

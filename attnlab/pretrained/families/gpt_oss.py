@@ -79,10 +79,6 @@ def gpt_oss_writer(cfg):
 
 register_family(
     Family(
-        "gpt_oss",
-        config=gpt_oss,
-        mapping=GPT_OSS,
-        write=gpt_oss_writer,
-        architectures=("GptOss",),
+        "gpt_oss", config=gpt_oss, mapping=GPT_OSS, write=gpt_oss_writer, architectures=("GptOss",)
     )
 )

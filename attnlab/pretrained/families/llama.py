@@ -4,6 +4,8 @@ it (OLMo 2, Phi-3, the mixtures of experts, SmolLM3...) set too."""
 
 from __future__ import annotations
 
+import functools
+
 from attnlab.pretrained.export_configs import base_config
 from attnlab.pretrained.family import Family, register_family
 from attnlab.pretrained.hf_base import (
@@ -103,38 +105,26 @@ def _mistral_writer(cfg):
     return {**base_config(cfg, "mistral", "MistralForCausalLM"), "sliding_window": windows.pop()}
 
 
-register_family(
-    Family(
-        "llama",
-        config=llama_like,
-        mapping=LLAMA,
-        write=lambda cfg: base_config(cfg, "llama", "LlamaForCausalLM"),
-        architectures=("Llama",),
+def _writer(model_type: str, prefix: str):
+    """The writer of a family that is the plain Llama-shaped decoder."""
+    return functools.partial(
+        base_config, model_type=model_type, architecture=f"{prefix}ForCausalLM"
     )
-)
-register_family(
-    Family(
-        "qwen3",
-        config=lambda c: llama_like(c, qk_norm=True),
-        mapping=LLAMA,
-        write=lambda cfg: base_config(cfg, "qwen3", "Qwen3ForCausalLM"),
-        architectures=("Qwen3",),
-    )
-)
-register_family(
-    Family(
+
+
+# Llama and the special cases of it that read its table: (model_type, class-name prefix,
+# translator, writer).
+for _family, _prefix, _config, _write in (
+    ("llama", "Llama", llama_like, _writer("llama", "Llama")),
+    ("qwen3", "Qwen3", lambda c: llama_like(c, qk_norm=True), _writer("qwen3", "Qwen3")),
+    (
         "mistral",
-        config=lambda c: llama_like(c, qkv_bias=False, o_bias=False, always_slides=True),
-        mapping=LLAMA,
-        write=_mistral_writer,
-        architectures=("Mistral",),
+        "Mistral",
+        lambda c: llama_like(c, qkv_bias=False, o_bias=False, always_slides=True),
+        _mistral_writer,
+    ),
+    ("qwen2", "Qwen2", lambda c: llama_like(c, qkv_bias=True, o_bias=False), None),
+):
+    register_family(
+        Family(_family, config=_config, mapping=LLAMA, write=_write, architectures=(_prefix,))
     )
-)
-register_family(
-    Family(
-        "qwen2",
-        config=lambda c: llama_like(c, qkv_bias=True, o_bias=False),
-        mapping=LLAMA,
-        architectures=("Qwen2",),
-    )
-)

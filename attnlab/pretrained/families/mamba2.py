@@ -197,11 +197,5 @@ def mamba2_writer(cfg):
 
 
 register_family(
-    Family(
-        "mamba2",
-        config=mamba2,
-        mapping=MAMBA2,
-        write=mamba2_writer,
-        architectures=("Mamba2",),
-    )
+    Family("mamba2", config=mamba2, mapping=MAMBA2, write=mamba2_writer, architectures=("Mamba2",))
 )

@@ -61,11 +61,5 @@ def olmo3_writer(cfg):
 
 
 register_family(
-    Family(
-        "olmo3",
-        config=olmo3,
-        mapping=OLMO2,
-        write=olmo3_writer,
-        architectures=("Olmo3",),
-    )
+    Family("olmo3", config=olmo3, mapping=OLMO2, write=olmo3_writer, architectures=("Olmo3",))
 )

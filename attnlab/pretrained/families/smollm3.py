@@ -56,10 +56,6 @@ def smollm3_writer(cfg):
 
 register_family(
     Family(
-        "smollm3",
-        config=smollm3,
-        mapping=LLAMA,
-        write=smollm3_writer,
-        architectures=("SmolLM3",),
+        "smollm3", config=smollm3, mapping=LLAMA, write=smollm3_writer, architectures=("SmolLM3",)
     )
 )
