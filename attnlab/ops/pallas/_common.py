@@ -163,8 +163,21 @@ def scores(s0, softcap, mod, b, h, q_idx, kv_idx, consts):
 # ------------------------------------------------------------------------------------------
 
 
+class KeyBlocks:
+    """``G`` and ``S_pad`` of a static description with the fields ``N``, ``K`` (query and
+    key-value heads), ``nk`` and ``tk`` (key blocks of ``tk`` keys)."""
+
+    @property
+    def G(self):
+        return self.N // self.K
+
+    @property
+    def S_pad(self):
+        return self.nk * self.tk
+
+
 @dataclasses.dataclass(frozen=True)
-class Blocks:
+class Blocks(KeyBlocks):
     """What a flex kernel's static description starts with: the batch, the query and key
     lengths, the query and key-value heads, the head dim, and the block grid (``nq`` blocks
     of ``tq`` queries, ``nk`` of ``tk`` keys)."""
@@ -181,16 +194,8 @@ class Blocks:
     nk: int
 
     @property
-    def G(self):
-        return self.N // self.K
-
-    @property
     def T_pad(self):
         return self.nq * self.tq
-
-    @property
-    def S_pad(self):
-        return self.nk * self.tk
 
 
 # ------------------------------------------------------------------------------------------
@@ -233,6 +238,53 @@ def mask_inputs(mask, B, T, S, T_pad, S_pad) -> MaskInputs:
     m = jnp.asarray(mask, bool)
     m = jnp.pad(m, [(0, 0), (0, 0), (0, T_pad - T), (0, S_pad - S)])
     return MaskInputs("dense", ("dense",), (m.astype(jnp.int8),))
+
+
+def fixed_rules_reason(mask, rules: str, static: str, fallback: str) -> str | None:
+    """For a library kernel whose causal and window rules are fixed (queries and keys at
+    ``0..T-1``, a static window): a line naming what of the MaskSpec ``mask`` it cannot
+    take (``rules``: whose rules, ``static``: that the window must be static), or None."""
+    if (mask.causal or mask.window is not None) and not mask.aligned:
+        return f"mask: {rules} causal/window rules need queries and keys at 0..T-1; {fallback}"
+    if mask.window is not None:
+        try:
+            int(mask.window)
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            return f"mask.window: a traced window; {static}; {fallback}"
+    return None
+
+
+def online_softmax(acc, m, den, s, ok, v):
+    """One key block of the online softmax: the float32 ``(acc, m, den)`` (weighted values,
+    running max, running sum) after the block's logits ``s`` ``[rows, tk]`` (``ok``: where
+    allowed, or None) and its values ``v``."""
+    if ok is not None:
+        s = jnp.where(ok, s, NEG)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[:, None])
+    if ok is not None:
+        p = jnp.where(ok, p, 0.0)
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc, m_new, den * corr + p.sum(-1)
+
+
+def field_slices(fields, q_rows, k_cols, rest):
+    """``get(name)`` for ``spec_block`` over ``fields`` (name -> array or ref; a name not
+    there gives None): a query-indexed field through ``q_rows(x)``, a key-indexed one
+    through ``k_cols(x)``, the others (per row, the window) through ``rest(name, x)``."""
+
+    def get(name):
+        x = fields.get(name)
+        if x is None:
+            return None
+        if name in _Q_ROW:
+            return q_rows(x)
+        if name in _K_ROW:
+            return k_cols(x)
+        return rest(name, x)
+
+    return get
 
 
 def spec_block(causal, get, k_start, tk, rows):

@@ -32,17 +32,12 @@ def const_grads(c: Config, tables, q, k, v, do, lse, delta, mask_arrays, consts,
     def allowed(qs, ks):
         out = None
         if c.mask_kind == "spec":
-
-            def get(name):
-                x = mods.get(name)
-                if x is None:
-                    return None
-                if name in cm._Q_ROW:
-                    return jax.lax.dynamic_slice_in_dim(x, qs, tq, 1)
-                if name in cm._K_ROW:
-                    return jax.lax.dynamic_slice_in_dim(x, ks, tk, 1)
-                return x[:, 0] if name in cm._PER_ROW else x[0]  # the window
-
+            get = cm.field_slices(
+                mods,
+                lambda x: jax.lax.dynamic_slice_in_dim(x, qs, tq, 1),
+                lambda x: jax.lax.dynamic_slice_in_dim(x, ks, tk, 1),
+                lambda name, x: x[:, 0] if name in cm._PER_ROW else x[0],  # or the window
+            )
             out = cm.spec_block(c.causal, get, ks, tk, B)[:, None]
         elif c.mask_kind == "dense":
             x = jax.lax.dynamic_slice_in_dim(mods["dense"], qs, tq, 2)

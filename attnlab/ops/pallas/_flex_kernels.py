@@ -63,17 +63,12 @@ def _allowed(c: Config, mrefs, qs, ks, dense_block):
     """``[tq, tk]`` bool for the PARTIAL block at query ``qs``, key ``ks``, or None."""
     out = None
     if c.mask_kind == "spec":
-
-        def get(name):
-            r = mrefs.get(name)
-            if r is None:
-                return None
-            if name in cm._Q_ROW:
-                return r[pl.ds(qs, c.tq)][None]
-            if name in cm._K_ROW:
-                return r[pl.ds(ks, c.tk)][None]
-            return r[0] if name == "window" else r[...]
-
+        get = cm.field_slices(
+            mrefs,
+            lambda r: r[pl.ds(qs, c.tq)][None],
+            lambda r: r[pl.ds(ks, c.tk)][None],
+            lambda name, r: r[0] if name == "window" else r[...],
+        )
         out = cm.spec_block(c.causal, get, ks, c.tk, 1)[0]
     elif c.mask_kind == "dense":
         out = dense_block() != 0
@@ -137,15 +132,8 @@ def fwd_kernel(*refs, c: Config):
             ok = None
             if masked:
                 ok = _allowed(c, mrefs, qs, ks, lambda: mrefs["dense"][:, pl.ds(ks, c.tk)])
-            if ok is not None:
-                s = jnp.where(ok, s, cm.NEG)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[:, None])
-            if ok is not None:
-                p = jnp.where(ok, p, 0.0)
-            corr = jnp.exp(m - m_new)
-            acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
-            return acc, m_new, den * corr + p.sum(-1), nvis + 1, nmask + int(masked)
+            acc, m, den = cm.online_softmax(acc, m, den, s, ok, v)
+            return acc, m, den, nvis + 1, nmask + int(masked)
 
         return fn
 

@@ -47,7 +47,7 @@ DEFAULT_BLOCK_K = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(cm.KeyBlocks):
     B: int
     S: int
     N: int
@@ -66,14 +66,6 @@ class Config:
     causal: bool
     dense_heads: int
     interpret: bool
-
-    @property
-    def G(self):
-        return self.N // self.K
-
-    @property
-    def S_pad(self):
-        return self.nk * self.tk
 
     @property
     def per_split(self):  # key blocks per split
@@ -102,16 +94,13 @@ def _kernel(po, pc, fo, fc, pos_ref, q_ref, k_ref, v_ref, *refs, c: Config):
 
     def allowed(ks):  # [1 | Gp, tk]
         out = None
-        if c.mask_kind == "spec":
-
-            def get(name):
-                r = mrefs.get(name)
-                if r is None:
-                    return None
-                if name in cm._K_ROW:
-                    return r[pl.ds(ks, c.tk)][None]
-                return r[0] if name == "window" else r[...][None] if name in cm._Q_ROW else r[...]
-
+        if c.mask_kind == "spec":  # the one query's fields whole, the keys' of the block
+            get = cm.field_slices(
+                mrefs,
+                lambda r: r[...][None],
+                lambda r: r[pl.ds(ks, c.tk)][None],
+                lambda name, r: r[0] if name == "window" else r[...],
+            )
             out = cm.spec_block(c.causal, get, ks, c.tk, 1)[0]
         elif c.mask_kind == "dense":
             r = mrefs["dense"]
@@ -130,15 +119,7 @@ def _kernel(po, pc, fo, fc, pos_ref, q_ref, k_ref, v_ref, *refs, c: Config):
             s0 = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
             s = score_rows(s0 * c.scale, ks)
             ok = allowed(ks) if masked else None
-            if ok is not None:
-                s = jnp.where(ok, s, cm.NEG)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[:, None])
-            if ok is not None:
-                p = jnp.where(ok, p, 0.0)
-            corr = jnp.exp(m - m_new)
-            acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32)
-            return acc, m_new, den * corr + p.sum(-1)
+            return cm.online_softmax(acc, m, den, s, ok, v)
 
         return fn
 

@@ -305,15 +305,9 @@ def supports_splash(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=
         for name in ("prefix_length", "k_length", "k_valid", "q_valid"):
             if getattr(mask, name) is not None:
                 return f"mask.{name}: splash attention has no such rule; {_FALLBACK}"
-        if (mask.causal or mask.window is not None) and not mask.aligned:
-            return (
-                f"mask: splash's causal/window rules need queries and keys at 0..T-1; {_FALLBACK}"
-            )
-        if mask.window is not None:
-            try:
-                int(mask.window)
-            except (TypeError, jax.errors.ConcretizationTypeError):
-                return f"mask.window: a traced window; splash's mask is static; {_FALLBACK}"
+        reason = cm.fixed_rules_reason(mask, "splash's", "splash's mask is static", _FALLBACK)
+        if reason is not None:
+            return reason
     if sinks is not None and not _splash_takes_sinks():
         return f"sinks: this jax's splash attention takes no sinks; {_FALLBACK}"
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]

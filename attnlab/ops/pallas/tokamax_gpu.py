@@ -51,15 +51,9 @@ def supports(q_BTNH, k_BSKH, v_BSKH, *, score_mod=None, mask=None, sinks=None, s
                     f"mask.{name}: Tokamax would need it as a dense [T, S] mask (O(T^2) "
                     f"memory); {_FALLBACK}"
                 )
-        if (mask.causal or mask.window is not None) and not mask.aligned:
-            return (
-                f"mask: Tokamax's causal/window rules need queries and keys at 0..T-1; {_FALLBACK}"
-            )
-        if mask.window is not None:
-            try:
-                int(mask.window)
-            except (TypeError, jax.errors.ConcretizationTypeError):
-                return f"mask.window: a traced window; Tokamax takes a static one; {_FALLBACK}"
+        static = "Tokamax takes a static one"
+        if (reason := cm.fixed_rules_reason(mask, "Tokamax's", static, _FALLBACK)) is not None:
+            return reason
     if _tokamax() is None:
         return f"tokamax: not installed (pip install 'attnlab[tokamax]'); {_FALLBACK}"
     if not interpret and jax.default_backend() != "gpu":
