@@ -2,7 +2,7 @@
 turned into another mixer by distillation and LoRA, then measured against the teacher.
 
 The teacher is a Hugging Face folder or an attnlab run (``--config.transfer.teacher``);
-the plan puts ``transfer.mixer`` (``lolcats`` by default: softmax over a window of 16 plus
+the plan puts ``transfer.mixer`` (``lolcats`` by default: softmax over a window of 32 plus
 linear attention with learned feature maps) in the layers ``transfer.layers`` selects
 (every layer unless told), or follows ``transfer.plan`` (one name per layer, ``keep`` for
 softmax attention; a mixer from ``--import my_variant.py`` too). Stage 1 trains only the
@@ -55,7 +55,7 @@ def get_config(variant=None):
             teacher_step=-1,  # a run's checkpoint (-1: its newest)
             plan=(),  # one name per layer ("keep": softmax attention); () : mixer in layers
             mixer="lolcats",
-            mixer_settings=ConfigDict(dict(window=16, feature_dim=0, factor_init=0.0)),
+            mixer_settings=ConfigDict(dict(window=32, feature_dim=0, factor_init=0.0)),
             layers=layer_selection(),  # none given: every layer
             init="matching",  # fresh | matching | attention
             stage1_steps=100,
@@ -66,6 +66,7 @@ def get_config(variant=None):
             batch_size=16,
             seq_len=128,
             swap_baseline=True,
+            swap_trains="lora",  # "lora": the recipe less stage 1; "lora+mixer": + new mixers
             eval_batches=8,
             passkey_rows=64,
             decode_lengths=(1024, 8192, 32768),

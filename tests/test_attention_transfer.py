@@ -46,6 +46,7 @@ def test_tiny_pipeline_from_a_hugging_face_folder(tmp_path):
     res = pipeline.run(cfg, tmp_path, say=lambda *_: None)
     _check_results(res, tmp_path)
     assert res["layers"] == {"0": "lolcats", "1": "lolcats"}
+    assert res["swap_trains"] == "lora"  # the recipe less stage 1: adapters alone
 
 
 @pytest.mark.slow(reason="trains a teacher run, then the three tiny stages, with a resume")
@@ -56,13 +57,15 @@ def test_tiny_pipeline_from_a_run_trained_here_resumes(tmp_path):
     tcfg = experiment.load_config(f"{REPO}/experiments/char_lm.py:tiny",
                                   ["--config.model.n_layers=2"])  # fmt: skip
     train(tcfg, run_dir, progress=False)
-    cfg = tiny(run_dir, "--config.transfer.plan=('keep','lolcats')")
+    cfg = tiny(run_dir, "--config.transfer.plan=('keep','lolcats')",
+               "--config.transfer.swap_trains=lora+mixer")  # fmt: skip
     work = tmp_path / "at"
     stopped = pipeline.run(cfg, work, say=lambda *_: None, stop_after={"stage2": 1})
     assert stopped == {"stopped": "stage2"}
     res = pipeline.run(cfg, work, say=lambda *_: None)
     _check_results(res, work)
     assert res["layers"] == {"1": "lolcats"}
+    assert res["swap_trains"] == "lora+mixer"
 
 
 @needs_llama
@@ -91,6 +94,7 @@ def test_a_student_decodes_with_its_cache_as_by_recomputation():
         ),
         (["--config.lora.targets=('*mlp*',)"], r"^lora\.targets=.*matches no weight"),
         (["--config.transfer.init=copy"], r"^transfer\.init='copy' is invalid"),
+        (["--config.transfer.swap_trains=all"], r"^transfer\.swap_trains='all' is invalid"),
     ],
 )
 def test_bad_input_fails_in_one_line_before_step_one(tmp_path, overrides, message):

@@ -11,8 +11,9 @@
 3. stage 2 (``DIR/stage2``): LoRA adapters (``lora``) on the stage-1 student with the
    ``distill`` objective (next-token loss and/or logit KL, hidden-state alignment);
 4. with ``transfer.swap_baseline``, the same student without stage 1 (``DIR/swap_only``):
-   adapters and the new mixers' parameters trained together with the stage-2 objective
-   for the tokens of both stages;
+   trained with the stage-2 objective for the tokens of both stages, the adapters alone
+   (``transfer.swap_trains="lora"``: the recipe less stage 1, LoLCATs' "swap & finetune")
+   or the adapters and the new mixers' parameters together (``"lora+mixer"``);
 5. evaluation of teacher and students side by side (``attnlab.transfer.measure``) into
    ``DIR/results.json``; the adapters alone in ``DIR/lora_adapters.npz``.
 
@@ -33,6 +34,7 @@ from attnlab.transfer import measure, plan
 from attnlab.transfer.stages import Batches, Stage, assemble, eval_batches, select, trainable_count
 
 RESULTS = "results.json"
+SWAP_TRAINS = ("lora", "lora+mixer")
 
 
 def _data(cfg, tokenizer, teacher_cfg):
@@ -60,6 +62,12 @@ def check(cfg):
     (its parse; its targets are matched on the student once built)."""
     from attnlab.train import distill, lora
 
+    trains = cfg.transfer.get("swap_trains", "lora")
+    if trains not in SWAP_TRAINS:
+        raise ConfigError(
+            f"transfer.swap_trains={trains!r} is invalid: the swap baseline trains one of "
+            f"{SWAP_TRAINS}; set --config.transfer.swap_trains=lora"
+        )
     teacher_cfg, _ = plan.teacher_config(cfg.transfer)
     student_cfg, layers = plan.student_config(cfg.transfer, teacher_cfg)
     if not layers:
@@ -187,7 +195,8 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
             warmup=int(t.warmup),
             **common,
         )
-        start = {"lora": adapters, "params": select(student_params, new_names)}
+        mixers = t.get("swap_trains", "lora") == "lora+mixer"
+        start = {"lora": adapters, "params": select(student_params, new_names) if mixers else {}}
         got = sw.run(
             start,
             student_params,
@@ -199,6 +208,7 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
         if got is None:
             return {"stopped": "swap_only"}
         results["swap_only_eval_loss"] = measure.eval_loss(sw.student(student_params, got), evals)
+        results["swap_trains"] = t.get("swap_trains", "lora")
     if t.passkey_rows:
         rows = measure.passkey_rows(
             tokenizer.encode, val_ids, seq_len=T, rows=int(t.passkey_rows), seed=seed
