@@ -74,10 +74,11 @@ from jax.sharding import PartitionSpec as P
 
 from attnlab.ops import score_mods
 from attnlab.ops.attention import dot_product_attention
+from attnlab.ops.linear import fold
 from attnlab.ops.precision import wide
 from attnlab.ops.ring import ring_attention
 from attnlab.ops.shard_scores import block_indices, trace, vary_floats
-from attnlab.ops.shards import Rules, chunk_mask, fold_key, full_meta, meta_mask, prepare, vary_like
+from attnlab.ops.shards import Rules, chunk_mask, full_meta, meta_mask, prepare, vary_like
 from attnlab.ops.shards import fit_axes as _fit
 from attnlab.ops.shards import spec_axes as _spec_axes
 
@@ -170,7 +171,7 @@ def all_gather_attention(
         scale=scale,
         implementation=implementation,
         dropout_rate=rules.dropout_rate,
-        dropout_key=fold_key(rules.dropout_key, lax.axis_index(rules.axis_name)),
+        dropout_key=fold(rules.dropout_key, lax.axis_index(rules.axis_name)),
     )
 
 

@@ -28,10 +28,11 @@ from jax import lax
 
 from attnlab.ops import score_mods
 from attnlab.ops.attention import to_BKGTS
+from attnlab.ops.linear import fold
 from attnlab.ops.masks import MASK_VALUE
 from attnlab.ops.precision import wide
 from attnlab.ops.shard_scores import block_indices, hoist, modded
-from attnlab.ops.shards import Rules, fold_key, full_meta, meta_mask, prepare, vary_like
+from attnlab.ops.shards import Rules, full_meta, meta_mask, prepare, vary_like
 
 META = ("pos", "segment", "valid", "index")  # what travels with a key chunk besides k and v
 
@@ -99,7 +100,7 @@ def _keep(ring, key_data, me, src, i, j, shape):
     """Attention dropout's keep mask of query part ``i`` of this device and key part ``j``
     of device ``src``'s chunk: the same bits in the forward and the backward pass."""
     key = jax.random.wrap_key_data(key_data, impl=ring.key_impl)
-    key = fold_key(key, me * ring.n + i, src * ring.n + j)
+    key = fold(key, me * ring.n + i, src * ring.n + j)
     return jax.random.bernoulli(key, 1.0 - ring.rate, shape)
 
 
@@ -111,16 +112,21 @@ def _blocks(n, block, carry):
     return lax.scan(block, carry, jnp.arange(n * n))[0]
 
 
+def _sizes(ring, q_BTNH, k_BSKH):
+    """``(n, axis name, C, me, (B, T, N, H, K, G), compute dtype)``: the ring's chunks, its
+    mesh axis, that axis's size and this device's place on it, and the local shapes."""
+    name = ring.axis_name
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    shapes = (B, T, N, H, K, N // K)
+    return ring.n, name, lax.axis_size(name), lax.axis_index(name), shapes, wide(q_BTNH, k_BSKH)
+
+
 def _ring_forward(
     ring, q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data
 ):
     """The ring's output and each query's log-sum-exp ``[n, B, K, G, T/n]``."""
-    n, name = ring.n, ring.axis_name
-    C, me = lax.axis_size(name), lax.axis_index(name)
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    G = N // K
-    cdt = wide(q_BTNH, k_BSKH)
+    n, name, C, me, (B, T, N, H, K, G), cdt = _sizes(ring, q_BTNH, k_BSKH)
     q_nBTKGH = _parts(q_BTNH.reshape(B, T, K, G, H), n)
     q_meta_n = jax.tree.map(lambda x: _parts(x, n), q_meta)
 
@@ -204,12 +210,7 @@ def _ring_bwd(ring, residuals, dout_BTNH):
     brings home. Probabilities are recomputed from the saved log-sum-exp."""
     args, out, lse = residuals
     q_BTNH, k_BSKH, v_BSKH, q_meta, kv_meta, window, bias_args, mod_args, key_data = args
-    n, name = ring.n, ring.axis_name
-    C, me = lax.axis_size(name), lax.axis_index(name)
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    G = N // K
-    cdt = wide(q_BTNH, k_BSKH)
+    n, name, C, me, (B, T, N, H, K, G), cdt = _sizes(ring, q_BTNH, k_BSKH)
     split = lambda x: _parts(x.reshape(B, T, K, G, H), n)
     q_nBTKGH, do_nBTKGH = split(q_BTNH), split(dout_BTNH).astype(cdt)
     delta_nBKGT = jnp.einsum("nBTKGH,nBTKGH->nBKGT", do_nBTKGH, split(out).astype(cdt))

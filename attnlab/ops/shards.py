@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attnlab.ops.linear import fold as fold_key  # noqa: F401 (its old name here)
+
 
 def fit_axes(mesh, axes, size, taken=()) -> tuple[str, ...]:
     """The axes among ``axes`` (larger than 1, not ``taken``) that evenly split ``size``:
@@ -127,15 +129,6 @@ def _varying(x) -> set:
     aval = jax.typeof(x)
     kind = getattr(aval, "manual_axis_type", None)  # JAX 0.10; earlier releases: ``vma``
     return set(kind.varying if kind is not None else getattr(aval, "vma", ()))
-
-
-def fold_key(key, *data):
-    """``key`` folded with each of ``data`` in turn (None stays None: no dropout)."""
-    if key is None:
-        return None
-    for d in data:
-        key = jax.random.fold_in(key, d)
-    return key
 
 
 def prepare(q_BTNH, k_BSKH, v_BSKH, scale):
