@@ -1,7 +1,8 @@
 """Checks every attention variant (``attnlab.contracts.mixer``) must pass, shared by the variants'
-tests: cached decoding (prefill of ragged prompts, then one token at a time) equals one full forward
-pass; generation with the cache equals generation by recomputation; gradients stay finite
-when whole rows are masked; bad settings are one-line errors naming the field."""
+tests: cached decoding (prefill of ragged prompts, then one token at a time, or a prefill in
+chunks) equals one full forward pass; generation with the cache equals generation by
+recomputation; gradients stay finite when whole rows are masked; bad settings are one-line
+errors naming the field. And the tiny configs they run on."""
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,26 @@ import pytest
 from flax import nnx
 
 import attnlab
-from attnlab import ModelConfig, build_model, init_cache
+from attnlab import ModelConfig, build_model, init_cache, kv_cache_bytes
+from attnlab.contracts.mixer import get_mixer
 from attnlab.decode import Decoder
 from attnlab.errors import ConfigError
 
 TINY = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16, init_std=0.3)
+
+
+def hybrid(layer, **changes) -> ModelConfig:
+    """``TINY`` with its layers alternating ``layer`` (a mixer's name, or a layer's fields)
+    and attention."""
+    return ModelConfig(**{**TINY, "block_pattern": {"block": (layer, "mha")}, **changes})
+
+
+def hybrid_cache_entries(cfg: ModelConfig, mixer: str) -> dict:
+    """The cache entries of ``mixer`` (default settings) in the hybrid ``cfg``, whose cache
+    grows with its length by the attention layer's keys and values alone."""
+    grow = kv_cache_bytes(cfg, 1, 16, "float32") - kv_cache_bytes(cfg, 1, 8, "float32")
+    assert grow == 8 * 2 * cfg.d_model * 4
+    return get_mixer(mixer).cache_entries(cfg, get_mixer(mixer).Settings())
 
 
 def prefill_then_steps(
@@ -63,6 +79,25 @@ def prefill_then_steps(
     return pos_IB
 
 
+def split_prefill_equals_forward(cfg, *, chunk, seed=2):
+    """Ragged prompts (5 and 8 tokens) prefilled in chunks of ``chunk`` (the cache holding
+    earlier chunks) give each row's last-token logits of one forward pass."""
+    model = build_model(cfg, seed=seed)
+    decoder, params = Decoder.for_model(model)
+    lengths_B = jnp.array([5, 8], jnp.int32)
+    ids_BT = jax.random.randint(jax.random.key(5), (2, 8), 1, cfg.vocab_size)
+
+    @jax.jit
+    def run(params):
+        full_BTV = nnx.merge(decoder.graphdef, params)(ids_BT).logits
+        cache = init_cache(cfg, 2, cfg.max_len)
+        first_BV, _ = decoder.prefill_fn(params, cache, ids_BT, lengths_B, chunk=chunk)
+        return full_BTV[jnp.arange(2), lengths_B - 1], first_BV
+
+    want, got = run(params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
 def generate_matches_recompute(cfg: ModelConfig, *, seed: int = 2, num_beams: int = 1):
     """Greedy (or beam) generation through the cache equals generation that recomputes the
     whole prefix at every token, on a ragged batch."""
@@ -100,6 +135,12 @@ def beam_scores_match_forward(cfg: ModelConfig, *, seed: int = 2, num_beams: int
         at = len(prompt) - 1 + np.arange(len(beams.tokens[b]))
         want = float(np.sum(logp[at, beams.tokens[b]]))
         np.testing.assert_allclose(beams.scores[b], want, atol=1e-4)
+
+
+def bad_settings(mixer: str, changes: dict, words):
+    """``TINY`` with ``mixer`` and the settings ``changes``: a one-line ``ConfigError``
+    holding each of ``words``."""
+    one_line_config_error(words, **TINY, mixer=mixer, mixer_settings=changes)
 
 
 def one_line_config_error(words, **fields):

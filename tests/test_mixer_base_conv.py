@@ -9,14 +9,13 @@ import pytest
 import reference
 from flax import nnx
 
-from attnlab import ModelConfig, kv_cache_bytes
+from attnlab import ModelConfig
 from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
 
 
 def tiny(**changes):
-    block = {"block": ("base_conv", "mha")}
-    return ModelConfig(**{**mixer_checks.TINY, "block_pattern": block, **changes})
+    return mixer_checks.hybrid("base_conv", **changes)
 
 
 def test_the_layer_is_the_gated_convolution_of_its_formula():
@@ -44,12 +43,9 @@ def test_a_decoder_with_it_decodes_ragged_prompts_like_its_forward_pass():
 
 def test_its_cache_is_one_fixed_size_conv_entry():
     cfg = tiny(mixer_settings=None)
-    entries = get_mixer("base_conv").cache_entries(cfg, get_mixer("base_conv").Settings())
+    entries = mixer_checks.hybrid_cache_entries(cfg, "base_conv")
     assert set(entries) == {"conv"} and entries["conv"].shape == (2, cfg.d_model)
     assert entries["conv"].slot_axis is None
-    # The attention layer's keys and values grow with the tokens, the conv entry does not.
-    grow = kv_cache_bytes(tiny(), 1, 16, "float32") - kv_cache_bytes(tiny(), 1, 8, "float32")
-    assert grow == 8 * 2 * cfg.d_model * 4  # keys and values of the one attention layer
 
 
 @pytest.mark.parametrize(
@@ -60,8 +56,6 @@ def test_its_cache_is_one_fixed_size_conv_entry():
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
-    mixer_checks.one_line_config_error(
-        words, **mixer_checks.TINY, mixer="base_conv", mixer_settings=changes
-    )
+    mixer_checks.bad_settings("base_conv", changes, words)
     with pytest.raises(ConfigError, match="arch='encoder'.*use arch='decoder'"):
         ModelConfig(**mixer_checks.TINY, mixer="base_conv", arch="encoder")

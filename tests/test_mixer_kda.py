@@ -232,6 +232,4 @@ def test_surgery_fills_k_and_v_from_attentions_key_value_heads():
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
-    mixer_checks.one_line_config_error(
-        words, **mixer_checks.TINY, mixer="kda", mixer_settings=changes
-    )
+    mixer_checks.bad_settings("kda", changes, words)

@@ -20,8 +20,9 @@ from attnlab.ops import lightning
 
 
 def tiny(**changes):
-    block = {"block": ({"mixer": "lightning", "mixer_settings": {"block_size": 4}}, "mha")}
-    return ModelConfig(**{**mixer_checks.TINY, "block_pattern": block, **changes})
+    return mixer_checks.hybrid(
+        {"mixer": "lightning", "mixer_settings": {"block_size": 4}}, **changes
+    )
 
 
 def lightning_float64(x_BTD, layer, layer_index, n_layers, decay=True):
@@ -116,13 +117,9 @@ def test_gradients_are_finite_with_masked_rows():
 
 
 def test_its_cache_is_one_fixed_size_state():
-    cfg = tiny()
-    entries = get_mixer("lightning").cache_entries(cfg, get_mixer("lightning").Settings())
+    entries = mixer_checks.hybrid_cache_entries(tiny(), "lightning")
     assert set(entries) == {"state"} and entries["state"].shape == (4, 8, 8)
     assert entries["state"].slot_axis is None
-    # The attention layer's keys and values grow with the tokens, the state does not.
-    grow = kv_cache_bytes(tiny(), 1, 16, "float32") - kv_cache_bytes(tiny(), 1, 8, "float32")
-    assert grow == 8 * 2 * cfg.d_model * 4
     assert kv_cache_bytes(tiny(), 1, 8, "float32") == 8 * 2 * 32 * 4 + 4 * 8 * 8 * 4
 
 
@@ -157,9 +154,7 @@ def test_surgery_from_softmax_attention_keeps_its_q_k_v_and_output():
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
-    mixer_checks.one_line_config_error(
-        words, **mixer_checks.TINY, mixer="lightning", mixer_settings=changes
-    )
+    mixer_checks.bad_settings("lightning", changes, words)
 
 
 def test_an_encoder_is_refused_naming_the_architecture():

@@ -11,14 +11,13 @@ import pytest
 import reference
 from flax import nnx
 
-from attnlab import ModelConfig, kv_cache_bytes
+from attnlab import ModelConfig
 from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.ops import selective_scan
 
 
 def tiny(**changes):
-    block = {"block": ({"mixer": "mamba", "mixer_settings": {"chunk_size": 4}}, "mha")}
-    return ModelConfig(**{**mixer_checks.TINY, "block_pattern": block, **changes})
+    return mixer_checks.hybrid({"mixer": "mamba", "mixer_settings": {"chunk_size": 4}}, **changes)
 
 
 def softplus(x):
@@ -108,12 +107,10 @@ def test_gradients_are_finite_with_masked_rows():
 
 def test_its_cache_is_a_fixed_size_state_and_conv_entry():
     cfg = tiny()
-    entries = get_mixer("mamba").cache_entries(cfg, get_mixer("mamba").Settings())
+    entries = mixer_checks.hybrid_cache_entries(cfg, "mamba")
     Z = 2 * cfg.d_model
     assert entries["state"].shape == (Z, 16) and entries["conv"].shape == (3, Z)
     assert entries["state"].slot_axis is None and entries["conv"].slot_axis is None
-    grow = kv_cache_bytes(tiny(), 1, 16, "float32") - kv_cache_bytes(tiny(), 1, 8, "float32")
-    assert grow == 8 * 2 * cfg.d_model * 4  # only the attention layer's keys and values grow
 
 
 @pytest.mark.parametrize(
@@ -127,6 +124,4 @@ def test_its_cache_is_a_fixed_size_state_and_conv_entry():
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
-    mixer_checks.one_line_config_error(
-        words, **mixer_checks.TINY, mixer="mamba", mixer_settings=changes
-    )
+    mixer_checks.bad_settings("mamba", changes, words)

@@ -114,35 +114,13 @@ def test_moba_keeps_mha_keys_and_values_in_the_cache():
     assert entries["keys"].shape == (cfg.n_kv_heads, -1, cfg.head_dim)
 
 
-def split_prefill_equals_forward(cfg, *, chunk, seed=2):
-    """Ragged prompts (5 and 8 tokens) prefilled in chunks of ``chunk`` (the cache holding
-    earlier chunks) give each row's last-token logits of one forward pass."""
-    from attnlab import build_model, init_cache
-    from attnlab.decode import Decoder
-
-    model = build_model(cfg, seed=seed)
-    decoder, params = Decoder.for_model(model)
-    lengths_B = jnp.array([5, 8], jnp.int32)
-    ids_BT = jax.random.randint(jax.random.key(5), (2, 8), 1, cfg.vocab_size)
-
-    @jax.jit
-    def run(params):
-        full_BTV = nnx.merge(decoder.graphdef, params)(ids_BT).logits
-        cache = init_cache(cfg, 2, cfg.max_len)
-        first_BV, _ = decoder.prefill_fn(params, cache, ids_BT, lengths_B, chunk=chunk)
-        return full_BTV[jnp.arange(2), lengths_B - 1], first_BV
-
-    want, got = run(params)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
-
-
 @pytest.mark.slow(reason="compiles a decoder's prefills, decode steps and forward pass")
 def test_moba_decodes_ragged_prompts_like_its_forward_pass():
     """Ragged prefills then token by token; a prefill split into chunks of 3 (a chunk
     starting inside a block) equals one forward pass."""
     cfg = ModelConfig(**{**TINY, "position": "rope"}, mixer_settings=SPARSE)
     mixer_checks.prefill_then_steps(cfg, atol=2e-5)
-    split_prefill_equals_forward(cfg, chunk=3)
+    mixer_checks.split_prefill_equals_forward(cfg, chunk=3)
 
 
 @pytest.mark.slow(reason="compiles a decoder's backward pass")

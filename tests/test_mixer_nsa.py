@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import reference as ref
 from flax import nnx
-from test_mixer_moba import split_prefill_equals_forward
 
 from attnlab import ModelConfig, ops
 from attnlab.contracts.mixer import MixerCall, get_mixer
@@ -187,7 +186,7 @@ def test_nsa_decodes_ragged_prompts_like_its_forward_pass():
     compression and selection blocks) equals one forward pass."""
     cfg = ModelConfig(**{**TINY, "position": "rope"}, mixer_settings=SMALL)
     mixer_checks.prefill_then_steps(cfg, atol=2e-5)
-    split_prefill_equals_forward(cfg, chunk=3)
+    mixer_checks.split_prefill_equals_forward(cfg, chunk=3)
 
 
 @pytest.mark.slow(reason="compiles a decoder's backward pass")

@@ -10,14 +10,13 @@ import pytest
 import reference
 from flax import nnx
 
-from attnlab import ModelConfig, kv_cache_bytes
+from attnlab import ModelConfig
 from attnlab.contracts.mixer import MixerCall, get_mixer
 from attnlab.errors import ConfigError
 
 
 def tiny(**changes):
-    block = {"block": ("short_conv", "mha")}
-    return ModelConfig(**{**mixer_checks.TINY, "block_pattern": block, **changes})
+    return mixer_checks.hybrid("short_conv", **changes)
 
 
 def short_conv_float64(x, layer):
@@ -60,12 +59,9 @@ def test_gradients_are_finite_with_masked_rows():
 
 def test_its_cache_is_one_fixed_size_conv_entry():
     cfg = tiny()
-    entries = get_mixer("short_conv").cache_entries(cfg, get_mixer("short_conv").Settings())
+    entries = mixer_checks.hybrid_cache_entries(cfg, "short_conv")
     assert set(entries) == {"conv"} and entries["conv"].shape == (2, cfg.d_model)
     assert entries["conv"].slot_axis is None
-    # The attention layer's keys and values grow with the tokens, the conv entry does not.
-    grow = kv_cache_bytes(tiny(), 1, 16, "float32") - kv_cache_bytes(tiny(), 1, 8, "float32")
-    assert grow == 8 * 2 * cfg.d_model * 4
 
 
 @pytest.mark.parametrize(
@@ -77,8 +73,6 @@ def test_its_cache_is_one_fixed_size_conv_entry():
     ],
 )
 def test_bad_settings_are_one_line_errors_naming_the_field(changes, words):
-    mixer_checks.one_line_config_error(
-        words, **mixer_checks.TINY, mixer="short_conv", mixer_settings=changes
-    )
+    mixer_checks.bad_settings("short_conv", changes, words)
     with pytest.raises(ConfigError, match="arch='encoder'.*use arch='decoder'"):
         ModelConfig(**mixer_checks.TINY, mixer="short_conv", arch="encoder")
