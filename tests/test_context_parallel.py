@@ -258,29 +258,34 @@ def _model_case(position, method):
     return cfg, loss
 
 
-@on_mesh
-@pytest.mark.parametrize("position,method", [("alibi", "ring"), ("relative", "all_gather")])
-def test_model_loss_and_gradients_with_context_parallelism_equal_one_device(position, method):
+def on_mesh_equals_one_device(cfg, loss, sizes, *, logits_atol):
+    """``loss`` (model -> (value, logits)) of ``cfg``'s model and its gradients, compiled on
+    a mesh of ``sizes``, equal one device's; returns the compiled program."""
     from flax import nnx
 
-    cfg, loss = _model_case(position, method)
     graphdef, params = nnx.split(build_model(cfg, seed=0))
 
     def value_and_grad(params):
         return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p)), has_aux=True)(params)
 
     (want, want_logits), want_grads = jax.jit(value_and_grad)(params)
-    # The all-gather with the heads (4 q, 2 kv) split over tensor as well.
-    sizes = {"data": 2, "context": 4} if method == "ring" else {"context": 4, "tensor": 2}
-    mesh = sharding.make_mesh(sizes)
-    rules = sharding.resolve_rules()
-    with sharding.activate(mesh, rules):
+    with sharding.activate(sharding.make_mesh(sizes), sharding.resolve_rules()):
         compiled = jax.jit(value_and_grad).lower(params).compile()
         (got, got_logits), grads = compiled(params)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_logits, want_logits, atol=logits_atol, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    return compiled
+
+
+@on_mesh
+@pytest.mark.parametrize("position,method", [("alibi", "ring"), ("relative", "all_gather")])
+def test_model_loss_and_gradients_with_context_parallelism_equal_one_device(position, method):
+    cfg, loss = _model_case(position, method)
+    # The all-gather with the heads (4 q, 2 kv) split over tensor as well.
+    sizes = {"data": 2, "context": 4} if method == "ring" else {"context": 4, "tensor": 2}
+    compiled = on_mesh_equals_one_device(cfg, loss, sizes, logits_atol=1e-5)
     # No [T, T] mask, bias or score array anywhere in the program; on the ring not even
     # this device's T/C queries over all T keys.
     text = compiled.as_text()

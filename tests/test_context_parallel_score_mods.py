@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import reference as ref
 
-from attnlab import ModelConfig, build_model, ops
+from attnlab import ModelConfig, ops
 from attnlab.devices import sharding
 from attnlab.ops import context_parallel as cp
 from attnlab.ops import shard_scores
@@ -155,7 +155,7 @@ def test_a_model_with_a_score_function_runs_context_parallel_as_on_one_device(mi
     order although the layers run in the zigzag layout) and ``mha`` with a logit cap: the
     loss, logits and every gradient equal one device's, and no ``[T, T]`` array is built
     (the stack did not fall back to dense attention)."""
-    from flax import nnx
+    from test_context_parallel import on_mesh_equals_one_device
 
     settings = {"softcap": 2.0} if mixer == "mha" else {"bias_init": 2.0}
     cfg = ModelConfig(
@@ -171,19 +171,7 @@ def test_a_model_with_a_score_function_runs_context_parallel_as_on_one_device(mi
         out = model(ids, valid_BT=valid)
         return (out.logits.astype(jnp.float32) ** 2).mean() * 1e-2, out.logits
 
-    graphdef, params = nnx.split(build_model(cfg, seed=0))
-
-    def value_and_grad(params):
-        return jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p)), has_aux=True)(params)
-
-    (want, want_logits), want_grads = jax.jit(value_and_grad)(params)
-    with sharding.activate(sharding.make_mesh(sizes), sharding.resolve_rules()):
-        compiled = jax.jit(value_and_grad).lower(params).compile()
-        (got, got_logits), grads = compiled(params)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    np.testing.assert_allclose(got_logits, want_logits, atol=2e-5, rtol=1e-5)
-    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    compiled = on_mesh_equals_one_device(cfg, loss, sizes, logits_atol=2e-5)
     assert "48,48]" not in compiled.as_text()
 
 

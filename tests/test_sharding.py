@@ -127,6 +127,32 @@ def run_steps(trainer, state, data):
     return state, losses
 
 
+def trains_on_a_mesh_like_one_device(cfg):
+    """Three steps on a data x fsdp x tensor mesh give one device's losses; returns the
+    state on the mesh."""
+    data = batches(3)
+    one = Trainer(cfg, kind="lm")
+    _, want = run_steps(one, one.init_state(), data)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    many = Trainer(cfg, kind="lm", mesh=mesh)
+    state, got = run_steps(many, many.init_state(), data)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    return state
+
+
+def decodes_on_a_mesh_like_one_device(model):
+    """Cached greedy decoding of ragged prompts on a data x tensor mesh gives one device's
+    tokens and logits."""
+    from attnlab import generate
+
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    one = generate(model, prompts, 5, return_logits=True, eos_id=None)
+    mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+    sharded = generate(model, prompts, 5, return_logits=True, eos_id=None, mesh=mesh)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_allclose(sharded.logits, one.logits, atol=1e-5, rtol=1e-5)
+
+
 def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
@@ -406,24 +432,13 @@ BUILT_IN_VARIANTS = {
 def test_every_built_in_variant_trains_and_decodes_on_a_mesh_like_one_device(mixer):
     """Each variant's parameters carry logical axes, so the same steps shard them; three
     steps on a data x fsdp x tensor mesh and cached decoding equal one device."""
-    from attnlab import ModelConfig, build_model, generate
+    from attnlab import ModelConfig, build_model
 
     fields = dict(position="rope", dropout=0.0, attention_dropout=0.0) | BUILT_IN_VARIANTS[mixer]
     settings = fields.pop("mixer_settings", {})
     cfg = tiny(mixer=mixer, **fields)
     with cfg.unlocked():
         cfg.model.mixer_settings = settings
-    data = batches(3)
-    _, want = run_steps(Trainer(cfg, kind="lm"), Trainer(cfg, kind="lm").init_state(), data)
-    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    many = Trainer(cfg, kind="lm", mesh=mesh)
-    _, got = run_steps(many, many.init_state(), data)
-    np.testing.assert_allclose(got, want, rtol=1e-4)
-
+    trains_on_a_mesh_like_one_device(cfg)
     model = build_model(ModelConfig(**experiment.model_config(cfg).to_dict()), seed=0)
-    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
-    one = generate(model, prompts, 5, return_logits=True, eos_id=None)
-    mesh = sharding.make_mesh({"data": 2, "tensor": 4})
-    sharded = generate(model, prompts, 5, return_logits=True, eos_id=None, mesh=mesh)
-    np.testing.assert_array_equal(sharded.tokens, one.tokens)
-    np.testing.assert_allclose(sharded.logits, one.logits, atol=1e-5, rtol=1e-5)
+    decodes_on_a_mesh_like_one_device(model)
