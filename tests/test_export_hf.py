@@ -103,6 +103,25 @@ def transformers_logits(folder, ids, mask):
     return hf_logits(model, ids, mask)
 
 
+def equal_to_transformers(model, folder, seed: int, vocab_size: int | None = None):
+    """``model``'s logits equal transformers' reading of ``folder`` to ``TOL`` at the real
+    positions of a left-padded batch drawn with ``seed`` (its ids wrapped below
+    ``vocab_size`` if given); returns the ids, the mask and ``model``'s logits."""
+    ids, mask = left_padded(np.random.default_rng(seed))
+    if vocab_size is not None:
+        ids = ids % vocab_size
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, valid_BT=real).logits)
+    assert max_diff(ours[real], transformers_logits(folder, ids, mask)[real]) <= TOL
+    return ids, mask, ours
+
+
+def export_run(run, out) -> dict:
+    """``attnlab export-hf`` of the run in ``run`` into ``out``; the config it wrote."""
+    assert main(["export-hf", "--workdir", str(run), "--out", str(out)]) == 0
+    return json.loads((out / "config.json").read_text())
+
+
 @pytest.mark.parametrize(
     "name",
     cases(
@@ -114,11 +133,8 @@ def test_exported_model_loads_in_transformers_with_equal_logits(tmp_path, name):
     fields, family = SHAPES[name]
     model = perturbed(ModelConfig(**fields), seed=3)
     assert export_model(model, tmp_path / "hf") == family
-    ids, mask = left_padded(np.random.default_rng(5))
+    ids, mask, ours = equal_to_transformers(model, tmp_path / "hf", seed=5)
     real = mask.astype(bool)
-    ours = np.asarray(model(ids, valid_BT=real).logits)
-    expected = transformers_logits(tmp_path / "hf", ids, mask)
-    assert max_diff(ours[real], expected[real]) <= TOL
     # And back: load_pretrained reads the folder as the same model.
     back = load_pretrained(tmp_path / "hf")
     assert max_diff(np.asarray(back.logits(ids, mask))[real], ours[real]) <= TOL
@@ -175,15 +191,10 @@ def test_export_hf_command_round_trips_a_trained_run(tmp_path, capsys, family):
     argv = ["train", "--no-progress", "--config", exp("char_lm"), "--workdir", str(run)]
     assert main(argv + ["--config.eval.sample_tokens=0", *RUNS[family]]) == 0
     out = tmp_path / "hf"
-    assert main(["export-hf", "--workdir", str(run), "--out", str(out)]) == 0
+    assert export_run(run, out)["model_type"] == family
     assert family in capsys.readouterr().out
-    assert json.loads((out / "config.json").read_text())["model_type"] == family
     model = load_run(run).model
-    ids, mask = left_padded(np.random.default_rng(6))
-    ids = ids % model.cfg.vocab_size
-    real = mask.astype(bool)
-    ours = np.asarray(model(ids, valid_BT=real).logits)
-    assert max_diff(ours[real], transformers_logits(out, ids, mask)[real]) <= TOL
+    equal_to_transformers(model, out, seed=6, vocab_size=model.cfg.vocab_size)
     # A second export into the now non-empty folder is refused.
     assert main(["export-hf", "--workdir", str(run), "--out", str(out)]) != 0
 
@@ -211,15 +222,10 @@ def test_a_qwen3_next_shaped_run_exports_with_equal_logits(tmp_path):
     run = tmp_path / "lm"
     argv = ["train", "--no-progress", "--config", exp("moe_lm"), "--workdir", str(run)]
     assert main(argv + ["--config.eval.batches=0", *QWEN3_NEXT_RUN]) == 0
-    assert main(["export-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config = export_run(run, tmp_path / "hf")
     assert config["model_type"] == "qwen3_next"
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    model = load_run(run).model
-    ids, mask = left_padded(np.random.default_rng(6))
-    real = mask.astype(bool)
-    ours = np.asarray(model(ids, valid_BT=real).logits)
-    assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL
+    equal_to_transformers(load_run(run).model, tmp_path / "hf", seed=6)
 
 
 def test_a_hybrid_no_family_describes_is_refused_naming_the_layer_that_does_not_map():
@@ -279,11 +285,6 @@ def test_a_surgery_run_into_qwen3_next_shape_exports_with_equal_logits(tmp_path)
         "--config.surgery.layers.positions=(0, 1, 2)",
     ]
     assert main(base + ["--workdir", str(run), *shape, *surgery]) == 0
-    assert main(["export-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config = export_run(run, tmp_path / "hf")
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    model = load_run(run).model
-    ids, mask = left_padded(np.random.default_rng(7))
-    real = mask.astype(bool)
-    ours = np.asarray(model(ids, valid_BT=real).logits)
-    assert max_diff(ours[real], transformers_logits(tmp_path / "hf", ids, mask)[real]) <= TOL
+    equal_to_transformers(load_run(run).model, tmp_path / "hf", seed=7)

@@ -98,6 +98,16 @@ def embed_by_hand(state, stack, ids, cfg):
     return table[np.asarray(ids)] + f64(state[stack]["positions"]["table_PD"])[: ids.shape[1]]
 
 
+def layers_by_hand(acts, prefix, state, stack, ids, n_layers, cfg, **kw):
+    """``stack``'s ``n_layers`` layers applied by hand to its embedded ``ids``, each one's
+    captures (``{prefix}layers.{i}.*``) checked on the way; the last layer's output."""
+    x = embed_by_hand(state, stack, ids, cfg)
+    for i in range(n_layers):
+        np.testing.assert_allclose(f64(acts[f"{prefix}layers.{i}.resid_pre"]), x, **TOL)
+        x = check_layer(acts, prefix, i, at(state[stack]["layers"], i), cfg, **kw)
+    return x
+
+
 def test_decoder_captures_match_float64_formulas_and_add_nothing():
     cfg = ModelConfig(**BASE)
     model = build_model(cfg, seed=1)
@@ -105,10 +115,7 @@ def test_decoder_captures_match_float64_formulas_and_add_nothing():
     ids = tokens()
     out, acts = ins.run(model, ids, capture=["layers.*"])
     state = nnx.to_pure_dict(nnx.state(model))
-    x = embed_by_hand(state, "decoder", ids, cfg)
-    for i in range(cfg.n_layers):
-        np.testing.assert_allclose(f64(acts[f"layers.{i}.resid_pre"]), x, **TOL)
-        x = check_layer(acts, "", i, at(state["decoder"]["layers"], i), cfg, causal=True)
+    x = layers_by_hand(acts, "", state, "decoder", ids, cfg.n_layers, cfg, causal=True)
     final = norm(state["decoder"]["final_norm"], x, cfg)
     logits = final @ f64(state["embed"]["tokens"]["embedding_VD"]).T
     np.testing.assert_allclose(f64(out.logits), logits, **TOL)
@@ -140,16 +147,10 @@ def test_encoder_decoder_captures_match_float64_formulas():
     src, tgt = tokens(T=6, seed=3), tokens(T=5, seed=4)
     _, acts = ins.run(model, src, tgt, capture=["encoder.layers.*", "decoder.layers.*"])
     state = nnx.to_pure_dict(nnx.state(model))
-    x = embed_by_hand(state, "encoder", src, cfg)
-    for i in range(cfg.n_layers):
-        np.testing.assert_allclose(f64(acts[f"encoder.layers.{i}.resid_pre"]), x, **TOL)
-        x = check_layer(acts, "encoder.", i, at(state["encoder"]["layers"], i), cfg, causal=False)
+    x = layers_by_hand(acts, "encoder.", state, "encoder", src, cfg.n_layers, cfg, causal=False)
     enc = norm(state["encoder"]["final_norm"], x, cfg)
-    y = embed_by_hand(state, "decoder", tgt, cfg)
-    for i in range(cfg.n_decoder_layers):
-        np.testing.assert_allclose(f64(acts[f"decoder.layers.{i}.resid_pre"]), y, **TOL)
-        p = at(state["decoder"]["layers"], i)
-        y = check_layer(acts, "decoder.", i, p, cfg, causal=True, enc=enc)
+    n = cfg.n_decoder_layers
+    layers_by_hand(acts, "decoder.", state, "decoder", tgt, n, cfg, causal=True, enc=enc)
 
 
 @pytest.mark.slow(reason="compiles a hybrid twice (capture, prefill) with gated DeltaNet (~6 s)")
