@@ -79,22 +79,18 @@ def test_decoder_count_matches_closed_form(kw, gated, biases, ln):
     assert count_params(cfg) == expected
 
 
+def post_norm_with_biases(arch, V, D, L, F, max_len, **fields):
+    """Two heads, post-norm layers and a bias on every projection, as the original
+    Transformer and BERT."""
+    biases = dict(attn_bias=True, out_bias=True, ffn_bias=True)
+    shape = dict(vocab_size=V, d_model=D, n_layers=L, n_heads=2, d_ff=F, max_len=max_len)
+    return ModelConfig(arch=arch, **shape, norm_placement="post", **biases, **fields)
+
+
 def test_encoder_decoder_count_matches_closed_form():
     V, D, L, F, max_len = 31, 16, 2, 32, 9
-    cfg = ModelConfig(
-        arch="encoder_decoder",
-        vocab_size=V,
-        d_model=D,
-        n_layers=L,
-        n_heads=2,
-        d_ff=F,
-        max_len=max_len,
-        position="sinusoidal",
-        norm_placement="post",
-        ffn="relu",
-        attn_bias=True,
-        out_bias=True,
-        ffn_bias=True,
+    cfg = post_norm_with_biases(
+        "encoder_decoder", V, D, L, F, max_len, position="sinusoidal", ffn="relu"
     )
     attn = 4 * D * D + 3 * D + D
     ffn = 2 * D * F + F + D
@@ -106,21 +102,8 @@ def test_encoder_decoder_count_matches_closed_form():
 
 def test_encoder_count_matches_closed_form():
     V, D, L, F, max_len, types = 29, 16, 2, 32, 10, 2
-    cfg = ModelConfig(
-        arch="encoder",
-        vocab_size=V,
-        d_model=D,
-        n_layers=L,
-        n_heads=2,
-        d_ff=F,
-        max_len=max_len,
-        norm_placement="post",
-        embedding_norm=True,
-        attn_bias=True,
-        out_bias=True,
-        ffn_bias=True,
-        type_vocab_size=types,
-        logits_bias=True,
+    cfg = post_norm_with_biases(
+        "encoder", V, D, L, F, max_len, embedding_norm=True, type_vocab_size=types, logits_bias=True
     )
     block = (4 * D * D + 4 * D) + (2 * D * F + F + D) + 2 * (2 * D)
     embeddings = V * D + max_len * D + types * D + 2 * D

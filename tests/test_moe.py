@@ -49,29 +49,21 @@ def test_grouped_routing_picks_the_experts_of_transformers_deepseek_v3():
     mod = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
     from transformers import DeepseekV3Config
 
+    groups = dict(top_k=4, n_group=4, topk_group=2, scaling=2.5)  # said once for both
     hf_cfg = DeepseekV3Config(
-        hidden_size=16,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        n_group=4,
-        topk_group=2,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-    )
+        hidden_size=16, n_routed_experts=16, norm_topk_prob=True,
+        num_experts_per_tok=groups["top_k"], n_group=groups["n_group"],
+        topk_group=groups["topk_group"], routed_scaling_factor=groups["scaling"],
+    )  # fmt: skip
     router = mod.DeepseekV3TopkRouter(hf_cfg)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         router.weight.copy_(torch.randn(16, 16, generator=gen))
         router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.1)
         logits, weights, experts = router(torch.randn(64, 16, generator=gen))
+    bias_E = jnp.asarray(router.e_score_correction_bias.numpy())
     got_e, got_w, _ = moe.route(
-        jnp.asarray(logits.numpy()),
-        top_k=4,
-        score="sigmoid",
-        selection_bias_E=jnp.asarray(router.e_score_correction_bias.numpy()),
-        n_group=4,
-        topk_group=2,
-        scaling=2.5,
+        jnp.asarray(logits.numpy()), score="sigmoid", selection_bias_E=bias_E, **groups
     )
     order = np.argsort(experts.numpy(), axis=-1)  # transformers leaves the k unsorted
     want_e = np.take_along_axis(experts.numpy(), order, -1)
@@ -262,24 +254,18 @@ def test_dense_prefix_scanned_unrolled_and_rematerialised_agree():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g, ref_g)
 
 
+# The dense parts of Mixtral and DeepSeek-V3 (as of Llama): SwiGLU, RMSNorm, RoPE, untied.
+LLAMA_STYLE = dict(ffn="swiglu", norm="rmsnorm", position="rope", tie_embeddings=False)
+
+
 def test_total_and_active_parameters_of_mixtral_and_deepseek_v3():
     # Mixtral-8x7B's config.json: 32 layers, hidden 4096, 32 heads / 8 kv heads of 128,
     # intermediate 14336, 8 experts top-2, vocab 32000, untied embeddings.
-    mixtral = ModelConfig(
-        vocab_size=32000,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        d_ff=14336,
-        ffn="swiglu",
-        norm="rmsnorm",
-        position="rope",
-        tie_embeddings=False,
-        ffn_variant="moe",
-        ffn_settings=dict(n_experts=8, top_k=2),
-    )
     D, V, L, F, E = 4096, 32000, 32, 14336, 8
+    mixtral = ModelConfig(
+        vocab_size=V, d_model=D, n_layers=L, n_heads=32, n_kv_heads=8, d_ff=F, **LLAMA_STYLE,
+        ffn_variant="moe", ffn_settings=dict(n_experts=E, top_k=2),
+    )  # fmt: skip
     attn = 2 * D * 32 * 128 + 2 * D * 8 * 128
     expert = 3 * D * F
     total = L * (attn + E * expert + D * E + 2 * D) + 2 * V * D + D
@@ -287,40 +273,16 @@ def test_total_and_active_parameters_of_mixtral_and_deepseek_v3():
     assert count_params(mixtral, active=True) == total - L * 6 * expert == 12_879_925_248
 
     # DeepSeek-V3's config.json (the main model; the card's 671B leaves out the MTP module).
-    deepseek = ModelConfig(
-        vocab_size=129280,
-        d_model=7168,
-        n_layers=61,
-        n_heads=128,
-        head_dim=128,
-        d_ff=18432,
-        ffn="swiglu",
-        norm="rmsnorm",
-        position="rope",
-        tie_embeddings=False,
-        mixer="mla",
-        mixer_settings=dict(
-            kv_lora_rank=512,
-            q_lora_rank=1536,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-        ),
-        ffn_variant="moe",
-        ffn_settings=dict(
-            n_experts=256,
-            top_k=8,
-            d_expert=2048,
-            score="sigmoid",
-            selection_bias=True,
-            n_group=8,
-            topk_group=4,
-            n_shared=1,
-            routed_scaling=2.5,
-            dense_layers=3,
-        ),
-    )
     D, V, L, N, E, Fe = 7168, 129280, 61, 128, 256, 2048
+    deepseek = ModelConfig(
+        vocab_size=V, d_model=D, n_layers=L, n_heads=N, head_dim=128, d_ff=18432, **LLAMA_STYLE,
+        mixer="mla",
+        mixer_settings=dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128),
+        ffn_variant="moe",
+        ffn_settings=dict(n_experts=E, top_k=8, d_expert=Fe, score="sigmoid", selection_bias=True,
+                          n_group=8, topk_group=4, n_shared=1, routed_scaling=2.5, dense_layers=3),
+    )  # fmt: skip
     attn = D * 1536 + 1536 + 1536 * N * 192 + D * 576 + 512 + 512 * N * 256 + N * 128 * D
     routed = E * 3 * D * Fe
     moe_layer = D * E + E + routed + 3 * D * Fe
