@@ -21,7 +21,7 @@ import socket
 from attnlab import experiment
 from attnlab.experiment import ExperimentError
 from attnlab.sweep.plan import Plan, Trial
-from attnlab.sweep.results import collect, write_results
+from attnlab.sweep.results import collect_and_write
 from attnlab.sweep.run import (
     OUTCOMES,
     plan_actions,
@@ -185,8 +185,7 @@ def launch_search(
     )
     log(f"search: {n} worker(s) submitted ({launcher}) on {redact(storage)}")
     _wait(jobs, [f"worker {i}" for i in range(n)], launcher, log)
-    results = collect(root)
-    write_results(root, results)
+    results = collect_and_write(root)
     results["best"] = write_best(study, plan, root, log)
     write_plots(study, root, log)
     return results
@@ -232,8 +231,7 @@ def launch_sweep(
         )
         log(f"sweep: {len(jobs)} trial(s) submitted ({launcher}): {jobs[0].job_id.split('_')[0]}")
         _wait(jobs, [t.name for t in todo], launcher, log)
-    results = collect(root)
-    write_results(root, results)
+    results = collect_and_write(root)
     rows = {r["trial"]: r["status"] for r in results["trials"]}
     for t in todo:
         status = rows.get(t.name, "failed")

@@ -219,6 +219,14 @@ def markdown_table(results: dict, digits: int = 4) -> str:
     return "\n".join(lines) + "\n"
 
 
+def collect_and_write(workdir) -> dict:
+    """The sweep's results (``collect``) after writing them (``write_results``): how every
+    way of running a sweep ends."""
+    results = collect(workdir)
+    write_results(workdir, results)
+    return results
+
+
 def write_results(workdir, results: dict) -> list[pathlib.Path]:
     """Writes results.json, results.csv and the two PNGs; returns their paths."""
     root = pathlib.Path(workdir)

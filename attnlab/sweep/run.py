@@ -28,7 +28,7 @@ from attnlab import experiment, runs
 from attnlab.errors import AttnlabError
 from attnlab.runs.workdir import config_changes
 from attnlab.sweep.plan import Plan, group_trials
-from attnlab.sweep.results import collect, write_results
+from attnlab.sweep.results import collect_and_write
 from attnlab.train.optim import EXTENSIBLE_SCHEDULES, wsd_decay_start
 
 STATUS_FILE, SWEEP_FILE = "status.json", "sweep.json"
@@ -223,8 +223,7 @@ def run_sweep(
         if preempted:
             log("sweep: stopped by a signal; run the same command again to resume")
             break
-    results = collect(root)
-    write_results(root, results)
+    results = collect_and_write(root)
     results["outcomes"] = tally
     log(summary_line(tally))
     return results

@@ -49,7 +49,7 @@ from attnlab import experiment, runs
 from attnlab.experiment import ExperimentError
 from attnlab.runs import surgery_run as surgery
 from attnlab.sweep.plan import Trial, apply_overrides, group_trials, plan_sweep
-from attnlab.sweep.results import collect, write_results
+from attnlab.sweep.results import collect_and_write
 from attnlab.sweep.run import (
     OUTCOMES,
     checkpoint_steps,
@@ -339,8 +339,7 @@ def run_search(
         if preempted:
             log("search: stopped by a signal; run the same command again to resume the study")
             break
-    results = collect(root)
-    write_results(root, results)
+    results = collect_and_write(root)
     results["outcomes"] = tally
     results["best"] = write_best(study, plan, root, log)
     write_plots(study, root, log)
