@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab.contracts.mixer import CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
+from attnlab.contracts.mixer import Mixer, MixerCall, MixerSettings, register_mixer
 from attnlab.nn.layers import normal
-from attnlab.nn.mixers.recurrent import carried_conv, check_causal_conv, token_validity
+from attnlab.nn.mixers.recurrent import (
+    carried_conv,
+    check_causal_conv,
+    conv_cache_entries,
+    conv_uniform,
+    token_validity,
+)
 from attnlab.ops.linear import dense
 
 
@@ -42,16 +47,14 @@ class BaseConv(Mixer):
         s = settings or self.Settings()
         self.settings = s
         D, W, pd = cfg.d_model, s.conv_kernel, jnp.dtype(cfg.param_dtype)
-        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
-        self.conv_WZ = nnx.Param(jax.random.uniform(rngs.params(), (W, D), pd, -bound, bound))
-        self.conv_bias_Z = nnx.Param(jax.random.uniform(rngs.params(), (D,), pd, -bound, bound))
+        self.conv_WZ = nnx.Param(conv_uniform(rngs.params(), (W, D), W, pd))
+        self.conv_bias_Z = nnx.Param(conv_uniform(rngs.params(), (D,), W, pd))
         self.proj_DZ = normal(rngs, (D, D), cfg.init_std, cfg.param_dtype)
         self.proj_bias_Z = nnx.Param(jnp.zeros((D,), pd))
 
     @classmethod
     def cache_entries(cls, cfg, settings):
-        s = settings or cls.Settings()
-        return {"conv": CacheEntry((s.conv_kernel - 1, cfg.d_model), s.state_dtype, (None, None))}
+        return conv_cache_entries(cfg, settings or cls.Settings())
 
     def __call__(self, x_BTD, call: MixerCall):
         valid_BT = token_validity(call, x_BTD.shape[1])

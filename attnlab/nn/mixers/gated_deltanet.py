@@ -37,6 +37,8 @@ from attnlab.nn.mixers.recurrent import (
     RecurrentSettings,
     carried_conv,
     check_positive,
+    conv_uniform,
+    from_resolved,
     time_step_bias,
     token_validity,
 )
@@ -84,9 +86,7 @@ class GatedDeltaNet(RecurrentMixer):
         Z = 2 * K * H + N * J
         self.in_proj_qkvz_DKH = normal(rngs, (D, K, 2 * H + 2 * r * J), std, pd)
         self.in_proj_ba_DKH = normal(rngs, (D, K, 2 * r), std, pd)
-        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
-        conv = jax.random.uniform(rngs.params(), (W, Z), jnp.dtype(pd), -bound, bound)
-        self.conv_WZ = nnx.Param(conv)
+        self.conv_WZ = nnx.Param(conv_uniform(rngs.params(), (W, Z), W, jnp.dtype(pd)))
         decay = jax.random.uniform(rngs.params(), (N,), jnp.float32, 0.01, 16.0)
         self.A_log_N = nnx.Param(jnp.log(decay).astype(pd))
         # transformers' layer starts dt_bias at 1 (a checkpoint overwrites it); from scratch,
@@ -124,15 +124,10 @@ class GatedDeltaNet(RecurrentMixer):
             out["out_proj_NJD"] = np.asarray(o_NHD)
         return out
 
-    @classmethod
-    def state_shape(cls, cfg, settings):
-        s = settings.resolved(cfg)
-        return (s.num_v_heads, s.head_k_dim, s.head_v_dim)
-
-    @classmethod
-    def conv_channels(cls, cfg, settings):
-        s = settings.resolved(cfg)
-        return 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim
+    state_shape = from_resolved(lambda s: (s.num_v_heads, s.head_k_dim, s.head_v_dim))
+    conv_channels = from_resolved(
+        lambda s: 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim
+    )
 
     def project(self, x_BTD):
         """``(mixed_BTZ, z_BTNJ, b_BTN, a_BTN)``: the fused projections split as

@@ -36,6 +36,8 @@ from attnlab.nn.mixers.recurrent import (
     RecurrentSettings,
     carried_conv,
     check_positive,
+    conv_uniform,
+    from_resolved,
     time_step_bias,
     token_validity,
 )
@@ -82,8 +84,7 @@ class KimiDeltaAttention(RecurrentMixer):
             scale * jax.random.normal(next(keys), shape, jnp.dtype(pd))
         )
         self.q_DNH, self.k_DNH, self.v_DNH = (normal((D, N, H)) for _ in range(3))
-        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
-        conv = lambda: jax.random.uniform(next(keys), (W, N * H), jnp.dtype(pd), -bound, bound)
+        conv = lambda: conv_uniform(next(keys), (W, N * H), W, jnp.dtype(pd))
         self.q_conv_WZ, self.k_conv_WZ, self.v_conv_WZ = (nnx.Param(conv()) for _ in range(3))
         self.f_a_DR, self.f_b_RNH = normal((D, R)), normal((R, N, H))
         decay = jax.random.uniform(next(keys), (N,), jnp.float32, 1.0, 16.0)  # FLA's
@@ -107,15 +108,8 @@ class KimiDeltaAttention(RecurrentMixer):
         return {"k_DNH": np.repeat(old["k_DKH"], G, axis=1),
                 "v_DNH": np.repeat(old["v_DKH"], G, axis=1)}  # fmt: skip
 
-    @classmethod
-    def state_shape(cls, cfg, settings):
-        s = settings.resolved(cfg)
-        return (s.num_heads, s.head_dim, s.head_dim)
-
-    @classmethod
-    def conv_channels(cls, cfg, settings):
-        s = settings.resolved(cfg)
-        return 3 * s.num_heads * s.head_dim
+    state_shape = from_resolved(lambda s: (s.num_heads, s.head_dim, s.head_dim))
+    conv_channels = from_resolved(lambda s: 3 * s.num_heads * s.head_dim)
 
     def gates(self, x_BTD, valid_BT):
         """``(g_BTNH, beta_BTN)`` in float32; a token that is not real gets 0 and 0."""

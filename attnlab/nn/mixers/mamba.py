@@ -37,6 +37,7 @@ from attnlab.nn.mixers.recurrent import (
     RecurrentSettings,
     carried_conv,
     check_positive,
+    conv_uniform,
     time_step_bias,
     token_validity,
 )
@@ -86,8 +87,7 @@ class Mamba(RecurrentMixer):
         ones = lambda n: nnx.Param(jnp.ones((n,), pd))
         self.in_proj_DZ = normal(rngs, (D, 2 * Z), std, pd)
         self.in_proj_bias_Z = zeros(2 * Z) if s.use_bias else None
-        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
-        self.conv_WZ = nnx.Param(jax.random.uniform(rngs.params(), (W, Z), pd, -bound, bound))
+        self.conv_WZ = nnx.Param(conv_uniform(rngs.params(), (W, Z), W, pd))
         self.conv_bias_Z = zeros(Z) if s.use_conv_bias else None
         self.x_proj_ZR = normal(rngs, (Z, R + 2 * J), std, pd)
         self.dt_proj_RZ = normal(rngs, (R, Z), R**-0.5, pd)

@@ -38,6 +38,8 @@ from attnlab.nn.mixers.recurrent import (
     RecurrentSettings,
     carried_conv,
     check_positive,
+    conv_uniform,
+    from_resolved,
     time_step_bias,
     token_validity,
 )
@@ -106,8 +108,7 @@ class Mamba2(RecurrentMixer):
         zeros = lambda *shape: nnx.Param(jnp.zeros(shape, pd))
         self.in_proj_DZ = normal(rngs, (D, inner + Z + N), std, pd)
         self.in_proj_bias_Z = zeros(inner + Z + N) if s.use_bias else None
-        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
-        self.conv_WZ = nnx.Param(jax.random.uniform(rngs.params(), (W, Z), pd, -bound, bound))
+        self.conv_WZ = nnx.Param(conv_uniform(rngs.params(), (W, Z), W, pd))
         self.conv_bias_Z = zeros(Z) if s.use_conv_bias else None
         self.dt_bias_N = nnx.Param(time_step_bias(
             rngs.params(), N, s.time_step_min, s.time_step_max, s.time_step_floor, pd
@@ -128,15 +129,8 @@ class Mamba2(RecurrentMixer):
             group_size=s.d_inner // s.n_groups, norm_before_gate=s.norm == "norm_then_gate",
         )  # fmt: skip
 
-    @classmethod
-    def state_shape(cls, cfg, settings):
-        s = settings.resolved(cfg)
-        return (s.num_heads, s.head_dim, s.state_size)
-
-    @classmethod
-    def conv_channels(cls, cfg, settings):
-        s = settings.resolved(cfg)
-        return s.d_inner + 2 * s.n_groups * s.state_size
+    state_shape = from_resolved(lambda s: (s.num_heads, s.head_dim, s.state_size))
+    conv_channels = from_resolved(lambda s: s.d_inner + 2 * s.n_groups * s.state_size)
 
     def steps(self, dt_BTN, valid_BT):
         """``dt`` after softplus and the limits, in float32; 0 where a token is not real."""

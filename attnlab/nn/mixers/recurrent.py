@@ -57,6 +57,19 @@ def check_causal_conv(settings, cfg, usual: str) -> None:
         settings.fail("state_dtype", f"one of {STATE_DTYPES}")
 
 
+def conv_uniform(key, shape, W: int, dtype):
+    """Uniform in ``±W^-1/2``, torch's Conv1d initialisation (fan-in ``W`` taps): a short
+    convolution's taps ``[W, Z]`` or its bias ``[Z]``."""
+    bound = W**-0.5
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def conv_cache_entries(cfg, s):
+    """The cache of a mixer whose one state is its short convolution's last ``W - 1``
+    inputs, ``"conv"`` ``[W - 1, D]`` (``s``: its settings)."""
+    return {"conv": CacheEntry((s.conv_kernel - 1, cfg.d_model), s.state_dtype, (None, None))}
+
+
 def carried_conv(x_BTZ, call: MixerCall, valid_BT, w_WZ, bias_Z=None):
     """``(cache, y_BTZ)``: the short causal convolution of ``x`` after the call's cached
     ``"conv"`` inputs (a plain pass starts from zeros); the cache then holds its new inputs."""
@@ -110,6 +123,13 @@ def token_validity(call: MixerCall, T: int):
     if valid is not None and valid.shape[-1] != T:
         raise ValueError(f"recurrent mixer: key validity {valid.shape} for {T} tokens")
     return valid
+
+
+def from_resolved(fn):
+    """A ``(cls, cfg, settings)`` classmethod that answers ``fn`` of the settings resolved
+    against ``cfg`` (``settings.resolved(cfg)``): a recurrent mixer's ``state_shape`` and
+    ``conv_channels`` as formulas of its settings."""
+    return classmethod(lambda cls, cfg, settings: fn(settings.resolved(cfg)))
 
 
 class RecurrentMixer(Mixer):

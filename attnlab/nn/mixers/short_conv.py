@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlab.contracts.mixer import CacheEntry, Mixer, MixerCall, MixerSettings, register_mixer
+from attnlab.contracts.mixer import Mixer, MixerCall, MixerSettings, register_mixer
 from attnlab.nn.layers import normal
-from attnlab.nn.mixers.recurrent import carried_conv, check_causal_conv, token_validity
+from attnlab.nn.mixers.recurrent import (
+    carried_conv,
+    check_causal_conv,
+    conv_cache_entries,
+    conv_uniform,
+    token_validity,
+)
 from attnlab.ops.linear import add_bias, dense
 
 
@@ -47,8 +52,7 @@ class ShortConv(Mixer):
         s = settings or self.Settings()
         self.settings = s
         D, W, pd = cfg.d_model, s.conv_kernel, jnp.dtype(cfg.param_dtype)
-        bound = W**-0.5  # torch's Conv1d initialisation (fan-in W)
-        self.conv_WZ = nnx.Param(jax.random.uniform(rngs.params(), (W, D), pd, -bound, bound))
+        self.conv_WZ = nnx.Param(conv_uniform(rngs.params(), (W, D), W, pd))
         self.b_proj_DZ = normal(rngs, (D, D), cfg.init_std, cfg.param_dtype)
         self.c_proj_DZ = normal(rngs, (D, D), cfg.init_std, cfg.param_dtype)
         self.h_proj_DZ = normal(rngs, (D, D), cfg.init_std, cfg.param_dtype)
@@ -59,8 +63,7 @@ class ShortConv(Mixer):
 
     @classmethod
     def cache_entries(cls, cfg, settings):
-        s = settings or cls.Settings()
-        return {"conv": CacheEntry((s.conv_kernel - 1, cfg.d_model), s.state_dtype, (None, None))}
+        return conv_cache_entries(cfg, settings or cls.Settings())
 
     def _project(self, x_BTD, w, b):
         y_BTZ = dense(x_BTD, w[...])
