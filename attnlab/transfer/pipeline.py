@@ -104,61 +104,34 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
     B, T = int(t.batch_size), int(t.seq_len)
     evals = eval_batches(val_ids, T, B, int(t.eval_batches))
     mse_layers = sorted(layers)
-    common = dict(
-        student_cfg=student_cfg,
-        teacher_cfg=teacher.cfg,
-        seed=seed,
-        log_every=int(t.log_every),
-        checkpoint_every=int(t.checkpoint_every),
-    )
     stop = stop_after or {}
+
+    def stage(name, spec, lr, steps, **kw) -> Stage:
+        return Stage(name, workdir, spec=spec, lr=float(lr), steps=int(steps),
+                     warmup=int(t.warmup), student_cfg=student_cfg, teacher_cfg=teacher.cfg,
+                     seed=seed, log_every=int(t.log_every),
+                     checkpoint_every=int(t.checkpoint_every), **kw)  # fmt: skip
+
+    def fit(st: Stage, start, base, data_seed):
+        """``st`` trained from ``start`` (resumed if begun); None when stopped early."""
+        batches = Batches(train_ids, T, B, data_seed)
+        return st.run(start, base, teacher.params, batches, stop_after=stop.get(st.name), say=say)
+
     # Stage 1: attention transfer.
-    spec1 = distill.DistillSpec(ce=0.0, attention_mse=1.0)
-    s1 = Stage(
-        "stage1",
-        workdir,
-        spec=spec1,
-        lr=float(t.stage1_lr),
-        steps=int(t.stage1_steps),
-        warmup=int(t.warmup),
-        mse_layers=mse_layers,
-        **common,
-    )
+    s1 = stage("stage1", distill.DistillSpec(ce=0.0, attention_mse=1.0), t.stage1_lr,
+               t.stage1_steps, mse_layers=mse_layers)  # fmt: skip
     start1 = {"params": select(student_params, new_names)}
     mse_start = _mse(s1, student_params, start1, teacher.params, evals)
-    trained1 = s1.run(
-        start1,
-        student_params,
-        teacher.params,
-        Batches(train_ids, T, B, seed),
-        stop_after=stop.get("stage1"),
-        say=say,
-    )
+    trained1 = fit(s1, start1, student_params, seed)
     if trained1 is None:
         return {"stopped": "stage1"}
     mse_end = _mse(s1, student_params, trained1, teacher.params, evals)
     # Stage 2: LoRA with the distill objective.
     base2 = jax.device_get(assemble(student_params, trained1))
-    s2 = Stage(
-        "stage2",
-        workdir,
-        spec=spec2,
-        lora_spec=lora_spec,
-        lr=float(t.stage2_lr),
-        steps=int(t.stage2_steps),
-        warmup=int(t.warmup),
-        **common,
-    )
     adapters = lora.init(lora_spec, base2, jax.random.key(seed + 1))
     start2 = {"lora": adapters, "params": {}}
-    trained2 = s2.run(
-        start2,
-        base2,
-        teacher.params,
-        Batches(train_ids, T, B, seed + 1),
-        stop_after=stop.get("stage2"),
-        say=say,
-    )
+    s2 = stage("stage2", spec2, t.stage2_lr, t.stage2_steps, lora_spec=lora_spec)
+    trained2 = fit(s2, start2, base2, seed + 1)
     if trained2 is None:
         return {"stopped": "stage2"}
     student = s2.student(base2, trained2)
@@ -185,26 +158,10 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
     results["teacher_eval_loss"] = measure.eval_loss(tmodel, evals)
     results["student_eval_loss"] = measure.eval_loss(student, evals)
     if t.swap_baseline:
-        sw = Stage(
-            "swap_only",
-            workdir,
-            spec=spec2,
-            lora_spec=lora_spec,
-            lr=float(t.stage2_lr),
-            steps=s1.steps + s2.steps,
-            warmup=int(t.warmup),
-            **common,
-        )
         mixers = t.get("swap_trains", "lora") == "lora+mixer"
         start = {"lora": adapters, "params": select(student_params, new_names) if mixers else {}}
-        got = sw.run(
-            start,
-            student_params,
-            teacher.params,
-            Batches(train_ids, T, B, seed + 2),
-            stop_after=stop.get("swap_only"),
-            say=say,
-        )
+        sw = stage("swap_only", spec2, t.stage2_lr, s1.steps + s2.steps, lora_spec=lora_spec)
+        got = fit(sw, start, student_params, seed + 2)
         if got is None:
             return {"stopped": "swap_only"}
         results["swap_only_eval_loss"] = measure.eval_loss(sw.student(student_params, got), evals)
