@@ -67,6 +67,7 @@ def get_config(variant=None):
             seq_len=128,
             swap_baseline=True,
             swap_trains="lora",  # "lora": the recipe less stage 1; "lora+mixer": + new mixers
+            swap_settings='{"window": 0}',  # LoLCATs' "swap & finetune": no window, no stage 1
             eval_batches=8,
             passkey_rows=64,
             decode_lengths=(1024, 8192, 32768),
@@ -103,7 +104,7 @@ def ablation_rows(n_layers: int):
     half = tuple("keep" if i % 2 == 0 else "lolcats" for i in range(n_layers))
     return {
         "linear": {**linear, "transfer.swap_baseline": True},
-        "window": {},  # the default: LoLCATs' mixer, with its swap baseline
+        "window": {"transfer.swap_settings": "{}"},  # the default; its swap arm keeps the window
         "hybrid_quarter": {**linear, "transfer.plan": quarter, "transfer.swap_baseline": False},
         "hybrid_half": {**linear, "transfer.plan": half, "transfer.swap_baseline": False},
     }

@@ -47,6 +47,7 @@ def test_tiny_pipeline_from_a_hugging_face_folder(tmp_path):
     _check_results(res, tmp_path)
     assert res["layers"] == {"0": "lolcats", "1": "lolcats"}
     assert res["swap_trains"] == "lora"  # the recipe less stage 1: adapters alone
+    assert json.loads(res["swap_settings"]) == {"window": 0}  # and less the window
 
 
 @pytest.mark.slow(reason="trains a teacher run, then the three tiny stages, with a resume")
@@ -95,6 +96,8 @@ def test_a_student_decodes_with_its_cache_as_by_recomputation():
         (["--config.lora.targets=('*mlp*',)"], r"^lora\.targets=.*matches no weight"),
         (["--config.transfer.init=copy"], r"^transfer\.init='copy' is invalid"),
         (["--config.transfer.swap_trains=all"], r"^transfer\.swap_trains='all' is invalid"),
+        (['--config.transfer.swap_settings={"windw": 0}'], r"^transfer\.swap_settings=.*windw"),
+        (["--config.transfer.swap_settings=[0]"], r"^transfer\.swap_settings=.*JSON object"),
     ],
 )
 def test_bad_input_fails_in_one_line_before_step_one(tmp_path, overrides, message):

@@ -70,6 +70,8 @@ def check(cfg):
         )
     teacher_cfg, _ = plan.teacher_config(cfg.transfer)
     student_cfg, layers = plan.student_config(cfg.transfer, teacher_cfg)
+    if cfg.transfer.get("swap_baseline"):
+        plan.swap_config(cfg.transfer, teacher_cfg)
     if not layers:
         raise ConfigError(
             "transfer.layers selects no layer to replace: name layers "
@@ -106,9 +108,9 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
     mse_layers = sorted(layers)
     stop = stop_after or {}
 
-    def stage(name, spec, lr, steps, **kw) -> Stage:
+    def stage(name, spec, lr, steps, cfg=None, **kw) -> Stage:
         return Stage(name, workdir, spec=spec, lr=float(lr), steps=int(steps),
-                     warmup=int(t.warmup), student_cfg=student_cfg, teacher_cfg=teacher.cfg,
+                     warmup=int(t.warmup), student_cfg=cfg or student_cfg, teacher_cfg=teacher.cfg,
                      seed=seed, log_every=int(t.log_every),
                      checkpoint_every=int(t.checkpoint_every), **kw)  # fmt: skip
 
@@ -158,14 +160,20 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
     results["teacher_eval_loss"] = measure.eval_loss(tmodel, evals)
     results["student_eval_loss"] = measure.eval_loss(student, evals)
     if t.swap_baseline:
+        # The swap arm: the student less stage 1 (with transfer.swap_settings laid over it).
+        group = plan.swap_group(t)
+        swap_cfg, swap_params, _ = plan.build_student(group, teacher, seed)
+        names = plan.new_parameters(teacher, swap_cfg, swap_params, layers, t.init)
         mixers = t.get("swap_trains", "lora") == "lora+mixer"
-        start = {"lora": adapters, "params": select(student_params, new_names) if mixers else {}}
-        sw = stage("swap_only", spec2, t.stage2_lr, s1.steps + s2.steps, lora_spec=lora_spec)
-        got = fit(sw, start, student_params, seed + 2)
+        start = {"lora": adapters, "params": select(swap_params, names) if mixers else {}}
+        sw = stage("swap_only", spec2, t.stage2_lr, s1.steps + s2.steps, cfg=swap_cfg,
+                   lora_spec=lora_spec)  # fmt: skip
+        got = fit(sw, start, swap_params, seed + 2)
         if got is None:
             return {"stopped": "swap_only"}
-        results["swap_only_eval_loss"] = measure.eval_loss(sw.student(student_params, got), evals)
+        results["swap_only_eval_loss"] = measure.eval_loss(sw.student(swap_params, got), evals)
         results["swap_trains"] = t.get("swap_trains", "lora")
+        results["swap_settings"] = str(t.get("swap_settings") or "{}")
     if t.passkey_rows:
         rows = measure.passkey_rows(
             tokenizer.encode, val_ids, seq_len=T, rows=int(t.passkey_rows), seed=seed

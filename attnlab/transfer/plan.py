@@ -18,6 +18,7 @@ Every check here runs before the first step and raises one line naming the field
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import pathlib
@@ -182,6 +183,38 @@ def check_takes_attention(teacher: ModelConfig, mixer: str, settings) -> None:
         "nothing comes from the attention weights; give it the teacher's head count or set "
         f"--config.{FIELD}.init=fresh"
     )
+
+
+def swap_group(group):
+    """The group the swap baseline's student is built from: ``mixer_settings`` with
+    ``transfer.swap_settings`` (a JSON object, ``""`` or ``"{}"``: none) laid over them.
+    ``'{"window": 0}'`` makes LoLCATs' "swap & finetune" arm: the layer without its window."""
+    text = str(group.get("swap_settings") or "").strip()
+    try:
+        over = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        over = None
+    if not isinstance(over, dict):
+        _fail("swap_settings", text, "a JSON object of mixer settings, e.g. '{\"window\": 0}'")
+    if not over:
+        return group
+    g = copy.deepcopy(group)
+    with g.unlocked():
+        g.mixer_settings = {**(_settings(group) or {}), **over}
+    return g
+
+
+def swap_config(group, teacher: ModelConfig) -> ModelConfig:
+    """The swap baseline's ``ModelConfig``; a setting its mixer lacks fails in one line."""
+    swapped = swap_group(group)
+    try:
+        return student_config(swapped, teacher)[0]
+    except ConfigError as e:
+        text = str(group.get("swap_settings"))
+        raise ConfigError(
+            f"{FIELD}.swap_settings={text!r} is invalid for this plan ({e}); set "
+            f"--config.{FIELD}.swap_settings='{{}}' to swap in the student's own layer"
+        ) from None
 
 
 def build_student(group, teacher: Teacher, seed: int):
