@@ -70,12 +70,13 @@ print(record.get("eval_loss"), sorted(p.name for p in hf_dir.iterdir()))
 # %% [markdown]
 # ## Both stages
 #
-# Every layer gets `lolcats` (a window of 16 tokens of softmax attention plus linear
+# Every layer gets `lolcats` (a window of 32 tokens of softmax attention plus linear
 # attention with learned Hedgehog feature maps), initialised from the teacher's q, k, v and
 # o (`init="matching"`: the new layer keeps attention's parameter names). Stage 1 trains
 # only the feature maps and the mixing factor; stage 2 trains rank-8 LoRA adapters on q,
-# k, v and o. The swap baseline skips stage 1 and trains adapters and maps together for the
-# same tokens.
+# k, v and o. The swap baseline is LoLCATs' "swap & finetune": the layer without its window
+# (`transfer.swap_settings='{"window": 0}'`), no stage 1, the adapters alone for the same
+# tokens.
 
 # %%
 spec = str(REPO / "experiments" / "attention_transfer.py") + (":tiny" if TINY else "")

@@ -1,13 +1,17 @@
 """The attention-transfer pipeline (``attnlab.transfer``, ``experiments/attention_transfer.py``):
 ``:tiny`` end to end from a Hugging Face folder in ``../shared`` (skipped without it) and
 from a run trained here; a student built from a teacher decodes through its cache as by
-recomputation; bad plans, mixers and LoRA targets fail in one line before step 1."""
+recomputation; bad plans, mixers and LoRA targets fail in one line before step 1; both
+stages on 8 devices train as on one."""
 
 import json
+import os
 import pathlib
 
+import jax
 import numpy as np
 import pytest
+import xla_flags
 
 import attnlab
 from attnlab import experiment
@@ -117,3 +121,61 @@ def test_a_mixer_with_other_heads_cannot_take_the_attention_weights():
     with pytest.raises(ConfigError, match=r"^transfer\.init='attention' is invalid") as e:
         pipeline.check(cfg)
     assert "4 query heads, 2 key-value heads" in str(e.value) and "\n" not in str(e.value)
+
+
+CHILD = os.environ.get("ATTNLAB_MESH_CHILD") == "1"
+on_mesh = pytest.mark.skipif(not CHILD, reason="runs in the child process with 8 CPU devices")
+
+
+@pytest.mark.slow(reason="a second pytest process on 8 CPU devices compiles the stages")
+def test_mesh_tests_pass_on_eight_cpu_devices():
+    xla_flags.run_on_devices(__file__, "-k", "eight_devices")
+
+
+def _stages_trained(mesh, workdir):
+    """Stage 1 (attention MSE) and stage 2 (LoRA, next-token + KL) of a tiny random teacher,
+    three steps each: the losses and what each stage trained."""
+    from flax import nnx
+    from ml_collections import ConfigDict
+
+    from attnlab.experiment.schema import layer_selection
+    from attnlab.train import distill, lora
+    from attnlab.transfer.stages import Batches, Stage, assemble, select
+
+    tcfg = attnlab.ModelConfig(arch="decoder", vocab_size=64, d_model=32, n_layers=2,
+                               n_heads=4, n_kv_heads=2, max_len=16, position="rope",
+                               ffn="swiglu", d_ff=48)  # fmt: skip
+    teacher = plan.Teacher(tcfg, nnx.state(attnlab.build_model(tcfg, seed=3)), None, "-", "hf")
+    group = ConfigDict(dict(teacher="-", plan=(), mixer="lolcats", layers=layer_selection(),
+                            mixer_settings=dict(window=4, feature_dim=0, factor_init=0.0),
+                            init="matching"))  # fmt: skip
+    scfg, params, layers = plan.build_student(group, teacher, 0)
+    names = plan.new_parameters(teacher, scfg, params, layers, "matching")
+    ids = np.random.default_rng(0).integers(0, 64, 4000)
+    common = dict(student_cfg=scfg, teacher_cfg=tcfg, lr=1e-2, steps=3, warmup=1, mesh=mesh,
+                  log_every=1, checkpoint_every=10)  # fmt: skip
+    s1 = Stage("stage1", workdir, spec=distill.DistillSpec(ce=0.0, attention_mse=1.0),
+               mse_layers=sorted(layers), **common)  # fmt: skip
+    got1 = s1.run({"params": select(params, names)}, params, teacher.params,
+                  Batches(ids, 12, 8, 0), say=lambda *_: None)  # fmt: skip
+    base2 = assemble(params, got1)
+    spec = lora.spec_from(dict(rank=2, alpha=4.0, targets=("q", "v"), dropout=0.0))
+    s2 = Stage("stage2", workdir, spec=distill.DistillSpec(ce=1.0, kl=1.0), lora_spec=spec,
+               **common)  # fmt: skip
+    start2 = {"lora": lora.init(spec, base2, jax.random.key(1)), "params": {}}
+    got2 = s2.run(start2, base2, teacher.params, Batches(ids, 12, 8, 1), say=lambda *_: None)
+    read = lambda s: [json.loads(x)["loss"] for x in (workdir / s / "metrics.jsonl").open()]
+    return read("stage1") + read("stage2"), jax.device_get((got1, got2))
+
+
+@on_mesh
+def test_stages_on_eight_devices_train_as_on_one(tmp_path):
+    from attnlab.devices import sharding
+
+    assert len(jax.devices()) == 8
+    one_losses, one = _stages_trained(None, tmp_path / "one")
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    many_losses, many = _stages_trained(mesh, tmp_path / "many")
+    np.testing.assert_allclose(many_losses, one_losses, rtol=2e-5)
+    for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)

@@ -85,10 +85,10 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
     from attnlab.train import distill, lora
 
     workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     t = cfg.transfer
     seed = int(cfg.train.seed)
     teacher_cfg, _, spec2, lora_spec = check(cfg)
+    mesh, rules = _mesh(cfg, int(t.batch_size))
     if lora_spec is None:
         raise ConfigError(
             "lora.rank=0 is invalid here: stage 2 trains adapters; set --config.lora.rank=8"
@@ -98,6 +98,7 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
     student_cfg, student_params, layers = plan.build_student(t, teacher, seed)
     new_names = plan.new_parameters(teacher, student_cfg, student_params, layers, t.init)
     lora.targets(lora_spec, student_params)  # a target that matches nothing fails here
+    workdir.mkdir(parents=True, exist_ok=True)  # every check has passed
     (workdir / "student_config.json").write_text(json.dumps(student_cfg.to_dict(), indent=1))
     say(
         f"teacher {teacher.where} ({teacher.kind}); layers {sorted(layers)} -> "
@@ -112,7 +113,8 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
         return Stage(name, workdir, spec=spec, lr=float(lr), steps=int(steps),
                      warmup=int(t.warmup), student_cfg=cfg or student_cfg, teacher_cfg=teacher.cfg,
                      seed=seed, log_every=int(t.log_every),
-                     checkpoint_every=int(t.checkpoint_every), **kw)  # fmt: skip
+                     checkpoint_every=int(t.checkpoint_every), mesh=mesh, rules=rules,
+                     **kw)  # fmt: skip
 
     def fit(st: Stage, start, base, data_seed):
         """``st`` trained from ``start`` (resumed if begun); None when stopped early."""
@@ -211,6 +213,24 @@ def _mse(stage: Stage, base, trainable, teacher_params, batches) -> list[float]:
 
     per = np.mean([np.asarray(one(trainable, base, teacher_params, b)) for b in batches], 0)
     return [float(x) for x in per]
+
+
+def _mesh(cfg, batch_size: int):
+    """The run's mesh (its ``mesh`` group) and sharding rules; ``(None, None)`` on one
+    device. A batch the mesh's batch axes do not divide fails here, before step 1."""
+    from attnlab.devices import sharding
+
+    if jax.device_count() == 1:
+        return None, None
+    mesh = sharding.mesh_from_config(cfg)
+    rules = sharding.resolve_rules(cfg.get("mesh", {}).get("rules"))
+    n = sharding.axis_size(mesh, rules.get("batch"))
+    if batch_size % n:
+        raise ConfigError(
+            f"transfer.batch_size={batch_size} is invalid: the mesh's batch axes span {n} "
+            f"devices; use a multiple of {n}"
+        )
+    return mesh, rules
 
 
 def _teacher_tokens(teacher) -> int | None:

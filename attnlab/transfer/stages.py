@@ -8,6 +8,10 @@ teacher's parameters are arguments of the jitted step, never differentiated and 
 optimiser state. The step runs the teacher (gradients stopped) and the student on the same
 batch, in one program, and descends ``attnlab.train.distill.objective``.
 
+On a ``mesh`` of more than one device (the run's ``mesh`` group) the step is the same
+program over it: the batch split over the batch axes, the student's base and the teacher's
+parameters placed by the sharding rules, what trains replicated; GSPMD adds the collectives.
+
 Each stage keeps its own directory (``DIR/<stage>/``): orbax checkpoints (every
 ``checkpoint_every`` steps and at the end) and ``metrics.jsonl`` (one line per logged step,
 with the per-layer attention MSE); a stage that finds a checkpoint resumes from it exactly
@@ -25,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from attnlab.devices import sharding
 from attnlab.runs.checkpoint import Checkpointer
 from attnlab.train import distill, lora
 from attnlab.train.lora import path_name
@@ -103,6 +109,8 @@ class Stage:
         seed=0,
         log_every=10,
         checkpoint_every=100,
+        mesh=None,
+        rules=None,
     ):
         self.name, self.dir = name, pathlib.Path(workdir) / name
         self.spec, self.lora_spec = spec, lora_spec
@@ -116,7 +124,25 @@ class Stage:
         self.teacher_graph = nnx.graphdef(abstract(teacher_cfg))
         self.names = distill.teacher_names(spec, self.n_layers, self.mse_layers)
         self.tx = optimizer(lr, steps, warmup)
-        self._step = jax.jit(self._train_step, donate_argnums=0)
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.rules = rules if rules is not None else sharding.resolve_rules()
+        self._jitted = jax.jit(self._train_step, donate_argnums=0)
+
+    def place(self, params, *, replicate: bool = False):
+        """``params`` on the mesh (by the sharding rules, or replicated); as they are without."""
+        if self.mesh is None:
+            return params
+        if replicate:
+            return jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
+        return jax.device_put(params, sharding.tree_shardings(params, self.mesh, self.rules))
+
+    def _step(self, state, base, teacher_params, batch):
+        if self.mesh is None:
+            return self._jitted(state, base, teacher_params, batch)
+        placed = sharding.place_batch(batch, self.mesh, self.rules)
+        with sharding.activate(self.mesh, self.rules):
+            out = self._jitted(state, base, teacher_params, placed)
+        return jax.block_until_ready(out)  # CPU devices: one program at a time
 
     def init_state(self, trainable: dict) -> dict:
         trainable = jax.tree.map(jnp.array, trainable)  # a copy: the step donates it
@@ -156,14 +182,15 @@ class Stage:
 
     def run(self, trainable, base, teacher_params, batches, *, stop_after=None, say=print):
         """Trains from ``trainable`` (or resumes); returns the final trainable leaves."""
-        state = self.init_state(trainable)
+        state = self.place(self.init_state(trainable), replicate=True)
+        base, teacher_params = self.place(base), self.place(teacher_params)
         metrics_file = self.dir / "metrics.jsonl"
         with Checkpointer(self.dir / "checkpoints", max_to_keep=2) as ckpt:
             if self.done():
-                return ckpt.restore(state, ckpt.latest_step())["trainable"]
+                return self.local(ckpt.restore(state, ckpt.latest_step())["trainable"])
             start = ckpt.latest_step() or 0
             if start:
-                state = ckpt.restore(state)
+                state = self.place(ckpt.restore(state), replicate=True)
                 say(f"{self.name}: resuming at step {start}")
             _truncate(metrics_file, start)
             t0 = time.perf_counter()
@@ -181,7 +208,13 @@ class Stage:
                     ckpt.save(step + 1, state)
                     return None
             (self.dir / DONE).write_text(json.dumps({"steps": self.steps}))
-        return state["trainable"]
+        return self.local(state["trainable"])
+
+    def local(self, tree):
+        """``tree`` off the mesh, on the default device (what the evaluation reads)."""
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(jnp.asarray, jax.device_get(tree))
 
 
 def _floats(m: dict) -> dict:
