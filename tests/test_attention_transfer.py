@@ -179,3 +179,29 @@ def test_stages_on_eight_devices_train_as_on_one(tmp_path):
     np.testing.assert_allclose(many_losses, one_losses, rtol=2e-5)
     for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
+
+
+def test_the_ablation_table_is_each_rows_mean_and_t_interval_over_seeds(tmp_path):
+    from attnlab.transfer.report import report
+
+    def write(name, **values):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(values))
+
+    swaps, students = [2.0, 2.1, 2.3], [1.9, 1.95, 2.0]
+    for seed, (sw, st) in enumerate(zip(swaps, students, strict=True)):
+        write(f"linear_seed{seed}", swap_only_eval_loss=sw, student_eval_loss=st,
+              teacher_eval_loss=1.6)  # fmt: skip
+    write("window_seed0", student_eval_loss=1.61, teacher_eval_loss=1.6,
+          passkey={"teacher": 0.5, "student": 0.25}, layers={"0": "lolcats"})  # fmt: skip
+    (tmp_path / "window_seed0" / "stage1").mkdir()
+    (tmp_path / "window_seed0" / "stage1" / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "attention_mse": [0.1]}) + "\n"
+    )
+    lines = {r.split(" | ")[0]: r for r in report(tmp_path).splitlines()}
+    # mean 2.1333, sample sd 0.15275, t(0.975, 2 dof) = 4.303: half-width 0.37949
+    assert lines["| swap + finetune"].startswith("| swap + finetune | 2.133 ± 0.379 | +0.533 |")
+    assert "| 1.950 ± 0.124 |" in lines["| + attention transfer"]  # sd 0.05
+    assert lines["| + sliding window"] == "| + sliding window | 1.610 | +0.010 | 0.25 | 1 |"
+    assert "| swap + finetune, with the window" not in lines  # no run had that arm
+    assert (tmp_path / "stage1_mse.png").is_file() and (tmp_path / "gap_per_task.png").is_file()

@@ -2,10 +2,12 @@
 
 Rows (LoLCATs' ablation at our scale, then the hybrids):
 
-- ``swap + finetune``: the linear student (``window=0``) without stage 1, adapters and
-  feature maps trained for the tokens of both stages (``linear``'s ``swap_only``);
+- ``swap + finetune``: the linear student (``window=0``) without stage 1, its adapters
+  trained for the tokens of both stages (``linear``'s ``swap_only``; the feature maps too
+  where it ran with ``swap_trains="lora+mixer"``);
 - ``+ attention transfer``: the same student after stage 1, then LoRA (``linear``);
-- ``+ sliding window``: LoLCATs' mixer with its window (``window``);
+- ``+ sliding window``: LoLCATs' mixer with its window (``window``), and beside it the
+  same mixer swapped in without stage 1 (``window``'s ``swap_only``, where it ran);
 - ``hybrid 1/4`` and ``hybrid 1/2``: a quarter or half of the layers kept as softmax
   attention, the rest linear, with both stages; ``teacher``.
 
@@ -27,6 +29,7 @@ ROWS = [
     ("swap + finetune", "linear", "swap_only_eval_loss"),
     ("+ attention transfer", "linear", "student_eval_loss"),
     ("+ sliding window", "window", "student_eval_loss"),
+    ("swap + finetune, with the window", "window", "swap_only_eval_loss"),
     ("hybrid 1/2 softmax", "hybrid_half", "student_eval_loss"),
     ("hybrid 1/4 softmax", "hybrid_quarter", "student_eval_loss"),
     ("teacher", "window", "teacher_eval_loss"),
@@ -61,7 +64,7 @@ def table(runs: dict) -> list[dict]:
         values = [r[key] for r in runs.get(row, {}).values() if key in r]
         mean, half, n = interval(values)
         pk = "teacher" if key == "teacher_eval_loss" else "student"
-        passkey = [r["passkey"][pk] for r in runs.get(row, {}).values() if "passkey" in r]
+        passkey = [r["passkey"][pk] for r in runs.get(row, {}).values() if r.get("passkey")]
         if key == "swap_only_eval_loss":
             passkey = []
         rows.append({"row": label, "eval_loss": mean, "ci95": half, "seeds": n,
@@ -115,9 +118,10 @@ def plot_gap(runs: dict, out: pathlib.Path):
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, (task, f) in zip(axes, [
         ("eval loss gap (nats)", lambda r: r["student_eval_loss"] - r["teacher_eval_loss"]),
-        ("passkey gap (digits)", lambda r: r["passkey"]["teacher"] - r["passkey"]["student"]),
+        ("passkey gap (digits)",
+         lambda r: r["passkey"]["teacher"] - r["passkey"]["student"] if r.get("passkey") else None),
     ], strict=True):  # fmt: skip
-        means = [interval([f(r) for r in runs[n].values()]) for n in names]
+        means = [interval([v for r in runs[n].values() if (v := f(r)) is not None]) for n in names]
         ax.bar(names, [m[0] for m in means], yerr=[m[1] for m in means], capsize=3)
         ax.set_title(task, fontsize=10)
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
