@@ -102,6 +102,7 @@ def test_a_student_decodes_with_its_cache_as_by_recomputation():
         (["--config.transfer.swap_trains=all"], r"^transfer\.swap_trains='all' is invalid"),
         (['--config.transfer.swap_settings={"windw": 0}'], r"^transfer\.swap_settings=.*windw"),
         (["--config.transfer.swap_settings=[0]"], r"^transfer\.swap_settings=.*JSON object"),
+        (["--config.transfer.harness_tasks=needle"], r"^transfer\.harness_tasks='needle'"),
     ],
 )
 def test_bad_input_fails_in_one_line_before_step_one(tmp_path, overrides, message):
@@ -205,3 +206,20 @@ def test_the_ablation_table_is_each_rows_mean_and_t_interval_over_seeds(tmp_path
     assert lines["| + sliding window"] == "| + sliding window | 1.610 | +0.010 | 0.25 | 1 |"
     assert "| swap + finetune, with the window" not in lines  # no run had that arm
     assert (tmp_path / "stage1_mse.png").is_file() and (tmp_path / "gap_per_task.png").is_file()
+
+
+@pytest.mark.slow(reason="imports the harness and decodes a task through the cache")
+def test_the_harness_scores_a_student_on_the_tasks_at_its_length(tmp_path):
+    pytest.importorskip("lm_eval")
+    from attnlab.data.tokenizers import ByteTokenizer
+    from attnlab.transfer import measure
+
+    cfg = attnlab.ModelConfig(arch="decoder", vocab_size=256, d_model=32, n_layers=1,
+                              n_heads=2, max_len=160, position="rope", mixer="lolcats",
+                              mixer_settings={"window": 8})  # fmt: skip
+    got = measure.harness(attnlab.build_model(cfg, seed=0), ByteTokenizer(), "passkey,vt", 128,
+                          tmp_path, examples=2, seed=0)  # fmt: skip
+    assert set(got) == {"ruler_passkey_128"}  # variable tracking needs more than 128 bytes
+    assert all(0.0 <= v <= 1.0 for v in got.values())
+    rows = [json.loads(x) for x in (tmp_path / "passkey_128.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["outputs"][0] in r["input"] for r in rows)

@@ -5,6 +5,9 @@
   (``key = 12345`` on a line of its own), the text continuing, then ``key = `` again at
   the end: the share of the digits the model predicts greedily, teacher-forced (a copy
   over the window, which a sliding window shorter than the distance cannot do alone).
+- ``harness``: the RULER-style tasks as lm-eval tasks (``attnlab.evaluation.ruler_harness``),
+  written at the run's window length in the run's tokenizer and scored by the harness
+  (greedy generation through the cache, recall of the references).
 - ``decode_profile``: per context length ``L`` (1k, 8k, 32k tokens), the cache bytes
   ``attnlab.kv_cache_bytes`` counts for one row (float32) and the seconds of one decode
   step with a cache holding ``L - 1`` tokens (the median of a few, after a warm-up). The
@@ -100,3 +103,25 @@ def _abstract(cfg):
     from attnlab.nn.models import build_model
 
     return nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+
+
+def harness(model, tokenizer, tasks: str, length: int, folder, *, examples: int, seed: int):
+    """``{task: recall}`` of the harness on the RULER-style ``tasks`` at ``length`` tokens
+    (task folder written to ``folder``); a task that does not fit the length is left out."""
+    from attnlab.evaluation import ruler_harness
+    from attnlab.evaluation.backends import Backend
+    from attnlab.evaluation.harness import run_harness
+
+    encode = lambda text: [int(i) for i in tokenizer.encode(text)]
+    decode = lambda ids: tokenizer.decode(np.asarray(ids, np.int64))
+    names = ruler_harness.write_tasks(folder, tasks, [length], encode, decode,
+                                      examples=examples, seed=seed)  # fmt: skip
+    if not names:
+        return {}
+    graphdef, state = nnx.split(model)
+    newline = encode("\n")
+    backend = Backend(name="attnlab:transfer", model=model, graphdef=graphdef, state=state,
+                      max_len=model.cfg.max_len, encode=encode, decode=decode,
+                      prefix_id=newline[-1] if newline else 0, eos_id=None)  # fmt: skip
+    res = run_harness(backend, names, include_path=folder, bootstrap_iters=0)["results"]
+    return {name: float(res[name]["recall,none"]) for name in names}

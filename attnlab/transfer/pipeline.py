@@ -68,6 +68,19 @@ def check(cfg):
             f"transfer.swap_trains={trains!r} is invalid: the swap baseline trains one of "
             f"{SWAP_TRAINS}; set --config.transfer.swap_trains=lora"
         )
+    tasks = cfg.transfer.get("harness_tasks")
+    if tasks:
+        from attnlab.data import ruler_tasks
+        from attnlab.errors import optional_import
+
+        try:
+            ruler_tasks.task_names(str(tasks))
+        except ConfigError:
+            raise ConfigError(
+                f"transfer.harness_tasks={tasks!r} is invalid: a comma list of "
+                f"{list(ruler_tasks.TASKS)} ('': none)"
+            ) from None
+        optional_import("lm_eval", "eval", "transfer.harness_tasks (the EleutherAI harness)")
     teacher_cfg, _ = plan.teacher_config(cfg.transfer)
     student_cfg, layers = plan.student_config(cfg.transfer, teacher_cfg)
     if cfg.transfer.get("swap_baseline"):
@@ -183,6 +196,12 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
         results["passkey"] = {
             "teacher": measure.passkey(tmodel, *rows),
             "student": measure.passkey(student, *rows),
+        }
+    if t.get("harness_tasks"):
+        tasks, n = str(t.harness_tasks), int(t.get("harness_examples", 16))
+        results["harness"] = {
+            who: measure.harness(m, tokenizer, tasks, T, workdir / "harness", examples=n, seed=seed)
+            for who, m in (("teacher", tmodel), ("student", student))
         }
     if t.decode_lengths:
         lengths = tuple(int(x) for x in t.decode_lengths)
