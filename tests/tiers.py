@@ -154,6 +154,7 @@ MOVED_REASON = (
 LONG: tuple[str, ...] = (
     "tests/test_attention_transfer.py::test_tiny_pipeline_from_a_hugging_face_folder",  # 11 s
     "tests/test_attention_transfer.py::test_tiny_pipeline_from_a_run_trained_here_resumes",  # 26 s
+    "tests/test_attention_transfer.py::test_the_harness_scores_a_student_on_the_tasks_at_its_length",  # 40 s
     "tests/test_attention_zoo.py::test_the_recurrent_rows_and_hybrids_are_matched_within_one_ffn_column",  # 8 s
     "tests/test_attention_zoo.py::test_the_tiny_sweep_runs_and_reports",  # 41 s
     "tests/test_bad_inputs.py::test_eight_devices_evaluate_a_batch_they_cannot_split_and_sigterm_exits_143",  # 11 s
