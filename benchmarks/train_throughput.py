@@ -382,7 +382,7 @@ def main(argv=None):
         "limits": limits,
         "results": shape_rows(args, mesh, limits, dry),
         "mesh": args.mesh or None,
-        "cpu_devices_per_core": devices.APPLIED,
+        "cpu_devices_per_core": devices.cpu.APPLIED,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "devices": jax.device_count(),
         "memory": mesh_memory(args.override, jax.device_count()) if explicit_mesh else None,

@@ -23,7 +23,7 @@ def cfg(*overrides):
 
 @pytest.fixture
 def four_cores(monkeypatch):
-    monkeypatch.setattr(devices, "cores", lambda: 4)
+    monkeypatch.setattr(devices.cpu, "cores", lambda: 4)
     monkeypatch.delenv(devices.ENV, raising=False)
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
 

@@ -180,7 +180,7 @@ class Profiler:
 
 
 def per_core(devices) -> str:
-    from attnlab import devices as cpu_devices
+    from attnlab.devices import cpu as cpu_devices
 
     if cpu_devices.APPLIED and len(devices) > 1 and devices[0].platform == "cpu":
         return f", one per core ({cpu_devices.ENV}=1: one multithreaded device)"
