@@ -21,6 +21,7 @@ directory's ``config.json``; loading that config (or validating one that names i
 file first, so any process can reopen or repeat the run.
 """
 
+from attnlab.errors import ConfigError  # noqa: F401  (read as attnlab.experiment.ConfigError)
 from attnlab.experiment.files import (  # noqa: F401  (read as attnlab.experiment.*)
     ConfigDict,
     _merge,
