@@ -194,6 +194,17 @@ def axis_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
+def check_batch(mesh, rules, batch_size: int, field: str) -> None:
+    """A batch of ``batch_size`` rows (the config's ``field``) must split evenly over the
+    mesh's batch axes; a ``MeshError`` naming the field and the multiple otherwise."""
+    n = axis_size(mesh, rules.get("batch"))
+    if batch_size % n:
+        raise MeshError(
+            f"{field}={batch_size} is not divisible by the mesh's batch axes "
+            f"({n} devices: mesh.data x mesh.fsdp); use a multiple of {n}"
+        )
+
+
 def spec(names, shape, mesh, rules, *, what: str) -> P:
     """The PartitionSpec of an array whose axes have the logical ``names``."""
     used, out = set(), []

@@ -56,19 +56,20 @@ def wait_for_last_program():
 
 
 def on_mesh(step, mesh, rules, batch_axis: int = 0):
-    """``step(state_or_params, batch)`` with the batch placed over ``mesh``'s batch axes and
-    the mesh current; on CPU devices one program at a time (the module docstring). Without a
-    mesh, ``step`` itself."""
+    """``step(state_or_params, ..., batch)`` (the batch last) with the batch placed over
+    ``mesh``'s batch axes and the mesh current; on CPU devices one program at a time (the
+    module docstring). Without a mesh, ``step`` itself."""
     if mesh is None:
         return step
     one_at_a_time = mesh.devices.flat[0].platform == "cpu"
 
-    def run(x, batch):
+    def run(*args):
+        *xs, batch = args
         placed = sharding.place_batch(batch, mesh, rules, axis=batch_axis)
         if one_at_a_time:
             wait_for_last_program()
         with sharding.activate(mesh, rules):
-            out = step(x, placed)
+            out = step(*xs, placed)
         if one_at_a_time:
             _LAST_PROGRAM[0] = jax.tree.leaves(out)[-1]  # a metric: never donated
         return out

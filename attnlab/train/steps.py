@@ -205,12 +205,7 @@ class Trainer:
 
     def check_batch(self, batch_size: int, field: str):
         """A batch must split evenly over the mesh's batch axes."""
-        n = sharding.axis_size(self.mesh, self.rules.get("batch"))
-        if batch_size % n:
-            raise sharding.MeshError(
-                f"{field}={batch_size} is not divisible by the mesh's batch axes "
-                f"({n} devices: mesh.data x mesh.fsdp); use a multiple of {n}"
-            )
+        sharding.check_batch(self.mesh, self.rules, batch_size, field)
 
     def pad_to_mesh(self, batch: dict) -> dict:
         """An evaluation batch with rows of zeros (``loss_mask`` 0, so they count for

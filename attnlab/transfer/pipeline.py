@@ -179,15 +179,16 @@ def run(cfg, workdir, *, say=print, stop_after: dict | None = None) -> dict:
         group = plan.swap_group(t)
         swap_cfg, swap_params, _ = plan.build_student(group, teacher, seed)
         names = plan.new_parameters(teacher, swap_cfg, swap_params, layers, t.init)
-        mixers = t.get("swap_trains", "lora") == "lora+mixer"
-        start = {"lora": adapters, "params": select(swap_params, names) if mixers else {}}
+        trains = t.get("swap_trains", "lora")
+        mixers = select(swap_params, names) if trains == "lora+mixer" else {}
+        start = {"lora": adapters, "params": mixers}
         sw = stage("swap_only", spec2, t.stage2_lr, s1.steps + s2.steps, cfg=swap_cfg,
                    lora_spec=lora_spec)  # fmt: skip
         got = fit(sw, start, swap_params, seed + 2)
         if got is None:
             return {"stopped": "swap_only"}
         results["swap_only_eval_loss"] = measure.eval_loss(sw.student(swap_params, got), evals)
-        results["swap_trains"] = t.get("swap_trains", "lora")
+        results["swap_trains"] = trains
         results["swap_settings"] = str(t.get("swap_settings") or "{}")
     if t.passkey_rows:
         rows = measure.passkey_rows(
@@ -243,12 +244,7 @@ def _mesh(cfg, batch_size: int):
         return None, None
     mesh = sharding.mesh_from_config(cfg)
     rules = sharding.resolve_rules(cfg.get("mesh", {}).get("rules"))
-    n = sharding.axis_size(mesh, rules.get("batch"))
-    if batch_size % n:
-        raise ConfigError(
-            f"transfer.batch_size={batch_size} is invalid: the mesh's batch axes span {n} "
-            f"devices; use a multiple of {n}"
-        )
+    sharding.check_batch(mesh, rules, batch_size, "transfer.batch_size")
     return mesh, rules
 
 

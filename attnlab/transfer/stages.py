@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from attnlab.devices import sharding
 from attnlab.runs.checkpoint import Checkpointer
-from attnlab.train import distill, lora
+from attnlab.train import distill, lora, programs
 from attnlab.train.lora import path_name
 
 DONE = "done.json"
@@ -126,7 +126,9 @@ class Stage:
         self.tx = optimizer(lr, steps, warmup)
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.rules = rules if rules is not None else sharding.resolve_rules()
-        self._jitted = jax.jit(self._train_step, donate_argnums=0)
+        self._step = programs.on_mesh(
+            jax.jit(self._train_step, donate_argnums=0), self.mesh, self.rules
+        )
 
     def place(self, params, *, replicate: bool = False):
         """``params`` on the mesh (by the sharding rules, or replicated); as they are without."""
@@ -135,14 +137,6 @@ class Stage:
         if replicate:
             return jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
         return jax.device_put(params, sharding.tree_shardings(params, self.mesh, self.rules))
-
-    def _step(self, state, base, teacher_params, batch):
-        if self.mesh is None:
-            return self._jitted(state, base, teacher_params, batch)
-        placed = sharding.place_batch(batch, self.mesh, self.rules)
-        with sharding.activate(self.mesh, self.rules):
-            out = self._jitted(state, base, teacher_params, placed)
-        return jax.block_until_ready(out)  # CPU devices: one program at a time
 
     def init_state(self, trainable: dict) -> dict:
         trainable = jax.tree.map(jnp.array, trainable)  # a copy: the step donates it
