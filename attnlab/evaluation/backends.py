@@ -113,19 +113,30 @@ def from_run(workdir, step: int | None = None) -> Backend:
             f"--workdir {workdir} was trained on data.kind={run.task.name!r}, which has no "
             "text tokenizer: the harness scores text"
         )
-    graphdef, state = nnx.split(run.model)
+    return for_model(
+        f"attnlab:{workdir}@{run.step}",
+        run.model,
+        encode=run.task.encode,
+        decode=lambda ids: decode_known(run.task, np.asarray(ids, np.int64)),
+    )
+
+
+def for_model(name: str, model, *, encode, decode) -> Backend:
+    """The backend of an NNX decoder and its text tokenizer's ``encode`` / ``decode`` (an
+    empty context is conditioned on the newline's last id)."""
+    graphdef, state = nnx.split(model)
     try:
-        newline = int(run.task.encode("\n")[-1])
+        newline = int(encode("\n")[-1])
     except (ValueError, IndexError):
         newline = 0
     return Backend(
-        name=f"attnlab:{workdir}@{run.step}",
-        model=run.model,
+        name=name,
+        model=model,
         graphdef=graphdef,
         state=state,
-        max_len=cfg.max_len,
-        encode=lambda text: [int(i) for i in run.task.encode(text)],
-        decode=lambda ids: decode_known(run.task, np.asarray(ids, np.int64)),
+        max_len=model.cfg.max_len,
+        encode=lambda text: [int(i) for i in encode(text)],
+        decode=decode,
         prefix_id=newline,
         eos_id=None,
     )

@@ -109,19 +109,14 @@ def harness(model, tokenizer, tasks: str, length: int, folder, *, examples: int,
     """``{task: recall}`` of the harness on the RULER-style ``tasks`` at ``length`` tokens
     (task folder written to ``folder``); a task that does not fit the length is left out."""
     from attnlab.evaluation import ruler_harness
-    from attnlab.evaluation.backends import Backend
+    from attnlab.evaluation.backends import for_model
     from attnlab.evaluation.harness import run_harness
 
-    encode = lambda text: [int(i) for i in tokenizer.encode(text)]
     decode = lambda ids: tokenizer.decode(np.asarray(ids, np.int64))
-    names = ruler_harness.write_tasks(folder, tasks, [length], encode, decode,
+    backend = for_model("attnlab:transfer", model, encode=tokenizer.encode, decode=decode)
+    names = ruler_harness.write_tasks(folder, tasks, [length], backend.encode, decode,
                                       examples=examples, seed=seed)  # fmt: skip
     if not names:
         return {}
-    graphdef, state = nnx.split(model)
-    newline = encode("\n")
-    backend = Backend(name="attnlab:transfer", model=model, graphdef=graphdef, state=state,
-                      max_len=model.cfg.max_len, encode=encode, decode=decode,
-                      prefix_id=newline[-1] if newline else 0, eos_id=None)  # fmt: skip
     res = run_harness(backend, names, include_path=folder, bootstrap_iters=0)["results"]
     return {name: float(res[name]["recall,none"]) for name in names}
