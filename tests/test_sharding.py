@@ -24,9 +24,23 @@ from attnlab.train import Trainer
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+VARIANT_TEST = "test_every_built_in_variant_trains_and_decodes_on_a_mesh_like_one_device"
+# One variant of each kind (score function, gated, recurrent, latent, sparse) runs with
+# .ci/run; the others run with .ci/long (tests/tiers.py LONG), for .ci/run's time.
+FIRST_VARIANTS = ("fox", "gated", "mamba", "mla", "nsa")
+
+
 @pytest.mark.slow(reason="a second pytest process on 8 CPU devices compiles every sharded program")
-def test_mesh_tests_pass_on_eight_cpu_devices():
-    xla_flags.run_on_devices(__file__)
+@pytest.mark.parametrize("part", ["layouts", "variants", "other_variants"])
+def test_mesh_tests_pass_on_eight_cpu_devices(part):
+    """The mesh tests in three children, which the later tiers' workers share: every test but
+    the built-in variants', then the variants in two halves."""
+    if part == "layouts":
+        xla_flags.run_on_devices(__file__, "-k", f"not {VARIANT_TEST}")
+        return
+    first = part == "variants"
+    mixers = [m for m in sorted(BUILT_IN_VARIANTS) if (m in FIRST_VARIANTS) == first]
+    xla_flags.run_on_devices(*(f"{__file__}::{VARIANT_TEST}[{m}]" for m in mixers))
 
 
 # Meshes and rules (no devices needed) --------------------------------------------------------
