@@ -20,6 +20,14 @@ trial), the report 7 min. At 400 steps no task is solved in distribution (exact 
 copy, reverse and addition; chance on parity and summation); mean per-token accuracy past
 length 20: T5 bias 0.378, NoPE 0.370, learned 0.329, RoPE 0.319, ALiBi 0.318, sinusoidal
 0.095.
+
+The ``per_task`` variant asks the paper's question of models that solve the tasks first: one
+model per task and position kind (copy, reverse, sort, addition with its sum written
+least-significant digit first, parity), trained at problem lengths 1..10 with a cosine
+schedule and tested to 20, the paper's 2x at a length these models learn on a CPU::
+
+    attnlab sweep --config experiments/length_nope.py:per_task --workdir runs/length_nope_tasks
+    python experiments/length_nope.py --report runs/length_nope_tasks --variant per_task
 """
 
 from __future__ import annotations
@@ -32,11 +40,14 @@ from attnlab.experiment import base_config
 from attnlab.experiment.harness import eval_at_end, finished_trials, report_main, tiny_twin
 from attnlab.experiment.presets import STUDY_DECODER
 
-VARIANTS = ("tiny",)
+VARIANTS = ("tiny", "per_task", "per_task_tiny")
 POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
 TASKS = ("copy", "reverse", "sort", "addition", "parity", "summation")
 TRAIN_MAX, TEST_MAX = 20, 40
 NUM_SYMBOLS = 16
+# The per-task study: one task a model, at problem lengths up to PER_TASK_MAX.
+PER_TASK = ("copy", "reverse", "sort", "addition", "parity")
+PER_TASK_MAX = 10
 
 
 def get_config(variant=None):
@@ -55,22 +66,48 @@ def get_config(variant=None):
     )
     c.optim.update(learning_rate=3e-3, warmup_steps=50, weight_decay=0.0, schedule="constant")
     eval_at_end(c, steps=400, batch_size=32, log_every_steps=100, eval_batches=2, seed=0)
-    if variant == "tiny":
+    if variant in ("per_task", "per_task_tiny"):  # the sweep sets data.tasks and data.seq_len
+        c.name = "length_nope_per_task"
+        c.data.update(tasks=PER_TASK[0], seq_len=_per_task_seq_len(PER_TASK[0], PER_TASK_MAX),
+                      max_len=PER_TASK_MAX, reverse_sum=True)  # fmt: skip
+        c.optim.update(schedule="cosine")
+        eval_at_end(c, steps=5000, batch_size=32, log_every_steps=500, eval_batches=2, seed=0)
+    if variant in ("tiny", "per_task_tiny"):
         tiny_twin(c, d_model=16, d_ff=32, max_len=64, steps=2,
                   seq_len=length_tasks.row_len("addition", 4) - 1)  # fmt: skip
         c.data.max_len = 4
     return c
 
 
-def sweep(variant=None):
-    """One trial per position kind."""
-    from attnlab.sweep import grid
+def _per_task_seq_len(task, train_max):
+    return length_tasks.row_len(task, train_max) - 1
 
-    return grid({"model.position": list(POSITIONS)})
+
+def _train_max(variant):
+    return {"tiny": 4, "per_task_tiny": 4, "per_task": PER_TASK_MAX}.get(variant, TRAIN_MAX)
+
+
+def sweep(variant=None):
+    """One trial per position kind (``per_task``: per position kind and task, each task's rows
+    as long as its longest problem)."""
+    from attnlab.sweep import grid, product
+
+    positions = grid({"model.position": list(POSITIONS)})
+    if variant not in ("per_task", "per_task_tiny"):
+        return positions
+    # Sinusoidal as Vaswani et al. add it: to token embeddings scaled by sqrt(d_model), which
+    # the table's unit amplitude otherwise swamps (token embeddings start at std 0.02).
+    positions.append({"model.position": "sinusoidal", "model.embed_scale": True})
+    n = _train_max(variant)
+    tasks = [{"data.tasks": t, "data.seq_len": _per_task_seq_len(t, n)} for t in PER_TASK]
+    return product(positions, tasks)
 
 
 def lengths_of(variant=None):
-    return [2, 4, 6, 8] if variant == "tiny" else [5, 10, 15, 20, 25, 30, 35, 40]
+    """The problem lengths scored: to twice the longest trained."""
+    n = _train_max(variant)
+    step = max(2, n // 4)
+    return list(range(step, 2 * n + 1, step))
 
 
 def score_run(workdir, lengths, rows=128, per_token=False) -> dict:
@@ -98,6 +135,7 @@ def score_run(workdir, lengths, rows=128, per_token=False) -> dict:
                 seq_len=seq_len,
                 num_symbols=int(d.num_symbols),
                 per_token=per_token,
+                reverse_sum=bool(d.get("reverse_sum", False)),
             )
             for n in lengths
         }
@@ -124,12 +162,14 @@ def report(root, *, variant=None, rows=128) -> dict:
     writes nope.json, nope.md (both tables) and nope.png / nope_tokens.png."""
     root = pathlib.Path(root)
     lengths = lengths_of(variant)
-    train_max = 4 if variant == "tiny" else TRAIN_MAX
+    train_max = _train_max(variant)
     results = {"exact_match": {}, "token_accuracy": {}}
-    for trial, config in finished_trials(root):
-        position = config["model"]["position"]
-        results["exact_match"][position] = score_run(trial, lengths, rows)
-        results["token_accuracy"][position] = score_run(trial, lengths, rows, per_token=True)
+    for trial, config in finished_trials(root):  # per_task: one task a trial, merged
+        position = config["model"]["position"] + " x sqrt(d)" * config["model"]["embed_scale"]
+        results["exact_match"].setdefault(position, {}).update(score_run(trial, lengths, rows))
+        results["token_accuracy"].setdefault(position, {}).update(
+            score_run(trial, lengths, rows, per_token=True)
+        )
     (root / "nope.json").write_text(json.dumps(results, indent=1))
     text = "exact match\n\n" + _table(results["exact_match"], train_max)
     text += "\nper-token accuracy\n\n" + _table(results["token_accuracy"], train_max)

@@ -138,6 +138,35 @@ def test_algorithmic_rows_hold_the_right_answer(task):
         assert answer == want
 
 
+def _assert_sums_least_significant_first(batch):
+    """Each addition row's answer is the sum's digits from the units up (Python's integers)."""
+    for row, targets, mask in zip(batch["inputs"], batch["targets"], batch["loss_mask"],
+                                  strict=True):  # fmt: skip
+        x = [int(i) - NUM_SPECIAL for i in row[2 : list(row).index(SEP)]]
+        plus = x.index(length_tasks.PLUS_SYMBOL)
+        total = int("".join(map(str, x[:plus]))) + int("".join(map(str, x[plus + 1 :])))
+        answer = [int(t) - NUM_SPECIAL for t in targets[mask > 0]][:-1]  # without EOS
+        assert answer == [total // 10**k % 10 for k in range(len(str(total)))]
+
+
+def test_reverse_sum_writes_the_sum_least_significant_digit_first():
+    options = dict(num_symbols=16, min_len=3, max_len=9)
+    plain = length_tasks.algorithmic_batch("addition", np.random.default_rng(1), 32, 40, **options)
+    flipped = length_tasks.algorithmic_batch(
+        "addition", np.random.default_rng(1), 32, 40, reverse_sum=True, **options
+    )
+    _assert_sums_least_significant_first(flipped)
+    # The same draws: the problems (up to SEP) and the answer positions agree.
+    problem = np.cumsum(plain["inputs"] == SEP, axis=1) == 0
+    np.testing.assert_array_equal(plain["inputs"][problem], flipped["inputs"][problem])
+    np.testing.assert_array_equal(plain["loss_mask"], flipped["loss_mask"])
+    assert (plain["targets"] != flipped["targets"]).any()
+    # And the data kind hands the field on.
+    task = make_task({"kind": "length_task", "tasks": "addition", "seq_len": 24,
+                      "min_len": 2, "max_len": 5, "reverse_sum": True})  # fmt: skip
+    _assert_sums_least_significant_first(task.train_batch(0, 0, 16))
+
+
 def test_the_data_kind_builds_both_families():
     task = make_task({"kind": "length_task", "tasks": "copy,parity", "seq_len": 24,
                       "num_symbols": 8, "min_len": 1, "max_len": 6})  # fmt: skip

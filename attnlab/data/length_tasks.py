@@ -5,9 +5,11 @@
 Algorithmic tasks (``ALGORITHMIC``; NoPE's, Kazemnejad et al. 2023) are decoder-only
 symbol tasks in ``synthetic``'s format (``BOS problem SEP answer EOS PAD...``, the loss on
 the answer), their problem length ``n`` drawn from ``[data.min_len, data.max_len]``:
-``copy``, ``reverse``, ``sort`` (``n`` symbols), ``addition`` (two numbers of up to ``n``
-digits, ``+`` between them, the sum most-significant digit first), ``parity`` (``n`` bits,
-answer their parity) and ``summation`` (``n`` digits, answer their sum mod 10). Digits are
+``copy``, ``reverse``, ``sort`` (``n`` symbols), ``addition`` (two numbers of ``n`` digits,
+``+`` between them, the sum most-significant digit first, or least-significant first with
+``data.reverse_sum``: the order the carries run in, which small models learn far sooner,
+Lee et al. 2023), ``parity`` (``n`` bits, answer their parity) and ``summation`` (``n``
+digits, answer their sum mod 10). Digits are
 symbols 0-9, ``+`` symbol 10; each problem starts with its task's marker (ids after the
 symbols), so one model can learn several; the vocabulary is ``vocab_size(num_symbols)``.
 
@@ -61,7 +63,7 @@ def _rows(problems, answers, seq_len):
     return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "loss_mask": mask[:, 1:]}
 
 
-def _instance(task, rng, n, num_symbols):
+def _instance(task, rng, n, num_symbols, reverse_sum=False):
     """``(problem symbols, answer symbols)`` of one ``task`` row at problem length ``n``."""
     if task in ("copy", "reverse", "sort"):
         x = rng.integers(0, num_symbols, n)
@@ -70,12 +72,14 @@ def _instance(task, rng, n, num_symbols):
         d = rng.integers(0, 10, (2, n))
         d[:, 0] = rng.integers(1 if n > 1 else 0, 10, 2)  # no leading zero
         a, b = (int("".join(map(str, row))) for row in d)
-        return [*map(int, str(a)), PLUS_SYMBOL, *map(int, str(b))], list(map(int, str(a + b)))
+        total = list(map(int, str(a + b)))[:: -1 if reverse_sum else 1]
+        return [*map(int, str(a)), PLUS_SYMBOL, *map(int, str(b))], total
     x = rng.integers(0, 2 if task == "parity" else 10, n)
     return x, [int(x.sum() % (2 if task == "parity" else 10))]
 
 
-def algorithmic_batch(tasks, rng, batch_size, seq_len, *, num_symbols, min_len, max_len):
+def algorithmic_batch(tasks, rng, batch_size, seq_len, *, num_symbols, min_len, max_len,
+                      reverse_sum=False):  # fmt: skip
     """A batch of ``tasks`` (a name or a list: each row draws one), problem lengths uniform
     in ``[min_len, max_len]``; each problem starts with its task's marker symbol."""
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -92,7 +96,8 @@ def algorithmic_batch(tasks, rng, batch_size, seq_len, *, num_symbols, min_len, 
     problems, answers = [], []
     for _ in range(batch_size):
         task = tasks[int(rng.integers(0, len(tasks)))]
-        x, a = _instance(task, rng, int(rng.integers(min_len, max_len + 1)), num_symbols)
+        n = int(rng.integers(min_len, max_len + 1))
+        x, a = _instance(task, rng, n, num_symbols, reverse_sum)
         problems.append([marker + ALGORITHMIC.index(task), *(NUM_SPECIAL + int(s) for s in x)])
         answers.append([NUM_SPECIAL + int(s) for s in a])
     return _rows(problems, answers, seq_len)
@@ -135,6 +140,7 @@ def length_task(cfg, workdir, host=(0, 1)) -> Task:
     if names[0] in ALGORITHMIC:
         num_symbols = int(config_field(cfg, "num_symbols"))
         min_len = int(config_field(cfg, "min_len"))
+        reverse_sum = bool(config_field(cfg, "reverse_sum"))
         max_len = int(config_field(cfg, "max_len")) or max(
             n for n in range(1, seq_len) if all(row_len(t, n) <= seq_len + 1 for t in names)
         )
@@ -148,6 +154,7 @@ def length_task(cfg, workdir, host=(0, 1)) -> Task:
                 num_symbols=num_symbols,
                 min_len=min_len,
                 max_len=max_len,
+                reverse_sum=reverse_sum,
             )
 
         sample(np.random.default_rng(0), 1)  # the settings, checked now
@@ -195,15 +202,16 @@ def length_task(cfg, workdir, host=(0, 1)) -> Task:
 
 
 def teacher_forced_accuracy(predict, task, n, *, rows, seq_len, num_symbols, seed=0,
-                            per_token=False) -> float:  # fmt: skip
+                            per_token=False, reverse_sum=False) -> float:  # fmt: skip
     """Exact-match accuracy of ``predict(inputs) -> argmax ids`` on ``rows`` fresh rows of
     ``task`` at problem length ``n`` (a row counts when every answer token is the argmax:
     what greedy decoding would write); with ``per_token``, the fraction of answer tokens
     (EOS included) that are the argmax."""
     rng = np.random.default_rng([seed, n, 9])
     batch = algorithmic_batch(
-        task, rng, rows, seq_len, num_symbols=num_symbols, min_len=n, max_len=n
-    )
+        task, rng, rows, seq_len, num_symbols=num_symbols, min_len=n, max_len=n,
+        reverse_sum=reverse_sum,
+    )  # fmt: skip
     hit = np.asarray(predict(batch["inputs"])) == batch["targets"]
     mask = batch["loss_mask"] > 0
     if per_token:

@@ -83,6 +83,7 @@ _DEFAULTS = {
     "pipeline": "grain",
     "workers": 0,
     "tasks": "",
+    "reverse_sum": False,
 }
 
 

@@ -95,6 +95,7 @@ def base_config() -> ConfigDict:
             pipeline="grain",  # packed documents; "index": windows at every offset, stateless
             workers=0,  # Grain worker processes for the packed pipeline (0: a prefetch thread)
             tasks="",  # data.kind="length_task": comma-separated tasks (attnlab.data.length_tasks)
+            reverse_sum=False,  # its addition rows: the sum least-significant digit first
         )
     )
     c.optim = ConfigDict(
