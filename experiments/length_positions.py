@@ -3,7 +3,8 @@
 ALiBi's experiment (Press et al. 2022, "Train Short, Test Long") at CPU scale: the same
 character-level decoder on the embedded corpus (the Python standard library's source), trained
 at T = 128 with each of attnlab's ``ModelConfig.position`` kinds (learned absolute,
-sinusoidal, RoPE, T5's relative buckets, ALiBi, none), then scored by ``attnlab eval
+sinusoidal, RoPE, T5's relative buckets, ALiBi, none) and three seeds (the sweep trains a
+kind's seeds together, vmapped), then scored by ``attnlab eval
 --lengths`` at 128 .. 2048 tokens on non-overlapping windows (``chunks``) and with a sliding
 window (``sliding``: every scored token sees the full window behind it). RoPE is scored
 again with Position Interpolation and YaRN applied at evaluation time (``--rope-scaling``)::
@@ -13,8 +14,9 @@ again with Position Interpolation and YaRN applied at evaluation time (``--rope-
 
 ``model.max_len`` is 2048 so that the learned table has rows to evaluate at (those past 128
 are never trained); the other kinds hold nothing that depends on it. ``--report`` writes
-``DIR/length_table.md``, ``DIR/length_eval.json`` and ``DIR/length_eval_<mode>.png`` (one
-line per position kind). docs/length.md has the figures.
+``DIR/length_table.md`` (each cell the mean over seeds ± its 95% t-interval),
+``DIR/length_eval.json`` (``mean`` and ``per_seed``) and ``DIR/length_eval_<mode>.png`` (one
+line per position kind, with error bars). docs/length.md has the figures.
 
 Measured on 2 shared CPU cores (load average 15-20): the sweep 22 min wall (4.0 min CPU
 time), the report with ``--tokens 8192`` 36 min wall (4.4 min CPU). Loss at 128 -> 2048
@@ -37,6 +39,7 @@ POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
 TRAIN_LEN = 128
 LENGTHS = (128, 256, 512, 1024, 2048)
 SCALINGS = ("linear:16", "yarn:16")  # evaluation-time RoPE scalings beside plain RoPE
+SEEDS = (0, 1, 2)
 
 
 def get_config(variant=None):
@@ -53,10 +56,10 @@ def get_config(variant=None):
 
 
 def sweep(variant=None):
-    """One trial per position kind."""
+    """One trial per position kind and seed."""
     from attnlab.sweep import grid
 
-    return grid({"model.position": list(POSITIONS)})
+    return grid({"model.position": list(POSITIONS), "train.seed": list(SEEDS)})
 
 
 def lengths_of(variant=None) -> list[int]:
@@ -67,25 +70,31 @@ def lengths_of(variant=None) -> list[int]:
 
 def report(root, *, variant=None, tokens=16_384, modes=("chunks", "sliding")) -> dict:
     """Scores every finished trial under ``root`` at ``lengths_of(variant)`` in ``modes``
-    (RoPE also with ``SCALINGS``); writes the table, JSON and one PNG per mode."""
+    (RoPE also with ``SCALINGS``), each position kind's seeds averaged; writes the table, JSON
+    and one PNG per mode."""
     from attnlab.evaluation import length
 
     root = pathlib.Path(root)
     lengths = lengths_of(variant)
-    results = {}
+    per_seed = {}
     for trial, config in finished_trials(root):
-        position = config["model"]["position"]
+        position, seed = config["model"]["position"], int(config["train"]["seed"])
         scalings = [None, *SCALINGS] if position == "rope" else [None]
         for scaling in scalings:
             name = position if scaling is None else f"rope+{scaling.split(':')[0]}"
-            results[name] = length.evaluate_lengths(
+            per_seed.setdefault(name, {})[seed] = length.evaluate_lengths(
                 length.from_workdir(trial, rope_scaling=scaling),
                 lengths,
                 modes=modes,
                 tokens=tokens,
                 progress=True,
             )
-    (root / "length_eval.json").write_text(json.dumps(results, indent=1))
+    results = {
+        name: length.mean_over_seeds([by_seed[s] for s in sorted(by_seed)])
+        for name, by_seed in per_seed.items()
+    }
+    saved = {"mean": results, "per_seed": per_seed}
+    (root / "length_eval.json").write_text(json.dumps(saved, indent=1))
     for mode in modes:
         length.plot_lengths(results, mode, root / f"length_eval_{mode}.png")
     (root / "length_table.md").write_text(length.markdown_table(results, modes))

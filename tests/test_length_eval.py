@@ -157,3 +157,29 @@ def test_given_text_replaces_the_validation_split(tiny_lm_run):
     text = run.decode(run.ids[:200])
     again = length.from_workdir(tiny_lm_run, text=text)
     np.testing.assert_array_equal(again.ids, run.ids[:200])
+
+
+def test_seeds_average_into_a_mean_with_its_t_interval_in_the_table_and_plot(tmp_path):
+    def result(losses):
+        rows = [{"mode": "chunks", "length": n, "loss": v, "tokens": 64}
+                for n, v in zip((16, 32), losses, strict=True)]  # fmt: skip
+        return {"name": "run", "train_len": 16, "results": rows}
+
+    seeds = [result([2.0, 2.5]), result([2.2, 2.9]), result([2.1, 2.6])]
+    mean = length.mean_over_seeds(seeds)
+    at_32 = np.array([2.5, 2.9, 2.6])
+    # Student's t at 97.5% with 2 degrees of freedom is 4.303.
+    half = 4.303 * at_32.std(ddof=1) / np.sqrt(3)
+    row = mean["results"][1]
+    np.testing.assert_allclose([row["loss"], row["loss_interval"]], [at_32.mean(), half])
+    np.testing.assert_allclose(row["perplexity"], np.exp(at_32.mean()))
+    assert row["loss_per_seed"] == [2.5, 2.9, 2.6] and mean["seeds"] == 3
+    assert (
+        f"| run | 2.100 ± {4.303 * 0.1 / np.sqrt(3):.3f} | {at_32.mean():.3f} ± {half:.3f} |"
+        in (length.markdown_table({"run": mean}, ("chunks",)))
+    )
+    assert length.plot_lengths({"run": mean}, "chunks", tmp_path / "p.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="different lengths"):
+        length.mean_over_seeds(
+            [seeds[0], result([1.0, 1.0]) | {"results": seeds[0]["results"][::-1]}]
+        )

@@ -355,7 +355,8 @@ def evaluate_lengths(
 
 
 def plot_lengths(runs: dict, mode: str, path, *, title=None):
-    """Loss against length (log2 axis), one line per entry of ``runs`` ({label: result})."""
+    """Loss against length (log2 axis), one line per entry of ``runs`` ({label: result});
+    rows with a ``loss_interval`` (a mean over seeds, ``mean_over_seeds``) get error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -366,7 +367,9 @@ def plot_lengths(runs: dict, mode: str, path, *, title=None):
     for label, result in runs.items():
         rows = [r for r in result["results"] if r["mode"] == mode]
         if rows:
-            ax.plot([r["length"] for r in rows], [r["loss"] for r in rows], "o-", label=label)
+            x, y = [r["length"] for r in rows], [r["loss"] for r in rows]
+            yerr = [r.get("loss_interval", 0.0) for r in rows]
+            ax.errorbar(x, y, yerr=yerr if any(yerr) else None, fmt="o-", capsize=2, label=label)
         if result.get("train_len"):
             train_lens.add(result["train_len"])
     for n in train_lens:
@@ -383,7 +386,8 @@ def plot_lengths(runs: dict, mode: str, path, *, title=None):
 
 
 def markdown_table(runs: dict, modes=MODES) -> str:
-    """Loss per run (rows) and length (columns), one table per mode."""
+    """Loss per run (rows) and length (columns), one table per mode; a mean over seeds
+    (``mean_over_seeds``) as ``mean ± 95% half-width``."""
     out = []
     for mode in modes:
         lengths = sorted(
@@ -394,8 +398,32 @@ def markdown_table(runs: dict, modes=MODES) -> str:
         out.append(f"{mode}\n\n| run | " + " | ".join(map(str, lengths)) + " |")
         out.append("|---|" + "---|" * len(lengths))
         for label, v in runs.items():
-            by = {r["length"]: r["loss"] for r in v["results"] if r["mode"] == mode}
-            cells = [f"{by[n]:.3f}" if n in by else "" for n in lengths]
+            by = {r["length"]: r for r in v["results"] if r["mode"] == mode}
+            cells = [_cell(by[n]) if n in by else "" for n in lengths]
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def _cell(row) -> str:
+    if "loss_interval" in row:
+        return f"{row['loss']:.3f} ± {row['loss_interval']:.3f}"
+    return f"{row['loss']:.3f}"
+
+
+def mean_over_seeds(results: list[dict]) -> dict:
+    """One ``evaluate_lengths`` result per seed -> the first's, each row's ``loss`` the mean
+    over seeds, with ``loss_interval`` (its 95% t-interval half-width), ``loss_per_seed``
+    and ``perplexity`` of the mean loss."""
+    from attnlab.experiment.harness import interval
+
+    rows = []
+    for i, row in enumerate(results[0]["results"]):
+        losses = [r["results"][i]["loss"] for r in results]
+        if any((r["results"][i]["mode"], r["results"][i]["length"])
+               != (row["mode"], row["length"]) for r in results):  # fmt: skip
+            raise ValueError("mean_over_seeds: the seeds were scored at different lengths")
+        mean, half, _ = interval(losses)
+        rows.append(row | {"loss": mean, "perplexity": math.exp(mean), "loss_interval": half,
+                           "loss_per_seed": losses})  # fmt: skip
+    return results[0] | {"results": rows, "seeds": len(results)}

@@ -3,14 +3,17 @@ steps on a few rows, logged at every step, evaluated on one batch and checkpoint
 (``tiny_run``), and the twin itself, the model shrunk and the data cut beside that run
 (``tiny_twin``); the schedule of a study read once at its end (``eval_at_end``); running a
 file's ``main`` as a script (``run_script``); and the pieces of a report: a sweep's finished
-trials (``finished_trials``), a report's command line (``report_main``), a table's mean ± std
-cell (``pm``) and a row of error-bar panels (``errorbar_panels``)."""
+trials (``finished_trials``), a report's command line (``report_main``), a mean and its 95%
+t-interval over seeds (``interval``), a table's mean ± std cell (``pm``) and a row of
+error-bar panels (``errorbar_panels``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
+import statistics
 import sys
 
 from attnlab.errors import AttnlabError
@@ -84,6 +87,22 @@ def report_main(report, doc: str, variants, text: str, argv=None, **options):
     root = args.pop("report")
     report(root, **args)
     print((pathlib.Path(root) / text).read_text())
+
+
+# Student's t at 97.5% by degrees of freedom (a 95% two-sided interval); 1.96 past 8.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
+
+
+def interval(values) -> tuple[float, float, int]:
+    """``(mean, 95% t-interval half-width, n)`` of ``values`` (half-width 0 for one value,
+    NaNs for none)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan, 0
+    mean = statistics.fmean(values)
+    if n == 1:
+        return mean, 0.0, 1
+    return mean, T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n), n
 
 
 def pm(mean_std) -> str:

@@ -24,7 +24,8 @@ import math
 import pathlib
 import statistics
 
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
+from attnlab.experiment.harness import interval
+
 ROWS = [
     ("swap + finetune", "linear", "swap_only_eval_loss"),
     ("+ attention transfer", "linear", "student_eval_loss"),
@@ -34,17 +35,6 @@ ROWS = [
     ("hybrid 1/4 softmax", "hybrid_quarter", "student_eval_loss"),
     ("teacher", "window", "teacher_eval_loss"),
 ]
-
-
-def interval(values) -> tuple[float, float, int]:
-    """``(mean, 95% half-width, n)`` (half-width 0 for one value)."""
-    n = len(values)
-    if n == 0:
-        return math.nan, math.nan, 0
-    mean = statistics.fmean(values)
-    if n == 1:
-        return mean, 0.0, 1
-    return mean, T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n), n
 
 
 def load(directory: pathlib.Path) -> dict:
