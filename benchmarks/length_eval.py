@@ -5,22 +5,25 @@ d_model 64, 4 heads, RoPE, a 96-symbol vocabulary) is scored at each ``--lengths
 ``--tokens`` tokens per length in ``chunks`` mode, and on RULER-style ``--tasks`` with
 ``--examples`` examples per task and length. Per length it prints the wall time (compilation
 included: each length is a new program), the compiled prefill step's temporaries and the KV
-cache's bytes (XLA's memory analysis; linear in the length), and the process's peak RSS so
-far. Prints JSON with the machine's load average.
+cache's bytes (XLA's memory analysis; linear in the length), the process's peak RSS so
+far, and the FLOP rate it reached: per scored token, twice the parameters of the layers
+(the embedding is a lookup) and the causal attention's 4 x d_model x layers x (length / 2)
+multiply-adds, against the machine's matmul rate measured in the same run
+(``benchmarks/machine.py``), the roofline of a program that is matmuls.
 
-    python benchmarks/length_eval.py [--lengths 1024,4096,16384] [--tokens 16384]
+    python benchmarks/length_eval.py [--lengths 1024,4096,16384] [--tokens 16384] [--out F]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import time
 
 import jax
 import jax.numpy as jnp
+import machine as bench_machine  # benchmarks/machine.py
 import numpy as np
 from flax import nnx
 
@@ -42,6 +45,7 @@ def main():
     p.add_argument("--tasks", default="niah_single,niah_multikey,vt,passkey")
     p.add_argument("--task-lengths", default="1024,4096,16384")
     p.add_argument("--examples", type=int, default=4)
+    p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = max(lengths + [int(x) for x in args.task_lengths.split(",")]) + 64
@@ -49,13 +53,16 @@ def main():
                       d_ff=192, max_len=longest, position="rope", norm="rmsnorm",
                       ffn="swiglu", attention_impl="chunked")  # fmt: skip
     state = nnx.state(build_model(cfg, seed=0))
+    embed = cfg.vocab_size * cfg.d_model  # the input embedding: a lookup, no FLOPs
+    matmul_params = sum(int(x.size) for x in jax.tree.leaves(state)) - embed
     ids = np.random.default_rng(0).integers(0, 256, args.tokens + max(lengths) + 1)
     tok = ByteTokenizer()
     scorable = length.Scorable("bench", cfg, state, ids, None, "", 128,
                                encode=lambda t: [int(i) for i in tok.encode(t)],
                                decode=tok.decode)  # fmt: skip
     graphdef, state = length.merged(cfg, state)
-    report = {"config": vars(args), "lengths": [], "tasks": []}
+    report = {"config": vars(args), "machine": bench_machine.describe(), "lengths": [],
+              "tasks": []}  # fmt: skip
     for n in lengths:
         B, C = max(1, min(args.tokens // n, 16_384 // n)), length.chunk_for(n, args.chunk)
         cache = init_cache(cfg, B, n)
@@ -66,10 +73,13 @@ def main():
         t0 = time.perf_counter()
         row = length.score_length(graphdef, state, cfg, ids, n, "chunks", tokens=args.tokens,
                                   chunk=args.chunk)  # fmt: skip
+        seconds = time.perf_counter() - t0
+        flops = row["tokens"] * (2 * matmul_params + 4 * cfg.d_model * cfg.n_layers * n / 2)
         report["lengths"].append({
             "length": n, "rows": B, "chunk": C, "tokens": row["tokens"],
-            "seconds": round(time.perf_counter() - t0, 2),
-            "tokens_per_s": round(row["tokens"] / (time.perf_counter() - t0)),
+            "seconds": round(seconds, 2),
+            "tokens_per_s": round(row["tokens"] / seconds),
+            "gflops": round(flops / seconds / 1e9, 2),
             "step_temp_mib": _mib(mem.temp_size_in_bytes),
             "cache_mib": _mib(sum(x.nbytes for x in jax.tree.leaves(cache))),
             "peak_rss_mib": _mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
@@ -84,9 +94,11 @@ def main():
             "peak_rss_mib": _mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         })  # fmt: skip
         print(json.dumps(report["tasks"][-1]), flush=True)
-    report["load"] = round(os.getloadavg()[0], 2)
     report["devices"] = str(jax.devices())
-    print(json.dumps(report, indent=1))
+    report["limits"] = limits = bench_machine.limits()
+    for row in report["lengths"]:
+        row["fraction_of_matmul_rate"] = round(row["gflops"] / limits["square_matmul_gflops"], 4)
+    bench_machine.emit(report, args.out)
 
 
 if __name__ == "__main__":
