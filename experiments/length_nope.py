@@ -48,6 +48,7 @@ NUM_SYMBOLS = 16
 # The per-task study: one task a model, at problem lengths up to PER_TASK_MAX.
 PER_TASK = ("copy", "reverse", "sort", "addition", "parity")
 PER_TASK_MAX = 10
+PER_TASK_SEEDS = (0, 1)
 
 
 def get_config(variant=None):
@@ -100,7 +101,7 @@ def sweep(variant=None):
     positions.append({"model.position": "sinusoidal", "model.embed_scale": True})
     n = _train_max(variant)
     tasks = [{"data.tasks": t, "data.seq_len": _per_task_seq_len(t, n)} for t in PER_TASK]
-    return product(positions, tasks)
+    return product(positions, tasks, grid({"train.seed": list(PER_TASK_SEEDS)}))
 
 
 def lengths_of(variant=None):
@@ -142,35 +143,73 @@ def score_run(workdir, lengths, rows=128, per_token=False) -> dict:
     return out
 
 
+def _mean_over_seeds(by_position) -> dict:
+    """``{position: {seed: {task: {length: v}}}}`` -> ``{position: {task: {length: mean}}}``
+    over the seeds that trained that task."""
+    out = {}
+    for position, by_seed in by_position.items():
+        tasks = {t for scores in by_seed.values() for t in scores}
+        out[position] = {}
+        for t in sorted(tasks, key=TASKS.index):
+            seeds = [scores[t] for scores in by_seed.values() if t in scores]
+            out[position][t] = {n: sum(s[n] for s in seeds) / len(seeds) for n in seeds[0]}
+    return out
+
+
+def reciprocal_ranks(results, train_max) -> dict:
+    """Kazemnejad et al.'s summary: per task, the position kinds ranked by their mean score
+    past ``train_max`` (ties share the better rank); ``{position: mean of 1 / rank}``."""
+    beyond = {
+        pos: {t: _mean([v for n, v in by_n.items() if n > train_max]) for t, by_n in tasks.items()}
+        for pos, tasks in results.items()
+    }
+    tasks = sorted({t for by_task in beyond.values() for t in by_task})
+    ranks = {pos: [] for pos in beyond}
+    for t in tasks:
+        scores = {pos: by_task[t] for pos, by_task in beyond.items() if t in by_task}
+        for pos, v in scores.items():
+            ranks[pos].append(1.0 / (1 + sum(w > v for w in scores.values())))
+    return {pos: _mean(r) for pos, r in ranks.items()}
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
 def _table(results, train_max) -> str:
     tasks = list(next(iter(results.values())))
+    mrr = reciprocal_ranks(results, train_max)
     head = " | ".join(f"{t} ≤{train_max} / >{train_max}" for t in tasks)
-    lines = [f"| position | {head} | mean >{train_max} |", "|---|" + "---|" * (len(tasks) + 1)]
+    lines = [f"| position | {head} | mean >{train_max} | MRR |"]
+    lines.append("|---|" + "---|" * (len(tasks) + 2))
     for pos, by_task in results.items():
         cells, beyond = [], []
         for t in tasks:
             inside = [v for n, v in by_task[t].items() if n <= train_max]
             out = [v for n, v in by_task[t].items() if n > train_max]
             beyond += out
-            cells.append(f"{sum(inside) / len(inside):.2f} / {sum(out) / len(out):.2f}")
-        lines.append(f"| {pos} | " + " | ".join(cells) + f" | {sum(beyond) / len(beyond):.3f} |")
+            cells.append(f"{_mean(inside):.2f} / {_mean(out):.2f}")
+        lines.append(f"| {pos} | " + " | ".join(cells) + f" | {_mean(beyond):.3f} | "
+                     f"{mrr[pos]:.2f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def report(root, *, variant=None, rows=128) -> dict:
-    """Scores every finished trial under ``root`` (exact match and per-token accuracy);
-    writes nope.json, nope.md (both tables) and nope.png / nope_tokens.png."""
+    """Scores every finished trial under ``root`` (exact match and per-token accuracy), each
+    cell the mean over the seeds trained; writes nope.json (the means, ``per_seed``), nope.md
+    (both tables) and nope.png / nope_tokens.png."""
     root = pathlib.Path(root)
     lengths = lengths_of(variant)
     train_max = _train_max(variant)
-    results = {"exact_match": {}, "token_accuracy": {}}
+    per_seed = {"exact_match": {}, "token_accuracy": {}}
     for trial, config in finished_trials(root):  # per_task: one task a trial, merged
         position = config["model"]["position"] + " x sqrt(d)" * config["model"]["embed_scale"]
-        results["exact_match"].setdefault(position, {}).update(score_run(trial, lengths, rows))
-        results["token_accuracy"].setdefault(position, {}).update(
-            score_run(trial, lengths, rows, per_token=True)
-        )
-    (root / "nope.json").write_text(json.dumps(results, indent=1))
+        seed = int(config["train"]["seed"])
+        for kind, per_token in (("exact_match", False), ("token_accuracy", True)):
+            by_seed = per_seed[kind].setdefault(position, {}).setdefault(seed, {})
+            by_seed.update(score_run(trial, lengths, rows, per_token=per_token))
+    results = {kind: _mean_over_seeds(by_position) for kind, by_position in per_seed.items()}
+    (root / "nope.json").write_text(json.dumps(results | {"per_seed": per_seed}, indent=1))
     text = "exact match\n\n" + _table(results["exact_match"], train_max)
     text += "\nper-token accuracy\n\n" + _table(results["token_accuracy"], train_max)
     (root / "nope.md").write_text(text)

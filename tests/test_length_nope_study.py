@@ -19,10 +19,11 @@ def test_every_position_kind_learns_every_task_alone_in_rows_that_fit(variant):
     plan = sweep.load_sweep(f"{EXPERIMENT}:{variant}")
     positions = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
     tasks = ("copy", "reverse", "sort", "addition", "parity")
-    pairs = [(t.cfg.model.position, t.cfg.data.tasks) for t in plan.trials]
-    assert sorted(pairs) == sorted((p, t) for p in (*positions, "sinusoidal") for t in tasks)
+    trials = [(t.cfg.model.position, t.cfg.data.tasks, t.cfg.train.seed) for t in plan.trials]
+    kinds = (*positions, "sinusoidal")  # the second sinusoidal row scales its token embeddings
+    assert sorted(trials) == sorted((p, t, s) for p in kinds for t in tasks for s in (0, 1))
     scaled = [t.cfg.data.tasks for t in plan.trials if t.cfg.model.embed_scale]
-    assert scaled == list(tasks)  # the second sinusoidal row scales its token embeddings
+    assert scaled == [t for t in tasks for _ in (0, 1)]
     train_max = 10 if variant == "per_task" else 4
     for trial in plan.trials:
         d = trial.cfg.data
@@ -43,30 +44,48 @@ def test_every_position_kind_learns_every_task_alone_in_rows_that_fit(variant):
         assert "".join(map(str, answer)) == str(total)[::-1]
 
 
-@pytest.mark.slow(reason="trains two tiny trials and scores them at four lengths")
-def test_the_report_puts_each_trials_task_under_its_position(tmp_path):
+def _study():
     import importlib.util
-
-    from attnlab import runs
 
     spec = importlib.util.spec_from_file_location("length_nope", EXPERIMENT)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
-    plan = sweep.load_sweep(f"{EXPERIMENT}:per_task_tiny", max_trials=2)
+    return study
+
+
+def test_reciprocal_ranks_rank_each_task_past_the_trained_lengths_and_ties_share():
+    results = {
+        "a": {"copy": {5: 0.0, 15: 1.0, 20: 1.0}, "sort": {5: 1.0, 15: 0.2}},
+        "b": {"copy": {5: 1.0, 15: 0.5, 20: 0.5}, "sort": {5: 0.0, 15: 0.2}},
+        "c": {"copy": {5: 1.0, 15: 0.0, 20: 0.1}, "sort": {5: 1.0, 15: 0.1}},
+    }
+    # copy past 10: a 1.0, b 0.5, c 0.05 -> ranks 1, 2, 3; sort: a = b = 0.2 -> 1, 1; c 3.
+    mrr = _study().reciprocal_ranks(results, 10)
+    np.testing.assert_allclose([mrr["a"], mrr["b"], mrr["c"]], [1.0, 0.75, 1 / 3])
+
+
+@pytest.mark.slow(reason="trains three tiny trials and scores them at four lengths")
+def test_the_report_puts_each_trials_task_under_its_position_and_averages_seeds(tmp_path):
+    from attnlab import runs
+
+    study = _study()
+    plan = sweep.load_sweep(f"{EXPERIMENT}:per_task_tiny", max_trials=3)
+    trials = [(t.cfg.model.position, t.cfg.data.tasks, t.cfg.train.seed) for t in plan.trials]
+    assert trials == [("learned", "copy", 0), ("learned", "copy", 1), ("learned", "reverse", 0)]
     for i, trial in enumerate(plan.trials):
-        workdir = tmp_path / f"trial{i}"
-        runs.train(trial.cfg, workdir, progress=False)
+        runs.train(trial.cfg, tmp_path / f"trial{i}", progress=False)
     results = study.report(tmp_path, variant="per_task_tiny", rows=16)
     saved = json.loads((tmp_path / "nope.json").read_text())
     lengths = study.lengths_of("per_task_tiny")
     for kind in ("exact_match", "token_accuracy"):
         assert list(saved[kind]) == ["learned"]
-        assert sorted(saved[kind]["learned"]) == ["copy", "reverse"]
-        for by_length in results[kind]["learned"].values():
-            assert sorted(by_length) == lengths
-            assert all(0.0 <= v <= 1.0 for v in by_length.values())
-    # Each cell is its own trial's score on its task (trial1 learned reverse).
-    want = study.score_run(tmp_path / "trial1", lengths, rows=16)["reverse"]
-    assert results["exact_match"]["learned"]["reverse"] == want
+        assert list(saved[kind]["learned"]) == ["copy", "reverse"]
+        assert sorted(saved["per_seed"][kind]["learned"]) == ["0", "1"]
+    # Each trial's own scores: copy is the mean of its two seeds, reverse its one trial's.
+    copy = [study.score_run(tmp_path / f"trial{i}", lengths, rows=16)["copy"] for i in (0, 1)]
+    reverse = study.score_run(tmp_path / "trial2", lengths, rows=16)["reverse"]
+    for n in lengths:
+        assert results["exact_match"]["learned"]["copy"][n] == (copy[0][n] + copy[1][n]) / 2
+        assert results["exact_match"]["learned"]["reverse"][n] == reverse[n]
+    assert "| learned |" in (tmp_path / "nope.md").read_text()
     assert (tmp_path / "nope.png").stat().st_size > 0
-    assert np.isfinite(list(want.values())).all()
