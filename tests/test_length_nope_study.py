@@ -45,12 +45,9 @@ def test_every_position_kind_learns_every_task_alone_in_rows_that_fit(variant):
 
 
 def _study():
-    import importlib.util
+    from attnlab.experiment import import_file
 
-    spec = importlib.util.spec_from_file_location("length_nope", EXPERIMENT)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    return study
+    return import_file(EXPERIMENT)
 
 
 def test_reciprocal_ranks_rank_each_task_past_the_trained_lengths_and_ties_share():
