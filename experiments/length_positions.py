@@ -18,11 +18,13 @@ are never trained); the other kinds hold nothing that depends on it. ``--report`
 ``DIR/length_eval.json`` (``mean`` and ``per_seed``) and ``DIR/length_eval_<mode>.png`` (one
 line per position kind, with error bars). docs/length.md has the figures.
 
-Measured on 2 shared CPU cores (load average 15-20): the sweep 22 min wall (4.0 min CPU
-time), the report with ``--tokens 8192`` 36 min wall (4.4 min CPU). Loss at 128 -> 2048
-tokens, non-overlapping windows: ALiBi 1.771 -> 1.769, NoPE 2.031 -> 2.105, T5 bias 1.951
--> 2.129, learned 2.074 -> 2.327, sinusoidal 2.503 -> 3.145, RoPE 1.618 -> 3.072, RoPE with
-YaRN x16 1.983 -> 2.821, with Position Interpolation x16 3.192 -> 3.451.
+Measured on the 2 CPU cores, shared with other training: the sweep (three seeds of each kind)
+17 min wall (9.2 min CPU), the report with ``--tokens 8192`` 10 min wall (5.3 min CPU). Loss
+at 128 -> 2048 tokens, non-overlapping windows, mean over the seeds ± 95% half-width: ALiBi
+1.754 ± 0.099 -> 1.748 ± 0.102 (flat in each seed), NoPE 2.025 -> 2.112, T5 bias 1.944 ->
+2.135, learned 2.027 -> 2.353, sinusoidal 2.480 -> 3.107, RoPE 1.618 -> 2.682 ± 0.871 (rising
+in each seed), RoPE with YaRN x16 1.950 -> 2.560, with Position Interpolation x16 2.843 ->
+2.957.
 """
 
 from __future__ import annotations
