@@ -57,8 +57,15 @@ def test_reciprocal_ranks_rank_each_task_past_the_trained_lengths_and_ties_share
         "c": {"copy": {5: 1.0, 15: 0.0, 20: 0.1}, "sort": {5: 1.0, 15: 0.1}},
     }
     # copy past 10: a 1.0, b 0.5, c 0.05 -> ranks 1, 2, 3; sort: a = b = 0.2 -> 1, 1; c 3.
-    mrr = _study().reciprocal_ranks(results, 10)
+    study = _study()
+    mrr = study.reciprocal_ranks(results, 10)
     np.testing.assert_allclose([mrr["a"], mrr["b"], mrr["c"]], [1.0, 0.75, 1 / 3])
+    # Over copy alone: a 1, b 1/2, c 1/3. Solved at the trained lengths (some kind's mean at
+    # <= 10 is 0.9 or more): copy (b and c score 1.0 at 5) and sort (a and c).
+    np.testing.assert_allclose(list(study.reciprocal_ranks(results, 10, ["copy"]).values()),
+                               [1.0, 0.5, 1 / 3])  # fmt: skip
+    assert study.solved_tasks(results, 10) == ["copy", "sort"]
+    assert study.solved_tasks(results, 10, at=1.01) == []
 
 
 @pytest.mark.slow(reason="trains three tiny trials and scores them at four lengths")
