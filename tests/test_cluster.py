@@ -11,6 +11,7 @@ same run trained without interruption in one process on one CPU device.
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -305,10 +306,19 @@ def test_four_processes_stop_in_one_line_when_one_is_killed_and_resume_on_two(re
         for p in four:
             p.kill()
     assert took < 60, took
-    for i in (0, 1, 3):
-        assert four[i].returncode == 1
-        err = [ln for ln in outs[i][1].splitlines() if "stopped answering" in ln]
-        assert len(err) == 1 and "process 2 of 4 stopped answering" in err[0], outs[i][1][-2000:]
+    report = "\n".join(f"process {i}: exit {p.returncode}, stderr ends:\n{outs[i][1][-1500:]}"
+                       for i, p in enumerate(four))  # fmt: skip
+    lines = {i: [ln for ln in outs[i][1].splitlines() if "stopped answering" in ln]
+             for i in (0, 1, 3)}  # fmt: skip
+    # A survivor may go silent too (a collective's peer of the killed process, ending with
+    # it): it may be named beside process 2, and only if it printed no line of its own.
+    silent = {i for i, found in lines.items() if not found}
+    assert len(silent) <= 1, report
+    for i in set(lines) - silent:
+        assert four[i].returncode == 1 and len(lines[i]) == 1, report
+        named = re.search(r"process(?:es)? ([\d, ]+) of 4 stopped answering", lines[i][0])
+        who = {int(n) for n in named.group(1).split(", ")}
+        assert 2 in who and who - {2} <= silent, report
         assert "Check failure stack trace" not in outs[i][1]
     saved = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
     assert 0 < saved < 120
