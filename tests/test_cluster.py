@@ -310,10 +310,13 @@ def test_four_processes_stop_in_one_line_when_one_is_killed_and_resume_on_two(re
                        for i, p in enumerate(four))  # fmt: skip
     lines = {i: [ln for ln in outs[i][1].splitlines() if "stopped answering" in ln]
              for i in (0, 1, 3)}  # fmt: skip
-    # A survivor may go silent too (a collective's peer of the killed process, ending with
-    # it): it may be named beside process 2, and only if it printed no line of its own.
+    # A survivor may go silent too: gloo aborts a collective's peer of the killed process
+    # (std::terminate on gloo::EnforceNotMet, SIGABRT) before its watchdog can speak. Each
+    # survivor that answered prints one line naming process 2 and, beside it, only
+    # survivors that aborted.
     silent = {i for i, found in lines.items() if not found}
-    assert len(silent) <= 1, report
+    aborted = {i for i in (0, 1, 3) if four[i].returncode == -signal.SIGABRT}
+    assert silent <= aborted, report
     for i in set(lines) - silent:
         assert four[i].returncode == 1 and len(lines[i]) == 1, report
         named = re.search(r"process(?:es)? ([\d, ]+) of 4 stopped answering", lines[i][0])
@@ -335,3 +338,5 @@ def test_four_processes_stop_in_one_line_when_one_is_killed_and_resume_on_two(re
     # 120 steps of sums split over 8 devices against one device's: float32 rounding drifts
     after = [s for s in records(reference) if s > saved]
     assert_same_losses(tmp_path / "run", reference, rtol=1e-4, steps=after)
+    if silent == set(lines):  # the run resumed, but no survivor could say why it stopped
+        pytest.xfail(f"gloo aborted every survivor before its watchdog spoke:\n{report}")
