@@ -117,9 +117,10 @@ def lengths_of(variant=None):
     return list(range(step, 2 * n + 1, step))
 
 
-def score_run(workdir, lengths, rows=128, per_token=False) -> dict:
-    """``{task: {length: exact match}}`` of the run in ``workdir`` (``per_token``: the
-    fraction of answer tokens right)."""
+def score_run(workdir, lengths, rows=128) -> dict:
+    """``{"exact_match": {task: {length: v}}, "token_accuracy": ...}`` of the run in
+    ``workdir``, loaded and compiled once: the fraction of rows whose answer is all right, and
+    of answer tokens right."""
     import jax
     import jax.numpy as jnp
 
@@ -128,24 +129,25 @@ def score_run(workdir, lengths, rows=128, per_token=False) -> dict:
     run = runs.load_run(workdir)
     d, mcfg = run.config.data, run.trainer.mcfg
     fn = jax.jit(lambda p, x: jnp.argmax(run.trainer.model(p)(x).logits, -1))
-    out = {}
+    out = {"exact_match": {}, "token_accuracy": {}}
     for task in str(d.tasks).split(","):
         seq_len = max(length_tasks.row_len(task, max(lengths)) - 1, int(d.seq_len))
         if seq_len > mcfg.max_len:
             raise ValueError(f"{task} at {max(lengths)} needs max_len {seq_len}")
-        out[task] = {
-            n: length_tasks.teacher_forced_accuracy(
-                lambda x: fn(run.params, x),
-                task,
-                n,
-                rows=rows,
-                seq_len=seq_len,
-                num_symbols=int(d.num_symbols),
-                per_token=per_token,
-                reverse_sum=bool(d.get("reverse_sum", False)),
-            )
-            for n in lengths
-        }
+        for kind, per_token in (("exact_match", False), ("token_accuracy", True)):
+            out[kind][task] = {
+                n: length_tasks.teacher_forced_accuracy(
+                    lambda x: fn(run.params, x),
+                    task,
+                    n,
+                    rows=rows,
+                    seq_len=seq_len,
+                    num_symbols=int(d.num_symbols),
+                    per_token=per_token,
+                    reverse_sum=bool(d.get("reverse_sum", False)),
+                )
+                for n in lengths
+            }
     return out
 
 
@@ -233,9 +235,8 @@ def report(root, *, variant=None, rows=128) -> dict:
     for trial, config in finished_trials(root):  # per_task: one task a trial, merged
         position = config["model"]["position"] + " x sqrt(d)" * config["model"]["embed_scale"]
         seed = int(config["train"]["seed"])
-        for kind, per_token in (("exact_match", False), ("token_accuracy", True)):
-            by_seed = per_seed[kind].setdefault(position, {}).setdefault(seed, {})
-            by_seed.update(score_run(trial, lengths, rows, per_token=per_token))
+        for kind, scores in score_run(trial, lengths, rows).items():
+            per_seed[kind].setdefault(position, {}).setdefault(seed, {}).update(scores)
     for kind, by_position in per_seed.items():  # rows in POSITIONS' order
         per_seed[kind] = {p: by_position[p] for p in sorted(by_position, key=_row_order)}
     results = {kind: _mean_over_seeds(by_position) for kind, by_position in per_seed.items()}

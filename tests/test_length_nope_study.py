@@ -86,8 +86,9 @@ def test_the_report_puts_each_trials_task_under_its_position_and_averages_seeds(
         assert list(saved[kind]["learned"]) == ["copy", "reverse"]
         assert sorted(saved["per_seed"][kind]["learned"]) == ["0", "1"]
     # Each trial's own scores: copy is the mean of its two seeds, reverse its one trial's.
-    copy = [study.score_run(tmp_path / f"trial{i}", lengths, rows=16)["copy"] for i in (0, 1)]
-    reverse = study.score_run(tmp_path / "trial2", lengths, rows=16)["reverse"]
+    scores = [study.score_run(tmp_path / f"trial{i}", lengths, rows=16) for i in (0, 1, 2)]
+    copy = [scores[i]["exact_match"]["copy"] for i in (0, 1)]
+    reverse = scores[2]["exact_match"]["reverse"]
     for n in lengths:
         assert results["exact_match"]["learned"]["copy"][n] == (copy[0][n] + copy[1][n]) / 2
         assert results["exact_match"]["learned"]["reverse"][n] == reverse[n]
